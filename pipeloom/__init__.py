@@ -1,0 +1,7 @@
+"""pipeloom: an event-driven pipeline-parallel training runtime for PyTorch."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__"]

@@ -1,0 +1,39 @@
+"""pipeloom.schedules: the action IR, schedule generators, lowering, validation, simulation.
+
+Pure Python (stdlib only): nothing here knows about processes or tensors.
+"""
+
+from __future__ import annotations
+
+from .action import COMM_TYPES, COMPUTE_TYPES, Action, ActionParseError, ActionType, parse_action
+from .schedule import (
+    Schedule,
+    ScheduleError,
+    dump_csv,
+    dumps_csv,
+    format_grid,
+    infer_stage_to_rank,
+    load_csv,
+    loads_csv,
+    loop_mapping,
+    v_mapping,
+)
+
+__all__ = [
+    "Action",
+    "ActionParseError",
+    "ActionType",
+    "COMM_TYPES",
+    "COMPUTE_TYPES",
+    "Schedule",
+    "ScheduleError",
+    "dump_csv",
+    "dumps_csv",
+    "format_grid",
+    "infer_stage_to_rank",
+    "load_csv",
+    "loads_csv",
+    "loop_mapping",
+    "parse_action",
+    "v_mapping",
+]
