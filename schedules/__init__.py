@@ -6,6 +6,14 @@ Pure Python (stdlib only): nothing here knows about processes or tensors.
 from __future__ import annotations
 
 from .action import COMM_TYPES, COMPUTE_TYPES, Action, ActionParseError, ActionType, parse_action
+from .generators import (
+    SCHEDULE_NAMES,
+    ScheduleConfigError,
+    canonical_name,
+    default_stages_per_rank,
+    generate,
+    placement_style,
+)
 from .schedule import (
     Schedule,
     ScheduleError,
@@ -25,15 +33,21 @@ __all__ = [
     "ActionType",
     "COMM_TYPES",
     "COMPUTE_TYPES",
+    "SCHEDULE_NAMES",
     "Schedule",
+    "ScheduleConfigError",
     "ScheduleError",
+    "canonical_name",
+    "default_stages_per_rank",
     "dump_csv",
     "dumps_csv",
     "format_grid",
+    "generate",
     "infer_stage_to_rank",
     "load_csv",
     "loads_csv",
     "loop_mapping",
     "parse_action",
+    "placement_style",
     "v_mapping",
 ]
