@@ -1,7 +1,37 @@
-"""pipeloom: an event-driven pipeline-parallel training runtime for PyTorch."""
+"""pipeloom: an event-driven pipeline-parallel training runtime for PyTorch.
+
+The public surface: ``Pipeline`` (build a rank's stages and run steps),
+``Microbatches`` (pre-cut inputs of varying shapes), the model-splitting
+helpers and the error types.  Schedules live in ``pipeloom.schedules``.
+
+The runtime names are imported lazily so that ``pipeloom.schedules`` and the
+``pipeloom schedule`` command stay torch-free and start instantly.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+_RUNTIME_NAMES = (
+    "Microbatches",
+    "PeerLostError",
+    "Pipeline",
+    "PipelineConfigError",
+    "PipelineError",
+    "RemoteRankError",
+    "StageError",
+    "split_by_fqn",
+    "stage_fn_from_pipe",
+)
+
+__all__ = [*_RUNTIME_NAMES, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RUNTIME_NAMES:
+        from . import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'pipeloom' has no attribute {name!r}")

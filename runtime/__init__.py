@@ -1,0 +1,20 @@
+"""pipeloom.runtime: the per-rank actor loop and the public ``Pipeline`` API."""
+
+from __future__ import annotations
+
+from .actor import ActorStatistics, RankActor
+from .errors import PeerLostError, PipelineConfigError, PipelineError, RemoteRankError, StageError
+from .pipeline import Microbatches, Pipeline, split_microbatches
+
+__all__ = [
+    "ActorStatistics",
+    "Microbatches",
+    "PeerLostError",
+    "Pipeline",
+    "PipelineConfigError",
+    "PipelineError",
+    "RankActor",
+    "RemoteRankError",
+    "StageError",
+    "split_microbatches",
+]

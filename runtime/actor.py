@@ -1,0 +1,354 @@
+"""The rank actor: one asyncio loop that runs a rank's actions as their inputs arrive.
+
+Why an actor and not a list walker.  torch's pipelining runtime walks each
+rank's action list in order and blocks on every receive, so one late
+activation stalls everything behind it even when a weight-gradient (W) or
+another microbatch's backward could run.  Here the list is a *priority order*:
+the dispatcher runs the highest-priority action whose dependencies are met,
+and sleeps only when nothing is ready.  Arrivals (a receive completing on a
+waiter thread, a control message) wake it.
+
+Invariants:
+- Pairing order of point-to-point transfers is decided by the sender alone
+  (see ``pipeloom.transport.tensor``); dispatch order never affects it.
+- Memory: a forward may run early only while the rank holds fewer live
+  microbatches than the static order's peak, so dynamic dispatch never uses
+  more activation memory than the schedule promises.
+- ``deterministic=True`` runs exactly the list order (for debugging and
+  bit-exact comparison with torch).
+- Failures: an exception in an action is wrapped with rank, step, stage,
+  microbatch and action, broadcast to every peer as an ``abort`` message, and
+  raised; a peer's abort is raised here as :class:`RemoteRankError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..schedules import Action, ActionType, Schedule
+from ..transport.control import ControlPlane
+from ..transport.tensor import TensorPlane, TransferSpec
+from .errors import PeerLostError, PipelineError, RemoteRankError, StageError
+from .stage import StageExecutor
+
+__all__ = ["RankActor", "StepInputs", "ActorStatistics"]
+
+log = logging.getLogger("pipeloom.actor")
+
+_F, _B, _I, _W, _OVL = ActionType.F, ActionType.B, ActionType.I, ActionType.W, ActionType.OVERLAP_F_B
+
+
+@dataclass
+class StepInputs:
+    """One step's microbatches, as every rank receives them."""
+
+    args: list[tuple[Any, ...]]
+    kwargs: list[dict[str, Any]]
+    targets: list[Any] | None
+
+
+@dataclass(frozen=True)
+class ActorStatistics:
+    """What the last step did (for tests, traces and benchmarks)."""
+
+    actions_run: int
+    out_of_order: int  #: actions run before an earlier-listed action
+    idle_waits: int  #: times the dispatcher slept with nothing ready
+    idle_seconds: float
+    peak_live_microbatches: int
+
+
+def _static_peak(actions: Sequence[Action]) -> int:
+    """Peak live microbatches (forward done, B or W not yet) if the list ran in order."""
+    live = peak = 0
+    for a in actions:
+        for leaf in a.leaves():
+            if leaf.type is _F:
+                live += 1
+                peak = max(peak, live)
+            elif leaf.type is _B or leaf.type is _W:
+                live -= 1
+    return max(peak, 1)
+
+
+class RankActor:
+    """Runs one rank's share of every step."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        schedule: Schedule,
+        stages: dict[int, StageExecutor],
+        tensor_plane: TensorPlane,
+        control: ControlPlane,
+        device: torch.device,
+        deterministic: bool = False,
+    ) -> None:
+        self.rank = rank
+        self.schedule = schedule
+        self.stages = stages
+        self.tensors = tensor_plane
+        self.control = control
+        self.device = device
+        self.deterministic = deterministic
+        self.stage_to_rank = schedule.stage_to_rank
+        self.last_stage = schedule.num_stages - 1
+        # Only compute drives execution; sends and receives are derived from
+        # it (they happen when producers finish and announcements arrive), and
+        # UNSHARD/RESHARD/REDUCE_GRAD are no-ops without data parallelism.
+        self.train_actions = [a for a in schedule.actions[rank] if a.is_compute]
+        self.eval_actions = self._forward_only(self.train_actions)
+        self.memory_limit = _static_peak(self.train_actions)
+        self.step_index = 0
+        self._inbox: dict[tuple[int, str, int, int], list[torch.Tensor | None]] = {}
+        self._wake = asyncio.Event()
+        self._remote_error: PipelineError | None = None
+        self._local_failure: BaseException | None = None
+        self._started = False
+        self._fwd_done: set[tuple[int, int]] = set()
+        self._i_done: set[tuple[int, int]] = set()
+        self.statistics: ActorStatistics | None = None
+
+    @staticmethod
+    def _forward_only(actions: Sequence[Action]) -> list[Action]:
+        return [leaf for a in actions for leaf in a.leaves() if leaf.type is _F]
+
+    # ------------------------------------------------------------ messages
+    def start(self) -> None:
+        if self._started:
+            return
+        self._wake = asyncio.Event()
+        self.control.start(self._on_message)
+        self._started = True
+
+    def _on_message(self, msg: dict[str, Any]) -> None:
+        kind = msg["type"]
+        src = msg["src"]
+        if kind == "xfer":
+            try:
+                self.tensors.check_recv_seq(src, msg["seq"])
+                spec = TransferSpec.from_wire(msg["tensors"])
+            except (RuntimeError, ValueError) as exc:
+                self._fail_remote(PeerLostError(str(exc), rank=self.rank, peer=src))
+                return
+            key = (msg["step"], msg["kind"], msg["stage"], msg["mb"])
+
+            def arrived(buffers: list[torch.Tensor | None], err: BaseException | None, key: tuple[int, str, int, int] = key) -> None:
+                if err is not None:
+                    self._fail_remote(
+                        PeerLostError(
+                            f"receiving {key[1]} of stage {key[2]} microbatch {key[3]} (step {key[0]}) failed: {err}",
+                            rank=self.rank,
+                            peer=src,
+                        )
+                    )
+                    return
+                if key[1] == "F":
+                    for b, s in zip(buffers, spec.tensors):
+                        if b is not None and s is not None and s[2]:
+                            b.requires_grad_(True)
+                self._inbox[key] = buffers
+                self._wake.set()
+
+            self.tensors.recv(src, spec, arrived)
+        elif kind == "abort":
+            self._fail_remote(
+                RemoteRankError(
+                    rank=self.rank,
+                    failed_rank=src,
+                    step=msg["step"],
+                    stage=msg["stage"],
+                    microbatch=msg["mb"],
+                    action=msg["action"],
+                    error=msg["error"],
+                    remote_traceback=msg["traceback"],
+                )
+            )
+
+    def _fail_remote(self, err: PipelineError) -> None:
+        if self._remote_error is None:
+            self._remote_error = err
+        self._wake.set()
+
+    # ------------------------------------------------------------ readiness
+    def _ready(self, a: Action, step: int, live: int, train: bool) -> bool:
+        t = a.type
+        if t is _F:
+            if train and live >= self.memory_limit:
+                return False
+            return a.stage == 0 or (step, "F", a.stage, a.microbatch) in self._inbox
+        if t is _B or t is _I:
+            if (a.stage, a.microbatch) not in self._fwd_done:
+                return False
+            return a.stage == self.last_stage or (step, "B", a.stage, a.microbatch) in self._inbox
+        if t is _W:
+            return (a.stage, a.microbatch) in self._i_done
+        if t is _OVL:
+            f, b = a.sub_actions
+            return self._ready(f, step, live, train) and self._ready(b, step, live, train)
+        return True
+
+    # ------------------------------------------------------------ execution
+    def _emit(self, step: int, kind: str, to_stage: int, mb: int, tensors: Sequence[torch.Tensor | None]) -> None:
+        """Hand a payload to stage ``to_stage``: locally, or announced and sent."""
+        dst = self.stage_to_rank[to_stage]
+        if dst == self.rank:
+            if kind == "F":
+                local = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in tensors]
+            else:
+                local = list(tensors)
+            self._inbox[(step, kind, to_stage, mb)] = local
+            return
+        spec = TransferSpec.of(tensors)
+        seq = self.tensors.next_send_seq(dst)
+        self.control.send(dst, "xfer", seq=seq, step=step, stage=to_stage, mb=mb, kind=kind, tensors=spec.to_wire())
+        self.tensors.send(dst, tensors)
+
+    def _run(self, a: Action, step: int, inputs: StepInputs, train: bool, results: dict[int, Any], losses: dict[int, torch.Tensor]) -> None:
+        t = a.type
+        if t is _OVL:
+            for leaf in a.sub_actions:
+                self._run(leaf, step, inputs, train, results, losses)
+            return
+        stage = self.stages[a.stage]
+        mb = a.microbatch
+        assert mb is not None
+        if t is _F:
+            if a.stage == 0:
+                args = inputs.args[mb]
+            else:
+                args = tuple(self._inbox.pop((step, "F", a.stage, mb)))
+            target = inputs.targets[mb] if (inputs.targets is not None and a.stage == self.last_stage) else None
+            outputs, raw, loss = stage.forward(mb, args, inputs.kwargs[mb], target, train=train)
+            if a.stage == self.last_stage:
+                results[mb] = raw.detach() if isinstance(raw, torch.Tensor) else raw
+                if loss is not None:
+                    losses[mb] = loss.detach()
+            else:
+                self._emit(step, "F", a.stage + 1, mb, outputs)
+            if train:
+                self._fwd_done.add((a.stage, mb))
+            return
+        if t is _B or t is _I:
+            grads = None if a.stage == self.last_stage else self._inbox.pop((step, "B", a.stage, mb))
+            if t is _B:
+                in_grads = stage.backward(mb, grads)
+            else:
+                in_grads = stage.backward_input(mb, grads)
+                self._i_done.add((a.stage, mb))
+            if a.stage > 0:
+                self._emit(step, "B", a.stage - 1, mb, in_grads)
+            return
+        if t is _W:
+            stage.backward_weight(mb)
+            return
+        raise AssertionError(f"unexpected action {a}")
+
+    async def run_step(self, inputs: StepInputs, *, train: bool = True) -> tuple[dict[int, Any], dict[int, torch.Tensor]]:
+        """Run this rank's actions for one step; return (outputs, losses) by microbatch."""
+        self.start()
+        step = self.step_index
+        self.step_index += 1
+        if self._remote_error is not None:
+            raise self._remote_error
+        pending = list(self.train_actions if train else self.eval_actions)
+        self._fwd_done = set()
+        self._i_done = set()
+        results: dict[int, Any] = {}
+        losses: dict[int, torch.Tensor] = {}
+        live = 0
+        peak = 0
+        ran = out_of_order = waits = 0
+        idle = 0.0
+        wake = self._wake
+        deterministic = self.deterministic
+        while pending:
+            if self._remote_error is not None:
+                raise self._annotate_wait(self._remote_error, pending, step)
+            pick = -1
+            seen_forward = False
+            for i, a in enumerate(pending):
+                # Forwards run in list order among themselves (only the first
+                # pending one is eligible): with the live-microbatch cap, a
+                # forward taken early could use up the memory that an earlier
+                # listed forward needs to unblock the pipeline.
+                is_fwd = a.type is _F or a.type is _OVL
+                if not (is_fwd and seen_forward) and self._ready(a, step, live, train):
+                    pick = i
+                    break
+                if deterministic:
+                    break
+                seen_forward = seen_forward or is_fwd
+            if pick < 0:
+                waits += 1
+                wake.clear()
+                t0 = time.perf_counter()
+                await wake.wait()
+                idle += time.perf_counter() - t0
+                continue
+            a = pending.pop(pick)
+            if pick:
+                out_of_order += 1
+            try:
+                self._run(a, step, inputs, train, results, losses)
+            except PipelineError:
+                raise
+            except Exception as exc:
+                raise self._abort(exc, a, step) from exc
+            ran += 1
+            if train:
+                for leaf in a.leaves():
+                    if leaf.type is _F:
+                        live += 1
+                    elif leaf.type is _B or leaf.type is _W:
+                        live -= 1
+                peak = max(peak, live)
+            # Let the loop deliver arrivals (control messages, completions)
+            # that came in while this action ran, before choosing the next.
+            await asyncio.sleep(0)
+        if self.tensors.pending_sends:
+            await asyncio.to_thread(self.tensors.drain_sends)
+        self.statistics = ActorStatistics(ran, out_of_order, waits, idle, peak)
+        return results, losses
+
+    def _annotate_wait(self, err: PipelineError, pending: list[Action], step: int) -> PipelineError:
+        if isinstance(err, PeerLostError):
+            waiting = ", ".join(str(a) for a in pending[:4])
+            err.args = (f"{err.args[0]} (step {step}; this rank still had to run: {waiting}{'...' if len(pending) > 4 else ''})",)
+        return err
+
+    def _abort(self, exc: BaseException, a: Action, step: int) -> StageError:
+        leaf = a.leaves()[0]
+        tb = "".join(traceback.format_exception(exc))
+        err = StageError(
+            f"{type(exc).__name__}: {exc}",
+            rank=self.rank,
+            step=step,
+            stage=None if a.type is _OVL else leaf.stage,
+            microbatch=None if a.type is _OVL else leaf.microbatch,
+            action=str(a),
+        )
+        err.remote_traceback = tb  # type: ignore[attr-defined]
+        try:
+            self.control.broadcast(
+                "abort",
+                step=step,
+                stage=err.stage,
+                mb=err.microbatch,
+                action=str(a),
+                error=f"{type(exc).__name__}: {exc}"[:60000],
+                traceback=tb[-60000:],
+            )
+        except Exception:  # the abort is best effort; the local error is what matters
+            log.exception("rank %d: could not broadcast the abort", self.rank)
+        self._local_failure = err
+        return err

@@ -1,0 +1,294 @@
+"""The public ``Pipeline``: build a rank's stages, split batches, run steps.
+
+Every rank constructs the same ``Pipeline`` with the same arguments and calls
+``step`` with the same batch; each rank keeps the stages the schedule places
+on it and ignores inputs it does not need.  The process group is initialised
+from the environment that ``pipeloom launch`` and ``torchrun`` both set
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) if the script has not
+done it: gloo on CPU, NCCL (with ``device_id``, so communicators are created
+eagerly) on GPU.
+
+Microbatches are cut with ``torch.tensor_split`` along dim 0, as torch's
+pipelining does, so 66 rows in 4 microbatches give 17, 17, 16, 16.  Nothing
+about shapes is fixed at construction: each transfer announces its own, so
+there is no shape-inference pass and no stale receive buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..schedules import Schedule, ScheduleError, load_csv
+from ..transport.control import ControlPlane, choose_bind_host
+from ..transport.tensor import TensorPlane
+from .actor import ActorStatistics, RankActor, StepInputs
+from .errors import PipelineConfigError
+from .stage import StageExecutor
+
+__all__ = ["Pipeline", "Microbatches", "split_microbatches"]
+
+
+class Microbatches(list):  # type: ignore[type-arg]
+    """Values already cut into microbatches, one per microbatch, each with its own shape.
+
+    Pass one in place of a batch tensor (``pipe.step(Microbatches(chunks))``)
+    when microbatches cannot share a shape, e.g. sequences of different
+    lengths: nothing is padded, each transfer announces its own shape.
+    """
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.new_event_loop()
+
+
+def _split_value(value: Any, n: int, what: str) -> list[Any]:
+    if isinstance(value, Microbatches):
+        if len(value) != n:
+            raise PipelineConfigError(f"{what} holds {len(value)} microbatches, expected num_microbatches={n}")
+        return list(value)
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            return [value] * n
+        if value.shape[0] < n:
+            raise PipelineConfigError(
+                f"{what} has {value.shape[0]} rows along dim 0, fewer than the {n} microbatches; "
+                "every microbatch needs at least one row"
+            )
+        return list(torch.tensor_split(value, n, dim=0))
+    return [value] * n  # non-tensors reach every microbatch unchanged
+
+
+def split_microbatches(
+    args: tuple[Any, ...], kwargs: Mapping[str, Any], target: Any, n: int
+) -> StepInputs:
+    """Cut a batch into ``n`` microbatches along dim 0 (tensors); other values are shared."""
+    arg_chunks = [_split_value(a, n, f"positional input {i}") for i, a in enumerate(args)]
+    kw_chunks = {k: _split_value(v, n, f"keyword input {k!r}") for k, v in kwargs.items()}
+    targets = None if target is None else _split_value(target, n, "target")
+    return StepInputs(
+        args=[tuple(c[m] for c in arg_chunks) for m in range(n)],
+        kwargs=[{k: c[m] for k, c in kw_chunks.items()} for m in range(n)],
+        targets=targets,
+    )
+
+
+def _merge(outputs: list[Any]) -> Any:
+    if all(isinstance(o, torch.Tensor) for o in outputs):
+        return torch.cat(outputs, dim=0) if outputs and outputs[0].dim() > 0 else torch.stack(outputs)
+    if all(isinstance(o, (tuple, list)) for o in outputs):
+        return type(outputs[0])(_merge(list(parts)) for parts in zip(*outputs))
+    return outputs
+
+
+def _init_process_group() -> bool:
+    """Initialise torch.distributed from the environment if needed; True if we did."""
+    if dist.is_initialized():
+        return False
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise PipelineConfigError(
+            f"torch.distributed is not initialised and {', '.join(missing)} are not set; "
+            "start the script with `pipeloom launch` or `torchrun`, or call init_process_group first"
+        )
+    backend = os.environ.get("PIPELOOM_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    else:
+        dist.init_process_group(backend)
+    return True
+
+
+class Pipeline:
+    """A pipeline-parallel model, this rank's share of it, and its schedule.
+
+    Args:
+        stage_fn: ``stage_fn(stage_index) -> nn.Module``, called for each stage this rank owns.
+        schedule: a schedule name (``"1F1B"``, ``"ZBVZeroBubble"``...), a CSV path, or a ``Schedule``.
+        num_microbatches: microbatches per step.
+        loss_fn: ``loss_fn(output, target) -> scalar`` computed on the last stage.
+        stages_per_rank: stages per rank; default per schedule (1, or 2 for interleaved and V).
+        scale_grads: divide gradients by the number of microbatches (as torch does by default).
+        deterministic: run each rank's list in exact order (debugging, bit-exact comparisons).
+    """
+
+    def __init__(
+        self,
+        stage_fn: Callable[[int], nn.Module],
+        schedule: str | os.PathLike[str] | Schedule = "1F1B",
+        num_microbatches: int = 8,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        stages_per_rank: int | None = None,
+        *,
+        scale_grads: bool = True,
+        deterministic: bool = False,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self._owns_group = _init_process_group()
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.num_microbatches = num_microbatches
+        self.loss_fn = loss_fn
+        self.schedule = self._build_schedule(schedule, num_microbatches, stages_per_rank)
+        backend = dist.get_backend()
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.device = torch.device(device)
+
+        grad_scale = 1.0 / num_microbatches if scale_grads else 1.0
+        last = self.schedule.num_stages - 1
+        self._executors: dict[int, StageExecutor] = {}
+        for s in self.schedule.stages_of(self.rank):
+            module = stage_fn(s)
+            if not isinstance(module, nn.Module):
+                raise PipelineConfigError(f"rank {self.rank}: stage_fn({s}) returned {type(module).__name__}, not an nn.Module")
+            module.to(self.device)
+            self._executors[s] = StageExecutor(s, module, is_first=s == 0, is_last=s == last, loss_fn=loss_fn, grad_scale=grad_scale)
+
+        # Control plane: one endpoint per rank, exchanged over the job's group.
+        self._control = ControlPlane(self.rank, self.world_size, host=choose_bind_host(os.environ.get("MASTER_ADDR")))
+        endpoints: list[Any] = [None] * self.world_size
+        obj_group = dist.new_group(backend="gloo") if backend == "nccl" else None
+        dist.all_gather_object(endpoints, self._control.endpoint, group=obj_group)
+        self._control.connect([str(e) for e in endpoints])
+        self._tensors = TensorPlane(self.rank, device=self.device)
+        self._actor = RankActor(
+            rank=self.rank,
+            schedule=self.schedule,
+            stages=self._executors,
+            tensor_plane=self._tensors,
+            control=self._control,
+            device=self.device,
+            deterministic=deterministic,
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._bound_loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------ setup
+    def _build_schedule(self, schedule: Any, n: int, stages_per_rank: int | None) -> Schedule:
+        from ..schedules import generate
+
+        try:
+            from ..schedules import check
+        except ImportError:  # TEMP until the validator lands
+            check = lambda s: None  # noqa: E731
+
+        try:
+            if isinstance(schedule, Schedule):
+                sched = schedule
+            elif isinstance(schedule, os.PathLike) or (isinstance(schedule, str) and (schedule.endswith(".csv") or Path(schedule).is_file())):
+                sched = load_csv(schedule)
+            else:
+                sched = generate(str(schedule), num_ranks=self.world_size, num_microbatches=n, stages_per_rank=stages_per_rank)
+            if sched.num_ranks != self.world_size:
+                raise PipelineConfigError(f"the schedule has {sched.num_ranks} ranks but the job has {self.world_size}")
+            if sched.num_microbatches != n:
+                raise PipelineConfigError(f"the schedule has {sched.num_microbatches} microbatches but num_microbatches={n}")
+            check(sched)
+        except ScheduleError as exc:
+            raise PipelineConfigError(f"rank {self.rank}: bad schedule: {exc}") from exc
+        return sched
+
+    # ------------------------------------------------------------ public
+    @property
+    def stages(self) -> dict[int, nn.Module]:
+        """The stage modules this rank owns, by stage index (give their parameters to the optimizer)."""
+        return {s: e.module for s, e in self._executors.items()}
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.schedule.num_stages - 1 in self._executors
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self._executors
+
+    @property
+    def statistics(self) -> ActorStatistics | None:
+        """What the dispatcher did in the last step."""
+        return self._actor.statistics
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.stages.values() for p in m.parameters()]
+
+    def step(self, *args: Any, target: Any = None, losses: list[Any] | None = None, **kwargs: Any) -> Any:
+        """Run one training step (forward and backward of every microbatch); blocking."""
+        return self._run_sync(self.astep(*args, target=target, losses=losses, **kwargs))
+
+    def eval(self, *args: Any, target: Any = None, losses: list[Any] | None = None, **kwargs: Any) -> Any:
+        """Forward only, for every schedule; returns the output on the last stage's rank."""
+        return self._run_sync(self.aeval(*args, target=target, losses=losses, **kwargs))
+
+    async def astep(self, *args: Any, target: Any = None, losses: list[Any] | None = None, **kwargs: Any) -> Any:
+        """``step`` inside a running event loop."""
+        return await self._arun(args, kwargs, target, losses, train=True)
+
+    async def aeval(self, *args: Any, target: Any = None, losses: list[Any] | None = None, **kwargs: Any) -> Any:
+        """``eval`` inside a running event loop."""
+        return await self._arun(args, kwargs, target, losses, train=False)
+
+    def close(self) -> None:
+        """Release sockets and threads; destroy the process group if this Pipeline created it."""
+        if self._closed:
+            return
+        self._closed = True
+        reader = self._control.stop()
+        if reader is not None and self._loop is not None and not self._loop.is_running() and not self._loop.is_closed():
+            self._loop.run_until_complete(asyncio.gather(reader, return_exceptions=True))
+        self._control.close()
+        self._tensors.close()
+        if self._loop is not None and not self._loop.is_running():
+            self._loop.close()
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ internals
+    def _run_sync(self, coro: Any) -> Any:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            coro.close()
+            raise RuntimeError("Pipeline.step()/eval() called inside a running event loop; use `await pipe.astep(...)`")
+        if self._loop is None:
+            self._loop = _new_loop()
+        return self._loop.run_until_complete(coro)
+
+    async def _arun(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, losses: list[Any] | None, *, train: bool) -> Any:
+        if self._closed:
+            raise RuntimeError("this Pipeline is closed")
+        loop = asyncio.get_running_loop()
+        if self._bound_loop is not loop:
+            # Sockets and events belong to one loop; re-attach if the caller switched loops.
+            self._control.stop()
+            self._actor._started = False
+            self._bound_loop = loop
+        inputs = split_microbatches(args, kwargs, target, self.num_microbatches)
+        results, mb_losses = await self._actor.run_step(inputs, train=train)
+        if not self.has_last_stage:
+            return None
+        if losses is not None:
+            losses.extend(mb_losses[m] for m in sorted(mb_losses))
+        return _merge([results[m] for m in range(self.num_microbatches)])

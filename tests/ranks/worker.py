@@ -1,0 +1,142 @@
+"""One rank of an integration test: run a configured pipeline, save what it saw.
+
+Started by ``tests/ranks/harness.py`` with RANK/WORLD_SIZE/MASTER_* set (as
+``pipeloom launch`` and torchrun do) and a JSON config path.  Saves, per step,
+each local parameter's gradient (named ``s{stage}.{param}``), the losses and
+the merged output (on the last stage's rank), to ``{out}/rank{R}.pt``.
+
+``engine`` is ``pipeloom`` or ``torch`` (torch.distributed.pipelining, as an
+oracle for the same stages, schedule and microbatches).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from data import make_step_batches  # noqa: E402
+from models import build_stages, loss_fn  # noqa: E402
+
+
+def _grads(stages: dict[int, torch.nn.Module]) -> dict[str, torch.Tensor]:
+    return {
+        f"s{s}.{name}": (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+        for s, m in stages.items()
+        for name, p in m.named_parameters()
+    }
+
+
+def run_pipeloom(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
+    import pipeloom
+    from pipeloom.schedules import generate, default_stages_per_rank
+
+    world = int(os.environ["WORLD_SIZE"])
+    name = cfg["schedule"]
+    spr = cfg.get("stages_per_rank")
+    schedule: Any = cfg.get("csv") or name
+    if cfg.get("csv"):
+        num_stages = _csv_stages(cfg["csv"])
+    else:
+        num_stages = world * (spr or default_stages_per_rank(name))
+    dtype = getattr(torch, cfg.get("dtype", "float64"))
+    all_stages = build_stages(num_stages, dim=cfg["dim"], multi=cfg.get("multi", False), seed=cfg.get("seed", 0), dtype=dtype)
+    pipe = pipeloom.Pipeline(
+        lambda s: all_stages[s],
+        schedule=schedule,
+        num_microbatches=cfg["microbatches"],
+        loss_fn=loss_fn,
+        stages_per_rank=spr,
+        deterministic=cfg.get("deterministic", False),
+    )
+    opt = torch.optim.SGD(pipe.parameters(), lr=cfg.get("lr", 0.1)) if pipe.parameters() else None
+    result: dict[str, Any] = {"grads": [], "losses": [], "outputs": [], "eval": [], "stats": []}
+    for step in range(cfg.get("steps", 1)):
+        b = make_step_batches(cfg, step)
+        for m in pipe.stages.values():
+            m.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        if "x_mbs" in b:
+            out = pipe.step(pipeloom.Microbatches(b["x_mbs"]), target=pipeloom.Microbatches(b["y_mbs"]), losses=losses)
+        else:
+            kw = {"scale": b["scale"]} if "scale" in b else {}
+            out = pipe.step(b["x"], target=b["target"], losses=losses, **kw)
+        result["grads"].append(_grads(pipe.stages))
+        result["losses"].append([l.clone() for l in losses])
+        result["outputs"].append(out)
+        st = pipe.statistics
+        result["stats"].append(None if st is None else st.__dict__ if hasattr(st, "__dict__") else tuple(st))
+        if opt is not None:
+            opt.step()
+        if cfg.get("eval"):
+            if "x_mbs" in b:
+                ev = pipe.eval(pipeloom.Microbatches(b["x_mbs"]))
+            else:
+                kw = {"scale": b["scale"]} if "scale" in b else {}
+                ev = pipe.eval(b["x"], **kw)
+            result["eval"].append(ev)
+    result["stages"] = sorted(pipe.stages)
+    result["params"] = {f"s{s}.{n}": p.detach().clone() for s, m in pipe.stages.items() for n, p in m.named_parameters()}
+    pipe.close()
+    return result
+
+
+def _csv_stages(path: str) -> int:
+    from pipeloom.schedules import load_csv
+
+    return load_csv(path).num_stages
+
+
+def run_torch(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
+    """The same stages and microbatches through torch.distributed.pipelining."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    cls = get_schedule_class(cfg["schedule"])
+    single = issubclass(cls, PipelineScheduleSingle)
+    spr = 1 if single else (cfg.get("stages_per_rank") or 2)
+    num_stages = world * spr
+    v_style = cfg["schedule"] in ("ZBVZeroBubble", "DualPipeV")
+    if v_style:
+        mine = [rank, 2 * world - 1 - rank]
+    else:
+        mine = [rank + k * world for k in range(spr)]
+    dtype = getattr(torch, cfg.get("dtype", "float64"))
+    all_stages = build_stages(num_stages, dim=cfg["dim"], multi=cfg.get("multi", False), seed=cfg.get("seed", 0), dtype=dtype)
+    stages = [PipelineStage(all_stages[s], s, num_stages, torch.device("cpu")) for s in mine]
+    sched = cls(stages[0] if single else stages, cfg["microbatches"], loss_fn=loss_fn)
+    result: dict[str, Any] = {"grads": [], "losses": [], "outputs": []}
+    local = {s: all_stages[s] for s in mine}
+    for step in range(cfg.get("steps", 1)):
+        b = make_step_batches(cfg, step)
+        for m in local.values():
+            m.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        args = (b["x"],) if 0 in local else ()
+        tgt = b["target"] if num_stages - 1 in local else None
+        out = sched.step(*args, target=tgt, losses=losses)
+        result["grads"].append(_grads(local))
+        result["losses"].append([l.detach().clone() for l in losses])
+        result["outputs"].append(out.detach() if isinstance(out, torch.Tensor) else None)
+    dist.destroy_process_group()
+    return result
+
+
+def main() -> None:
+    cfg = json.load(open(sys.argv[1]))
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    fn = run_torch if cfg.get("engine") == "torch" else run_pipeloom
+    result = fn(cfg, rank)
+    torch.save(result, os.path.join(cfg["out"], f"{cfg.get('engine', 'pipeloom')}-rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The control plane: ZeroMQ sockets carrying msgpack messages between ranks.
+
+Shape: each rank binds one PULL socket and connects one PUSH socket to every
+peer's PULL.  Messages are one-way (announcements, heartbeats, aborts), so
+there is nothing to reply to and no ROUTER identity bookkeeping; PUSH queues
+messages for a peer that has not connected yet instead of dropping them.
+Announcements from one peer arrive in the order it sent them (one PUSH -> one
+PULL pipe is FIFO), which is what the tensor plane relies on.
+
+Sending uses plain synchronous sockets with ``NOBLOCK`` (a send never waits
+for the network); receiving is ``zmq.asyncio`` so the rank's event loop is
+woken when a message lands.  One context per process, created after any fork;
+``LINGER`` is short so closing never hangs on a dead peer.
+
+Endpoints are exchanged once through ``torch.distributed`` (an all-gather over
+the job's own process group), so no extra rendezvous service is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from .messages import MessageError, decode, encode
+
+__all__ = ["ControlPlane", "choose_bind_host"]
+
+log = logging.getLogger("pipeloom.control")
+
+_LINGER_MS = 200
+
+
+def choose_bind_host(master_addr: str | None) -> str:
+    """Loopback for single-host jobs, else the local address that routes to the master."""
+    if not master_addr or master_addr in ("localhost", "::1") or master_addr.startswith("127."):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master_addr, 9))  # no packet is sent for a UDP connect
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+class ControlPlane:
+    """One rank's end of the control plane."""
+
+    def __init__(self, rank: int, world_size: int, *, host: str = "127.0.0.1") -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self._ctx = zmq.Context()
+        self._actx = zmq.asyncio.Context.shadow(self._ctx)
+        self._pull = self._actx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # oversized frames never reach the decoder
+        port = self._pull.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+        self._push: dict[int, zmq.Socket[Any]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self.rejected = 0  #: messages rejected by validation (statistics for tests and traces)
+        self._closed = False
+
+    def connect(self, endpoints: list[str]) -> None:
+        """Connect a PUSH socket to every other rank's endpoint (index = rank)."""
+        for peer, ep in enumerate(endpoints):
+            if peer == self.rank or peer in self._push:
+                continue
+            s = self._ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, _LINGER_MS)
+            s.setsockopt(zmq.SNDHWM, 100_000)
+            s.connect(ep)
+            self._push[peer] = s
+
+    def send(self, dst: int, msg_type: str, /, **fields: Any) -> bool:
+        """Send a message without ever blocking; False if the peer's queue is full."""
+        data = encode(msg_type, self.rank, **fields)
+        try:
+            self._push[dst].send(data, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            log.warning("rank %d: control queue to rank %d is full; %s dropped", self.rank, dst, msg_type)
+            return False
+
+    def broadcast(self, msg_type: str, /, **fields: Any) -> None:
+        for dst in self._push:
+            self.send(dst, msg_type, **fields)
+
+    def start(self, handler: Callable[[dict[str, Any]], None]) -> None:
+        """Start delivering validated messages to ``handler`` on the running loop."""
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read(handler), name=f"pipeloom-control-{self.rank}")
+
+    async def _read(self, handler: Callable[[dict[str, Any]], None]) -> None:
+        pull = self._pull
+        while True:
+            data = await pull.recv(copy=True)
+            while True:
+                self._deliver(data, handler)
+                try:  # drain what is already queued without a trip through the loop
+                    data = pull.recv(zmq.NOBLOCK, copy=True)  # type: ignore[assignment]
+                    if isinstance(data, asyncio.Future):
+                        data = await data
+                except zmq.Again:
+                    break
+
+    def _deliver(self, data: bytes, handler: Callable[[dict[str, Any]], None]) -> None:
+        try:
+            msg = decode(data, world_size=self.world_size)
+        except MessageError as exc:
+            self.rejected += 1
+            log.warning("rank %d: rejected a control message: %s", self.rank, exc)
+            return
+        handler(msg)
+
+    def stop(self) -> asyncio.Task[None] | None:
+        """Stop the reader task; return it so the caller can let its loop finish cancelling it."""
+        task, self._reader = self._reader, None
+        if task is not None:
+            task.cancel()
+        return task
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.stop()
+        for s in self._push.values():
+            s.close()
+        self._pull.close()
+        self._ctx.term()
