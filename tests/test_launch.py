@@ -1,0 +1,495 @@
+"""Tests of ``pipeloom launch``: environment, output, failure handling, signals, multi-node.
+
+The launcher is always run as a real subprocess (``python -m
+pipeloom.tools.cli launch``) on tiny scripts written to ``tmp_path``, because
+what is under test is process behaviour: who gets which signal, who is left
+running, what the exit status is and how long teardown takes.  The rank
+scripts avoid importing torch (about a second per process on this machine),
+except the one test that proves two launchers rendezvous through
+torch.distributed.  Scripts that must be found dead afterwards write their pid
+to a file; every test kills whatever is left in a ``finally`` (the ``reaper``
+fixture), so a failing test never leaves processes behind.
+
+Measured teardown times are printed (``pytest -s`` shows them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pipeloom.tools import launch as launch_mod
+from pipeloom.tools.cli import build_parser, main
+
+LAUNCH = [sys.executable, "-m", "pipeloom.tools.cli", "launch"]
+
+# Every rank script starts with this: where to leave pid files, and how.
+HEADER = textwrap.dedent(
+    """\
+    import json, os, signal, subprocess, sys, time
+    RANK = int(os.environ["RANK"])
+    D = sys.argv[1]
+
+    def note(name, value):
+        tmp = os.path.join(D, name + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(str(value))
+        os.replace(tmp, os.path.join(D, name))
+
+    def wait_for(name, timeout=20.0):
+        end = time.monotonic() + timeout
+        while not os.path.exists(os.path.join(D, name)):
+            if time.monotonic() > end:
+                sys.exit(99)
+            time.sleep(0.01)
+
+    note(f"pid{RANK}", os.getpid())
+    """
+)
+
+
+def _script(tmp_path: Path, name: str, body: str) -> Path:
+    path = tmp_path / name
+    path.write_text(HEADER + textwrap.dedent(body))
+    return path
+
+
+def _alive(pid: int) -> bool:
+    """True if ``pid`` runs (a zombie waiting for a reaper counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def _wait_dead(pids: list[int], timeout: float = 2.0) -> list[int]:
+    end = time.monotonic() + timeout
+    while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < end:
+        time.sleep(0.02)
+    return alive
+
+
+def _wait_files(d: Path, names: list[str], timeout: float = 15.0) -> None:
+    end = time.monotonic() + timeout
+    while not all((d / n).exists() for n in names):
+        assert time.monotonic() < end, f"ranks did not start: missing {[n for n in names if not (d / n).exists()]}"
+        time.sleep(0.02)
+
+
+def _pids(d: Path) -> list[int]:
+    return [int(p.read_text()) for p in d.iterdir() if p.name.startswith(("pid", "child")) and not p.name.endswith(".tmp")]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Reaper:
+    """Remembers launchers and pid directories; kills everything left at the end of a test."""
+
+    def __init__(self) -> None:
+        self.launchers: list[subprocess.Popen[str]] = []
+        self.dirs: list[Path] = []
+
+    def start(self, *args: object, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [*LAUNCH, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd
+        )
+        self.launchers.append(proc)
+        return proc
+
+    def run(self, *args: object, timeout: float = 20.0, **kw: object) -> tuple[int, str, str, float]:
+        t0 = time.monotonic()
+        proc = self.start(*args, **kw)  # type: ignore[arg-type]
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err, time.monotonic() - t0
+
+    def cleanup(self) -> None:
+        for proc in self.launchers:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for d in self.dirs:
+            for pid in _pids(d) if d.exists() else []:
+                for kill in (os.killpg, os.kill):
+                    try:
+                        kill(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+
+
+@pytest.fixture
+def reaper(tmp_path: Path) -> Iterator[Reaper]:
+    r = Reaper()
+    r.dirs.append(tmp_path)
+    try:
+        yield r
+    finally:
+        r.cleanup()
+
+
+def _by_rank(text: str) -> dict[int, list[str]]:
+    """Prefixed lines grouped by rank; asserts that every line is prefixed."""
+    lines: dict[int, list[str]] = {}
+    for line in text.splitlines():
+        assert line.startswith("[rank"), f"unprefixed line: {line!r}"
+        head, _, rest = line.partition("]: ")
+        lines.setdefault(int(head[len("[rank") :]), []).append(rest)
+    return lines
+
+
+# ---------------------------------------------------------------- environment and output
+
+ENV_SCRIPT = """\
+keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+        "PIPELOOM_LAUNCHER", "PIPELOOM_JOB_SECRET", "PIPELOOM_BACKEND", "PIPELOOM_TRACE",
+        "PIPELOOM_HEARTBEAT_TIMEOUT", "TORCHELASTIC_USE_AGENT_STORE"]
+print(json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[2:]}))
+print("to stderr", RANK, file=sys.stderr)
+sys.stdout.write(f"tail{RANK}")  # no newline: must still come out, on its own line
+"""
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_environment_prefix_and_logs(tmp_path: Path, reaper: Reaper, nproc: int) -> None:
+    script = _script(tmp_path, "env.py", ENV_SCRIPT)
+    logs = tmp_path / "logs"
+    code, out, err, _ = reaper.run(
+        "--nproc-per-node", nproc, "--backend", "gloo", "--trace", "t.json", "--heartbeat-timeout", "7.5",
+        "--log-dir", logs, script, tmp_path, "--lr", "0.1", "-m", "x",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert code == 0, err
+    stdout, stderr = _by_rank(out), _by_rank(err)
+    assert sorted(stdout) == sorted(stderr) == list(range(nproc))
+    envs = {}
+    for rank, lines in stdout.items():
+        assert len(lines) == 2 and lines[1] == f"tail{rank}", lines
+        record = json.loads(lines[0])
+        assert record["argv"] == ["--lr", "0.1", "-m", "x"]
+        envs[rank] = record["env"]
+        assert stderr[rank] == [f"to stderr {rank}"]
+    ports = {e["MASTER_PORT"] for e in envs.values()}
+    secrets = {e["PIPELOOM_JOB_SECRET"] for e in envs.values()}
+    assert len(ports) == 1 and ports.pop().isdigit()
+    assert len(secrets) == 1 and len(secret := secrets.pop()) == 32 and int(secret, 16) >= 0
+    for rank, env in envs.items():
+        assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == str(nproc)
+        assert env["GROUP_RANK"] == "0" and env["MASTER_ADDR"] == "127.0.0.1"
+        assert env["PIPELOOM_LAUNCHER"] == "1" and env["PIPELOOM_BACKEND"] == "gloo"
+        assert env["PIPELOOM_TRACE"] == str(tmp_path / "t.json")
+        assert float(env["PIPELOOM_HEARTBEAT_TIMEOUT"]) == 7.5
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] is None
+        log = (logs / f"rank{rank}.log").read_text()
+        assert f"to stderr {rank}\n" in log and log.endswith(f"tail{rank}") and "[rank" not in log
+        assert [json.loads(line)["env"] for line in log.splitlines() if line.startswith("{")] == [env]
+
+
+def test_module_filter_and_no_prefix(tmp_path: Path, reaper: Reaper) -> None:
+    (tmp_path / "mymod.py").write_text("import os\nprint('hi from', os.environ['RANK'])\n")
+    code, out, err, _ = reaper.run(
+        "--nproc-per-node", "2", "--local-ranks-filter", "1", "--no-prefix", "-m", "mymod", cwd=tmp_path
+    )
+    assert code == 0, err
+    assert out == "hi from 1\n"
+
+
+def test_chatty_ranks_do_not_block(tmp_path: Path, reaper: Reaper) -> None:
+    script = _script(tmp_path, "chatty.py", 'sys.stdout.write(("x" * 99 + "\\n") * 30000)\nprint("x" * (3 << 20))\n')
+    code, out, err, elapsed = reaper.run("--nproc-per-node", "2", script, tmp_path)
+    assert code == 0, err
+    lines = _by_rank(out)
+    for rank in (0, 1):  # the 3 MiB line is echoed in pieces of about 1 MiB; nothing is lost
+        assert lines[rank][:30000] == ["x" * 99] * 30000
+        pieces = lines[rank][30000:]
+        assert 3 <= len(pieces) <= 4 and sum(map(len, pieces)) == 3 << 20
+    print(f"\n2 ranks x 6 MB echoed in {elapsed:.2f} s")
+
+
+# ---------------------------------------------------------------- failures
+
+FAIL_SCRIPT = """\
+if RANK == 0:
+    if sys.argv[2] == "ignore-term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen(["sleep", "60"])  # the rank's own child: must die with it
+    note("child0", child.pid)
+    time.sleep(60)
+else:
+    wait_for("child0")
+    note("failed_at", time.time())
+    sys.exit(1)
+"""
+
+
+@pytest.mark.parametrize("rank0", ["exits-on-term", "ignore-term"])
+def test_rank_failure_stops_the_others(tmp_path: Path, reaper: Reaper, rank0: str) -> None:
+    grace = 0.5
+    script = _script(tmp_path, "fail.py", FAIL_SCRIPT)
+    code, out, err, _ = reaper.run("--nproc-per-node", "2", "--grace", grace, script, tmp_path, rank0)
+    ended = time.time()
+    teardown = ended - float((tmp_path / "failed_at").read_text())
+    print(f"\nteardown after rank 1 failed (grace {grace}, rank 0 {rank0}): {teardown:.2f} s")
+    assert code == 1, err
+    assert not _wait_dead(_pids(tmp_path), timeout=0.5), "a rank or its child survived the launcher"
+    # grace, then SIGTERM (and SIGKILL one second later if ignored); plus process start-up slack
+    assert grace <= teardown <= grace + 2.0
+    if rank0 == "ignore-term":
+        assert teardown >= grace + 1.0
+    assert "pipeloom launch: job failed: rank 1 exited with code 1\n" in err
+    assert "pipeloom launch: also stopped: rank 0 (consequence of rank 1; the launcher terminated rank 0)\n" in err
+    assert err.count("job failed") == 1
+
+
+def test_rank_killed_by_signal_is_infrastructure(tmp_path: Path, reaper: Reaper) -> None:
+    script = _script(
+        tmp_path,
+        "sigkill.py",
+        """\
+        if RANK == 1:
+            wait_for("pid0")
+            note("failed_at", time.time())
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+        """,
+    )
+    code, out, err, _ = reaper.run("--nproc-per-node", "2", "--grace", "0.3", script, tmp_path)
+    teardown = time.time() - float((tmp_path / "failed_at").read_text())
+    print(f"\nteardown after rank 1 was SIGKILLed (grace 0.3): {teardown:.2f} s")
+    assert code == 3, err
+    assert "job failed: rank 1 was killed by SIGKILL" in err
+    assert "also stopped: rank 0 (consequence of rank 1" in err
+    assert teardown <= 0.3 + 2.0
+    assert not _wait_dead(_pids(tmp_path), timeout=0.5)
+
+
+ROOT_CAUSE_SCRIPT = """\
+def report(**fields):
+    sys.stderr.write("PIPELOOM_ROOT_CAUSE " + json.dumps(fields) + "\\n")
+
+if RANK == 0:  # reacts to the abort before the failing rank has exited: must not be blamed
+    wait_for("pid2")
+    print("rank 0 saw the abort", file=sys.stderr)
+    report(rank=0, remote=True, failed_rank=1, error="RemoteRankError: rank 1 failed")
+    sys.exit(1)
+elif RANK == 1:
+    wait_for("pid2")
+    time.sleep(0.3)
+    report(rank=1, stage=2, microbatch=3, action="2B3", error="ValueError: boom in the loss",
+           traceback='Traceback (most recent call last):\\n  File "train.py", line 7, in loss\\nValueError: boom in the loss\\n')
+    sys.exit(1)
+else:
+    print("PIPELOOM_ROOT_CAUSE this is not json", file=sys.stderr)
+    time.sleep(60)
+"""
+
+
+def test_root_cause_is_summarised_once(tmp_path: Path, reaper: Reaper) -> None:
+    script = _script(tmp_path, "cause.py", ROOT_CAUSE_SCRIPT)
+    code, out, err, _ = reaper.run("--nproc-per-node", "3", "--grace", "1", script, tmp_path)
+    assert code == 1, err
+    expected = (
+        "pipeloom launch: job failed: rank 1 exited with code 1\n"
+        "  root cause: rank 1, stage 2, microbatch 3, action 2B3\n"
+        "  Traceback (most recent call last):\n"
+        '    File "train.py", line 7, in loss\n'
+        "  ValueError: boom in the loss\n"
+        "pipeloom launch: also stopped: ranks 0, 2 (consequence of rank 1; the launcher terminated rank 2)\n"
+    )
+    assert err.endswith(expected), err
+    assert err.count("boom in the loss") == 1 and err.count("RemoteRankError") == 0
+    assert "PIPELOOM_ROOT_CAUSE {" not in err + out  # the protocol lines are not echoed...
+    assert "[rank2]: PIPELOOM_ROOT_CAUSE this is not json\n" in err  # ...but a malformed one is
+    assert "[rank0]: rank 0 saw the abort\n" in err
+    assert not _wait_dead(_pids(tmp_path), timeout=0.5)
+
+
+# ---------------------------------------------------------------- signals to the launcher
+
+SLEEP_SCRIPT = """\
+if RANK == 1:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL after the grace stops this one
+child = subprocess.Popen(["sleep", "60"])
+note(f"child{RANK}", child.pid)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize(("sig", "expected"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_to_launcher_stops_every_rank(tmp_path: Path, reaper: Reaper, sig: signal.Signals, expected: int) -> None:
+    grace = 0.5
+    script = _script(tmp_path, "sleep.py", SLEEP_SCRIPT)
+    proc = reaper.start("--nproc-per-node", "2", "--grace", grace, script, tmp_path)
+    _wait_files(tmp_path, ["pid0", "pid1", "child0", "child1"])
+    pids = _pids(tmp_path)
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=10)
+    elapsed = time.monotonic() - t0
+    print(f"\n{sig.name} to the launcher -> exit in {elapsed:.2f} s (grace {grace})")
+    assert proc.returncode == expected, err
+    assert not _wait_dead(pids, timeout=0.5), "orphans left behind"
+    assert grace <= elapsed <= grace + 1.5
+    assert f"pipeloom launch: stopped by {sig.name}; terminated ranks 0, 1\n" in err
+    assert "job failed" not in err
+
+
+def test_sigkill_of_launcher_leaves_no_orphan(tmp_path: Path, reaper: Reaper) -> None:
+    script = _script(tmp_path, "sleep.py", "time.sleep(60)\n")
+    proc = reaper.start("--nproc-per-node", "2", script, tmp_path)
+    _wait_files(tmp_path, ["pid0", "pid1"])
+    proc.kill()
+    proc.wait()
+    assert not _wait_dead(_pids(tmp_path), timeout=2.0), "PR_SET_PDEATHSIG did not stop the ranks"
+
+
+# ---------------------------------------------------------------- multi-node on one machine
+
+
+async def _run_nodes(tmp_path: Path, script: Path, nproc: int, *, env: dict[str, str], timeout: float) -> list[tuple[int, str, str]]:
+    port = _free_port()
+    procs = []
+    try:
+        async with asyncio.timeout(timeout):
+            for node in range(2):
+                procs.append(
+                    await asyncio.create_subprocess_exec(
+                        *LAUNCH, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", str(nproc),
+                        "--master-addr", "127.0.0.1", "--master-port", str(port), "--grace", "0.5", str(script), str(tmp_path),
+                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+                    )
+                )  # fmt: skip
+            results = await asyncio.gather(*(p.communicate() for p in procs))
+            return [(p.returncode or 0, o.decode(), e.decode()) for p, (o, e) in zip(procs, results)]
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+                await p.wait()
+
+
+async def test_two_launchers_form_one_job(tmp_path: Path, reaper: Reaper) -> None:
+    script = _script(tmp_path, "env.py", ENV_SCRIPT)
+    env = {**os.environ, "PIPELOOM_JOB_SECRET": "feedc0de" * 4}
+    results = await _run_nodes(tmp_path, script, 2, env=env, timeout=20)
+    seen = {}
+    for node, (code, out, err) in enumerate(results):
+        assert code == 0, err
+        assert "PIPELOOM_JOB_SECRET" not in err  # no warning: it was shared
+        for rank, lines in _by_rank(out).items():
+            record = json.loads(lines[0])["env"]
+            assert record["GROUP_RANK"] == str(node) and record["LOCAL_RANK"] == str(rank - 2 * node)
+            seen[rank] = record
+    assert sorted(seen) == [0, 1, 2, 3]
+    assert {(e["RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) for e in seen.values()} == {
+        (str(r), "4", "2") for r in range(4)
+    }
+    assert {e["PIPELOOM_JOB_SECRET"] for e in seen.values()} == {"feedc0de" * 4}
+    assert len({e["MASTER_PORT"] for e in seen.values()}) == 1
+
+
+GLOO_SCRIPT = """\
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=30))
+t = torch.tensor([float(RANK + 1)])
+dist.all_reduce(t)
+print(f"sum={t.item()} world={dist.get_world_size()}")
+dist.destroy_process_group()
+"""
+
+
+async def test_two_launchers_rendezvous_through_torch_distributed(tmp_path: Path, reaper: Reaper) -> None:
+    script = _script(tmp_path, "gloo.py", GLOO_SCRIPT)
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    env.pop("PIPELOOM_JOB_SECRET", None)
+    results = await _run_nodes(tmp_path, script, 1, env=env, timeout=60)
+    for node, (code, out, err) in enumerate(results):
+        assert code == 0, err
+        assert out == f"[rank{node}]: sum=3.0 world=2\n"
+        assert "without PIPELOOM_JOB_SECRET" in err  # each node warns once
+
+
+# ---------------------------------------------------------------- arguments and pieces, in-process
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["launch"],
+        ["launch", "missing.py"],
+        ["launch", "--nnodes", "2", "--node-rank", "2", "{script}"],
+        ["launch", "--standalone", "--nnodes", "2", "{script}"],
+        ["launch", "--grace", "-1", "{script}"],
+        ["launch", "--nproc-per-node", "0", "{script}"],
+        ["launch", "--backend", "mpi", "{script}"],
+        ["launch", "--bogus", "{script}"],
+    ],
+)
+def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    script = tmp_path / "ok.py"
+    script.write_text("")
+    argv = [a.format(script=script) for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = int(exc.code or 0)
+    assert code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def _config(argv: list[str], environ: dict[str, str] | None = None) -> tuple[launch_mod.LaunchConfig, list[str]]:
+    args = build_parser().parse_args(["launch", *argv])
+    return launch_mod.config_from_args(args, environ=environ or {})
+
+
+def test_config_ports_secret_and_command(tmp_path: Path) -> None:
+    script = tmp_path / "s.py"
+    script.write_text("")
+    single, warnings = _config([str(script), "--x"])
+    assert single.master_port != 29500 and not warnings and single.job_secret and len(single.job_secret) == 32
+    assert single.command == (sys.executable, "-u", str(script), "--x")
+    multi, warnings = _config(["--nnodes", "2", "--node_rank", "1", "--nproc_per_node", "2", str(script)])
+    assert multi.master_port == 29500 and multi.job_secret is None and len(warnings) == 1
+    env = launch_mod.rank_environment(multi, 1, base={"PATH": "/bin", "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["GROUP_RANK"]) == ("3", "1", "4", "1")
+    assert env["OMP_NUM_THREADS"] == "1" and "TORCHELASTIC_USE_AGENT_STORE" not in env
+    assert "PIPELOOM_JOB_SECRET" not in env and "PIPELOOM_BACKEND" not in env
+    shared, warnings = _config(["--nnodes", "2", str(script)], {"PIPELOOM_JOB_SECRET": "abc"})
+    assert shared.job_secret == "abc" and not warnings
+    module, _ = _config(["-m", "pkg.train", "a"])
+    assert module.command == (sys.executable, "-u", "-m", "pkg.train", "a")
+
+
+def test_parse_root_cause_line() -> None:
+    parse = launch_mod.parse_root_cause_line
+    cause = parse('PIPELOOM_ROOT_CAUSE {"rank": 2, "stage": 1, "microbatch": 0, "action": "1F0", "error": "E", "extra": [1]}')
+    assert cause is not None and cause.where(9) == "rank 2, stage 1, microbatch 0, action 1F0"
+    assert cause.error == "E" and not cause.remote and cause.fields["extra"] == [1]
+    remote = parse(b'PIPELOOM_ROOT_CAUSE {"remote": true, "failed_rank": 1}')
+    assert remote is not None and remote.remote and remote.failed_rank == 1 and remote.where(4) == "rank 4"
+    for bad in ("PIPELOOM_ROOT_CAUSE [1, 2]", "PIPELOOM_ROOT_CAUSE {nope", "ROOT_CAUSE {}", 'PIPELOOM_ROOT_CAUSE{"a":1}'):
+        assert parse(bad) is None
+    odd = parse('PIPELOOM_ROOT_CAUSE {"rank": "x", "stage": true, "remote": 1}')
+    assert odd is not None and odd.rank is None and odd.stage is None and not odd.remote

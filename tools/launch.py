@@ -1,0 +1,925 @@
+"""``pipeloom launch``: start the ranks of a training script on one node.
+
+Why a launcher of our own
+-------------------------
+``torchrun`` starts ranks well, but what it does when one of them fails is the
+part that matters most for pipeline parallelism, and there it falls short: a
+rank that raises leaves the others blocked in a collective until the NCCL
+watchdog (ten minutes) or gloo's "Connection reset by peer" ends them; every
+rank then prints a traceback, and the one that explains the failure is buried
+among the consequences; the exit status does not say whether the code or the
+machine failed.  pipeloom's runtime broadcasts an abort within seconds, so the
+launcher's job is to make that visible and bounded:
+
+* every rank runs in its own session (``start_new_session``), so the rank and
+  whatever it forked (data-loader workers, compile workers) are killed together
+  with :func:`os.killpg`;
+* after the first failure the others get ``--grace`` seconds to stop by
+  themselves (they normally do, having received the abort), then SIGTERM, then
+  SIGKILL one second later: the launcher exits within about ``grace + 1``
+  seconds of the first failure, whatever the ranks do;
+* one summary names the rank that failed first and, if it reported one, its
+  root cause (stage, microbatch, action, error, traceback); ranks that stopped
+  because of it are listed in one line, not with their own tracebacks;
+* the exit status says what kind of failure it was (below);
+* on Linux every rank also gets ``PR_SET_PDEATHSIG=SIGKILL``, so not even a
+  SIGKILL of the launcher leaves a rank running.
+
+Alternatives considered: torch's elastic agent (restarts and rendezvous we do
+not need, imports torch, and its failure summary is per-rank), a thread per
+pipe (works, but the exits, pipes, timers and signals are easiest to order on
+one asyncio loop: a rank's exit, its output and SIGINT all arrive as callbacks
+in one thread, so there are no locks).  The launcher never imports torch.
+
+Output
+------
+Each line a rank writes is echoed with a ``[rank{R}]: `` prefix (torchrun's
+style; ``--no-prefix`` turns it off), stdout to stdout and stderr to stderr.
+Pipes are read as data arrives, so a chatty rank never blocks; a last line
+without a newline is flushed when the pipe closes.  ``--log-dir DIR``
+additionally writes each rank's raw stdout and stderr, unprefixed and
+interleaved by line, to ``DIR/rank{R}.log`` (``R`` is the global rank, so the
+nodes of one job may share DIR).  Ranks read standard input from /dev/null.
+
+Environment of every rank
+-------------------------
+What torchrun sets, so that a script runs the same under either launcher:
+``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``
+(node rank), ``GROUP_WORLD_SIZE``, ``ROLE_RANK``, ``ROLE_WORLD_SIZE``,
+``ROLE_NAME``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``
+and ``TORCHELASTIC_MAX_RESTARTS`` (0), and ``OMP_NUM_THREADS=1`` when several
+ranks share the node and it is not set already.  ``TORCHELASTIC_RUN_ID`` and
+``TORCHELASTIC_USE_AGENT_STORE`` are *not* set: there is no agent store, and
+the rank-0 process creates the TCP store as with plain ``env://``.  Then
+pipeloom's own, none of which a script may *require*:
+
+* ``PIPELOOM_LAUNCHER=1``;
+* ``PIPELOOM_JOB_SECRET``: random hex shared by all ranks of the job (taken
+  from the launcher's environment when set there; see multi-node below);
+* ``PIPELOOM_BACKEND`` (``--backend``), ``PIPELOOM_TRACE`` (``--trace``, an
+  absolute path), ``PIPELOOM_HEARTBEAT_TIMEOUT`` (``--heartbeat-timeout``,
+  seconds): only when the flag is given.
+
+Root-cause protocol
+-------------------
+A rank that fails may write, on its **stderr**, one line of the form::
+
+    PIPELOOM_ROOT_CAUSE {"rank": 1, "stage": 2, "microbatch": 3, "action": "2B3",
+                         "error": "ValueError: boom", "traceback": "Traceback ...",
+                         "remote": false}
+
+(all on one line: the JSON escapes the newlines of the traceback; the line must
+start at the beginning of a line, at most 1 MiB).  Every field is optional and
+unknown fields are ignored.  ``"remote": true`` marks a rank that stops
+*because another rank failed* (it may name that rank in ``"failed_rank"``).
+The launcher removes these lines from the echoed output (the log file keeps
+them), keeps the first one of each rank, and prints the one of the root-cause
+rank once.  A line that is not a JSON object is echoed like any other.
+
+Which rank is the root cause: the first rank to exit unsuccessfully whose
+report is not ``remote``, so a rank that reacts to an abort faster than the
+failing rank can exit is not blamed; without reports, simply the first rank to
+exit unsuccessfully.  Every other rank that ended unsuccessfully (including
+those the launcher had to terminate) is listed once as a consequence.
+
+Exit status
+-----------
+* 0 -- every rank exited with status 0;
+* 1 -- a rank's code failed: the root-cause rank exited with a non-zero status;
+* 2 -- the launcher could not do its job: bad arguments, script not found, a
+  rank that could not be started;
+* 3 -- infrastructure: the root-cause rank was killed by a signal the launcher
+  did not send (SIGKILL from the OOM killer, SIGSEGV, ...);
+* 130 / 143 (/ 129) -- the launcher received SIGINT / SIGTERM (/ SIGHUP): it
+  sent SIGTERM to every rank's process group, SIGKILL after ``--grace``
+  seconds (at once on a second signal), and exits with 128 + the signal.
+
+Multi-node
+----------
+Run one launcher per node with the same ``--nnodes``, ``--nproc-per-node``,
+``--master-addr`` and ``--master-port`` and each node's ``--node-rank``::
+
+    node0$ pipeloom launch --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr host0 --master-port 29500 train.py
+    node1$ pipeloom launch --nnodes 2 --node-rank 1 --nproc-per-node 4 --master-addr host0 --master-port 29500 train.py
+
+Ranks are ``node_rank * nproc_per_node + local_rank`` of ``nnodes *
+nproc_per_node``.  The launchers do not talk to each other: the rendezvous is
+torch.distributed's TCP store on MASTER_ADDR:MASTER_PORT, created by global
+rank 0 as with ``env://``.  Each launcher supervises only its own node's ranks;
+a failure elsewhere reaches them through the runtime's abort (or
+torch.distributed's own errors), after which they exit and their launcher
+reports them as consequences.  Export the same ``PIPELOOM_JOB_SECRET`` on every
+node (e.g. ``export PIPELOOM_JOB_SECRET=$(openssl rand -hex 16)`` once, shared
+by your job scheduler): a launcher cannot hand a secret to the other nodes, so
+without it a multi-node job runs with no job secret at all (as under torchrun)
+and each launcher warns once.  Several "nodes" may be launchers on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import json
+import os
+import secrets
+import signal
+import socket
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_RANK_FAILED",
+    "EXIT_USAGE",
+    "EXIT_INFRA",
+    "ROOT_CAUSE_PREFIX",
+    "LaunchConfig",
+    "RootCause",
+    "parse_root_cause_line",
+    "rank_environment",
+    "config_from_args",
+    "launch",
+    "launch_async",
+    "add_parser",
+]
+
+EXIT_OK = 0
+"""Every rank exited with status 0."""
+EXIT_RANK_FAILED = 1
+"""The root-cause rank exited with a non-zero status (user code failed)."""
+EXIT_USAGE = 2
+"""The launcher could not do its job (arguments, missing script, spawn failure)."""
+EXIT_INFRA = 3
+"""The root-cause rank was killed by a signal the launcher did not send."""
+
+ROOT_CAUSE_PREFIX = "PIPELOOM_ROOT_CAUSE "
+"""Start of a root-cause line on a rank's stderr; a JSON object follows."""
+
+_ROOT_CAUSE_PREFIX_B = ROOT_CAUSE_PREFIX.encode()
+_MAX_LINE = 1 << 20  # longer "lines" are echoed in pieces
+_KILL_AFTER_TERM = 1.0  # seconds between SIGTERM and SIGKILL after a failure
+_GIVE_UP_AFTER_KILL = 5.0  # a process in uninterruptible sleep: stop waiting
+_PIPE_DRAIN = 0.5  # seconds to wait for a dead rank's pipes to close
+_DEFAULT_MULTINODE_PORT = 29500
+_PR_SET_PDEATHSIG = 1
+_EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """One node's share of a job: what to run and how to supervise it."""
+
+    command: tuple[str, ...]
+    """The argv of every rank, e.g. ``(sys.executable, "-u", "train.py", "--lr", "0.1")``."""
+    nproc_per_node: int = 1
+    """Ranks started by this launcher."""
+    nnodes: int = 1
+    """Nodes (launchers) in the job."""
+    node_rank: int = 0
+    """This node's index in ``range(nnodes)``; global rank = node_rank * nproc_per_node + local rank."""
+    master_addr: str = "127.0.0.1"
+    """Host of the torch.distributed TCP store (global rank 0's machine)."""
+    master_port: int = _DEFAULT_MULTINODE_PORT
+    """Port of the torch.distributed TCP store."""
+    job_secret: str | None = None
+    """``PIPELOOM_JOB_SECRET`` for every rank; None leaves it unset."""
+    backend: str | None = None
+    """``PIPELOOM_BACKEND`` (``gloo`` or ``nccl``); None: the runtime chooses."""
+    trace: str | None = None
+    """``PIPELOOM_TRACE``: file the runtime streams trace events to."""
+    heartbeat_timeout: float | None = None
+    """``PIPELOOM_HEARTBEAT_TIMEOUT``, seconds without a heartbeat before a peer counts as lost."""
+    grace: float = 2.0
+    """Seconds the other ranks get to exit by themselves after the first failure (or a signal)."""
+    log_dir: Path | None = None
+    """If set, each rank's raw output also goes to ``log_dir/rank{R}.log``."""
+    prefix: bool = True
+    """Prefix echoed lines with ``[rank{R}]: ``."""
+    console_local_ranks: frozenset[int] | None = None
+    """Local ranks whose output is echoed (None: all); log files always get everything."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.node_rank * self.nproc_per_node + local_rank
+
+
+def rank_environment(config: LaunchConfig, local_rank: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of one rank: ``base`` (default: ours) plus what torchrun sets plus pipeloom's own."""
+    env = dict(os.environ if base is None else base)
+    # Inherited from an enclosing torchrun, this would make rank 0 wait for a store nobody creates.
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    rank = config.global_rank(local_rank)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(config.world_size),
+        LOCAL_WORLD_SIZE=str(config.nproc_per_node),
+        GROUP_RANK=str(config.node_rank),
+        GROUP_WORLD_SIZE=str(config.nnodes),
+        ROLE_RANK=str(rank),
+        ROLE_WORLD_SIZE=str(config.world_size),
+        ROLE_NAME="default",
+        MASTER_ADDR=config.master_addr,
+        MASTER_PORT=str(config.master_port),
+        TORCHELASTIC_RESTART_COUNT="0",
+        TORCHELASTIC_MAX_RESTARTS="0",
+        PIPELOOM_LAUNCHER="1",
+    )
+    if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = "1"  # as torchrun: N ranks x all cores each would oversubscribe
+    optional = {
+        "PIPELOOM_JOB_SECRET": config.job_secret,
+        "PIPELOOM_BACKEND": config.backend,
+        "PIPELOOM_TRACE": config.trace,
+        "PIPELOOM_HEARTBEAT_TIMEOUT": None if config.heartbeat_timeout is None else repr(config.heartbeat_timeout),
+    }
+    for key, value in optional.items():
+        if value is not None:
+            env[key] = value
+    return env
+
+
+# ---------------------------------------------------------------- root cause
+
+
+@dataclass(frozen=True)
+class RootCause:
+    """A rank's own account of why it failed (the JSON of a ``PIPELOOM_ROOT_CAUSE`` line)."""
+
+    rank: int | None = None
+    stage: int | None = None
+    microbatch: int | None = None
+    action: str | None = None
+    error: str | None = None
+    traceback: str | None = None
+    remote: bool = False
+    """True when the rank stopped because another rank failed."""
+    failed_rank: int | None = None
+    """With ``remote``: the rank it blames."""
+    fields: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The whole JSON object, unknown fields included."""
+
+    def where(self, default_rank: int) -> str:
+        parts = [f"rank {self.rank if self.rank is not None else default_rank}"]
+        for name, value in (("stage", self.stage), ("microbatch", self.microbatch), ("action", self.action)):
+            if value is not None:
+                parts.append(f"{name} {value}")
+        return ", ".join(parts)
+
+
+def _opt_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _opt_str(value: object) -> str | None:
+    if value is None:
+        return None
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def parse_root_cause_line(line: bytes | str) -> RootCause | None:
+    """Parse one ``PIPELOOM_ROOT_CAUSE {...}`` line; None if it is not one (then it is ordinary output)."""
+    if isinstance(line, str):
+        line = line.encode("utf-8", "replace")
+    if not line.startswith(_ROOT_CAUSE_PREFIX_B) or len(line) > _MAX_LINE:
+        return None
+    try:
+        obj = json.loads(line[len(_ROOT_CAUSE_PREFIX_B) :].decode("utf-8", "replace"))
+    except ValueError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    return RootCause(
+        rank=_opt_int(obj.get("rank")),
+        stage=_opt_int(obj.get("stage")),
+        microbatch=_opt_int(obj.get("microbatch")),
+        action=_opt_str(obj.get("action")),
+        error=_opt_str(obj.get("error")),
+        traceback=_opt_str(obj.get("traceback")),
+        remote=obj.get("remote") is True,
+        failed_rank=_opt_int(obj.get("failed_rank")),
+        fields=obj,
+    )
+
+
+# ---------------------------------------------------------------- output
+
+
+class _Console:
+    """A byte sink over the launcher's stdout or stderr that never raises (a closed pipe must not orphan ranks)."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._stream = stream
+        self._broken = False
+
+    def write(self, data: bytes) -> None:
+        if self._broken or not data:
+            return
+        try:
+            buffer = getattr(self._stream, "buffer", None)
+            if buffer is not None:
+                buffer.write(data)
+                buffer.flush()
+            else:  # a captured or wrapped text stream
+                self._stream.write(data.decode("utf-8", "replace"))
+                self._stream.flush()
+        except (OSError, ValueError):
+            self._broken = True
+
+    def say(self, text: str) -> None:
+        """One message of the launcher's own: the first line is marked as such, the rest follow as they are."""
+        self.write(f"pipeloom launch: {text.rstrip()}\n".encode("utf-8", "replace"))
+
+
+class _RankStream:
+    """One pipe of one rank: splits it into lines, echoes them prefixed, logs them raw, picks out root causes."""
+
+    def __init__(self, rank: _Rank, *, is_stderr: bool, console: _Console | None, log: IO[bytes] | None, prefix: bytes) -> None:
+        self._rank = rank
+        self._is_stderr = is_stderr
+        self._console = console
+        self._log = log
+        self._prefix = prefix
+        self._buf = bytearray()
+        self.closed = False
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+        echo: list[bytes] = []
+        start = 0
+        while (newline := self._buf.find(b"\n", start)) >= 0:
+            self._line(bytes(self._buf[start : newline + 1]), echo, terminated=True)
+            start = newline + 1
+        del self._buf[:start]
+        if len(self._buf) >= _MAX_LINE:
+            self._line(bytes(self._buf), echo, terminated=False)
+            self._buf.clear()
+        self._emit(echo)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        echo: list[bytes] = []
+        if self._buf:
+            self._line(bytes(self._buf), echo, terminated=False)
+            self._buf.clear()
+        self._emit(echo)
+
+    def _line(self, line: bytes, echo: list[bytes], *, terminated: bool) -> None:
+        if self._log is not None:
+            self._log.write(line)
+        if self._is_stderr and line.startswith(_ROOT_CAUSE_PREFIX_B):
+            cause = parse_root_cause_line(line.rstrip(b"\r\n"))
+            if cause is not None:
+                if self._rank.root_cause is None:
+                    self._rank.root_cause = cause
+                return
+        if self._console is not None:
+            echo.append(self._prefix + line if terminated else self._prefix + line + b"\n")
+
+    def _emit(self, echo: list[bytes]) -> None:
+        if self._log is not None:
+            try:
+                self._log.flush()
+            except OSError:
+                pass
+        if echo and self._console is not None:
+            self._console.write(b"".join(echo))
+
+
+# ---------------------------------------------------------------- ranks
+
+
+@dataclass(eq=False)
+class _Rank:
+    local_rank: int
+    rank: int
+    pid: int | None = None
+    transport: asyncio.SubprocessTransport | None = None
+    returncode: int | None = None
+    signalled: bool = False
+    """The launcher sent this rank's group a signal while it was alive."""
+    root_cause: RootCause | None = None
+    streams: dict[int, _RankStream] = field(default_factory=dict)
+    log: IO[bytes] | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.pid is not None and self.returncode is None
+
+    @property
+    def pipes_closed(self) -> bool:
+        return all(s.closed for s in self.streams.values())
+
+    def outcome(self) -> str:
+        if self.returncode is None:
+            return f"rank {self.rank} did not exit"
+        if self.returncode < 0:
+            return f"rank {self.rank} was killed by {_signal_name(-self.returncode)}"
+        return f"rank {self.rank} exited with code {self.returncode}"
+
+
+class _RankProtocol(asyncio.SubprocessProtocol):
+    def __init__(self, job: _Job, rank: _Rank) -> None:
+        self._job = job
+        self._rank = rank
+        self._transport: asyncio.SubprocessTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.SubprocessTransport)
+        self._transport = transport
+
+    def pipe_data_received(self, fd: int, data: bytes | str) -> None:
+        stream = self._rank.streams.get(fd)
+        if stream is not None:
+            stream.feed(data if isinstance(data, bytes) else data.encode())
+
+    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        stream = self._rank.streams.get(fd)
+        if stream is not None:
+            stream.close()
+        self._job.wake()
+
+    def process_exited(self) -> None:
+        assert self._transport is not None
+        self._job.on_exit(self._rank, self._transport.get_returncode())
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _plural(ranks: Sequence[_Rank]) -> str:
+    numbers = ", ".join(str(r.rank) for r in sorted(ranks, key=lambda r: r.rank))
+    return f"rank{'s' if len(ranks) > 1 else ''} {numbers}"
+
+
+def _pdeathsig_hook() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the kernel SIGKILL the rank if the launcher dies (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def hook() -> None:  # runs in the child between fork and exec: keep it tiny
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+# ---------------------------------------------------------------- the job
+
+
+class _Job:
+    """Spawns one node's ranks, supervises them on the running loop, and reports."""
+
+    def __init__(self, config: LaunchConfig, *, stdout: IO[str], stderr: IO[str]) -> None:
+        self.config = config
+        self.out = _Console(stdout)
+        self.err = _Console(stderr)
+        self.ranks = [_Rank(local_rank=lr, rank=config.global_rank(lr)) for lr in range(config.nproc_per_node)]
+        self.exit_order: list[_Rank] = []
+        self.failure_at: float | None = None
+        self.interrupt: int | None = None
+        self.interrupt_count = 0
+        self._spawning = 0
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- callbacks (loop thread)
+
+    def wake(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def on_exit(self, rank: _Rank, returncode: int | None) -> None:
+        assert self._loop is not None
+        rank.returncode = returncode if returncode is not None else -signal.SIGKILL
+        self.exit_order.append(rank)
+        if rank.returncode != 0 and self.failure_at is None and self.interrupt is None:
+            self.failure_at = self._loop.time()
+        self.wake()
+
+    def on_signal(self, signum: int) -> None:
+        if self.interrupt is None:
+            self.interrupt = signum
+        self.interrupt_count += 1
+        self.wake()
+
+    # -- driving
+
+    async def run(self) -> int:
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        installed = []
+        for sig in _EXIT_SIGNALS:
+            try:
+                self._loop.add_signal_handler(sig, self.on_signal, sig)
+                installed.append(sig)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread / not POSIX
+                pass
+        try:
+            try:
+                await self._spawn_all()
+            except OSError as exc:
+                self.err.say(f"error: could not start rank {self._spawning}: {exc}")
+                self._signal_all(signal.SIGKILL)
+                await self._wait_until(lambda: not any(r.alive for r in self.ranks), _GIVE_UP_AFTER_KILL)
+                await self._drain()
+                return EXIT_USAGE
+            await self._supervise()
+            await self._drain()
+            return self._report()
+        finally:
+            for sig in installed:
+                self._loop.remove_signal_handler(sig)
+            for r in self.ranks:
+                if r.transport is not None:
+                    r.transport.close()
+                for s in r.streams.values():
+                    s.close()
+                if r.log is not None:
+                    r.log.close()
+
+    async def _spawn_all(self) -> None:
+        assert self._loop is not None
+        cfg = self.config
+        hook = _pdeathsig_hook()
+        if cfg.log_dir is not None:
+            cfg.log_dir.mkdir(parents=True, exist_ok=True)
+        for r in self.ranks:
+            if self.interrupt is not None:
+                return
+            self._spawning = r.rank
+            if cfg.log_dir is not None:
+                r.log = open(cfg.log_dir / f"rank{r.rank}.log", "wb")
+            shown = cfg.console_local_ranks is None or r.local_rank in cfg.console_local_ranks
+            prefix = f"[rank{r.rank}]: ".encode() if cfg.prefix else b""
+            r.streams = {
+                1: _RankStream(r, is_stderr=False, console=self.out if shown else None, log=r.log, prefix=prefix),
+                2: _RankStream(r, is_stderr=True, console=self.err if shown else None, log=r.log, prefix=prefix),
+            }
+            transport, _ = await self._loop.subprocess_exec(
+                lambda r=r: _RankProtocol(self, r),  # type: ignore[misc]
+                *cfg.command,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=rank_environment(cfg, r.local_rank),
+                start_new_session=True,
+                preexec_fn=hook,
+            )
+            r.transport = transport
+            r.pid = transport.get_pid()
+
+    async def _supervise(self) -> None:
+        """Wait for every rank; enforce the grace -> SIGTERM -> SIGKILL timeline after a failure or a signal."""
+        assert self._loop is not None and self._wake is not None
+        loop = self._loop
+        term_at: float | None = None
+        kill_at: float | None = None
+        term_sent = False
+        killed_at: float | None = None
+        while any(r.alive for r in self.ranks):
+            now = loop.time()
+            if self.interrupt is not None and not term_sent:
+                term_at = now  # a signal to the launcher: SIGTERM now, SIGKILL after the grace
+                kill_at = now + self.config.grace
+            elif self.failure_at is not None and term_at is None:
+                term_at = self.failure_at + self.config.grace
+                kill_at = term_at + _KILL_AFTER_TERM
+            if self.interrupt_count > 1 and kill_at is not None:
+                kill_at = min(kill_at, now)  # asked twice: no more patience
+            if term_at is not None and now >= term_at and not term_sent:
+                self._signal_all(signal.SIGTERM)
+                term_sent = True
+            if kill_at is not None and now >= kill_at and killed_at is None:
+                self._signal_all(signal.SIGKILL)
+                killed_at = now
+            if killed_at is not None and now >= killed_at + _GIVE_UP_AFTER_KILL:
+                stuck = [r for r in self.ranks if r.alive]
+                self.err.say(f"warning: {_plural(stuck)} did not exit after SIGKILL; giving up on them")
+                return
+            deadlines = [t for t in (term_at, kill_at) if t is not None and t > now]
+            if killed_at is not None:
+                deadlines.append(killed_at + _GIVE_UP_AFTER_KILL)
+            timeout = (min(deadlines) - now) if deadlines else None
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+
+    def _signal_all(self, sig: int) -> None:
+        for r in self.ranks:
+            if r.alive and r.pid is not None:
+                r.signalled = True
+                try:
+                    os.killpg(r.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    async def _wait_until(self, done: Callable[[], bool], timeout: float) -> None:
+        assert self._loop is not None and self._wake is not None
+        deadline = self._loop.time() + timeout
+        while not done():
+            left = deadline - self._loop.time()
+            if left <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
+    async def _drain(self) -> None:
+        """Collect the last output, then kill whatever the ranks left behind in their process groups."""
+        spawned = [r for r in self.ranks if r.pid is not None]
+        await self._wait_until(lambda: all(r.pipes_closed for r in spawned), _PIPE_DRAIN)
+        for r in spawned:
+            if r.returncode is not None:  # the leader is reaped; its pid stays reserved while its group lives
+                try:
+                    os.killpg(r.pid, signal.SIGKILL)  # type: ignore[arg-type]
+                except (ProcessLookupError, PermissionError):
+                    pass
+        await self._wait_until(lambda: all(r.pipes_closed for r in spawned), _PIPE_DRAIN)
+
+    # -- the summary
+
+    def _root(self, failures: list[_Rank]) -> _Rank:
+        def blames_itself(r: _Rank) -> bool:
+            return r.root_cause is None or not r.root_cause.remote
+
+        for r in failures:  # in exit order
+            if not r.signalled and blames_itself(r):
+                return r
+        for r in failures:  # stopped by us, but it had told us it was the cause
+            if r.root_cause is not None and not r.root_cause.remote:
+                return r
+        return failures[0]
+
+    def _report(self) -> int:
+        failures = [r for r in self.exit_order if r.returncode != 0]
+        failures += [r for r in self.ranks if r.returncode is None and r.pid is not None]  # gave up on these
+        code = EXIT_OK
+        own = [r for r in failures if not (r.signalled and self.interrupt is not None)]
+        if own:
+            root = self._root(own)
+            lines = [f"job failed: {root.outcome()}" + (" (stopped by the launcher)" if root.signalled else "")]
+            cause = root.root_cause
+            if cause is not None and not cause.remote:
+                lines.append(f"  root cause: {cause.where(root.rank)}")
+                tb = (cause.traceback or "").rstrip("\n")
+                if cause.error and not tb.endswith(cause.error):
+                    lines.append(f"  error: {cause.error}")
+                lines += [f"  {line}" for line in tb.splitlines()]
+            elif cause is not None:  # only consequences here: the root cause is on another node
+                blamed = f"rank {cause.failed_rank}" if cause.failed_rank is not None else "another rank"
+                lines.append(f"  it reports that {blamed} failed" + (f": {cause.error}" if cause.error else ""))
+            self.err.say("\n".join(lines))
+            others = [r for r in failures if r is not root]
+            if others:
+                terminated = [r for r in others if r.signalled]
+                note = f"; the launcher terminated {_plural(terminated)}" if terminated else ""
+                self.err.say(f"also stopped: {_plural(others)} (consequence of rank {root.rank}{note})")
+            infra = root.returncode is not None and root.returncode < 0 and not root.signalled
+            reported = cause is not None and not cause.remote
+            code = EXIT_INFRA if infra and not reported else EXIT_RANK_FAILED
+        if self.interrupt is not None:
+            stopped = [r for r in self.ranks if r.signalled]
+            what = f"; terminated {_plural(stopped)}" if stopped else ""
+            self.err.say(f"stopped by {_signal_name(self.interrupt)}{what}")
+            code = 128 + self.interrupt
+        return code
+
+
+async def launch_async(config: LaunchConfig, *, stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> int:
+    """Run one node's ranks to completion on the running loop; returns the launcher's exit status."""
+    return await _Job(config, stdout=stdout or sys.stdout, stderr=stderr or sys.stderr).run()
+
+
+def launch(config: LaunchConfig, *, stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> int:
+    """Run one node's ranks to completion (a fresh event loop); returns the launcher's exit status."""
+    try:
+        return asyncio.run(launch_async(config, stdout=stdout, stderr=stderr))
+    except KeyboardInterrupt:  # before our handler was installed; nothing was started yet
+        return 128 + signal.SIGINT
+
+
+# ---------------------------------------------------------------- command line
+
+_EPILOG = """\
+exit status:
+  0    every rank exited with status 0
+  1    a rank failed: the root-cause rank exited with a non-zero status
+  2    launcher or usage error (bad arguments, script not found, spawn failure)
+  3    infrastructure failure: the root-cause rank was killed by a signal the
+       launcher did not send (e.g. SIGKILL from the OOM killer, SIGSEGV)
+  130  the launcher got SIGINT (Ctrl-C); 143: SIGTERM; 129: SIGHUP. Ranks get
+       SIGTERM at once and SIGKILL after --grace seconds (at once on a second
+       signal)
+
+after a rank fails, the others get --grace seconds to exit, then SIGTERM, then
+SIGKILL one second later. One summary names the root-cause rank (see the
+PIPELOOM_ROOT_CAUSE protocol in pipeloom.tools.launch) and lists the ranks that
+stopped as a consequence.
+
+multi-node: run one launcher per node with the same --nnodes, --nproc-per-node,
+--master-addr, --master-port and that node's --node-rank; export the same
+PIPELOOM_JOB_SECRET on every node.
+"""
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _nonneg_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("expected a number of seconds > 0")
+    return value
+
+
+def _int_arg(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _ranks_filter(text: str) -> frozenset[int]:
+    try:
+        return frozenset(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated local ranks, got {text!r}") from None
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``launch`` on the ``pipeloom`` parser."""
+    p = subparsers.add_parser(
+        "launch",
+        help="start the ranks of a training script (torchrun's flags; clear failure summaries)",
+        description="Start the ranks of a training script on this node, with torchrun's environment,\n"
+        "prefixed output, a bounded teardown after a failure and one root-cause summary.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    add = p.add_argument
+    add("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default="1", metavar="N",
+        help="ranks on this node: an integer, or 'auto' (CUDA devices if any, else CPU cores) (default 1)")
+    add("--nnodes", type=_int_arg, default=1, metavar="N", help="nodes in the job (default 1)")
+    add("--node-rank", "--node_rank", dest="node_rank", type=_int_arg, default=0, metavar="I", help="this node's index (default 0)")
+    add("--master-addr", "--master_addr", dest="master_addr", default="127.0.0.1", metavar="HOST",
+        help="host of global rank 0, where the torch.distributed store listens (default 127.0.0.1)")
+    add("--master-port", "--master_port", dest="master_port", type=_int_arg, default=None, metavar="PORT",
+        help=f"port of the store (default: a free port on one node, {_DEFAULT_MULTINODE_PORT} on several)")
+    add("--standalone", action="store_true", help="single-node job on a free local port (implies --nnodes 1)")
+    add("--log-dir", "--log_dir", dest="log_dir", type=Path, default=None, metavar="DIR",
+        help="also write each rank's raw stdout+stderr to DIR/rank{R}.log")
+    add("--local-ranks-filter", "--local_ranks_filter", dest="ranks_filter", type=_ranks_filter, default=None,
+        metavar="R,R", help="echo only these local ranks' output to the console (log files get all)")
+    add("--no-prefix", dest="prefix", action="store_false", help="do not prefix echoed lines with [rank{R}]: ")
+    add("--backend", choices=("gloo", "nccl"), default=None, help="torch.distributed backend (PIPELOOM_BACKEND)")
+    add("--trace", default=None, metavar="FILE", help="record a trace to FILE (PIPELOOM_TRACE)")
+    add("--heartbeat-timeout", dest="heartbeat_timeout", type=_positive_float, default=None, metavar="SECONDS",
+        help="declare a silent peer lost after SECONDS (PIPELOOM_HEARTBEAT_TIMEOUT)")
+    add("--grace", type=_nonneg_float, default=2.0, metavar="SECONDS",
+        help="after a failure, wait this long for the other ranks before SIGTERM (default 2)")
+    add("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
+    add("--no-python", "--no_python", dest="no_python", action="store_true", help="run SCRIPT as an executable, not with python")
+    add("script", metavar="SCRIPT", help="the training script (or module with -m, executable with --no-python)")
+    add("script_args", nargs=argparse.REMAINDER, metavar="...", help="arguments of the script")
+    p.set_defaults(func=_cmd_launch)
+
+
+def _nproc(text: str) -> int:
+    if text in ("auto", "gpu", "cpu"):
+        if text != "cpu":
+            try:
+                import torch  # only here: counting devices is the one thing that needs it
+
+                if torch.cuda.is_available():
+                    return int(torch.cuda.device_count())
+            except ImportError:
+                pass
+            if text == "gpu":
+                raise _UsageError("--nproc-per-node gpu: no CUDA device")
+        return os.cpu_count() or 1
+    try:
+        value = int(text)
+    except ValueError:
+        raise _UsageError(f"--nproc-per-node: expected an integer or 'auto', got {text!r}") from None
+    if value < 1:
+        raise _UsageError(f"--nproc-per-node must be at least 1, got {value}")
+    return value
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("" if host not in ("127.0.0.1", "localhost") else "127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def config_from_args(args: argparse.Namespace, *, environ: Mapping[str, str] | None = None) -> tuple[LaunchConfig, list[str]]:
+    """Validate parsed arguments into a config; also returns warnings to print.  Raises _UsageError."""
+    env = os.environ if environ is None else environ
+    warnings: list[str] = []
+    nproc = _nproc(args.nproc_per_node)
+    nnodes = args.nnodes
+    if args.standalone:
+        if nnodes != 1:
+            raise _UsageError("--standalone is a single-node job; drop --nnodes or --standalone")
+        if args.node_rank != 0:
+            raise _UsageError("--standalone takes no --node-rank")
+    if nnodes < 1:
+        raise _UsageError(f"--nnodes must be at least 1, got {nnodes}")
+    if not 0 <= args.node_rank < nnodes:
+        raise _UsageError(f"--node-rank must be in [0, {nnodes}), got {args.node_rank}")
+    port = args.master_port
+    if port is None:
+        port = _free_port(args.master_addr) if (args.standalone or nnodes == 1) else _DEFAULT_MULTINODE_PORT
+    if not 0 < port < 65536:
+        raise _UsageError(f"--master-port must be in 1..65535, got {port}")
+
+    if args.module and args.no_python:
+        raise _UsageError("-m and --no-python exclude each other")
+    if args.no_python:
+        command = (args.script, *args.script_args)
+    elif args.module:
+        command = (sys.executable, "-u", "-m", args.script, *args.script_args)
+    else:
+        if not Path(args.script).is_file():
+            raise _UsageError(f"script not found: {args.script}")
+        command = (sys.executable, "-u", args.script, *args.script_args)
+
+    secret = env.get("PIPELOOM_JOB_SECRET") or None
+    if secret is None and nnodes == 1:
+        secret = secrets.token_hex(16)
+    elif secret is None:
+        warnings.append(
+            "warning: multi-node job without PIPELOOM_JOB_SECRET: the ranks get no job secret; "
+            "export the same value on every node (e.g. $(openssl rand -hex 16))"
+        )
+    if args.ranks_filter is not None and not all(0 <= r < nproc for r in args.ranks_filter):
+        raise _UsageError(f"--local-ranks-filter: local ranks are 0..{nproc - 1}")
+
+    config = LaunchConfig(
+        command=command,
+        nproc_per_node=nproc,
+        nnodes=nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=port,
+        job_secret=secret,
+        backend=args.backend,
+        trace=None if args.trace is None else os.path.abspath(args.trace),
+        heartbeat_timeout=args.heartbeat_timeout,
+        grace=args.grace,
+        log_dir=args.log_dir,
+        prefix=args.prefix,
+        console_local_ranks=args.ranks_filter,
+    )
+    return config, warnings
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    err = _Console(sys.stderr)
+    try:
+        config, warnings = config_from_args(args)
+    except _UsageError as exc:
+        err.say(f"error: {exc}")
+        return EXIT_USAGE
+    for warning in warnings:
+        err.say(warning)
+    return launch(config)
