@@ -92,8 +92,12 @@ class RankActor:
         control: ControlPlane,
         device: torch.device,
         deterministic: bool = False,
+        heartbeat_timeout: float = 10.0,
     ) -> None:
         self.rank = rank
+        self.heartbeat_timeout = heartbeat_timeout
+        self._last_seen: dict[int, float] = {}
+        self._listening_since = time.monotonic()
         self.schedule = schedule
         self.stages = stages
         self.tensors = tensor_plane
@@ -133,6 +137,7 @@ class RankActor:
     def _on_message(self, msg: dict[str, Any]) -> None:
         kind = msg["type"]
         src = msg["src"]
+        self._last_seen[src] = time.monotonic()
         if kind == "xfer":
             try:
                 self.tensors.check_recv_seq(src, msg["seq"])
@@ -260,6 +265,9 @@ class RankActor:
         self.step_index += 1
         if self._remote_error is not None:
             raise self._remote_error
+        self.control.step = step
+        self._listening_since = time.monotonic()
+        self._liveness_interval = min(1.0, self.heartbeat_timeout / 4)
         pending = list(self.train_actions if train else self.eval_actions)
         self._fwd_done = set()
         self._i_done = set()
@@ -292,7 +300,10 @@ class RankActor:
                 waits += 1
                 wake.clear()
                 t0 = time.perf_counter()
-                await wake.wait()
+                try:
+                    await asyncio.wait_for(wake.wait(), self._liveness_interval)
+                except asyncio.TimeoutError:
+                    self._check_liveness(pending, step)
                 idle += time.perf_counter() - t0
                 continue
             a = pending.pop(pick)
@@ -320,6 +331,24 @@ class RankActor:
         self.statistics = ActorStatistics(ran, out_of_order, waits, idle, peak)
         return results, losses
 
+    def _check_liveness(self, pending: list[Action], step: int) -> None:
+        """Raise PeerLostError if a peer has been silent longer than the heartbeat timeout."""
+        now = time.monotonic()
+        for peer in range(len(self.control._endpoints)):
+            if peer == self.rank:
+                continue
+            silent = now - max(self._last_seen.get(peer, 0.0), self._listening_since)
+            if silent > self.heartbeat_timeout:
+                err = PeerLostError(
+                    f"no heartbeat for {silent:.1f} s (timeout {self.heartbeat_timeout:g} s): the rank died, "
+                    "was stopped, or its host is unreachable",
+                    rank=self.rank,
+                    peer=peer,
+                )
+                self._remote_error = err
+                self.broadcast_abort(err, None, step)
+                raise self._annotate_wait(err, pending, step)
+
     def _annotate_wait(self, err: PipelineError, pending: list[Action], step: int) -> PipelineError:
         if isinstance(err, PeerLostError):
             waiting = ", ".join(str(a) for a in pending[:4])
@@ -338,17 +367,27 @@ class RankActor:
             action=str(a),
         )
         err.remote_traceback = tb  # type: ignore[attr-defined]
+        self.broadcast_abort(exc, a, step, tb=tb)
+        return err
+
+    def broadcast_abort(self, exc: BaseException, a: Action | None, step: int, *, tb: str | None = None) -> None:
+        """Tell every peer that this rank failed (once), so they stop instead of waiting."""
+        if self._local_failure is not None:
+            return
+        self._local_failure = exc
+        leaf = a.leaves()[0] if a is not None else None
+        single = a is not None and a.type is not _OVL
+        if tb is None:
+            tb = "".join(traceback.format_exception(exc))
         try:
             self.control.broadcast(
                 "abort",
                 step=step,
-                stage=err.stage,
-                mb=err.microbatch,
-                action=str(a),
+                stage=leaf.stage if single and leaf is not None else None,
+                mb=leaf.microbatch if single and leaf is not None else None,
+                action=None if a is None else str(a),
                 error=f"{type(exc).__name__}: {exc}"[:60000],
                 traceback=tb[-60000:],
             )
         except Exception:  # the abort is best effort; the local error is what matters
             log.exception("rank %d: could not broadcast the abort", self.rank)
-        self._local_failure = err
-        return err

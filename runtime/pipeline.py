@@ -17,7 +17,10 @@ there is no shape-inference pass and no stale receive buffer.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import sys
+import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -30,7 +33,7 @@ from ..schedules import Schedule, ScheduleError, load_csv
 from ..transport.control import ControlPlane, choose_bind_host
 from ..transport.tensor import TensorPlane
 from .actor import ActorStatistics, RankActor, StepInputs
-from .errors import PipelineConfigError
+from .errors import PeerLostError, PipelineConfigError, RemoteRankError
 from .stage import StageExecutor
 
 __all__ = ["Pipeline", "Microbatches", "split_microbatches"]
@@ -85,11 +88,18 @@ def split_microbatches(
     )
 
 
-def _merge(outputs: list[Any]) -> Any:
+def _merge(outputs: list[Any], *, precut: bool) -> Any:
+    """Join the last stage's per-microbatch outputs as torch does (cat on dim 0).
+
+    Microbatches passed pre-cut (``Microbatches``) may have different shapes,
+    so their outputs come back as ``Microbatches`` too.
+    """
+    if precut:
+        return Microbatches(outputs)
     if all(isinstance(o, torch.Tensor) for o in outputs):
         return torch.cat(outputs, dim=0) if outputs and outputs[0].dim() > 0 else torch.stack(outputs)
     if all(isinstance(o, (tuple, list)) for o in outputs):
-        return type(outputs[0])(_merge(list(parts)) for parts in zip(*outputs))
+        return type(outputs[0])(_merge(list(parts), precut=False) for parts in zip(*outputs))
     return outputs
 
 
@@ -113,6 +123,31 @@ def _init_process_group() -> bool:
     return True
 
 
+def _report_root_cause(exc: BaseException, *, remote: bool) -> None:
+    """Under ``pipeloom launch``, write one root-cause line for the launcher's summary."""
+    if os.environ.get("PIPELOOM_LAUNCHER") != "1" or getattr(exc, "_pipeloom_reported", False):
+        return
+    try:
+        exc._pipeloom_reported = True  # type: ignore[attr-defined]
+    except AttributeError:
+        pass
+    info: dict[str, Any] = {
+        "rank": int(os.environ.get("RANK", "-1")),
+        "stage": getattr(exc, "stage", None),
+        "microbatch": getattr(exc, "microbatch", None),
+        "action": getattr(exc, "action", None),
+        "error": str(exc),
+        "traceback": getattr(exc, "remote_traceback", None) or "".join(traceback.format_exception(exc)),
+        "remote": remote,
+    }
+    if isinstance(exc, RemoteRankError):
+        info["failed_rank"] = exc.failed_rank
+    elif isinstance(exc, PeerLostError):
+        info["failed_rank"] = exc.peer
+    sys.stderr.write("PIPELOOM_ROOT_CAUSE " + json.dumps(info, default=str) + "\n")
+    sys.stderr.flush()
+
+
 class Pipeline:
     """A pipeline-parallel model, this rank's share of it, and its schedule.
 
@@ -124,6 +159,10 @@ class Pipeline:
         stages_per_rank: stages per rank; default per schedule (1, or 2 for interleaved and V).
         scale_grads: divide gradients by the number of microbatches (as torch does by default).
         deterministic: run each rank's list in exact order (debugging, bit-exact comparisons).
+        device: where this rank's stages run; default cuda:LOCAL_RANK on NCCL, else CPU.
+        heartbeat_interval: seconds between liveness heartbeats to every peer.
+        heartbeat_timeout: seconds of silence after which a waiting rank declares a peer lost
+            (default: $PIPELOOM_HEARTBEAT_TIMEOUT, else 10).
     """
 
     def __init__(
@@ -137,6 +176,8 @@ class Pipeline:
         scale_grads: bool = True,
         deterministic: bool = False,
         device: torch.device | str | None = None,
+        heartbeat_interval: float = 0.5,
+        heartbeat_timeout: float | None = None,
     ) -> None:
         self._owns_group = _init_process_group()
         self.rank = dist.get_rank()
@@ -165,6 +206,9 @@ class Pipeline:
         obj_group = dist.new_group(backend="gloo") if backend == "nccl" else None
         dist.all_gather_object(endpoints, self._control.endpoint, group=obj_group)
         self._control.connect([str(e) for e in endpoints])
+        self._control.start_heartbeats(heartbeat_interval)
+        if heartbeat_timeout is None:
+            heartbeat_timeout = float(os.environ.get("PIPELOOM_HEARTBEAT_TIMEOUT", "10"))
         self._tensors = TensorPlane(self.rank, device=self.device)
         self._actor = RankActor(
             rank=self.rank,
@@ -174,6 +218,7 @@ class Pipeline:
             control=self._control,
             device=self.device,
             deterministic=deterministic,
+            heartbeat_timeout=heartbeat_timeout,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._bound_loop: asyncio.AbstractEventLoop | None = None
@@ -285,10 +330,22 @@ class Pipeline:
             self._control.stop()
             self._actor._started = False
             self._bound_loop = loop
-        inputs = split_microbatches(args, kwargs, target, self.num_microbatches)
-        results, mb_losses = await self._actor.run_step(inputs, train=train)
-        if not self.has_last_stage:
-            return None
-        if losses is not None:
-            losses.extend(mb_losses[m] for m in sorted(mb_losses))
-        return _merge([results[m] for m in range(self.num_microbatches)])
+        step = self._actor.step_index
+        try:
+            inputs = split_microbatches(args, kwargs, target, self.num_microbatches)
+            results, mb_losses = await self._actor.run_step(inputs, train=train)
+            if not self.has_last_stage:
+                return None
+            if losses is not None:
+                losses.extend(mb_losses[m] for m in sorted(mb_losses))
+            precut = any(isinstance(v, Microbatches) for v in (*args, *kwargs.values()))
+            return _merge([results[m] for m in range(self.num_microbatches)], precut=precut)
+        except (RemoteRankError, PeerLostError) as exc:
+            _report_root_cause(exc, remote=True)
+            raise
+        except BaseException as exc:
+            # Whatever failed here (an action, input splitting, merging), the
+            # other ranks must hear of it now rather than wait for data.
+            self._actor.broadcast_abort(exc, None, step)
+            _report_root_cause(exc, remote=False)
+            raise

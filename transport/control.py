@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -65,9 +67,14 @@ class ControlPlane:
         self._reader: asyncio.Task[None] | None = None
         self.rejected = 0  #: messages rejected by validation (statistics for tests and traces)
         self._closed = False
+        self._endpoints: list[str] = []
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+        self.step = 0  #: the step this rank is in, reported in heartbeats
 
     def connect(self, endpoints: list[str]) -> None:
         """Connect a PUSH socket to every other rank's endpoint (index = rank)."""
+        self._endpoints = list(endpoints)
         for peer, ep in enumerate(endpoints):
             if peer == self.rank or peer in self._push:
                 continue
@@ -90,6 +97,43 @@ class ControlPlane:
     def broadcast(self, msg_type: str, /, **fields: Any) -> None:
         for dst in self._push:
             self.send(dst, msg_type, **fields)
+
+    def start_heartbeats(self, interval: float) -> None:
+        """Send a heartbeat to every peer every ``interval`` seconds from a daemon thread.
+
+        A thread, not a loop task, because the event loop only runs during a
+        step: between steps (optimizer, data loading, checkpointing) the rank
+        is alive and must not look dead to a peer already in the next step.
+        Heartbeats therefore prove that the *process* lives; a SIGKILLed or
+        SIGSTOPped rank falls silent.  The thread owns its own PUSH sockets
+        (ZeroMQ sockets are not thread-safe).
+        """
+        if self._hb_thread is not None:
+            return
+        self._hb_thread = threading.Thread(target=self._heartbeat, args=(interval,), name=f"pipeloom-heartbeat-{self.rank}", daemon=True)
+        self._hb_thread.start()
+
+    def _heartbeat(self, interval: float) -> None:
+        socks = []
+        for peer, ep in enumerate(self._endpoints):
+            if peer == self.rank:
+                continue
+            s = self._ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 16)
+            s.connect(ep)
+            socks.append(s)
+        try:
+            while not self._hb_stop.wait(interval):
+                data = encode("heartbeat", self.rank, step=self.step, t=time.time())
+                for s in socks:
+                    try:
+                        s.send(data, zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
+        finally:
+            for s in socks:
+                s.close()
 
     def start(self, handler: Callable[[dict[str, Any]], None]) -> None:
         """Start delivering validated messages to ``handler`` on the running loop."""
@@ -130,6 +174,9 @@ class ControlPlane:
             return
         self._closed = True
         self.stop()
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=2)
         for s in self._push.values():
             s.close()
         self._pull.close()

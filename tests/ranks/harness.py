@@ -78,17 +78,17 @@ async def spawn_ranks(
                     pass
 
 
-async def run_ranks(world: int, cfg: dict[str, Any], out: Path, *, timeout: float = 60.0) -> list[dict[str, Any]]:
-    """Run the worker on ``world`` ranks with ``cfg``; return each rank's saved result."""
+async def run_ranks(world: int, cases: list[dict[str, Any]], out: Path, *, timeout: float = 120.0) -> dict[str, list[dict[str, Any]]]:
+    """Run every case on one pool of ``world`` ranks; return case id -> each rank's saved result."""
     import torch
 
     out.mkdir(parents=True, exist_ok=True)
-    cfg = {**cfg, "out": str(out)}
-    path = out / f"cfg-{cfg.get('engine', 'pipeloom')}.json"
-    path.write_text(json.dumps(cfg))
+    path = out / "job.json"
+    path.write_text(json.dumps({"cases": cases, "out": str(out)}))
     codes, _, errs = await spawn_ranks(world, [str(WORKER), str(path)], timeout=timeout)
     if any(c != 0 for c in codes):
         tails = "\n".join(f"--- rank {r} (exit {c}) ---\n{e[-3000:]}" for r, (c, e) in enumerate(zip(codes, errs)))
         raise RanksFailed(f"ranks failed: exit codes {codes}\n{tails}", codes, errs)
-    engine = cfg.get("engine", "pipeloom")
-    return [torch.load(out / f"{engine}-rank{r}.pt", weights_only=False) for r in range(world)]
+    return {
+        c["id"]: [torch.load(out / f"{c['id']}-rank{r}.pt", weights_only=False) for r in range(world)] for c in cases
+    }

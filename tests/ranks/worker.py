@@ -1,9 +1,12 @@
 """One rank of an integration test: run a configured pipeline, save what it saw.
 
 Started by ``tests/ranks/harness.py`` with RANK/WORLD_SIZE/MASTER_* set (as
-``pipeloom launch`` and torchrun do) and a JSON config path.  Saves, per step,
-each local parameter's gradient (named ``s{stage}.{param}``), the losses and
-the merged output (on the last stage's rank), to ``{out}/rank{R}.pt``.
+``pipeloom launch`` and torchrun do) and a JSON file holding a list of cases.
+The process group is created once and every case runs in the same processes
+(a rank pool: starting torch costs more than most cases).  Saves, per case
+and step, each local parameter's gradient (named ``s{stage}.{param}``), the
+losses and the merged output (on the last stage's rank), to
+``{out}/{case}-rank{R}.pt``.
 
 ``engine`` is ``pipeloom`` or ``torch`` (torch.distributed.pipelining, as an
 oracle for the same stages, schedule and microbatches).
@@ -97,7 +100,6 @@ def run_torch(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-    dist.init_process_group("gloo")
     world = dist.get_world_size()
     cls = get_schedule_class(cfg["schedule"])
     single = issubclass(cls, PipelineScheduleSingle)
@@ -125,17 +127,20 @@ def run_torch(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
         result["grads"].append(_grads(local))
         result["losses"].append([l.detach().clone() for l in losses])
         result["outputs"].append(out.detach() if isinstance(out, torch.Tensor) else None)
-    dist.destroy_process_group()
     return result
 
 
 def main() -> None:
-    cfg = json.load(open(sys.argv[1]))
+    job = json.load(open(sys.argv[1]))
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
-    fn = run_torch if cfg.get("engine") == "torch" else run_pipeloom
-    result = fn(cfg, rank)
-    torch.save(result, os.path.join(cfg["out"], f"{cfg.get('engine', 'pipeloom')}-rank{rank}.pt"))
+    dist.init_process_group("gloo")
+    for cfg in job["cases"]:
+        fn = run_torch if cfg.get("engine") == "torch" else run_pipeloom
+        result = fn(cfg, rank)
+        torch.save(result, os.path.join(job["out"], f"{cfg['id']}-rank{rank}.pt"))
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,46 @@
+"""The unsplit model on one process, for comparing a pipelined run against."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from data import make_step_batches
+from models import build_stages, run_reference
+
+
+def reference_run(cfg: dict[str, Any], num_stages: int) -> list[dict[str, Any]]:
+    """Per step: grads by ``s{stage}.{param}``, losses, output, eval output — with SGD between steps as the worker does."""
+    from pipeloom.runtime.pipeline import split_microbatches
+
+    n = cfg["microbatches"]
+    dtype = getattr(torch, cfg.get("dtype", "float64"))
+    stages = build_stages(num_stages, dim=cfg["dim"], multi=cfg.get("multi", False), seed=cfg.get("seed", 0), dtype=dtype)
+    opt = torch.optim.SGD([p for s in stages for p in s.parameters()], lr=cfg.get("lr", 0.1))
+    steps = []
+    for step in range(cfg.get("steps", 1)):
+        b = make_step_batches(cfg, step)
+        for s in stages:
+            s.zero_grad(set_to_none=True)
+        if "x_mbs" in b:
+            args, kws, tg = [(x,) for x in b["x_mbs"]], [{}] * n, b["y_mbs"]
+        else:
+            kw = {"scale": b["scale"]} if "scale" in b else {}
+            si = split_microbatches((b["x"],), kw, b["target"], n)
+            args, kws, tg = si.args, si.kwargs, si.targets
+        losses, outs = run_reference(stages, args, kws, tg, n)
+        grads = {f"s{i}.{pn}": p.grad.detach().clone() for i, m in enumerate(stages) for pn, p in m.named_parameters()}
+        opt.step()
+        evals = None
+        if cfg.get("eval"):
+            with torch.no_grad():
+                evals = []
+                for a, k in zip(args, kws):
+                    x: Any = a
+                    for st in stages:
+                        x = st(*x, **k)
+                        x = x if isinstance(x, tuple) else (x,)
+                    evals.append(x[0])
+        steps.append({"grads": grads, "losses": losses, "outputs": outs, "eval": evals})
+    return steps
