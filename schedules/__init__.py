@@ -14,6 +14,7 @@ from .generators import (
     generate,
     placement_style,
 )
+from .lowering import add_reduce_grad, add_send_recv, add_unshard_reshard, lower, merge_bw
 from .schedule import (
     Schedule,
     ScheduleError,
@@ -26,6 +27,8 @@ from .schedule import (
     loop_mapping,
     v_mapping,
 )
+from .simulate import Costs, SimulationResult, TimedEvent, simulate
+from .validate import InvalidScheduleError, ScheduleProblem, check, validate
 
 __all__ = [
     "Action",
@@ -33,11 +36,20 @@ __all__ = [
     "ActionType",
     "COMM_TYPES",
     "COMPUTE_TYPES",
+    "Costs",
+    "InvalidScheduleError",
     "SCHEDULE_NAMES",
     "Schedule",
     "ScheduleConfigError",
     "ScheduleError",
+    "ScheduleProblem",
+    "SimulationResult",
+    "TimedEvent",
+    "add_reduce_grad",
+    "add_send_recv",
+    "add_unshard_reshard",
     "canonical_name",
+    "check",
     "default_stages_per_rank",
     "dump_csv",
     "dumps_csv",
@@ -47,7 +59,11 @@ __all__ = [
     "load_csv",
     "loads_csv",
     "loop_mapping",
+    "lower",
+    "merge_bw",
     "parse_action",
     "placement_style",
+    "simulate",
     "v_mapping",
+    "validate",
 ]

@@ -1,0 +1,479 @@
+"""A cost-model simulator: how long a schedule takes, where ranks idle, how much they hold.
+
+Every rank runs its list in order (the static schedule), starting each action
+as soon as the rank is free and the action's inputs are there.  That is
+pipeloom's deterministic mode; the event-driven runtime may do better by
+running a ready action ahead of a blocked one.  The result gives the makespan,
+each rank's busy and idle time (so the pipeline bubble), the peak number of
+live activations per rank, and the timed events for a trace viewer.
+
+Why another simulator: torch's ``_simulate_comms_compute`` counts lock-step
+ticks of unit length and rejects ``UNSHARD`` and ``OVERLAP_F_B``, so it fails
+on every built-in schedule once lowered.  This one takes real costs and every
+action type, and is linear in the number of actions.
+
+The model, action by action (documented here because numbers mean nothing
+without it):
+
+* **Compute** (F, I, W, B) occupies the rank's *compute lane* for its cost.
+  ``OVERLAP_F_B`` occupies it for ``max(f, b) + overlap * min(f, b)``: 0 means
+  perfect overlap, 1 means one after the other (torch's runtime).
+* **Inputs.**  F(s, m) needs stage s-1's output, I/B(s, m) needs F(s, m) and
+  stage s+1's input gradient (the last stage only its own F), W needs I.
+  Between stages on one rank the hand-over is free.  Between ranks, a
+  compute-only schedule pays the transfer time right after the producer ends
+  (as if every receive were posted in time); a lowered one moves data only
+  through its sends and receives.
+* **Transfers** (lowered schedules) run on a separate lane, like NCCL's
+  asynchronous point-to-point ops: ``SEND`` and ``RECV`` take no compute time
+  and are posted when the rank reaches them in its list; the transfer starts
+  once both sides are posted and takes ``send_latency + activation_bytes /
+  bandwidth``; the consuming compute waits for it to finish.  So a receive
+  listed right before its consumer exposes the transfer, one listed earlier
+  hides it behind compute.
+* **FSDP.**  ``UNSHARD`` issues an all-gather on the rank's *FSDP lane*
+  (all-gathers of one rank run one after another) lasting ``unshard``; it
+  costs the compute lane nothing, but later compute of that stage waits for it
+  to finish -- which is what prefetching hides.  ``RESHARD`` (freeing memory)
+  and ``REDUCE_GRAD`` occupy the compute lane for ``reshard`` and
+  ``reduce_grad``.
+* **Activations** are live from the start of their F to the end of their
+  backward: B, or W when the backward is split (I computes the input
+  gradient, but W still reads the activations).
+
+``busy`` is compute-lane time (compute, RESHARD, REDUCE_GRAD); ``idle`` is the
+rest of the makespan; ``bubble_fraction`` is ``idle / makespan`` per rank.
+With uniform costs and free communication this reproduces the textbook bubble
+fractions exactly: ``(p-1)/(m+p-1)`` for GPipe and 1F1B and ``(p-1)/(v*m+p-1)``
+for interleaved 1F1B.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from functools import partial
+from operator import itemgetter
+from typing import ClassVar, NamedTuple
+
+from .action import Action, ActionType
+from .schedule import Schedule, ScheduleError
+
+__all__ = ["Costs", "SimulationResult", "TimedEvent", "lane_times", "simulate"]
+
+_F = ActionType.F
+_B = ActionType.B
+_I = ActionType.I
+_W = ActionType.W
+_SEND_F = ActionType.SEND_F
+_RECV_F = ActionType.RECV_F
+_SEND_B = ActionType.SEND_B
+_RECV_B = ActionType.RECV_B
+_UNSHARD = ActionType.UNSHARD
+_RESHARD = ActionType.RESHARD
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Durations of actions and transfers, in one arbitrary time unit."""
+
+    F: float = 1.0
+    """Forward of one stage on one microbatch."""
+    B: float = 2.0
+    """Full backward (input and weight gradients)."""
+    I: float = 1.0  # noqa: E741
+    """Backward for the input gradient only (zero-bubble split)."""
+    W: float = 1.0
+    """Backward for the weight gradient only."""
+    send_latency: float = 0.0
+    """Fixed time of every point-to-point transfer."""
+    bandwidth: float | None = None
+    """Bytes per time unit of a transfer; None: transfers take only ``send_latency``."""
+    activation_bytes: int = 0
+    """Size of an activation (and of its gradient) crossing a stage boundary, in bytes."""
+    unshard: float = 0.0
+    """FSDP all-gather of one stage's parameters (on the FSDP lane)."""
+    reshard: float = 0.0
+    """Freeing a stage's unsharded parameters (on the compute lane)."""
+    reduce_grad: float = 0.0
+    """Reducing one stage's gradients across replicas (on the compute lane)."""
+    overlap: float = 0.0
+    """OVERLAP_F_B takes ``max(f, b) + overlap * min(f, b)``: 0 perfect overlap, 1 sequential."""
+
+    #: Short spellings accepted by :meth:`parse`.
+    ALIASES: ClassVar[Mapping[str, str]] = {
+        "latency": "send_latency",
+        "bw": "bandwidth",
+        "bytes": "activation_bytes",
+        "act": "activation_bytes",
+    }
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.name == "bandwidth":
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"cost {f.name} must be a finite number >= 0 (got {value!r})")
+        if self.bandwidth is not None and self.bandwidth <= 0:
+            raise ValueError(f"bandwidth must be > 0 bytes per time unit, or None for free transfers (got {self.bandwidth})")
+
+    @classmethod
+    def parse(cls, text: str) -> Costs:
+        """Costs from ``"F=1,B=2,I=1,W=1,latency=0.1"`` (the CLI's ``--costs``).
+
+        Keys are the field names (``F B I W send_latency bandwidth
+        activation_bytes unshard reshard reduce_grad overlap``) or the aliases
+        ``latency``, ``bw``, ``bytes``/``act``; unnamed fields keep their
+        defaults; ``bandwidth=none`` means free transfers.
+        """
+        names = {f.name for f in fields(cls)}
+        values: dict[str, float | int | None] = {}
+        for item in text.split(","):
+            item = item.strip()
+            if not item:
+                continue
+            key, sep, raw = item.partition("=")
+            key, raw = key.strip(), raw.strip()
+            key = cls.ALIASES.get(key, key)
+            if not sep or key not in names:
+                valid = ", ".join(sorted(names | set(cls.ALIASES)))
+                raise ValueError(f"invalid cost {item!r}: expected KEY=VALUE with KEY one of {valid}")
+            if key in values:
+                raise ValueError(f"cost {key!r} given twice in {text!r}")
+            if key == "bandwidth" and raw.lower() in ("none", "inf", ""):
+                values[key] = None
+                continue
+            try:
+                number = float(raw)
+            except ValueError:
+                raise ValueError(f"invalid cost {item!r}: {raw!r} is not a number") from None
+            values[key] = int(number) if key == "activation_bytes" and number.is_integer() else number
+        return cls(**values)  # type: ignore[arg-type]
+
+    @property
+    def transfer(self) -> float:
+        """Duration of one point-to-point transfer of an activation or gradient."""
+        if self.bandwidth is None:
+            return self.send_latency
+        return self.send_latency + self.activation_bytes / self.bandwidth
+
+
+class TimedEvent(NamedTuple):
+    """One action's time span on one lane of one rank (for traces)."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+    lane: str = "compute"  #: "compute", "comm" (transfers) or "fsdp" (all-gathers)
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """What :func:`simulate` found; per-rank values are keyed by rank.
+
+    Attributes:
+        makespan: time from the first action's start to the last event's end.
+        busy: time each rank's compute lane is occupied.
+        idle: ``makespan - busy``.
+        bubble_fraction: ``idle / makespan`` (0 when the makespan is 0).
+        peak_live_activations: most activations (microbatch-stages) held at once.
+        events: every action's time span, in start order per rank.
+    """
+
+    makespan: float
+    busy: Mapping[int, float]
+    idle: Mapping[int, float]
+    bubble_fraction: Mapping[int, float]
+    peak_live_activations: Mapping[int, int]
+    events: tuple[TimedEvent, ...] = field(repr=False, default=())
+
+    @property
+    def overall_bubble_fraction(self) -> float:
+        """Idle time over ``ranks x makespan``: the share of the machine left unused."""
+        total = self.makespan * len(self.idle)
+        return sum(self.idle.values()) / total if total else 0.0
+
+
+_new_event = partial(tuple.__new__, TimedEvent)  # skips NamedTuple's Python-level __new__
+_START = itemgetter(2)
+
+# Keys of the values ranks wait for: kind * N + stage * M + microbatch.
+_END_F, _END_G, _END_I, _ARR_F, _ARR_B = range(5)
+_WAIT_TEXT = {
+    _END_F: "the forward {s}F{m}",
+    _END_G: "the input gradient of {s}B{m} or {s}I{m}",
+    _END_I: "{s}I{m}",
+    _ARR_F: "the transfer received by {s}RECV_F{m}",
+    _ARR_B: "the transfer received by {s}RECV_B{m}",
+}
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult:
+    """Simulate ``schedule`` under ``costs`` (default :class:`Costs`).
+
+    Accepts compute-only and lowered schedules, with or without FSDP actions,
+    ``REDUCE_GRAD`` and ``OVERLAP_F_B``.  Raises :class:`ScheduleError` when
+    the ranks cannot all finish (run :func:`pipeloom.schedules.check` for the
+    precise problems).
+    """
+    costs = Costs() if costs is None else costs
+    lowered = any(a.is_comm for acts in schedule.actions.values() for a in acts)
+    return _run(schedule, costs, lowered=lowered, marks=None, record=True)
+
+
+def lane_times(schedule: Schedule, costs: Costs | None = None) -> dict[int, list[float]]:
+    """For each rank, its compute-lane clock right after each action of its list.
+
+    Cross-rank inputs are modelled as in a compute-only schedule (transfers
+    start when their producer ends) and sends and receives in the lists are
+    ignored: this is the timeline a lowering pass uses to decide where a
+    receive can go (see ``add_send_recv(recv_placement="early")``).
+    """
+    marks: dict[int, list[float]] = {r: [] for r in schedule.actions}
+    _run(schedule, Costs() if costs is None else costs, lowered=False, marks=marks, record=False)
+    return marks
+
+
+def _run(
+    schedule: Schedule,
+    costs: Costs,
+    *,
+    lowered: bool,
+    marks: dict[int, list[float]] | None,
+    record: bool,
+) -> SimulationResult:
+    """The simulation proper; ``marks`` collects lane clocks, ``record`` the events."""
+    actions = schedule.actions
+    place = schedule.stage_to_rank
+    S = len(place)
+    M = schedule.num_microbatches
+    N = S * M
+    xfer = costs.transfer
+    leaf_cost = {_F: costs.F, _B: costs.B, _I: costs.I, _W: costs.W}
+    overlap = costs.overlap
+
+    # value[kind * N + k]: when the value became available (None: not yet).
+    value: list[float | None] = [None] * (5 * N)
+    unsharded_at: dict[int, float] = {}  # stage -> end of its latest all-gather
+    send_post: dict[int, tuple[float, Action]] = {}  # transfer slot -> (when its send was posted, the send)
+    recv_post: dict[int, tuple[float, Action]] = {}  # transfer slot -> (when its receive was posted, the receive)
+    waiters: dict[int, list[int]] = {}
+    ranks = sorted(actions)
+    pos = {r: 0 for r in ranks}
+    clock = {r: 0.0 for r in ranks}
+    fsdp_lane = {r: 0.0 for r in ranks}
+    busy = {r: 0.0 for r in ranks}
+    live = {r: 0 for r in ranks}
+    peak = {r: 0 for r in ranks}
+    events: dict[int, list[TimedEvent]] = {r: [] for r in ranks}
+    new_event = _new_event
+    makespan = 0.0
+    blocked_on: dict[int, int] = {}
+    ready: list[int] = list(reversed(ranks))
+
+    def publish(key: int, t: float) -> None:
+        value[key] = t
+        woken = waiters.pop(key, None)
+        if woken:
+            ready.extend(woken)
+
+    def input_time(rank: int, leaf: Action) -> tuple[float | None, int]:
+        """When the inputs of a compute leaf are there, or (None, key waited for)."""
+        s, t, m, _ = leaf
+        if m is None:
+            raise ScheduleError(f"cannot simulate {leaf} on rank {rank}: a compute action needs a microbatch")
+        k = s * M + m
+        ready_t = 0.0
+        if t is _F:
+            if s > 0:
+                if place[s - 1] == rank or not lowered:
+                    key = _END_F * N + k - M
+                    v = value[key]
+                    if v is None:
+                        return None, key
+                    ready_t = v if place[s - 1] == rank else v + xfer
+                else:
+                    key = _ARR_F * N + k
+                    v = value[key]
+                    if v is None:
+                        return None, key
+                    ready_t = v
+        elif t is _B or t is _I:
+            key = _END_F * N + k
+            v = value[key]
+            if v is None:
+                return None, key
+            ready_t = v
+            if s < S - 1:
+                if place[s + 1] == rank or not lowered:
+                    key = _END_G * N + k + M
+                    v = value[key]
+                    if v is None:
+                        return None, key
+                    v = v if place[s + 1] == rank else v + xfer
+                else:
+                    key = _ARR_B * N + k
+                    v = value[key]
+                    if v is None:
+                        return None, key
+                ready_t = max(ready_t, v)
+        else:  # W
+            key = _END_I * N + k
+            v = value[key]
+            if v is None:
+                return None, key
+            ready_t = v
+        if s in unsharded_at:
+            ready_t = max(ready_t, unsharded_at[s])
+        return ready_t, -1
+
+    def run(rank: int) -> None:
+        nonlocal makespan
+        acts = actions[rank]
+        i = pos[rank]
+        now = clock[rank]
+        evs = events[rank].append if record else None
+        n = len(acts)
+        mark = marks[rank].append if marks is not None else None
+        while i < n:
+            a = acts[i]
+            s, t, m, subs = a
+            if subs or t is _F or t is _B or t is _I or t is _W:
+                leaves = subs if subs else (a,)
+                start = now
+                for leaf in leaves:
+                    when, key = input_time(rank, leaf)
+                    if when is None:
+                        waiters.setdefault(key, []).append(rank)
+                        blocked_on[rank] = key
+                        pos[rank], clock[rank] = i, now
+                        return
+                    if when > start:
+                        start = when
+                if subs:
+                    c1, c2 = leaf_cost[subs[0].type], leaf_cost[subs[1].type]
+                    dur = max(c1, c2) + overlap * min(c1, c2)
+                else:
+                    dur = leaf_cost[t]
+                end = start + dur
+                for leaf in leaves:
+                    ls, lt, lm, _ = leaf
+                    k = ls * M + (lm or 0)  # input_time checked the microbatch
+                    if lt is _F:
+                        live[rank] += 1
+                        if live[rank] > peak[rank]:
+                            peak[rank] = live[rank]
+                        publish(_END_F * N + k, end)
+                    elif lt is _I:
+                        publish(_END_G * N + k, end)
+                        publish(_END_I * N + k, end)
+                    else:
+                        if lt is _B:
+                            publish(_END_G * N + k, end)
+                        live[rank] -= 1
+                if evs is not None:
+                    evs(new_event((rank, a, start, end, "compute")))
+                busy[rank] += dur
+                now = end
+            elif not lowered and (t is _SEND_F or t is _SEND_B or t is _RECV_F or t is _RECV_B):
+                pass  # transfers are implied by the compute dependencies
+            elif t is _SEND_F or t is _SEND_B:
+                if m is None:
+                    raise ScheduleError(f"cannot simulate {a} on rank {rank}: a transfer needs a microbatch")
+                # A transfer is known by its receiving side: slot k (+ N for gradients).
+                k = s * M + m
+                if t is _SEND_F:
+                    need, slot = _END_F * N + k, k + M
+                else:
+                    need, slot = _END_G * N + k, k - M + N
+                produced = value[need]
+                if produced is None:  # a send listed before its producer: wait for the data
+                    waiters.setdefault(need, []).append(rank)
+                    blocked_on[rank] = need
+                    pos[rank], clock[rank] = i, now
+                    return
+                send_post[slot] = (max(now, produced), a)
+                if slot in recv_post:
+                    land(slot)
+            elif t is _RECV_F or t is _RECV_B:
+                if m is None:
+                    raise ScheduleError(f"cannot simulate {a} on rank {rank}: a transfer needs a microbatch")
+                slot = s * M + m + (0 if t is _RECV_F else N)
+                recv_post[slot] = (now, a)
+                if slot in send_post:
+                    land(slot)
+            elif t is _UNSHARD:
+                start = max(now, fsdp_lane[rank])
+                end = start + costs.unshard
+                fsdp_lane[rank] = end
+                unsharded_at[s] = end
+                if end > makespan:
+                    makespan = end
+                if evs is not None:
+                    evs(new_event((rank, a, start, end, "fsdp")))
+            else:  # RESHARD, REDUCE_GRAD: on the compute lane
+                dur = costs.reshard if t is _RESHARD else costs.reduce_grad
+                if evs is not None:
+                    evs(new_event((rank, a, now, now + dur, "compute")))
+                busy[rank] += dur
+                now += dur
+            if mark is not None:
+                mark(now)
+            i += 1
+        pos[rank], clock[rank] = i, now
+        if now > makespan:
+            makespan = now
+        blocked_on.pop(rank, None)
+
+    def land(slot: int) -> None:
+        """A transfer whose send and receive are both posted: it arrives ``xfer`` later."""
+        nonlocal makespan
+        sent, send = send_post[slot]
+        posted, recv = recv_post[slot]
+        start = sent if sent > posted else posted
+        end = start + xfer
+        if end > makespan:
+            makespan = end
+        if record:
+            sender = place[send.stage]
+            events[sender].append(new_event((sender, send, start, end, "comm")))
+            receiver = place[recv.stage]
+            events[receiver].append(new_event((receiver, recv, posted, end, "comm")))
+        publish(slot + _ARR_F * N if slot < N else slot - N + _ARR_B * N, end)
+
+    while ready:
+        run(ready.pop())
+
+    stuck = [r for r in ranks if pos[r] < len(actions[r])]
+    if stuck:
+        details = "; ".join(
+            f"rank {r} at position {pos[r]} ({actions[r][pos[r]]}) waits for {_describe_wait(blocked_on.get(r), N, M)}"
+            for r in stuck
+        )
+        raise ScheduleError(
+            f"cannot simulate schedule {schedule.name!r}: ranks never finish ({details}); "
+            "run pipeloom.schedules.check() on it for the exact problems"
+        )
+
+    all_events = tuple(e for r in ranks for e in sorted(events[r], key=_START))
+    idle = {r: makespan - busy[r] for r in ranks}
+    bubble = {r: (idle[r] / makespan if makespan else 0.0) for r in ranks}
+    return SimulationResult(
+        makespan=makespan,
+        busy=busy,
+        idle=idle,
+        bubble_fraction=bubble,
+        peak_live_activations=peak,
+        events=all_events,
+    )
+
+
+def _describe_wait(key: int | None, n: int, m_count: int) -> str:
+    if key is None or not m_count:
+        return "nothing it can name"
+    kind, k = divmod(key, n)
+    s, m = divmod(k, m_count)
+    return _WAIT_TEXT[kind].format(s=s, m=m)
