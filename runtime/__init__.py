@@ -5,6 +5,7 @@ from __future__ import annotations
 from .actor import ActorStatistics, RankActor
 from .errors import PeerLostError, PipelineConfigError, PipelineError, RemoteRankError, StageError
 from .pipeline import Microbatches, Pipeline, split_microbatches
+from .split import split_by_fqn, stage_fn_from_pipe
 
 __all__ = [
     "ActorStatistics",
@@ -17,4 +18,6 @@ __all__ = [
     "RemoteRankError",
     "StageError",
     "split_microbatches",
+    "split_by_fqn",
+    "stage_fn_from_pipe",
 ]

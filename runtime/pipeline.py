@@ -226,12 +226,7 @@ class Pipeline:
 
     # ------------------------------------------------------------ setup
     def _build_schedule(self, schedule: Any, n: int, stages_per_rank: int | None) -> Schedule:
-        from ..schedules import generate
-
-        try:
-            from ..schedules import check
-        except ImportError:  # TEMP until the validator lands
-            check = lambda s: None  # noqa: E731
+        from ..schedules import check, generate
 
         try:
             if isinstance(schedule, Schedule):

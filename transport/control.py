@@ -155,12 +155,16 @@ class ControlPlane:
 
     def _deliver(self, data: bytes, handler: Callable[[dict[str, Any]], None]) -> None:
         try:
-            msg = decode(data, world_size=self.world_size)
+            msg = decode(data, world_size=self.world_size, rank=self.rank)
         except MessageError as exc:
             self.rejected += 1
             log.warning("rank %d: rejected a control message: %s", self.rank, exc)
             return
-        handler(msg)
+        try:
+            handler(msg)
+        except Exception:  # a handler bug must not kill the reader: the rank would go deaf
+            self.rejected += 1
+            log.exception("rank %d: handling a %s message from rank %s failed", self.rank, msg.get("type"), msg.get("src"))
 
     def stop(self) -> asyncio.Task[None] | None:
         """Stop the reader task; return it so the caller can let its loop finish cancelling it."""

@@ -23,6 +23,7 @@ __all__ = [
     "encode",
     "decode",
     "SCHEMAS",
+    "DTYPE_NAMES",
 ]
 
 PROTOCOL_VERSION = 1
@@ -30,6 +31,10 @@ MAX_MESSAGE_BYTES = 1 << 20  #: larger frames are rejected before decoding
 
 _MAX_TENSORS = 256
 _MAX_DIMS = 16
+#: dtypes a transfer may announce (torch's names without the ``torch.`` prefix)
+DTYPE_NAMES = frozenset(
+    {"float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64", "bool", "complex64", "complex128"}
+)
 
 
 class MessageError(ValueError):
@@ -64,7 +69,7 @@ def _tensor_specs(v: Any) -> bool:
         shape, dtype, rg = spec
         if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_nonneg(d) for d in shape)):
             return False
-        if not (_str(dtype) and isinstance(rg, bool)):
+        if not (dtype in DTYPE_NAMES and isinstance(rg, bool)):
             return False
     return True
 
@@ -100,7 +105,7 @@ def encode(msg_type: str, src: int, /, **fields: Any) -> bytes:
     return msgpack.packb(msg, use_bin_type=True)
 
 
-def decode(data: bytes, *, world_size: int | None = None) -> dict[str, Any]:
+def decode(data: bytes, *, world_size: int | None = None, rank: int | None = None) -> dict[str, Any]:
     """Decode and validate one frame; raise :class:`MessageError` saying what was wrong."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise MessageError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
@@ -119,6 +124,8 @@ def decode(data: bytes, *, world_size: int | None = None) -> dict[str, Any]:
     except Exception as exc:  # msgpack raises several unrelated types
         raise MessageError(f"undecodable message ({type(exc).__name__}: {exc})") from None
     _validate(msg, world_size=world_size)
+    if rank is not None and msg["src"] == rank:
+        raise MessageError(f"{msg['type']}: claims to come from this rank ({rank}) itself")
     return msg
 
 
