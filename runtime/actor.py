@@ -38,6 +38,7 @@ from ..transport.control import ControlPlane
 from ..transport.tensor import TensorPlane, TransferSpec
 from .errors import PeerLostError, PipelineError, RemoteRankError, StageError
 from .stage import StageExecutor
+from .trace import TraceRecorder, clock_ns
 
 __all__ = ["RankActor", "StepInputs", "ActorStatistics"]
 
@@ -93,9 +94,13 @@ class RankActor:
         device: torch.device,
         deterministic: bool = False,
         heartbeat_timeout: float = 10.0,
+        stall_timeout: float = 30.0,
+        trace: TraceRecorder | None = None,
     ) -> None:
         self.rank = rank
         self.heartbeat_timeout = heartbeat_timeout
+        self.stall_timeout = stall_timeout
+        self._peer_state: dict[int, tuple[str, str, float]] = {}
         self._last_seen: dict[int, float] = {}
         self._listening_since = time.monotonic()
         self.schedule = schedule
@@ -121,6 +126,10 @@ class RankActor:
         self._fwd_done: set[tuple[int, int]] = set()
         self._i_done: set[tuple[int, int]] = set()
         self.statistics: ActorStatistics | None = None
+        self.trace = trace
+        #: what the loop is doing now, read by the heartbeat thread:
+        #: ("idle" | "busy" | "waiting", action or wait description, since monotonic)
+        self.state: tuple[str, str, float] = ("idle", "", time.monotonic())
 
     @staticmethod
     def _forward_only(actions: Sequence[Action]) -> list[Action]:
@@ -138,6 +147,9 @@ class RankActor:
         kind = msg["type"]
         src = msg["src"]
         self._last_seen[src] = time.monotonic()
+        if kind == "heartbeat":
+            self._peer_state[src] = (msg["state"], msg["what"], msg["for_s"])
+            return
         if kind == "xfer":
             try:
                 self.tensors.check_recv_seq(src, msg["seq"])
@@ -146,6 +158,8 @@ class RankActor:
                 self._fail_remote(PeerLostError(str(exc), rank=self.rank, peer=src))
                 return
             key = (msg["step"], msg["kind"], msg["stage"], msg["mb"])
+            posted = clock_ns() if self.trace is not None else 0
+            seq = msg["seq"]
 
             def arrived(buffers: list[torch.Tensor | None], err: BaseException | None, key: tuple[int, str, int, int] = key) -> None:
                 if err is not None:
@@ -162,6 +176,9 @@ class RankActor:
                         if b is not None and s is not None and s[2]:
                             b.requires_grad_(True)
                 self._inbox[key] = buffers
+                if self.trace is not None:
+                    nbytes = sum(b.numel() * b.element_size() for b in buffers if b is not None)
+                    self.trace.transfer("recv", key[0], src, key[2], key[3], key[1], seq, nbytes, posted, clock_ns())
                 self._wake.set()
 
             self.tensors.recv(src, spec, arrived)
@@ -216,7 +233,12 @@ class RankActor:
         spec = TransferSpec.of(tensors)
         seq = self.tensors.next_send_seq(dst)
         self.control.send(dst, "xfer", seq=seq, step=step, stage=to_stage, mb=mb, kind=kind, tensors=spec.to_wire())
-        self.tensors.send(dst, tensors)
+        if self.trace is None:
+            self.tensors.send(dst, tensors)
+            return
+        t0 = clock_ns()
+        nbytes = self.tensors.send(dst, tensors)
+        self.trace.transfer("send", step, dst, to_stage, mb, kind, seq, nbytes, t0, clock_ns())
 
     def _run(self, a: Action, step: int, inputs: StepInputs, train: bool, results: dict[int, Any], losses: dict[int, torch.Tensor]) -> None:
         t = a.type
@@ -279,6 +301,8 @@ class RankActor:
         idle = 0.0
         wake = self._wake
         deterministic = self.deterministic
+        trace = self.trace
+        step_start = clock_ns() if trace is not None else 0
         while pending:
             if self._remote_error is not None:
                 raise self._annotate_wait(self._remote_error, pending, step)
@@ -300,21 +324,31 @@ class RankActor:
                 waits += 1
                 wake.clear()
                 t0 = time.perf_counter()
+                self.state = ("waiting", str(pending[0]), time.monotonic())
+                w0 = clock_ns() if trace is not None else 0
                 try:
                     await asyncio.wait_for(wake.wait(), self._liveness_interval)
                 except asyncio.TimeoutError:
                     self._check_liveness(pending, step)
+                if trace is not None:
+                    trace.wait(step, w0, clock_ns(), self.describe_wait(pending, step, train))
                 idle += time.perf_counter() - t0
                 continue
             a = pending.pop(pick)
             if pick:
                 out_of_order += 1
+            self.state = ("busy", str(a), time.monotonic())
+            a0 = clock_ns() if trace is not None else 0
             try:
                 self._run(a, step, inputs, train, results, losses)
             except PipelineError:
                 raise
             except Exception as exc:
                 raise self._abort(exc, a, step) from exc
+            if trace is not None:
+                leaf = a.leaves()[0]
+                trace.action(step, str(a), a.type.value, leaf.stage, leaf.microbatch, a0, clock_ns(),
+                             [str(x) for x in a.sub_actions] if a.sub_actions else None)
             ran += 1
             if train:
                 for leaf in a.leaves():
@@ -327,9 +361,32 @@ class RankActor:
             # that came in while this action ran, before choosing the next.
             await asyncio.sleep(0)
         if self.tensors.pending_sends:
+            self.state = ("waiting", "sends to complete", time.monotonic())
             await asyncio.to_thread(self.tensors.drain_sends)
+        self.state = ("idle", "", time.monotonic())
+        if trace is not None:
+            if self.device.type == "cuda":
+                trace.memory(step, peak, torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(self.device))
+            else:
+                trace.memory(step, peak)
+            trace.step(step, step_start, clock_ns())
         self.statistics = ActorStatistics(ran, out_of_order, waits, idle, peak)
         return results, losses
+
+    def describe_wait(self, pending: Sequence[Action], step: int, train: bool = True) -> list[str]:
+        """What the first few pending actions are waiting for, by stage and microbatch."""
+        out = []
+        for a in pending[:3]:
+            for leaf in a.leaves():
+                if leaf.type is _F and leaf.stage != 0 and (step, "F", leaf.stage, leaf.microbatch) not in self._inbox:
+                    src = self.stage_to_rank[leaf.stage - 1]
+                    out.append(f"{leaf}: activation of stage {leaf.stage - 1} microbatch {leaf.microbatch} from rank {src}")
+                elif leaf.type in (_B, _I) and leaf.stage != self.last_stage and (step, "B", leaf.stage, leaf.microbatch) not in self._inbox:
+                    src = self.stage_to_rank[leaf.stage + 1]
+                    out.append(f"{leaf}: gradient from stage {leaf.stage + 1} microbatch {leaf.microbatch} on rank {src}")
+                elif leaf.type is _F and train:
+                    out.append(f"{leaf}: memory (live microbatches at the schedule's peak {self.memory_limit})")
+        return out or [f"{pending[0]}: an earlier action"]
 
     def _check_liveness(self, pending: list[Action], step: int) -> None:
         """Raise PeerLostError if a peer has been silent longer than the heartbeat timeout."""
@@ -337,22 +394,33 @@ class RankActor:
         for peer in range(len(self.control._endpoints)):
             if peer == self.rank:
                 continue
-            silent = now - max(self._last_seen.get(peer, 0.0), self._listening_since)
+            seen = max(self._last_seen.get(peer, 0.0), self._listening_since)
+            silent = now - seen
+            state, what, busy_for = self._peer_state.get(peer, ("idle", "", 0.0))
+            busy_for += now - self._last_seen.get(peer, now)  # time since that heartbeat
             if silent > self.heartbeat_timeout:
-                err = PeerLostError(
+                message = (
                     f"no heartbeat for {silent:.1f} s (timeout {self.heartbeat_timeout:g} s): the rank died, "
-                    "was stopped, or its host is unreachable",
-                    rank=self.rank,
-                    peer=peer,
+                    "was stopped, or its host is unreachable"
                 )
-                self._remote_error = err
-                self.broadcast_abort(err, None, step)
-                raise self._annotate_wait(err, pending, step)
+            elif state == "busy" and busy_for > self.stall_timeout:
+                message = (
+                    f"it has been running {what} for {busy_for:.1f} s (stall timeout {self.stall_timeout:g} s): "
+                    "an endless loop or a hang in user code?"
+                )
+            else:
+                continue
+            err = PeerLostError(message, rank=self.rank, peer=peer)
+            self._remote_error = err
+            self.broadcast_abort(err, None, step)
+            raise self._annotate_wait(err, pending, step)
 
     def _annotate_wait(self, err: PipelineError, pending: list[Action], step: int) -> PipelineError:
-        if isinstance(err, PeerLostError):
-            waiting = ", ".join(str(a) for a in pending[:4])
-            err.args = (f"{err.args[0]} (step {step}; this rank still had to run: {waiting}{'...' if len(pending) > 4 else ''})",)
+        if isinstance(err, PeerLostError) and not getattr(err, "_annotated", False):
+            err._annotated = True  # type: ignore[attr-defined]
+            waiting = "; ".join(self.describe_wait(pending, step))
+            err.waiting_for = waiting  # type: ignore[attr-defined]
+            err.args = (f"{err.args[0]} (step {step}; this rank was waiting for {waiting}; {len(pending)} actions left)",)
         return err
 
     def _abort(self, exc: BaseException, a: Action, step: int) -> StageError:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import sys
 import traceback
 from collections.abc import Callable, Mapping
@@ -35,6 +36,7 @@ from ..transport.tensor import TensorPlane
 from .actor import ActorStatistics, RankActor, StepInputs
 from .errors import PeerLostError, PipelineConfigError, RemoteRankError
 from .stage import StageExecutor
+from .trace import FileSink, StreamSink, TraceRecorder, make_header
 
 __all__ = ["Pipeline", "Microbatches", "split_microbatches"]
 
@@ -163,6 +165,10 @@ class Pipeline:
         heartbeat_interval: seconds between liveness heartbeats to every peer.
         heartbeat_timeout: seconds of silence after which a waiting rank declares a peer lost
             (default: $PIPELOOM_HEARTBEAT_TIMEOUT, else 10).
+        stall_timeout: seconds a peer may stay inside one action (while this rank waits) before
+            it is reported as stalled (default: $PIPELOOM_STALL_TIMEOUT, else 30).
+        trace: record a trace to this path (default: $PIPELOOM_TRACE; under ``pipeloom launch
+            --trace`` events stream to the launcher, which writes one file per job).
     """
 
     def __init__(
@@ -178,6 +184,8 @@ class Pipeline:
         device: torch.device | str | None = None,
         heartbeat_interval: float = 0.5,
         heartbeat_timeout: float | None = None,
+        stall_timeout: float | None = None,
+        trace: str | os.PathLike[str] | None = None,
     ) -> None:
         self._owns_group = _init_process_group()
         self.rank = dist.get_rank()
@@ -200,15 +208,23 @@ class Pipeline:
             module.to(self.device)
             self._executors[s] = StageExecutor(s, module, is_first=s == 0, is_last=s == last, loss_fn=loss_fn, grad_scale=grad_scale)
 
-        # Control plane: one endpoint per rank, exchanged over the job's group.
-        self._control = ControlPlane(self.rank, self.world_size, host=choose_bind_host(os.environ.get("MASTER_ADDR")))
-        endpoints: list[Any] = [None] * self.world_size
+        # Control plane: one endpoint per rank, exchanged over the job's group,
+        # and a per-job secret that signs every message.
         obj_group = dist.new_group(backend="gloo") if backend == "nccl" else None
+        secret = [os.environ.get("PIPELOOM_JOB_SECRET") or secrets.token_hex(16)]
+        if not os.environ.get("PIPELOOM_JOB_SECRET"):
+            dist.broadcast_object_list(secret, src=0, group=obj_group)
+        self._control = ControlPlane(
+            self.rank, self.world_size, secret=secret[0].encode(), host=choose_bind_host(os.environ.get("MASTER_ADDR"))
+        )
+        endpoints: list[Any] = [None] * self.world_size
         dist.all_gather_object(endpoints, self._control.endpoint, group=obj_group)
         self._control.connect([str(e) for e in endpoints])
-        self._control.start_heartbeats(heartbeat_interval)
         if heartbeat_timeout is None:
             heartbeat_timeout = float(os.environ.get("PIPELOOM_HEARTBEAT_TIMEOUT", "10"))
+        if stall_timeout is None:
+            stall_timeout = float(os.environ.get("PIPELOOM_STALL_TIMEOUT", "30"))
+        self._trace_sink, recorder = self._open_trace(trace, secret[0].encode())
         self._tensors = TensorPlane(self.rank, device=self.device)
         self._actor = RankActor(
             rank=self.rank,
@@ -219,7 +235,10 @@ class Pipeline:
             device=self.device,
             deterministic=deterministic,
             heartbeat_timeout=heartbeat_timeout,
+            stall_timeout=stall_timeout,
+            trace=recorder,
         )
+        self._control.start_heartbeats(heartbeat_interval, lambda: self._actor.state)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._bound_loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -243,6 +262,23 @@ class Pipeline:
         except ScheduleError as exc:
             raise PipelineConfigError(f"rank {self.rank}: bad schedule: {exc}") from exc
         return sched
+
+    def _open_trace(self, path: Any, secret: bytes) -> tuple[Any, TraceRecorder | None]:
+        endpoint = os.environ.get("PIPELOOM_TRACE_ENDPOINT")
+        path = path if path is not None else os.environ.get("PIPELOOM_TRACE")
+        if not endpoint and not path:
+            return None, None
+        header = make_header(
+            world_size=self.world_size,
+            schedule=self.schedule.name,
+            num_microbatches=self.num_microbatches,
+            stage_to_rank=self.schedule.stage_to_rank,
+        )
+        if endpoint:
+            sink: Any = StreamSink(endpoint, self.rank, header, secret)
+        else:
+            sink = FileSink(os.fspath(path), self.rank, self.world_size, header)
+        return sink, TraceRecorder(self.rank)
 
     # ------------------------------------------------------------ public
     @property
@@ -287,6 +323,8 @@ class Pipeline:
         if self._closed:
             return
         self._closed = True
+        if self._trace_sink is not None:
+            self._trace_sink.close()
         reader = self._control.stop()
         if reader is not None and self._loop is not None and not self._loop.is_running() and not self._loop.is_closed():
             self._loop.run_until_complete(asyncio.gather(reader, return_exceptions=True))
@@ -328,7 +366,11 @@ class Pipeline:
         step = self._actor.step_index
         try:
             inputs = split_microbatches(args, kwargs, target, self.num_microbatches)
-            results, mb_losses = await self._actor.run_step(inputs, train=train)
+            try:
+                results, mb_losses = await self._actor.run_step(inputs, train=train)
+            finally:
+                if self._trace_sink is not None and self._actor.trace is not None:
+                    self._trace_sink.emit(self._actor.trace.drain())
             if not self.has_last_stage:
                 return None
             if losses is not None:

@@ -14,6 +14,11 @@ woken when a message lands.  One context per process, created after any fork;
 
 Endpoints are exchanged once through ``torch.distributed`` (an all-gather over
 the job's own process group), so no extra rendezvous service is needed.
+
+Every frame is signed with a per-job secret (HMAC, see ``messages.sign``):
+the launcher's ``PIPELOOM_JOB_SECRET``, or one that rank 0 draws and shares
+through the job's store.  A process outside the job cannot inject messages; its
+frames are rejected and logged like any other malformed input.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from .messages import MessageError, decode, encode
+from .messages import MessageError, decode, encode, sign, verify
 
 __all__ = ["ControlPlane", "choose_bind_host"]
 
@@ -53,8 +58,9 @@ def choose_bind_host(master_addr: str | None) -> str:
 class ControlPlane:
     """One rank's end of the control plane."""
 
-    def __init__(self, rank: int, world_size: int, *, host: str = "127.0.0.1") -> None:
+    def __init__(self, rank: int, world_size: int, *, secret: bytes, host: str = "127.0.0.1") -> None:
         self.rank = rank
+        self._key = secret
         self.world_size = world_size
         self._ctx = zmq.Context()
         self._actx = zmq.asyncio.Context.shadow(self._ctx)
@@ -86,7 +92,7 @@ class ControlPlane:
 
     def send(self, dst: int, msg_type: str, /, **fields: Any) -> bool:
         """Send a message without ever blocking; False if the peer's queue is full."""
-        data = encode(msg_type, self.rank, **fields)
+        data = sign(self._key, encode(msg_type, self.rank, **fields))
         try:
             self._push[dst].send(data, zmq.NOBLOCK)
             return True
@@ -98,7 +104,7 @@ class ControlPlane:
         for dst in self._push:
             self.send(dst, msg_type, **fields)
 
-    def start_heartbeats(self, interval: float) -> None:
+    def start_heartbeats(self, interval: float, state: Callable[[], tuple[str, str, float]] | None = None) -> None:
         """Send a heartbeat to every peer every ``interval`` seconds from a daemon thread.
 
         A thread, not a loop task, because the event loop only runs during a
@@ -110,6 +116,7 @@ class ControlPlane:
         """
         if self._hb_thread is not None:
             return
+        self._hb_state = state or (lambda: ("idle", "", time.monotonic()))
         self._hb_thread = threading.Thread(target=self._heartbeat, args=(interval,), name=f"pipeloom-heartbeat-{self.rank}", daemon=True)
         self._hb_thread.start()
 
@@ -125,7 +132,11 @@ class ControlPlane:
             socks.append(s)
         try:
             while not self._hb_stop.wait(interval):
-                data = encode("heartbeat", self.rank, step=self.step, t=time.time())
+                state, what, since = self._hb_state()
+                data = sign(self._key, encode(
+                    "heartbeat", self.rank, step=self.step, t=time.time(), state=state, what=what[:200],
+                    for_s=max(0.0, time.monotonic() - since),
+                ))
                 for s in socks:
                     try:
                         s.send(data, zmq.NOBLOCK)
@@ -155,7 +166,7 @@ class ControlPlane:
 
     def _deliver(self, data: bytes, handler: Callable[[dict[str, Any]], None]) -> None:
         try:
-            msg = decode(data, world_size=self.world_size, rank=self.rank)
+            msg = decode(verify(self._key, data), world_size=self.world_size, rank=self.rank)
         except MessageError as exc:
             self.rejected += 1
             log.warning("rank %d: rejected a control message: %s", self.rank, exc)

@@ -11,6 +11,8 @@ checked field by field.  A message that fails any check raises
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,7 +26,12 @@ __all__ = [
     "decode",
     "SCHEMAS",
     "DTYPE_NAMES",
+    "MAC_BYTES",
+    "sign",
+    "verify",
 ]
+
+MAC_BYTES = 16  #: truncated HMAC-SHA256 in front of every frame
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20  #: larger frames are rejected before decoding
@@ -86,7 +93,14 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "kind": lambda v: v in ("F", "B"),
         "tensors": _tensor_specs,
     },
-    "heartbeat": {"step": _nonneg, "t": lambda v: isinstance(v, float)},
+    # ``state``: idle / busy / waiting, ``what``: the action (or what is awaited), ``for_s``: since how long
+    "heartbeat": {
+        "step": _nonneg,
+        "t": lambda v: isinstance(v, float),
+        "state": lambda v: v in ("idle", "busy", "waiting"),
+        "what": _str,
+        "for_s": lambda v: isinstance(v, float) and v >= 0,
+    },
     "abort": {
         "step": _nonneg,
         "stage": _opt_int,
@@ -96,6 +110,25 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "traceback": _str,
     },
 }
+
+
+def sign(key: bytes, payload: bytes) -> bytes:
+    """Prefix ``payload`` with its MAC under the job's secret."""
+    return hmac.new(key, payload, hashlib.sha256).digest()[:MAC_BYTES] + payload
+
+
+def verify(key: bytes, frame: bytes) -> bytes:
+    """The payload of a signed frame; MessageError if the MAC does not match.
+
+    A process outside the job does not know the secret, so it can neither
+    join the control plane nor inject announcements or aborts.
+    """
+    if len(frame) < MAC_BYTES:
+        raise MessageError(f"frame of {len(frame)} bytes is too short to carry a signature")
+    mac, payload = frame[:MAC_BYTES], frame[MAC_BYTES:]
+    if not hmac.compare_digest(mac, hmac.new(key, payload, hashlib.sha256).digest()[:MAC_BYTES]):
+        raise MessageError("bad signature: the sender does not hold this job's secret")
+    return payload
 
 
 def encode(msg_type: str, src: int, /, **fields: Any) -> bytes:

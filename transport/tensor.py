@@ -128,8 +128,9 @@ class TensorPlane:
         self._send_seq[peer] = seq + 1
         return seq
 
-    def send(self, peer: int, tensors: Sequence[torch.Tensor | None]) -> None:
-        """Post the sends of one transfer (its announcement must already be out)."""
+    def send(self, peer: int, tensors: Sequence[torch.Tensor | None]) -> int:
+        """Post the sends of one transfer (its announcement must already be out); return its bytes."""
+        nbytes = 0
         for t in tensors:
             if t is None:
                 continue
@@ -137,9 +138,11 @@ class TensorPlane:
             if not t.is_contiguous():
                 t = t.contiguous()
             work = dist.isend(t, dst=peer, group=self.group)
-            self.bytes_sent += t.numel() * t.element_size()
+            nbytes += t.numel() * t.element_size()
             self._inflight_sends.append((work, (t,)))
+        self.bytes_sent += nbytes
         self._reap_sends()
+        return nbytes
 
     def _reap_sends(self) -> None:
         q = self._inflight_sends
