@@ -1,0 +1,357 @@
+"""``pipeloom schedule``: look at, export, check and simulate pipeline schedules.
+
+The subcommands are thin shells over :mod:`pipeloom.schedules`, so what the
+command prints is exactly what the library computes (the tests compare the
+two).  They exist because a schedule is easiest to reason about as a picture
+(``show``), easiest to hand-edit or share as a CSV (``export``, which torch's
+``_load_csv`` and torchtitan read too), and easiest to trust once a validator
+and a cost model have looked at it (``check``, ``simulate``).
+
+Exit codes follow the usual convention for checkers:
+
+* 0 -- done (and, for ``check``, the schedule is valid);
+* 1 -- ``check`` or ``simulate`` found problems in the schedule itself;
+* 2 -- the request could not be carried out: unknown schedule name, a
+  configuration the schedule rejects, a file that is missing or not a schedule
+  CSV.  The message says which rule or which cell; never a traceback, since
+  these are user errors, not bugs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from pipeloom.schedules import (
+    SCHEDULE_NAMES,
+    ActionParseError,
+    Costs,
+    Schedule,
+    ScheduleConfigError,
+    ScheduleError,
+    ScheduleProblem,
+    SimulationResult,
+    canonical_name,
+    dumps_csv,
+    format_grid,
+    generate,
+    load_csv,
+    lower,
+    placement_style,
+    simulate,
+    validate,
+)
+
+__all__ = ["add_parser"]
+
+#: Errors a user can act on: reported in one line, exit status 2.
+_USER_ERRORS: tuple[type[BaseException], ...] = (ScheduleConfigError, ScheduleError, ActionParseError, OSError)
+
+#: Columns of the grid that ``check`` prints around a problem.
+_GRID_STEPS = 10
+
+_Handler = Callable[[argparse.Namespace], int]
+
+
+class _UsageError(Exception):
+    """A combination of arguments that argparse alone cannot reject."""
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``schedule`` and its subcommands on the ``pipeloom`` parser."""
+    names = ", ".join(SCHEDULE_NAMES)
+    parser = subparsers.add_parser(
+        "schedule",
+        help="show, export, check and simulate pipeline schedules",
+        description=f"Show, export, check and simulate pipeline schedules. Named schedules: {names}.",
+    )
+    sub = parser.add_subparsers(dest="schedule_command", metavar="SUBCOMMAND")
+    sub.required = True
+
+    show = sub.add_parser("show", help="print a named schedule as a rank-by-step grid")
+    _add_generator_args(show, required=True)
+    show.add_argument("--lowered", action="store_true", help="add sends/receives (and FSDP, grad reduction) first")
+    show.add_argument("--fsdp", action="store_true", help="with --lowered: add UNSHARD/RESHARD (implies --lowered)")
+    _add_recv_arg(show)
+    show.add_argument("--max-steps", type=_positive_int, metavar="N", help="show at most N columns")
+    show.set_defaults(func=_guarded(_cmd_show))
+
+    export = sub.add_parser("export", help="write a named schedule as CSV (torch's _load_csv format)")
+    _add_generator_args(export, required=True)
+    export.add_argument("--lowered", action="store_true", help="export the lowered schedule (with communication)")
+    export.add_argument("--fsdp", action="store_true", help="with --lowered: add UNSHARD/RESHARD (implies --lowered)")
+    _add_recv_arg(export)
+    export.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of standard output")
+    export.set_defaults(func=_guarded(_cmd_export))
+
+    check = sub.add_parser("check", help="validate a schedule CSV (exit 0 valid, 1 invalid, 2 unreadable)")
+    check.add_argument("file", metavar="FILE.csv")
+    check.add_argument("--ranks", type=_positive_int, metavar="P", help="expected number of ranks (rows)")
+    check.set_defaults(func=_guarded(_cmd_check))
+
+    simulate_p = sub.add_parser("simulate", help="estimate makespan, bubbles and memory of a schedule")
+    simulate_p.add_argument("target", metavar="NAME|FILE.csv", help="a named schedule (lowered first) or a CSV file (as loaded)")
+    _add_generator_args(simulate_p, required=False)
+    simulate_p.add_argument("--fsdp", action="store_true", help="for a NAME: lower with UNSHARD/RESHARD")
+    _add_recv_arg(simulate_p)
+    simulate_p.add_argument(
+        "--costs",
+        type=_parse_costs,
+        default=None,
+        metavar="SPEC",
+        help="action durations, e.g. F=1,B=2,I=1,W=1 (see the README for every key)",
+    )
+    simulate_p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    simulate_p.set_defaults(func=_guarded(_cmd_simulate))
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _parse_costs(text: str) -> Costs:
+    try:
+        return Costs.parse(text)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_generator_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    if required:
+        parser.add_argument("name", metavar="NAME", help="schedule name, e.g. 1F1B, Interleaved1F1B, ZBVZeroBubble")
+    parser.add_argument("--ranks", "-p", type=_positive_int, required=required, metavar="P", help="pipeline ranks")
+    parser.add_argument("--microbatches", "-m", type=_positive_int, required=required, metavar="M", help="microbatches per step")
+    parser.add_argument(
+        "--stages-per-rank", "-v", type=_positive_int, default=None, metavar="V", help="stages per rank (default: the schedule's)"
+    )
+
+
+def _add_recv_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--recv",
+        choices=("late", "early"),
+        default=None,
+        help="where lowering puts receives: right before their consumer (late, the default) or as soon as the "
+        "simulated sender posts (early, for runtimes that post receives in list order); implies --lowered",
+    )
+
+
+def _guarded(handler: _Handler) -> _Handler:
+    """Turn user errors into one line on stderr and exit status 2."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except BrokenPipeError:  # `... | head`: the reader left; cli.main handles it
+            raise
+        except _UsageError as exc:
+            _error(str(exc))
+        except _USER_ERRORS as exc:
+            _error(_describe(exc))
+        return 2
+
+    run.__name__ = handler.__name__
+    return run
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror or exc}"
+    return str(exc)
+
+
+def _error(message: str) -> None:
+    print(f"pipeloom schedule: error: {message}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------- building
+
+
+def _build(name: str, args: argparse.Namespace, *, lowered: bool, costs: Costs | None = None) -> Schedule:
+    """Generate ``name``; lower it if asked to (``--lowered``, or an option that only lowering uses)."""
+    schedule = generate(
+        canonical_name(name),
+        num_ranks=args.ranks,
+        num_microbatches=args.microbatches,
+        stages_per_rank=args.stages_per_rank,
+    )
+    if lowered or args.fsdp or args.recv is not None:
+        schedule = lower(schedule, comms=True, fsdp=args.fsdp, recv_placement=args.recv or "late", costs=costs)
+    return schedule
+
+
+def _count(schedule: Schedule) -> int:
+    return sum(len(acts) for acts in schedule.actions.values())
+
+
+def _describe_schedule(schedule: Schedule, label: str, *, name: str | None = None) -> str:
+    """``LABEL: P ranks, S stages (V per rank, PLACEMENT placement), M microbatches, ...``."""
+    ranks, stages = schedule.num_ranks, schedule.num_stages
+    per_rank = f"{stages // ranks} per rank" if ranks and stages % ranks == 0 else "uneven"
+    placement = _placement(schedule, name)
+    form = "lowered" if schedule.lowered else "compute-only"
+    return (
+        f"{label}: {ranks} ranks, {stages} stages ({per_rank}, {placement} placement), "
+        f"{schedule.num_microbatches} microbatches, {form}, {_count(schedule)} actions"
+    )
+
+
+def _placement(schedule: Schedule, name: str | None) -> str:
+    if name is not None:
+        return str(placement_style(name))
+    ranks = schedule.num_ranks
+    mapping = schedule.stage_to_rank
+    if ranks and all(r == s % ranks for s, r in enumerate(mapping)):
+        return "loop"
+    if len(mapping) == 2 * ranks and all(r == (s if s < ranks else 2 * ranks - 1 - s) for s, r in enumerate(mapping)):
+        return "v"
+    return "custom"
+
+
+def _is_file(target: str) -> bool:
+    return target.lower().endswith(".csv") or os.sep in target or os.path.exists(target)
+
+
+# ---------------------------------------------------------------- subcommands
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    name = canonical_name(args.name)
+    schedule = _build(name, args, lowered=args.lowered)
+    print(_describe_schedule(schedule, name, name=name))
+    print(format_grid(schedule, max_steps=args.max_steps))
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    schedule = _build(args.name, args, lowered=args.lowered)
+    text = dumps_csv(schedule)
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    with open(args.output, "w", newline="") as f:
+        f.write(text)
+    print(f"wrote {args.output}: {_describe_schedule(schedule, canonical_name(args.name), name=canonical_name(args.name))}", file=sys.stderr)
+    return 0
+
+
+def _report_problems(schedule: Schedule, problems: Sequence[ScheduleProblem], source: str) -> None:
+    """Every problem on its own line, then the grid around the first one that has a place."""
+    print(f"invalid: {source}: {len(problems)} problem{'s' if len(problems) != 1 else ''}")
+    for problem in problems:
+        print(f"  {problem}")
+    located = next((p for p in problems if p.position is not None and p.rank in schedule.actions), None)
+    if located is not None and located.rank is not None and located.position is not None:
+        print()
+        print(f"first located problem, rank {located.rank}, position {located.position}:")
+        print(format_grid(schedule, mark=(located.rank, located.position), max_steps=_GRID_STEPS))
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    schedule = load_csv(args.file, num_ranks=args.ranks)
+    problems = validate(schedule)
+    if problems:
+        _report_problems(schedule, problems, args.file)
+        return 1
+    print(f"valid: {_describe_schedule(schedule, args.file)}")
+    return 0
+
+
+def _load_target(args: argparse.Namespace) -> tuple[Schedule, str, str | None]:
+    """The schedule to simulate, its label, and its generator name (None for a file)."""
+    if _is_file(args.target):
+        if args.microbatches is not None or args.stages_per_rank is not None or args.fsdp or args.recv is not None:
+            raise _UsageError("--microbatches, --stages-per-rank, --fsdp and --recv apply to a NAME, not to a CSV file")
+        return load_csv(args.target, num_ranks=args.ranks), args.target, None
+    if args.ranks is None or args.microbatches is None:
+        raise _UsageError(f"simulating the named schedule {args.target!r} needs --ranks and --microbatches")
+    name = canonical_name(args.target)
+    # Early receives are placed by simulating the timeline: use the costs being simulated.
+    return _build(name, args, lowered=True, costs=args.costs), name, name
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    schedule, label, name = _load_target(args)
+    # The simulator only says "cannot finish"; the validator says where and why.
+    problems = validate(schedule)
+    if problems:
+        _report_problems(schedule, problems, label)
+        return 1
+    costs = args.costs if args.costs is not None else Costs()
+    result = simulate(schedule, costs)
+    if args.json:
+        print(json.dumps(_simulation_json(schedule, label, costs, result), indent=2))
+    else:
+        print(_describe_schedule(schedule, label, name=name))
+        print(_simulation_table(costs, result))
+    return 0
+
+
+def _simulation_json(schedule: Schedule, label: str, costs: Costs, result: SimulationResult) -> dict[str, Any]:
+    return {
+        "schedule": label,
+        "num_ranks": schedule.num_ranks,
+        "num_stages": schedule.num_stages,
+        "num_microbatches": schedule.num_microbatches,
+        "lowered": schedule.lowered,
+        "num_actions": _count(schedule),
+        "costs": asdict(costs),
+        "makespan": result.makespan,
+        "bubble_fraction": result.overall_bubble_fraction,
+        "ranks": [
+            {
+                "rank": r,
+                "busy": result.busy[r],
+                "idle": result.idle[r],
+                "bubble_fraction": result.bubble_fraction[r],
+                "peak_live_activations": result.peak_live_activations[r],
+            }
+            for r in sorted(result.busy)
+        ],
+    }
+
+
+def _simulation_table(costs: Costs, result: SimulationResult) -> str:
+    lines = [
+        "costs: " + ", ".join(f"{k}={_num(v)}" for k, v in asdict(costs).items()),
+        f"makespan: {_num(result.makespan)}",
+        f"bubble: {result.overall_bubble_fraction:.1%} overall (idle time / (ranks x makespan))",
+        "",
+    ]
+    rows = [("rank", "busy", "idle", "bubble", "peak activations")]
+    for r in sorted(result.busy):
+        rows.append(
+            (
+                str(r),
+                _num(result.busy[r]),
+                _num(result.idle[r]),
+                f"{result.bubble_fraction[r]:.1%}",
+                str(result.peak_live_activations[r]),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+def _num(value: float | int | None) -> str:
+    """Costs are usually small integers; print them without a trailing ``.0``."""
+    if value is None:
+        return "none"
+    if float(value).is_integer():
+        return str(int(value))
+    return f"{value:.3f}".rstrip("0")
