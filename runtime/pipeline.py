@@ -201,12 +201,15 @@ class Pipeline:
         grad_scale = 1.0 / num_microbatches if scale_grads else 1.0
         last = self.schedule.num_stages - 1
         self._executors: dict[int, StageExecutor] = {}
+        split = {leaf.stage for a in self.schedule.actions[self.rank] for leaf in a.leaves() if leaf.type.value in ("I", "W")}
         for s in self.schedule.stages_of(self.rank):
             module = stage_fn(s)
             if not isinstance(module, nn.Module):
                 raise PipelineConfigError(f"rank {self.rank}: stage_fn({s}) returned {type(module).__name__}, not an nn.Module")
             module.to(self.device)
-            self._executors[s] = StageExecutor(s, module, is_first=s == 0, is_last=s == last, loss_fn=loss_fn, grad_scale=grad_scale)
+            self._executors[s] = StageExecutor(
+                s, module, is_first=s == 0, is_last=s == last, loss_fn=loss_fn, grad_scale=grad_scale, split_backward=s in split
+            )
 
         # Control plane: one endpoint per rank, exchanged over the job's group,
         # and a per-job secret that signs every message.

@@ -5,14 +5,18 @@ A stage keeps, per microbatch, what its backward needs: the input leaves
 boundary) and the outputs (or, on the last stage, the loss).
 
 The zero-bubble split.  I computes the gradients for the stage's inputs so the
-previous stage can go on; W must then produce the parameter gradients.  Doing
-W as a second backward from the outputs would run most of the graph twice.
-Instead I runs one backward for inputs *and* parameters with
-``torch.autograd.grad`` (nothing is accumulated yet), stashes the parameter
-gradients, and W accumulates them into ``.grad``.  Gradients are exact; the
-cost is that I carries all the backward compute, so the split moves *when*
-gradients land in ``.grad``, not how the compute is divided.  (A true
-weight/input split of the autograd graph is the GPU issue's work.)
+previous stage can go on; W computes the parameter gradients later, filling a
+bubble.  W must not redo I's work: a second backward from the stage outputs
+would run the whole activation-gradient chain again.  So during the forward of
+a split stage, a hook captures the output of every module that owns
+parameters directly (each Linear, LayerNorm, Embedding...).  I asks autograd
+for the gradients of the stage inputs *and* of those captured outputs (one
+pass, graph retained); W then runs, per module, a backward from its captured
+output and gradient to its own parameters only, which is just the local
+weight-gradient work (``x^T g`` for a Linear).  Parameters used outside any
+module that owns them (a bare ``nn.Parameter`` used in a parent's forward)
+fall back to a backward from the stage outputs restricted to them.  Gradients
+are exactly those of a full backward, up to summation order.
 """
 
 from __future__ import annotations
@@ -43,9 +47,10 @@ class _Saved:
     inputs: tuple[torch.Tensor, ...]
     outputs: tuple[torch.Tensor, ...] = ()
     loss: torch.Tensor | None = None
-    param_grads: tuple[torch.Tensor | None, ...] | None = None
-    backward_inputs_done: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    #: (module, its output) for every parameter-owning module, when the stage splits I/W
+    captured: list[tuple[nn.Module, torch.Tensor]] = field(default_factory=list)
+    #: what W still has to do: (root tensors, their gradients, parameters) per backward call
+    weight_work: list[tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] | None = None
 
 
 class StageExecutor:
@@ -60,6 +65,7 @@ class StageExecutor:
         is_last: bool,
         loss_fn: Callable[..., torch.Tensor] | None,
         grad_scale: float,
+        split_backward: bool = False,
     ) -> None:
         self.index = index
         self.module = module
@@ -69,6 +75,18 @@ class StageExecutor:
         self.grad_scale = grad_scale
         self._saved: dict[int, _Saved] = {}
         self._params = [p for p in module.parameters() if p.requires_grad]
+        self._capture: list[tuple[nn.Module, torch.Tensor]] | None = None
+        self._owned: dict[nn.Module, list[torch.Tensor]] = {}
+        if split_backward:
+            for m in module.modules():
+                own = [p for p in m.parameters(recurse=False) if p.requires_grad]
+                if own:
+                    self._owned[m] = own
+                    m.register_forward_hook(self._capture_hook)
+
+    def _capture_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._capture is not None:
+            self._capture.append((module, output))
 
     @property
     def live_microbatches(self) -> int:
@@ -89,7 +107,11 @@ class StageExecutor:
     ) -> tuple[tuple[torch.Tensor, ...], Any, torch.Tensor | None]:
         """Run the module; return (outputs for the next stage, raw output, loss or None)."""
         if train:
-            out = self.module(*inputs, **kwargs)
+            self._capture = [] if self._owned else None
+            try:
+                out = self.module(*inputs, **kwargs)
+            finally:
+                captured, self._capture = self._capture or [], None
         else:
             with torch.no_grad():
                 out = self.module(*inputs, **kwargs)
@@ -102,11 +124,11 @@ class StageExecutor:
             if train:
                 if loss is None:
                     raise ValueError("training needs loss_fn and a target on the last stage")
-                self._saved[mb] = _Saved(tuple(inputs), loss=loss)
+                self._saved[mb] = _Saved(tuple(inputs), loss=loss, captured=captured)
             return (), out, loss
         outputs = as_tensor_tuple(out, what=f"the output of stage {self.index}")
         if train:
-            self._saved[mb] = _Saved(tuple(inputs), outputs=outputs)
+            self._saved[mb] = _Saved(tuple(inputs), outputs=outputs, captured=captured)
         return outputs, out, None
 
     def _roots(self, saved: _Saved, grad_outputs: Sequence[torch.Tensor | None] | None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
@@ -140,33 +162,37 @@ class StageExecutor:
         return self._input_grads(saved)
 
     def backward_input(self, mb: int, grad_outputs: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
-        """I: input gradients now, parameter gradients stashed for W."""
+        """I: input gradients now; the parameter-gradient work is prepared for W."""
         saved = self._saved[mb]
         roots, grads = self._roots(saved, grad_outputs)
         want_inputs = [t for t in saved.inputs if t.requires_grad]
-        targets = want_inputs + self._params
+        # Captured module outputs that carry a gradient path to their own parameters.
+        captured = [(m, o) for m, o in saved.captured if isinstance(o, torch.Tensor) and o.requires_grad]
+        covered = {id(p) for m, _ in captured for p in self._owned[m]}
+        fallback = [p for p in self._params if id(p) not in covered]
+        targets = want_inputs + [o for _, o in captured]
+        got: Sequence[torch.Tensor | None]
         if roots and targets:
-            got = torch.autograd.grad(roots, targets, grads, allow_unused=True)
+            got = torch.autograd.grad(roots, targets, grads, retain_graph=True, allow_unused=True)
         else:
             got = (None,) * len(targets)
         it = iter(got[: len(want_inputs)])
         input_grads = [next(it) if t.requires_grad else None for t in saved.inputs]
-        saved.param_grads = tuple(got[len(want_inputs) :])
-        saved.backward_inputs_done = True
-        # Activations for the graph are released by autograd.grad; only the
-        # stashed parameter gradients stay until W.
-        saved.outputs, saved.loss = (), None
+        work: list[tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = []
+        for (m, o), g in zip(captured, got[len(want_inputs) :]):
+            if g is not None:
+                work.append(([o], [g], self._owned[m]))
+        if fallback and roots:
+            work.append((roots, grads if grads is not None else [torch.ones_like(r) for r in roots], fallback))
+        saved.weight_work = work
+        saved.captured = []
         return input_grads
 
     def backward_weight(self, mb: int) -> None:
-        """W: accumulate the parameter gradients that I computed."""
+        """W: the parameter gradients, from what I captured (local weight-gradient work only)."""
         saved = self._saved.pop(mb)
-        if saved.param_grads is None:
+        if saved.weight_work is None:
             raise RuntimeError(f"stage {self.index}: W for microbatch {mb} before its I")
-        for p, g in zip(self._params, saved.param_grads):
-            if g is None:
-                continue
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.add_(g)
+        last = len(saved.weight_work) - 1
+        for i, (roots, grads, params) in enumerate(saved.weight_work):
+            torch.autograd.backward(roots, grads, retain_graph=i < last, inputs=params)

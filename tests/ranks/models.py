@@ -18,12 +18,15 @@ class Block(nn.Module):
     def __init__(self, dim: int, *, first: bool, last: bool, multi: bool) -> None:
         super().__init__()
         self.lin = nn.Linear(dim, dim)
+        # a parameter used directly in this module's forward (not through a child module):
+        # the I/W split must handle it as well as the Linear's weights
+        self.gain = nn.Parameter(1 + 0.1 * torch.randn(dim))
         self.first, self.last, self.multi = first, last, multi
         if multi:
             self.mix = nn.Linear(dim, dim)
 
     def forward(self, h: torch.Tensor, skip: torch.Tensor | None = None, *, scale: torch.Tensor | None = None) -> Any:
-        y = torch.tanh(self.lin(h))
+        y = torch.tanh(self.lin(h)) * self.gain
         if scale is not None:
             y = y * scale
         if not self.multi:
