@@ -11,6 +11,10 @@ Header::
      "schedule": "1F1B", "num_microbatches": 8, "stage_to_rank": [0, 1],
      "clock": "ns", "source": "run" | "simulation", "time_unit_ns": 1}
 
+A file written by the launcher's collector adds ``"live": "tcp://HOST:PORT"``
+(where ``pipeloom trace attach`` subscribes); a simulated plan adds
+``"time_unit_ns"`` (ns per simulated time unit) and ``"costs"``.
+
 Events (times in nanoseconds on a clock shared by all ranks of one host:
 ``time.monotonic_ns()`` shifted by the rank's wall-clock offset measured at
 start, so ranks line up and a rank's own times never go backwards)::
@@ -59,6 +63,8 @@ __all__ = [
     "append_events",
     "FileSink",
     "StreamSink",
+    "read_header",
+    "check_batch",
 ]
 
 TRACE_FORMAT = "pipeloom-trace"
@@ -201,6 +207,50 @@ def read_trace(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]])
     assert header is not None
     events.sort(key=lambda e: e.get("start", e.get("t", 0)))
     return TraceFile(header, events)
+
+
+def read_header(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Only the header of a trace file (e.g. for the ``live`` address a collector wrote there)."""
+    with open(path) as f:
+        first = f.readline()
+    try:
+        h = json.loads(first)
+    except ValueError:
+        raise ValueError(f"{path}: line 1 is not JSON; a {TRACE_FORMAT} starts with a header object") from None
+    if not isinstance(h, dict) or h.get("format") != TRACE_FORMAT:
+        raise ValueError(f"{path}: not a {TRACE_FORMAT}")
+    return h
+
+
+def check_batch(msg: Any) -> dict[str, Any]:
+    """Validate one decoded stream batch (what :class:`StreamSink` sends); ValueError says why.
+
+    A batch is ``{"v": 1, "type": "trace", "src": rank, "header": {...} | None,
+    "events": [...], "dropped": n}``; every event must be an object with
+    ``ev`` and ``rank``, as in a file.  Readers of the stream (the launcher's
+    collector, ``pipeloom trace attach``) call this on everything they get,
+    because a socket is untrusted input.
+    """
+    if not isinstance(msg, dict):
+        raise ValueError(f"a trace batch is a map, not {type(msg).__name__}")
+    if msg.get("v") != 1 or msg.get("type") != "trace":
+        raise ValueError(f"not a version-1 trace batch (v={msg.get('v')!r}, type={msg.get('type')!r})")
+    src = msg.get("src")
+    if not isinstance(src, int) or isinstance(src, bool) or src < 0:
+        raise ValueError(f"bad source rank {src!r}")
+    header = msg.get("header")
+    if header is not None and (not isinstance(header, dict) or header.get("format") != TRACE_FORMAT):
+        raise ValueError(f"batch from rank {src}: the header is not a {TRACE_FORMAT} header")
+    events = msg.get("events")
+    if not isinstance(events, list):
+        raise ValueError(f"batch from rank {src}: 'events' is not a list")
+    for e in events:
+        if not isinstance(e, dict) or not isinstance(e.get("ev"), str) or not isinstance(e.get("rank"), int):
+            raise ValueError(f"batch from rank {src}: an event without 'ev' and 'rank'")
+    dropped = msg.get("dropped", 0)
+    if not isinstance(dropped, int) or dropped < 0:
+        raise ValueError(f"batch from rank {src}: bad 'dropped' count {dropped!r}")
+    return msg
 
 
 # ---------------------------------------------------------------- sinks

@@ -163,7 +163,7 @@ def _by_rank(text: str) -> dict[int, list[str]]:
 ENV_SCRIPT = """\
 keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
         "PIPELOOM_LAUNCHER", "PIPELOOM_JOB_SECRET", "PIPELOOM_BACKEND", "PIPELOOM_TRACE",
-        "PIPELOOM_HEARTBEAT_TIMEOUT", "TORCHELASTIC_USE_AGENT_STORE"]
+        "PIPELOOM_TRACE_ENDPOINT", "PIPELOOM_HEARTBEAT_TIMEOUT", "TORCHELASTIC_USE_AGENT_STORE"]
 print(json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[2:]}))
 print("to stderr", RANK, file=sys.stderr)
 sys.stdout.write(f"tail{RANK}")  # no newline: must still come out, on its own line
@@ -180,6 +180,10 @@ def test_environment_prefix_and_logs(tmp_path: Path, reaper: Reaper, nproc: int)
         cwd=tmp_path,
     )  # fmt: skip
     assert code == 0, err
+    # --trace: the launcher's collector announces itself once (the only unprefixed line)
+    announce = [line for line in err.splitlines() if line.startswith("pipeloom: trace -> ")]
+    assert len(announce) == 1 and f"{tmp_path / 't.json'} (live: tcp://127.0.0.1:" in announce[0], err
+    err = "".join(line for line in err.splitlines(keepends=True) if not line.startswith("pipeloom: trace -> "))
     stdout, stderr = _by_rank(out), _by_rank(err)
     assert sorted(stdout) == sorted(stderr) == list(range(nproc))
     envs = {}
@@ -199,6 +203,7 @@ def test_environment_prefix_and_logs(tmp_path: Path, reaper: Reaper, nproc: int)
         assert env["GROUP_RANK"] == "0" and env["MASTER_ADDR"] == "127.0.0.1"
         assert env["PIPELOOM_LAUNCHER"] == "1" and env["PIPELOOM_BACKEND"] == "gloo"
         assert env["PIPELOOM_TRACE"] == str(tmp_path / "t.json")
+        assert env["PIPELOOM_TRACE_ENDPOINT"].startswith("tcp://127.0.0.1:")
         assert float(env["PIPELOOM_HEARTBEAT_TIMEOUT"]) == 7.5
         assert env["TORCHELASTIC_USE_AGENT_STORE"] is None
         log = (logs / f"rank{rank}.log").read_text()

@@ -1,4 +1,4 @@
-"""The ``pipeloom`` command: ``launch``, ``schedule``, and later ``trace``.
+"""The ``pipeloom`` command: ``launch``, ``schedule`` and ``trace``.
 
 Each subcommand lives in its own module and registers itself through an
 ``add_parser(subparsers)`` function, so this file stays a thin dispatcher.
@@ -17,10 +17,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipeloom", description="Event-driven pipeline-parallel training for PyTorch.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    from . import launch, schedule_cmd
+    from . import launch, schedule_cmd, trace_cmd
 
     launch.add_parser(sub)
     schedule_cmd.add_parser(sub)
+    trace_cmd.add_parser(sub)
     return parser
 
 

@@ -58,7 +58,27 @@ pipeloom's own, none of which a script may *require*:
   from the launcher's environment when set there; see multi-node below);
 * ``PIPELOOM_BACKEND`` (``--backend``), ``PIPELOOM_TRACE`` (``--trace``, an
   absolute path), ``PIPELOOM_HEARTBEAT_TIMEOUT`` (``--heartbeat-timeout``,
-  seconds): only when the flag is given.
+  seconds): only when the flag is given;
+* ``PIPELOOM_TRACE_ENDPOINT``: with ``--trace``, where ranks stream their
+  trace events (see Tracing below).
+
+Tracing
+-------
+With ``--trace FILE`` the launcher runs a collector
+(:mod:`pipeloom.tools.trace_collector`): it binds a ZeroMQ PULL socket on
+127.0.0.1 at a free port, exports it as ``PIPELOOM_TRACE_ENDPOINT`` (ranks
+that see it stream signed batches instead of writing files), writes ONE file
+for the job and republishes every batch live.  It prints, once::
+
+    pipeloom: trace -> FILE (live: tcp://127.0.0.1:PORT)
+
+and writes the live address into FILE's header, so ``pipeloom trace attach
+--file FILE`` follows the job.  After the ranks exit, batches still queued are
+drained for at most a second.  With several nodes each launcher collects its
+own ranks into ``FILE.node{N}`` (``pipeloom trace`` merges the files).
+Without a job secret (multi-node without ``PIPELOOM_JOB_SECRET``) frames
+cannot be verified, so there is no collector: each rank writes
+``FILE.rank{R}`` itself, as under torchrun.
 
 Root-cause protocol
 -------------------
@@ -193,7 +213,9 @@ class LaunchConfig:
     backend: str | None = None
     """``PIPELOOM_BACKEND`` (``gloo`` or ``nccl``); None: the runtime chooses."""
     trace: str | None = None
-    """``PIPELOOM_TRACE``: file the runtime streams trace events to."""
+    """``PIPELOOM_TRACE``: the job's trace file (written by the collector, or per rank without one)."""
+    trace_endpoint: str | None = None
+    """``PIPELOOM_TRACE_ENDPOINT``: the collector's address; set by the launcher once it has bound it."""
     heartbeat_timeout: float | None = None
     """``PIPELOOM_HEARTBEAT_TIMEOUT``, seconds without a heartbeat before a peer counts as lost."""
     grace: float = 2.0
@@ -237,10 +259,13 @@ def rank_environment(config: LaunchConfig, local_rank: int, base: Mapping[str, s
     )
     if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun: N ranks x all cores each would oversubscribe
+    if config.trace is not None and config.trace_endpoint is None:
+        env.pop("PIPELOOM_TRACE_ENDPOINT", None)  # inherited from an outer launcher: write our own files
     optional = {
         "PIPELOOM_JOB_SECRET": config.job_secret,
         "PIPELOOM_BACKEND": config.backend,
         "PIPELOOM_TRACE": config.trace,
+        "PIPELOOM_TRACE_ENDPOINT": config.trace_endpoint,
         "PIPELOOM_HEARTBEAT_TIMEOUT": None if config.heartbeat_timeout is None else repr(config.heartbeat_timeout),
     }
     for key, value in optional.items():
@@ -537,7 +562,9 @@ class _Job:
                 installed.append(sig)
             except (NotImplementedError, RuntimeError, ValueError):  # not the main thread / not POSIX
                 pass
+        collector = None
         try:
+            collector = self._start_collector()
             try:
                 await self._spawn_all()
             except OSError as exc:
@@ -550,6 +577,8 @@ class _Job:
             await self._drain()
             return self._report()
         finally:
+            if collector is not None:
+                await asyncio.to_thread(collector.close)  # drains the last batches, bounded
             for sig in installed:
                 self._loop.remove_signal_handler(sig)
             for r in self.ranks:
@@ -559,6 +588,29 @@ class _Job:
                     s.close()
                 if r.log is not None:
                     r.log.close()
+
+    def _start_collector(self) -> Any:
+        """With ``--trace``: start the collector and point the ranks at it (None: ranks write files)."""
+        cfg = self.config
+        if cfg.trace is None:
+            return None
+        if not cfg.job_secret:
+            self.err.say(f"warning: no job secret to verify trace frames with; each rank writes {cfg.trace}.rank{{R}}")
+            return None
+        from dataclasses import replace
+
+        from .trace_collector import TraceCollector
+
+        path = cfg.trace if cfg.nnodes == 1 else f"{cfg.trace}.node{cfg.node_rank}"
+        collector = TraceCollector(path, secret=cfg.job_secret.encode(), world_size=cfg.world_size, say=self.err.say)
+        try:
+            collector.start()
+        except OSError as exc:
+            self.err.say(f"warning: could not start the trace collector ({exc}); each rank writes {cfg.trace}.rank{{R}}")
+            return None
+        self.config = replace(cfg, trace_endpoint=collector.endpoint)
+        self.err.write(f"pipeloom: trace -> {path} (live: {collector.live_address})\n".encode())
+        return collector
 
     async def _spawn_all(self) -> None:
         assert self._loop is not None
@@ -811,7 +863,8 @@ def add_parser(subparsers: Any) -> None:
         metavar="R,R", help="echo only these local ranks' output to the console (log files get all)")
     add("--no-prefix", dest="prefix", action="store_false", help="do not prefix echoed lines with [rank{R}]: ")
     add("--backend", choices=("gloo", "nccl"), default=None, help="torch.distributed backend (PIPELOOM_BACKEND)")
-    add("--trace", default=None, metavar="FILE", help="record a trace to FILE (PIPELOOM_TRACE)")
+    add("--trace", default=None, metavar="FILE",
+        help="record the job's trace to FILE, streamed through the launcher (live viewers: pipeloom trace attach --file FILE)")
     add("--heartbeat-timeout", dest="heartbeat_timeout", type=_positive_float, default=None, metavar="SECONDS",
         help="declare a silent peer lost after SECONDS (PIPELOOM_HEARTBEAT_TIMEOUT)")
     add("--grace", type=_nonneg_float, default=2.0, metavar="SECONDS",

@@ -107,6 +107,12 @@ def add_parser(subparsers: Any) -> None:
         help="action durations, e.g. F=1,B=2,I=1,W=1 (see the README for every key)",
     )
     simulate_p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    simulate_p.add_argument(
+        "--trace",
+        metavar="OUT",
+        default=None,
+        help="also write the simulated step as a pipeloom trace (one cost unit = 1 ms) for `pipeloom trace view`",
+    )
     simulate_p.set_defaults(func=_guarded(_cmd_simulate))
 
 
@@ -293,12 +299,24 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         return 1
     costs = args.costs if args.costs is not None else Costs()
     result = simulate(schedule, costs)
+    if args.trace is not None:
+        _write_simulation_trace(args.trace, schedule, costs, result)
     if args.json:
         print(json.dumps(_simulation_json(schedule, label, costs, result), indent=2))
     else:
         print(_describe_schedule(schedule, label, name=name))
         print(_simulation_table(costs, result))
     return 0
+
+
+def _write_simulation_trace(path: str, schedule: Schedule, costs: Costs, result: SimulationResult) -> None:
+    """The simulated step in the trace format (see :mod:`pipeloom.tools.trace_export` for the time scale)."""
+    from .trace_export import SIMULATION_UNIT_NS, simulation_trace
+    from .trace_model import trace_api
+
+    header, events = simulation_trace(schedule, result, costs, time_unit_ns=SIMULATION_UNIT_NS)
+    trace_api().write_trace(path, header, events)
+    print(f"wrote {path}: simulated trace, 1 time unit = {SIMULATION_UNIT_NS // 1_000_000} ms", file=sys.stderr)
 
 
 def _simulation_json(schedule: Schedule, label: str, costs: Costs, result: SimulationResult) -> dict[str, Any]:

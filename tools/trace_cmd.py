@@ -1,0 +1,150 @@
+"""``pipeloom trace``: view, follow, export and summarise rank traces.
+
+* ``view FILE...`` -- the terminal UI over a finished (or growing) trace;
+  several files are per-rank files of one job (what ranks write under
+  torchrun), merged.
+* ``attach [ADDRESS] [--file FILE]`` -- the same UI on a running job,
+  subscribed to the launcher's live address (``pipeloom launch --trace FILE``
+  prints it and writes it into FILE's header, so ``--file FILE`` is enough);
+  with ``--file`` the history so far is loaded first.
+* ``export FILE... --chrome OUT.json`` -- Chrome trace JSON for Perfetto or
+  ``chrome://tracing``.
+* ``summary FILE... [--json] [--step N]`` -- the summary pane's numbers as
+  text or JSON.
+
+The commands import neither torch nor (except ``view``/``attach``) textual,
+so they start at once.  Exit status: 0 done, 2 the request could not be
+carried out (a missing or malformed file, no live address); the message
+names the file and line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+__all__ = ["add_parser", "attach_app"]
+
+
+class _UserError(Exception):
+    pass
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``trace`` and its subcommands on the ``pipeloom`` parser."""
+    parser = subparsers.add_parser("trace", help="view, follow, export and summarise rank traces",
+                                   description="View, follow, export and summarise pipeloom rank traces.")
+    sub = parser.add_subparsers(dest="trace_command", metavar="SUBCOMMAND")
+    sub.required = True
+
+    view = sub.add_parser("view", help="interactive timeline of a trace (q quits)")
+    view.add_argument("files", nargs="+", metavar="FILE", help="a trace, or the per-rank files of one job")
+    view.set_defaults(func=_guarded(_cmd_view))
+
+    attach = sub.add_parser("attach", help="the timeline of a running job, live")
+    attach.add_argument("address", nargs="?", metavar="ADDRESS", help="the collector's live address, tcp://HOST:PORT")
+    attach.add_argument("--file", metavar="FILE", help="the job's trace file: its history, and its live address")
+    attach.set_defaults(func=_guarded(_cmd_attach))
+
+    export = sub.add_parser("export", help="write Chrome trace JSON (Perfetto, chrome://tracing)")
+    export.add_argument("files", nargs="+", metavar="FILE")
+    export.add_argument("--chrome", required=True, metavar="OUT.json", help="where to write the Chrome trace")
+    export.set_defaults(func=_guarded(_cmd_export))
+
+    summary = sub.add_parser("summary", help="busy, idle and bubble per rank, step times, longest waits")
+    summary.add_argument("files", nargs="+", metavar="FILE")
+    summary.add_argument("--json", action="store_true", help="print one JSON object")
+    summary.add_argument("--step", type=int, default=None, metavar="N", help="only step N")
+    summary.add_argument("--top", type=int, default=5, metavar="K", help="longest waits to list (default 5)")
+    summary.set_defaults(func=_guarded(_cmd_summary))
+
+
+def _guarded(handler: Any) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return int(handler(args) or 0)
+        except BrokenPipeError:
+            raise
+        except (_UserError, ValueError) as exc:
+            print(f"pipeloom trace: error: {exc}", file=sys.stderr)
+        except OSError as exc:
+            where = f"{exc.filename}: " if exc.filename else ""
+            print(f"pipeloom trace: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 2
+
+    run.__name__ = handler.__name__
+    return run
+
+
+def _load(files: list[str]) -> Any:
+    from .trace_model import load_trace
+
+    return load_trace(files)
+
+
+def _cmd_view(args: argparse.Namespace) -> int:
+    from .trace_tui import TraceApp
+
+    TraceApp(_load(args.files)).run()
+    return 0
+
+
+def attach_app(address: str | None, file: str | None) -> Any:
+    """The live :class:`~pipeloom.tools.trace_tui.TraceApp` for ``trace attach`` (not running yet).
+
+    The address is ADDRESS, else the ``live`` address in FILE's header; the
+    socket subscribes before FILE's history is read, so no batch falls
+    between the two (one that is in both is kept once).
+    """
+    from .trace_model import TraceBuffer, trace_api
+    from .trace_tui import LiveSource, TraceApp
+
+    if file is not None and not address:
+        address = trace_api().read_header(file).get("live")
+        if not address:
+            raise _UserError(f"{file}: the header has no live address (was it written by `pipeloom launch --trace`?)")
+    if not address:
+        raise _UserError("give the collector's live address (tcp://HOST:PORT) or --file FILE")
+    try:
+        source = LiveSource(str(address))
+    except Exception as exc:  # zmq.ZMQError: a malformed address
+        raise _UserError(f"cannot subscribe to {address!r}: {exc}") from None
+    buffer = TraceBuffer()
+    if file is not None:
+        tf = trace_api().read_trace(file)
+        buffer = TraceBuffer(tf.header, tf.events)
+    return TraceApp(buffer, live=source)
+
+
+def _cmd_attach(args: argparse.Namespace) -> int:
+    attach_app(args.address, args.file).run()
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .trace_export import chrome_trace
+
+    model = _load(args.files)
+    doc = chrome_trace(model)
+    with open(args.chrome, "w") as f:
+        json.dump(doc, f, separators=(",", ":"))
+    n = sum(1 for e in doc["traceEvents"] if e.get("ph") == "X")
+    print(f"wrote {args.chrome}: {n} slices, {len(model.ranks)} ranks (open in https://ui.perfetto.dev or chrome://tracing)",
+          file=sys.stderr)
+    return 0
+
+
+def _cmd_summary(args: argparse.Namespace) -> int:
+    from .trace_model import format_summary, summarize
+
+    model = _load(args.files)
+    if args.step is not None and args.step not in model.steps:
+        raise _UserError(f"the trace has no step {args.step} (steps: {', '.join(map(str, model.steps)) or 'none'})")
+    summary = summarize(model, step=args.step, top=args.top)
+    if args.json:
+        print(json.dumps(summary.to_json(), indent=2))
+    else:
+        print(format_summary(summary))
+    return 0

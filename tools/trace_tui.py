@@ -1,0 +1,348 @@
+"""The terminal UI of ``pipeloom trace view`` and ``pipeloom trace attach``.
+
+A Textual app with three parts: the timeline (one lane per rank, two rows
+each: compute -- actions and, dimmed, waits -- and communication: sends,
+receives and FSDP all-gathers), a detail pane for the selected action and a
+summary pane for the current step.  Drawing is deliberately plain: each lane
+is a line of character cells, one cell per time bucket, built as a
+``rich.text.Text`` from :func:`~pipeloom.tools.trace_model.lane_cells`; a
+block carries the action's name where it fits.  Everything the panes say is
+computed by :mod:`pipeloom.tools.trace_model` (the same functions ``trace
+summary`` prints), and every key is one method of its
+:class:`~pipeloom.tools.trace_model.ViewState`: this module only maps keys and
+formats.
+
+Why Textual: key handling, resizing and a headless test pilot
+(``App.run_test``) come with it, and it renders ``rich`` text, which is all a
+timeline of character cells needs.  A curses UI would be smaller but
+untestable without a terminal.
+
+Live mode (``attach``) polls a ZeroMQ SUB socket connected to the launcher's
+collector a few times a second without blocking the UI; batches are
+validated, deduplicated against what was read from the file, and the model is
+rebuilt when something new arrived.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.widget import Widget
+from textual.widgets import Footer, Static
+
+from .trace_model import (
+    CATEGORIES,
+    Span,
+    TraceBuffer,
+    TraceModel,
+    ViewState,
+    category,
+    describe_action,
+    format_ns,
+    format_summary,
+    lane_cells,
+    summarize,
+)
+
+__all__ = ["TraceApp", "LiveSource", "STYLES"]
+
+#: Block styles per category: two shades, alternating between neighbouring blocks of one kind.
+STYLES: dict[str, tuple[str, str]] = {
+    "F": ("black on #5fd75f", "black on #3faf3f"),
+    "B": ("black on #5fafff", "black on #3f8fdf"),
+    "I": ("black on #5fd7d7", "black on #3fafaf"),
+    "W": ("black on #d787d7", "black on #af67af"),
+    "OVERLAP_F_B": ("black on #d7d75f", "black on #afaf3f"),
+    "comm": ("black on #ffaf5f", "black on #d78f3f"),
+    "FSDP": ("black on #af87ff", "black on #8f67df"),
+    "REDUCE_GRAD": ("black on #ff8787", "black on #df6767"),
+    "wait": ("grey42", "grey42"),
+}
+SELECTED_STYLE = "bold white on #d70000"
+_LABEL = 8  # width of the "rank 12 " column
+
+
+_SHORT = {"OVERLAP_F_B": "O", "UNSHARD": "U", "RESHARD": "R", "REDUCE_GRAD": "G", "WAIT": "."}
+
+
+def _short(sp: Span) -> str:
+    """What a block too narrow for the name shows: the type's letter (``s``/``r`` for a send/receive)."""
+    if sp.kind == "send":
+        return "s"
+    if sp.kind == "recv":
+        return "r"
+    return _SHORT.get(sp.type, sp.type[:1])
+
+
+class LiveSource:
+    """Batches published by a collector (``tcp://host:port``), polled without blocking."""
+
+    def __init__(self, address: str) -> None:
+        import zmq
+
+        self.address = address
+        self._zmq = zmq
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.connect(address)
+
+    def poll(self, limit: int = 200) -> list[Any]:
+        """Decoded messages received since the last call (not validated yet; undecodable ones are skipped)."""
+        import msgpack
+
+        out = []
+        for _ in range(limit):
+            try:
+                raw = self._sock.recv(self._zmq.NOBLOCK)
+            except self._zmq.Again:
+                break
+            try:
+                out.append(msgpack.unpackb(raw, raw=False, strict_map_key=True))
+            except Exception:  # garbage on the socket: the buffer counts rejects, this counts as one
+                out.append(None)
+        return out
+
+    def close(self) -> None:
+        self._sock.close()
+        self._ctx.term()
+
+
+class Timeline(Widget):
+    """The lanes: a header line, a time axis, two rows per rank and a legend."""
+
+    DEFAULT_CSS = """
+    Timeline { height: auto; }
+    """
+
+    def __init__(self, app_state: TraceApp) -> None:
+        super().__init__()
+        self._owner = app_state
+
+    def render(self) -> Text:
+        return self._owner.render_timeline(max(self.size.width, 20))
+
+
+class TraceApp(App[None]):
+    """View a trace; ``live`` (a :class:`LiveSource`) makes it follow a running job."""
+
+    TITLE = "pipeloom trace"
+    CSS = """
+    #panes { height: 1fr; }
+    #detail { width: 1fr; border: round $accent; padding: 0 1; }
+    #summary { width: 2fr; border: round $accent; padding: 0 1; }
+    """
+    BINDINGS = [
+        Binding("plus,equals_sign", "zoom(2.0)", "zoom in", key_display="+"),
+        Binding("minus,underscore", "zoom(0.5)", "zoom out", key_display="-"),
+        Binding("left", "pan(-0.25)", "pan", show=False),
+        Binding("right", "pan(0.25)", "pan", show=False),
+        Binding("home", "home", "start", show=False),
+        Binding("end", "end", "end", show=False),
+        Binding("left_square_bracket,p", "step(-1)", "prev step", key_display="["),
+        Binding("right_square_bracket,n", "step(1)", "next step", key_display="]"),
+        Binding("tab", "rank(1, True)", "next rank", show=False, priority=True),
+        Binding("shift+tab", "rank(-1, True)", "prev rank", show=False, priority=True),
+        Binding("down", "rank(1, False)", "rank", show=False),
+        Binding("up", "rank(-1, False)", "rank", show=False),
+        Binding("comma", "action(-1)", "prev action", key_display=","),
+        Binding("full_stop", "action(1)", "next action", key_display="."),
+        Binding("z", "fit", "fit step"),
+        Binding("f", "follow", "follow", show=False),
+        Binding("q", "quit", "quit"),
+    ]
+
+    def __init__(self, model: TraceModel | TraceBuffer, *, live: LiveSource | None = None, poll_interval: float = 0.25) -> None:
+        super().__init__()
+        if isinstance(model, TraceBuffer):
+            self.buffer = model
+            model = model.model()
+        else:
+            self.buffer = TraceBuffer(model.header, model.events)
+        self.state = ViewState(model, follow=live is not None)
+        self.live = live
+        self.poll_interval = poll_interval
+        self.detail_text = ""
+        self.summary_text = ""
+        self._mounted = False
+
+    # -- layout
+
+    def compose(self) -> ComposeResult:
+        yield Timeline(self)
+        with Horizontal(id="panes"):
+            yield Static(id="detail")
+            yield Static(id="summary")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self._mounted = True
+        self.refresh_panes()
+        if self.live is not None:
+            self.set_interval(self.poll_interval, self.poll_live)
+
+    def on_unmount(self) -> None:
+        if self.live is not None:
+            self.live.close()
+
+    # -- live
+
+    def poll_live(self) -> int:
+        """Take what arrived; rebuild the model if anything was new.  Returns the number of new events."""
+        if self.live is None:
+            return 0
+        new = 0
+        for msg in self.live.poll():
+            try:
+                new += self.buffer.add_batch(msg)
+            except ValueError:
+                continue
+        if new:
+            self.state.update(self.buffer.model())
+            self.refresh_panes()
+        return new
+
+    # -- actions (one per key)
+
+    def _changed(self) -> None:
+        self.refresh_panes()
+
+    def action_zoom(self, factor: float) -> None:
+        self.state.zoom(factor)
+        self._changed()
+
+    def action_pan(self, fraction: float) -> None:
+        self.state.pan(fraction)
+        self._changed()
+
+    def action_home(self) -> None:
+        self.state.home()
+        self._changed()
+
+    def action_end(self) -> None:
+        self.state.end()
+        self._changed()
+
+    def action_step(self, delta: int) -> None:
+        self.state.step_by(delta)
+        self._changed()
+
+    def action_rank(self, delta: int, wrap: bool) -> None:
+        self.state.move_rank(delta, wrap=wrap)
+        self._changed()
+
+    def action_action(self, delta: int) -> None:
+        self.state.move_action(delta)
+        self._changed()
+
+    def action_fit(self) -> None:
+        self.state.fit()
+        self._changed()
+
+    def action_follow(self) -> None:
+        self.state.follow = not self.state.follow
+        if self.state.follow:
+            self.state.update(self.state.model)
+        self._changed()
+
+    # -- drawing
+
+    def refresh_panes(self) -> None:
+        st = self.state
+        sel = st.selected
+        if sel is None:
+            self.detail_text = "no action selected (use , and . to pick one)"
+        else:
+            self.detail_text = "\n".join(describe_action(st.model, sel).lines())
+        if st.model.steps:
+            self.summary_text = format_summary(summarize(st.model, step=st.step, top=5))
+        else:
+            self.summary_text = "no events yet" if self.live is not None else "the trace has no events"
+        if self._mounted:
+            self.query_one("#detail", Static).update(Text(self.detail_text))
+            self.query_one("#summary", Static).update(Text(self.summary_text))
+            self.query_one(Timeline).refresh()
+
+    def _row(self, spans: list[Span], under: list[Span] | None, width: int, selected: Span | None) -> Text:
+        st = self.state
+        cells = lane_cells(spans, st.view_start, st.view_end, width)
+        back = lane_cells(under, st.view_start, st.view_end, width) if under else [None] * width
+        text = Text()
+        i = 0
+        shade: dict[str, int] = {}
+        while i < width:
+            idx = cells[i]
+            if idx is None:
+                j = i
+                while j < width and cells[j] is None and back[j] is None:
+                    j += 1
+                if j > i:
+                    text.append(" " * (j - i))
+                    i = j
+                    continue
+                j = i
+                while j < width and cells[j] is None and back[j] is not None:
+                    j += 1
+                text.append("░" * (j - i), STYLES["wait"][0])
+                i = j
+                continue
+            j = i
+            while j < width and cells[j] == idx:
+                j += 1
+            sp = spans[idx]
+            cat = category(sp)
+            shade[cat] = shade.get(cat, 1) ^ 1
+            style = SELECTED_STYLE if sp is selected else STYLES.get(cat, STYLES["F"])[shade[cat]]
+            label = (sp.name if len(sp.name) <= j - i else _short(sp)[: j - i]).ljust(j - i)
+            text.append(label, style)
+            i = j
+        return text
+
+    def render_timeline(self, total_width: int) -> Text:
+        st = self.state
+        m = st.model
+        width = max(total_width - _LABEL, 10)
+        out = Text()
+        step_txt = "no steps" if st.step is None or not m.steps else f"step {st.step} ({m.steps.index(st.step) + 1}/{len(m.steps)})" if st.step in m.steps else f"step {st.step}"
+        head = (
+            f"{m.header.get('schedule', 'trace')} ({m.source})  {step_txt}  "
+            f"view {format_ns(st.view_start - m.t0)} .. {format_ns(st.view_end - m.t0)} ({format_ns(st.width)})"
+        )
+        if self.live is not None:
+            head += f"  live {self.live.address}" + ("  [following]" if st.follow else "")
+        out.append(head + "\n", "bold")
+        # axis: a tick every ~16 cells, labelled with the time from the trace start
+        axis = [" "] * width
+        tick_every = 16
+        for c in range(0, width, tick_every):
+            label = "|" + format_ns(st.view_start - m.t0 + c * st.width / width).replace(" ", "")
+            for k, ch in enumerate(label):
+                if c + k < width:
+                    axis[c + k] = ch
+        out.append(" " * _LABEL + "".join(axis) + "\n", "grey50")
+        sel = st.selected
+        lo, hi = st.view_start, st.view_end
+        for pos, r in enumerate(m.ranks):
+            visible = [a for a in m.actions.get(r, []) if a.end >= lo and a.start < hi]
+            compute = [a for a in visible if a.type != "UNSHARD"]
+            waits = [w for w in m.waits.get(r, []) if w.end >= lo and w.start < hi]
+            comm = [t for t in m.transfers.get(r, []) if t.end >= lo and t.start < hi] + [a for a in visible if a.type == "UNSHARD"]
+            comm.sort(key=lambda s: s.start)
+            marker = ">" if pos == st.rank_pos else " "
+            out.append(f"{marker}rank {r:<2}"[:_LABEL].ljust(_LABEL), "bold" if pos == st.rank_pos else "")
+            out.append_text(self._row(compute, waits, width, sel))
+            out.append("\n" + " " * _LABEL)
+            out.append_text(self._row(comm, None, width, None))
+            out.append("\n")
+        legend = Text(" " * _LABEL)
+        for cat in CATEGORIES:
+            legend.append(f" {cat} ", STYLES[cat][0] if cat != "wait" else "grey42 reverse")
+            legend.append(" ")
+        out.append_text(legend)
+        return out
