@@ -16,6 +16,13 @@ Invariants:
   more activation memory than the schedule promises.
 - ``deterministic=True`` runs exactly the list order (for debugging and
   bit-exact comparison with torch).
+- GPUs: running an action only launches kernels, and waiting for a receive to
+  *complete* before launching its consumer leaves the GPU idle for the launch
+  latency.  So while the GPU's queue of launched actions is nearly empty, an
+  action whose receive is *posted* (announced) but not complete may be
+  launched too, with the compute stream ordered after the receive.  That is
+  deadlock-free: a receive is only posted after its producer was launched on
+  the peer, so every stream wait is on work already in some queue.
 - Failures: an exception in an action is wrapped with rank, step, stage,
   microbatch and action, broadcast to every peer as an ``abort`` message, and
   raised; a peer's abort is raised here as :class:`RemoteRankError`.
@@ -27,6 +34,7 @@ import asyncio
 import logging
 import time
 import traceback
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -127,6 +135,14 @@ class RankActor:
         self._i_done: set[tuple[int, int]] = set()
         self.statistics: ActorStatistics | None = None
         self.trace = trace
+        # GPU: receives posted but not complete (buffers, works), consumed early, and launched work
+        self._cuda = device.type == "cuda"
+        self._posted: dict[tuple[int, str, int, int], tuple[list[torch.Tensor | None], list[Any], Any]] = {}
+        self._consumed: set[tuple[int, str, int, int]] = set()
+        self._gpu_events: deque[Any] = deque()
+        self._speculate = False
+        #: payloads produced by the action being run, handed over once its compute is done
+        self._outbox: list[tuple[int, str, int, int, Sequence[torch.Tensor | None]]] = []
         #: what the loop is doing now, read by the heartbeat thread:
         #: ("idle" | "busy" | "waiting", action or wait description, since monotonic)
         self.state: tuple[str, str, float] = ("idle", "", time.monotonic())
@@ -162,6 +178,10 @@ class RankActor:
             seq = msg["seq"]
 
             def arrived(buffers: list[torch.Tensor | None], err: BaseException | None, key: tuple[int, str, int, int] = key) -> None:
+                if key in self._consumed:  # already taken by a GPU consumer (stream-ordered)
+                    self._consumed.discard(key)
+                    return
+                self._posted.pop(key, None)
                 if err is not None:
                     self._fail_remote(
                         PeerLostError(
@@ -181,7 +201,9 @@ class RankActor:
                     self.trace.transfer("recv", key[0], src, key[2], key[3], key[1], seq, nbytes, posted, clock_ns())
                 self._wake.set()
 
-            self.tensors.recv(src, spec, arrived)
+            buffers, works = self.tensors.recv(src, spec, arrived)
+            if self._cuda and works:
+                self._posted[key] = (buffers, works, spec)
         elif kind == "abort":
             self._fail_remote(
                 RemoteRankError(
@@ -202,16 +224,39 @@ class RankActor:
         self._wake.set()
 
     # ------------------------------------------------------------ readiness
+    def _have(self, key: tuple[int, str, int, int]) -> bool:
+        return key in self._inbox or (self._speculate and key in self._posted)
+
+    def _take(self, key: tuple[int, str, int, int]) -> list[torch.Tensor | None]:
+        """An input: arrived, or (GPU) posted, with the current stream ordered after its receive."""
+        got = self._inbox.pop(key, None)
+        if got is not None:
+            return got
+        buffers, works, spec = self._posted.pop(key)
+        for w in works:
+            w.wait()  # NCCL: the current stream waits; the host does not
+        self._consumed.add(key)
+        if key[1] == "F":
+            for b, sp in zip(buffers, spec.tensors):
+                if b is not None and sp is not None and sp[2]:
+                    b.requires_grad_(True)
+        return buffers
+
+    def _gpu_queue_depth(self) -> int:
+        q = self._gpu_events
+        while q and q[0].query():
+            q.popleft()
+        return len(q)
     def _ready(self, a: Action, step: int, live: int, train: bool) -> bool:
         t = a.type
         if t is _F:
             if train and live >= self.memory_limit:
                 return False
-            return a.stage == 0 or (step, "F", a.stage, a.microbatch) in self._inbox
+            return a.stage == 0 or self._have((step, "F", a.stage, a.microbatch))
         if t is _B or t is _I:
             if (a.stage, a.microbatch) not in self._fwd_done:
                 return False
-            return a.stage == self.last_stage or (step, "B", a.stage, a.microbatch) in self._inbox
+            return a.stage == self.last_stage or self._have((step, "B", a.stage, a.microbatch))
         if t is _W:
             return (a.stage, a.microbatch) in self._i_done
         if t is _OVL:
@@ -253,7 +298,7 @@ class RankActor:
             if a.stage == 0:
                 args = inputs.args[mb]
             else:
-                args = tuple(self._inbox.pop((step, "F", a.stage, mb)))
+                args = tuple(self._take((step, "F", a.stage, mb)))
             target = inputs.targets[mb] if (inputs.targets is not None and a.stage == self.last_stage) else None
             outputs, raw, loss = stage.forward(mb, args, inputs.kwargs[mb], target, train=train)
             if a.stage == self.last_stage:
@@ -261,19 +306,19 @@ class RankActor:
                 if loss is not None:
                     losses[mb] = loss.detach()
             else:
-                self._emit(step, "F", a.stage + 1, mb, outputs)
+                self._outbox.append((step, "F", a.stage + 1, mb, outputs))
             if train:
                 self._fwd_done.add((a.stage, mb))
             return
         if t is _B or t is _I:
-            grads = None if a.stage == self.last_stage else self._inbox.pop((step, "B", a.stage, mb))
+            grads = None if a.stage == self.last_stage else self._take((step, "B", a.stage, mb))
             if t is _B:
                 in_grads = stage.backward(mb, grads)
             else:
                 in_grads = stage.backward_input(mb, grads)
                 self._i_done.add((a.stage, mb))
             if a.stage > 0:
-                self._emit(step, "B", a.stage - 1, mb, in_grads)
+                self._outbox.append((step, "B", a.stage - 1, mb, in_grads))
             return
         if t is _W:
             stage.backward_weight(mb)
@@ -303,9 +348,13 @@ class RankActor:
         deterministic = self.deterministic
         trace = self.trace
         step_start = clock_ns() if trace is not None else 0
+        last_liveness = time.monotonic()
         while pending:
             if self._remote_error is not None:
                 raise self._annotate_wait(self._remote_error, pending, step)
+            if self._cuda:
+                # Feed a nearly idle GPU with posted (not yet complete) inputs.
+                self._speculate = bool(self._posted) and self._gpu_queue_depth() <= 1
             pick = -1
             seen_forward = False
             for i, a in enumerate(pending):
@@ -326,12 +375,18 @@ class RankActor:
                 t0 = time.perf_counter()
                 self.state = ("waiting", str(pending[0]), time.monotonic())
                 w0 = clock_ns() if trace is not None else 0
+                waiting_for = self.describe_wait(pending, step, train) if trace is not None else None
+                # On a GPU with posted receives, re-check soon: the queue may drain.
+                timeout = 2e-4 if (self._cuda and self._posted and self._gpu_events) else self._liveness_interval
                 try:
-                    await asyncio.wait_for(wake.wait(), self._liveness_interval)
+                    await asyncio.wait_for(wake.wait(), timeout)
                 except asyncio.TimeoutError:
-                    self._check_liveness(pending, step)
+                    now = time.monotonic()
+                    if now - last_liveness >= self._liveness_interval:
+                        last_liveness = now
+                        self._check_liveness(pending, step)
                 if trace is not None:
-                    trace.wait(step, w0, clock_ns(), self.describe_wait(pending, step, train))
+                    trace.wait(step, w0, clock_ns(), waiting_for)  # type: ignore[arg-type]
                 idle += time.perf_counter() - t0
                 continue
             a = pending.pop(pick)
@@ -345,10 +400,18 @@ class RankActor:
                 raise
             except Exception as exc:
                 raise self._abort(exc, a, step) from exc
+            if self._cuda:
+                ev = torch.cuda.Event()
+                ev.record()
+                self._gpu_events.append(ev)
             if trace is not None:
                 leaf = a.leaves()[0]
                 trace.action(step, str(a), a.type.value, leaf.stage, leaf.microbatch, a0, clock_ns(),
                              [str(x) for x in a.sub_actions] if a.sub_actions else None)
+            # Hand the outputs on after the compute (its trace span ends before the sends).
+            outbox, self._outbox = self._outbox, []
+            for item in outbox:
+                self._emit(*item)
             ran += 1
             if train:
                 for leaf in a.leaves():

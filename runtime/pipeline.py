@@ -32,7 +32,7 @@ from torch import nn
 
 from ..schedules import Schedule, ScheduleError, load_csv
 from ..transport.control import ControlPlane, choose_bind_host
-from ..transport.tensor import TensorPlane
+from ..transport.tensor import TensorPlane, make_pair_groups
 from .actor import ActorStatistics, RankActor, StepInputs
 from .errors import PeerLostError, PipelineConfigError, RemoteRankError
 from .stage import StageExecutor
@@ -59,11 +59,18 @@ def _new_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
 
 
-def _split_value(value: Any, n: int, what: str) -> list[Any]:
+def _to(value: Any, device: torch.device | None) -> Any:
+    if device is not None and isinstance(value, torch.Tensor) and value.device != device:
+        return value.to(device, non_blocking=True)
+    return value
+
+
+def _split_value(value: Any, n: int, what: str, device: torch.device | None = None) -> list[Any]:
     if isinstance(value, Microbatches):
         if len(value) != n:
             raise PipelineConfigError(f"{what} holds {len(value)} microbatches, expected num_microbatches={n}")
-        return list(value)
+        return [_to(v, device) for v in value]
+    value = _to(value, device)
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
             return [value] * n
@@ -77,12 +84,12 @@ def _split_value(value: Any, n: int, what: str) -> list[Any]:
 
 
 def split_microbatches(
-    args: tuple[Any, ...], kwargs: Mapping[str, Any], target: Any, n: int
+    args: tuple[Any, ...], kwargs: Mapping[str, Any], target: Any, n: int, device: torch.device | None = None
 ) -> StepInputs:
-    """Cut a batch into ``n`` microbatches along dim 0 (tensors); other values are shared."""
-    arg_chunks = [_split_value(a, n, f"positional input {i}") for i, a in enumerate(args)]
-    kw_chunks = {k: _split_value(v, n, f"keyword input {k!r}") for k, v in kwargs.items()}
-    targets = None if target is None else _split_value(target, n, "target")
+    """Cut a batch into ``n`` microbatches along dim 0 (tensors, moved to ``device``); other values are shared."""
+    arg_chunks = [_split_value(a, n, f"positional input {i}", device) for i, a in enumerate(args)]
+    kw_chunks = {k: _split_value(v, n, f"keyword input {k!r}", device) for k, v in kwargs.items()}
+    targets = None if target is None else _split_value(target, n, "target", device)
     return StepInputs(
         args=[tuple(c[m] for c in arg_chunks) for m in range(n)],
         kwargs=[{k: c[m] for k, c in kw_chunks.items()} for m in range(n)],
@@ -228,7 +235,16 @@ class Pipeline:
         if stall_timeout is None:
             stall_timeout = float(os.environ.get("PIPELOOM_STALL_TIMEOUT", "30"))
         self._trace_sink, recorder = self._open_trace(trace, secret[0].encode())
-        self._tensors = TensorPlane(self.rank, device=self.device)
+        pair_groups = None
+        if backend == "nccl" or os.environ.get("PIPELOOM_PAIR_GROUPS") == "1":
+            edges = set()
+            for st in range(self.schedule.num_stages - 1):
+                a, b = self.schedule.stage_to_rank[st], self.schedule.stage_to_rank[st + 1]
+                if a != b:
+                    edges |= {(a, b), (b, a)}
+            ctas = os.environ.get("PIPELOOM_P2P_MAX_CTAS")
+            pair_groups = make_pair_groups(edges, max_ctas=int(ctas) if ctas else None)
+        self._tensors = TensorPlane(self.rank, device=self.device, pair_groups=pair_groups)
         self._actor = RankActor(
             rank=self.rank,
             schedule=self.schedule,
@@ -368,7 +384,7 @@ class Pipeline:
             self._bound_loop = loop
         step = self._actor.step_index
         try:
-            inputs = split_microbatches(args, kwargs, target, self.num_microbatches)
+            inputs = split_microbatches(args, kwargs, target, self.num_microbatches, self.device)
             try:
                 results, mb_losses = await self._actor.run_step(inputs, train=train)
             finally:

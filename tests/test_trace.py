@@ -99,9 +99,8 @@ def _check_complete_and_ordered(model: TraceModel) -> None:
         for a in acts:
             assert place[a.stage] == rank == a.event["rank"], a
     # Dependencies.  On a rank, an action ends before a dependent one starts.  Across
-    # ranks the producer's action span also covers sending its output (the send runs
-    # inside it), so the causal chain is checked link by link: producer starts ->
-    # send posted -> data landed on the consumer -> consumer starts.
+    # ranks the chain is checked link by link: producer ends -> send posted -> data
+    # landed on the consumer -> consumer starts.
     recv_of = {(t.step, t.event["kind"], t.stage, t.mb): t for lst in model.transfers.values() for t in lst if t.kind == "recv"}
     send_of = {(t.step, t.event["kind"], t.stage, t.mb): t for lst in model.transfers.values() for t in lst if t.kind == "send"}
     last = len(place) - 1
@@ -113,7 +112,9 @@ def _check_complete_and_ordered(model: TraceModel) -> None:
         key = (consumer.step, kind, to_stage, consumer.mb)
         send, recv = send_of[key], recv_of[key]
         assert (send.rank, recv.rank) == (producer.rank, consumer.rank)
-        assert producer.start <= send.start and send.end <= producer.end, (producer.name, send.name)
+        # the action's span covers its compute; its outputs are sent right after it
+        assert producer.end <= send.start, (producer.name, send.name)
+        assert producer.end <= consumer.start + SKEW_NS, (producer.name, consumer.name)
         assert send.start <= recv.end + SKEW_NS, (send.name, recv.name)
         assert recv.end <= consumer.start, (recv.name, consumer.name)
 

@@ -18,6 +18,17 @@ receives from one peer complete in order: a pool could fill with receives
 whose data depends on our own progress while the one we need sits queued.
 Sends are not waited for on the hot path; their ``Work`` is kept (holding the
 tensor alive) and reaped when completed.
+
+NCCL.  Two things differ on GPUs.  (1) NCCL runs a pair's point-to-point ops
+in order on one stream, so a send from A to B posted before A's receive from
+B can wait for B's receive, queued behind B's own send to A: a deadlock that
+dynamic order would make likely.  Each *ordered* pair of ranks therefore gets
+its own two-rank process group (created eagerly, in the same order on every
+rank), so traffic A->B never queues behind B->A.  (2) ``wait()`` on an NCCL
+``Work`` only makes the calling thread's current stream wait; the host learns
+completion from ``is_completed()`` (a CUDA event query), which the waiter
+thread polls, so the dispatcher sees a receive as ready only when its data
+is actually there and never blocks the host on it.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["TensorPlane", "TransferSpec", "dtype_from_name", "dtype_name"]
+__all__ = ["TensorPlane", "TransferSpec", "dtype_from_name", "dtype_name", "make_pair_groups"]
 
 log = logging.getLogger("pipeloom.tensor")
 
@@ -78,11 +90,47 @@ class TransferSpec:
         return TransferSpec(tuple(None if s is None else (tuple(s[0]), s[1], s[2]) for s in specs))
 
 
+def _nccl_options(max_ctas: int | None) -> Any:
+    """NCCL options capping the CTAs (SMs) a pair's kernels may occupy.
+
+    Receives are posted as soon as they are announced, so a receive kernel can
+    sit resident while compute runs; each NCCL channel holds one CTA on an SM.
+    Capping them leaves the SMs to compute at a small cost in transfer speed.
+    """
+    if max_ctas is None:
+        return None
+    try:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.config.max_ctas = max_ctas
+        opts.config.min_ctas = min(getattr(opts.config, "min_ctas", 1) or 1, max_ctas)
+        return opts
+    except (AttributeError, RuntimeError):  # an older torch without NCCL config
+        return None
+
+
+def make_pair_groups(
+    edges: set[tuple[int, int]], *, backend: str | None = None, max_ctas: int | None = None
+) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """One two-rank group per ordered pair in ``edges``; every rank must call this with the same set.
+
+    ``new_group`` is collective over the whole job, so the pairs are created in
+    sorted order everywhere; a rank outside a pair gets no group for it.
+    """
+    groups: dict[tuple[int, int], dist.ProcessGroup] = {}
+    opts = _nccl_options(max_ctas) if dist.get_backend() == "nccl" else None
+    for a, b in sorted(edges):
+        g = dist.new_group([a, b] if a < b else [b, a], backend=backend, pg_options=opts)
+        if dist.get_rank() in (a, b):
+            groups[(a, b)] = g
+    return groups
+
+
 class _PeerWaiter:
     """A daemon thread that waits on one peer's receives, in posting order."""
 
-    def __init__(self, peer: int, rank: int) -> None:
+    def __init__(self, peer: int, rank: int, *, poll: bool = False) -> None:
         self.peer = peer
+        self._poll = poll
         self._q: queue.SimpleQueue[tuple[list[Any], Callable[[BaseException | None], None]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"pipeloom-recv-r{rank}-from{peer}", daemon=True)
         self._thread.start()
@@ -90,8 +138,10 @@ class _PeerWaiter:
     def submit(self, works: list[Any], done: Callable[[BaseException | None], None]) -> None:
         self._q.put((works, done))
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 2.0) -> None:
         self._q.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         while True:
@@ -100,21 +150,39 @@ class _PeerWaiter:
                 return
             works, done = item
             err: BaseException | None = None
+            w = None
             try:
                 for w in works:
-                    w.wait()
+                    if self._poll:
+                        delay = 5e-6
+                        while not w.is_completed():
+                            time.sleep(delay)
+                            delay = min(delay * 2, 2e-4)
+                    else:
+                        w.wait()
             except BaseException as exc:  # gloo raises RuntimeError on a closed connection
                 err = exc
             done(err)
+            # Drop the Work objects here, not at interpreter shutdown: freeing a
+            # gloo Work from a thread that outlives the interpreter aborts the process.
+            works = done = item = err = w = None  # type: ignore[assignment]
 
 
 class TensorPlane:
     """Posts sends and receives in the per-peer order both sides agree on."""
 
-    def __init__(self, rank: int, *, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        *,
+        device: torch.device,
+        pair_groups: dict[tuple[int, int], dist.ProcessGroup] | None = None,
+    ) -> None:
         self.rank = rank
         self.device = device
-        self.group = group
+        #: (src, dst) -> the two-rank group that carries src's sends to dst (None: the default group)
+        self.pair_groups = pair_groups or {}
+        self._poll = device.type == "cuda"
         self._send_seq: dict[int, int] = {}
         self._recv_seq: dict[int, int] = {}
         self._waiters: dict[int, _PeerWaiter] = {}
@@ -137,7 +205,7 @@ class TensorPlane:
             t = t.detach()
             if not t.is_contiguous():
                 t = t.contiguous()
-            work = dist.isend(t, dst=peer, group=self.group)
+            work = dist.isend(t, dst=peer, group=self.pair_groups.get((self.rank, peer)))
             nbytes += t.numel() * t.element_size()
             self._inflight_sends.append((work, (t,)))
         self.bytes_sent += nbytes
@@ -150,7 +218,11 @@ class TensorPlane:
             q.popleft()
 
     def drain_sends(self) -> None:
-        """Wait until every posted send has completed (end of step)."""
+        """Wait until every posted send has completed (end of step).
+
+        On NCCL this orders the current stream after the sends rather than
+        blocking the host; the tensors stay referenced by their ``Work``.
+        """
         while self._inflight_sends:
             work, _ = self._inflight_sends.popleft()
             work.wait()
@@ -175,8 +247,12 @@ class TensorPlane:
         peer: int,
         spec: TransferSpec,
         done: Callable[[list[torch.Tensor | None], BaseException | None], None],
-    ) -> None:
-        """Allocate buffers from the announced spec, post the receives, call ``done`` on the loop when complete."""
+    ) -> tuple[list[torch.Tensor | None], list[Any]]:
+        """Allocate buffers from the announced spec, post the receives, call ``done`` on the loop when complete.
+
+        Returns the buffers and their ``Work`` objects, so a GPU consumer may
+        also order its stream after them (``work.wait()``) before they complete.
+        """
         loop = asyncio.get_running_loop()
         buffers: list[torch.Tensor | None] = []
         works = []
@@ -186,7 +262,7 @@ class TensorPlane:
                 continue
             shape, dtype, _ = s
             buf = torch.empty(shape, dtype=dtype_from_name(dtype), device=self.device)
-            works.append(dist.irecv(buf, src=peer, group=self.group))
+            works.append(dist.irecv(buf, src=peer, group=self.pair_groups.get((peer, self.rank))))
             self.bytes_received += buf.numel() * buf.element_size()
             buffers.append(buf)
 
@@ -198,11 +274,12 @@ class TensorPlane:
 
         if not works:
             loop.call_soon(done, buffers, None)
-            return
+            return buffers, works
         waiter = self._waiters.get(peer)
         if waiter is None:
-            waiter = self._waiters[peer] = _PeerWaiter(peer, self.rank)
+            waiter = self._waiters[peer] = _PeerWaiter(peer, self.rank, poll=self._poll)
         waiter.submit(works, _complete)
+        return buffers, works
 
     def close(self) -> None:
         for w in self._waiters.values():

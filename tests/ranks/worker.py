@@ -49,6 +49,7 @@ def run_pipeloom(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
         num_stages = world * (spr or default_stages_per_rank(name))
     dtype = getattr(torch, cfg.get("dtype", "float64"))
     all_stages = build_stages(num_stages, dim=cfg["dim"], multi=cfg.get("multi", False), seed=cfg.get("seed", 0), dtype=dtype)
+    all_stages = [m.to(_device()) for m in all_stages]
     pipe = pipeloom.Pipeline(
         lambda s: all_stages[s],
         schedule=schedule,
@@ -112,7 +113,14 @@ def run_torch(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
         mine = [rank + k * world for k in range(spr)]
     dtype = getattr(torch, cfg.get("dtype", "float64"))
     all_stages = build_stages(num_stages, dim=cfg["dim"], multi=cfg.get("multi", False), seed=cfg.get("seed", 0), dtype=dtype)
-    stages = [PipelineStage(all_stages[s], s, num_stages, torch.device("cpu")) for s in mine]
+    dev = _device()
+    # Static shapes (input_args/output_args): torch's runtime shape inference is
+    # what hangs GPipe/1F1B on NCCL, and these cases all have one shape.
+    n = cfg["microbatches"]
+    ex = torch.zeros(cfg["batch"] // n, cfg["dim"], dtype=dtype, device=dev)
+    on_gpu = dist.get_backend() == "nccl"
+    static = {"input_args": (ex,), "output_args": (ex,)} if on_gpu and not cfg.get("multi") else {}
+    stages = [PipelineStage(all_stages[s].to(dev), s, num_stages, dev, **static) for s in mine]
     sched = cls(stages[0] if single else stages, cfg["microbatches"], loss_fn=loss_fn)
     result: dict[str, Any] = {"grads": [], "losses": [], "outputs": []}
     local = {s: all_stages[s] for s in mine}
@@ -121,8 +129,8 @@ def run_torch(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
         for m in local.values():
             m.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
-        args = (b["x"],) if 0 in local else ()
-        tgt = b["target"] if num_stages - 1 in local else None
+        args = (b["x"].to(dev),) if 0 in local else ()
+        tgt = b["target"].to(dev) if num_stages - 1 in local else None
         out = sched.step(*args, target=tgt, losses=losses)
         result["grads"].append(_grads(local))
         result["losses"].append([l.detach().clone() for l in losses])
@@ -130,14 +138,34 @@ def run_torch(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
     return result
 
 
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value) if not hasattr(value, "_fields") else value
+    return value
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def main() -> None:
     job = json.load(open(sys.argv[1]))
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    backend = os.environ.get("PIPELOOM_TEST_BACKEND", "gloo")
+    if backend == "nccl":  # the same cases on GPUs (run on the GPU machine)
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", device_id=dev)
+    else:
+        dist.init_process_group("gloo")
     for cfg in job["cases"]:
         fn = run_torch if cfg.get("engine") == "torch" else run_pipeloom
-        result = fn(cfg, rank)
+        result = _to_cpu(fn(cfg, rank))
         torch.save(result, os.path.join(job["out"], f"{cfg['id']}-rank{rank}.pt"))
         dist.barrier()
     dist.destroy_process_group()
