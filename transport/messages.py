@@ -173,7 +173,7 @@ def _validate(msg: Any, *, world_size: int | None = None) -> None:
     if schema is None:
         raise MessageError(f"unknown message type {kind!r}; known: {', '.join(SCHEMAS)}")
     src = msg.get("src")
-    if not _nonneg(src) or (world_size is not None and src >= world_size):
+    if not _nonneg(src) or (world_size is not None and int(src) >= world_size):  # type: ignore[arg-type]
         raise MessageError(f"{kind}: bad sender rank {src!r}")
     for name, check in schema.items():
         if name not in msg:

@@ -135,7 +135,7 @@ class _PeerWaiter:
         self._thread = threading.Thread(target=self._run, name=f"pipeloom-recv-r{rank}-from{peer}", daemon=True)
         self._thread.start()
 
-    def submit(self, works: list[Any], done: Callable[[BaseException | None], None]) -> None:
+    def submit(self, works: list[Any] | Callable[[], list[Any]], done: Callable[[BaseException | None], None]) -> None:
         self._q.put((works, done))
 
     def stop(self, timeout: float = 2.0) -> None:
@@ -152,6 +152,8 @@ class _PeerWaiter:
             err: BaseException | None = None
             w = None
             try:
+                if callable(works):  # post the receives here, off the event loop (see TensorPlane.recv)
+                    works = works()
                 for w in works:
                     if self._poll:
                         delay = 5e-6
@@ -255,16 +257,21 @@ class TensorPlane:
         """
         loop = asyncio.get_running_loop()
         buffers: list[torch.Tensor | None] = []
-        works = []
         for s in spec.tensors:
             if s is None:
                 buffers.append(None)
                 continue
             shape, dtype, _ = s
             buf = torch.empty(shape, dtype=dtype_from_name(dtype), device=self.device)
-            works.append(dist.irecv(buf, src=peer, group=self.pair_groups.get((peer, self.rank))))
             self.bytes_received += buf.numel() * buf.element_size()
             buffers.append(buf)
+        group = self.pair_groups.get((peer, self.rank))
+        real = [b for b in buffers if b is not None]
+        works: list[Any] = []
+        if self._poll:
+            # GPU: post here, on the loop's thread and current stream, so a
+            # consumer can be stream-ordered after these Works before they complete.
+            works = [dist.irecv(b, src=peer, group=group) for b in real]
 
         def _complete(err: BaseException | None) -> None:
             try:
@@ -272,13 +279,21 @@ class TensorPlane:
             except RuntimeError:  # the loop is closed: the job is being torn down
                 pass
 
-        if not works:
+        if not real:
             loop.call_soon(done, buffers, None)
             return buffers, works
         waiter = self._waiters.get(peer)
         if waiter is None:
             waiter = self._waiters[peer] = _PeerWaiter(peer, self.rank, poll=self._poll)
-        waiter.submit(works, _complete)
+        if works:
+            waiter.submit(works, _complete)
+        else:
+            # CPU (gloo): the peer's waiter thread posts the receives and waits on
+            # them.  Posting an irecv contends with gloo's I/O thread while data
+            # flows (hundreds of microseconds under load); off the loop, that
+            # time no longer delays dispatch.  One thread per peer posts in
+            # announcement order, so pairing order is unchanged.
+            waiter.submit(lambda: [dist.irecv(b, src=peer, group=group) for b in real], _complete)
         return buffers, works
 
     def close(self) -> None:
