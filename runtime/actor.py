@@ -476,7 +476,8 @@ class RankActor:
             err = PeerLostError(message, rank=self.rank, peer=peer)
             self._remote_error = err
             self.broadcast_abort(err, None, step)
-            raise self._annotate_wait(err, pending, step)
+            # from None: raised while handling the wait's TimeoutError, which is no part of the story
+            raise self._annotate_wait(err, pending, step) from None
 
     def _annotate_wait(self, err: PipelineError, pending: list[Action], step: int) -> PipelineError:
         if isinstance(err, PeerLostError) and not getattr(err, "_annotated", False):

@@ -98,9 +98,12 @@ rank once.  A line that is not a JSON object is echoed like any other.
 
 Which rank is the root cause: the first rank to exit unsuccessfully whose
 report is not ``remote``, so a rank that reacts to an abort faster than the
-failing rank can exit is not blamed; without reports, simply the first rank to
-exit unsuccessfully.  Every other rank that ended unsuccessfully (including
-those the launcher had to terminate) is listed once as a consequence.
+failing rank can exit is not blamed; if every report is ``remote`` and names
+a rank of this node (one that stalled or was stopped, which the launcher then
+terminated), that rank, with the report that blames it; without reports,
+simply the first rank to exit unsuccessfully.  Every other rank that ended
+unsuccessfully (including those the launcher had to terminate) is listed once
+as a consequence.
 
 Exit status
 -----------
@@ -727,7 +730,17 @@ class _Job:
         for r in failures:  # stopped by us, but it had told us it was the cause
             if r.root_cause is not None and not r.root_cause.remote:
                 return r
+        for r in failures:  # only consequences: the rank they blame, if it is one of ours (a stalled rank)
+            blamed = self._blamed_by(r)
+            if blamed is not None:
+                return blamed
         return failures[0]
+
+    def _blamed_by(self, r: _Rank) -> _Rank | None:
+        cause = r.root_cause
+        if cause is None or not cause.remote or cause.failed_rank is None or cause.failed_rank == r.rank:
+            return None
+        return next((o for o in self.ranks if o.rank == cause.failed_rank and o.returncode != 0), None)
 
     def _report(self) -> int:
         failures = [r for r in self.exit_order if r.returncode != 0]
@@ -744,6 +757,8 @@ class _Job:
                 if cause.error and not tb.endswith(cause.error):
                     lines.append(f"  error: {cause.error}")
                 lines += [f"  {line}" for line in tb.splitlines()]
+            elif cause is None and (blamer := next((r for r in failures if self._blamed_by(r) is root), None)):
+                lines.append(f"  rank {blamer.rank} reports: {blamer.root_cause.error}")  # type: ignore[union-attr]
             elif cause is not None:  # only consequences here: the root cause is on another node
                 blamed = f"rank {cause.failed_rank}" if cause.failed_rank is not None else "another rank"
                 lines.append(f"  it reports that {blamed} failed" + (f": {cause.error}" if cause.error else ""))
