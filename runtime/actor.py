@@ -53,6 +53,8 @@ __all__ = ["RankActor", "StepInputs", "ActorStatistics"]
 log = logging.getLogger("pipeloom.actor")
 
 _F, _B, _I, _W, _OVL = ActionType.F, ActionType.B, ActionType.I, ActionType.W, ActionType.OVERLAP_F_B
+#: data-parallel events, run through the ``collectives`` object (runtime/data_parallel.py)
+_DP = frozenset({ActionType.UNSHARD, ActionType.RESHARD, ActionType.REDUCE_GRAD})
 
 
 @dataclass
@@ -104,7 +106,12 @@ class RankActor:
         heartbeat_timeout: float = 10.0,
         stall_timeout: float = 30.0,
         trace: TraceRecorder | None = None,
+        pp_rank: int | None = None,
+        stage_to_rank: Sequence[int] | None = None,
+        collectives: Any = None,
     ) -> None:
+        # rank: global (control and tensor planes); pp_rank: this rank's schedule row
+        # (differs with data parallelism); stage_to_rank: global ranks of this replica's stages.
         self.rank = rank
         self.heartbeat_timeout = heartbeat_timeout
         self.stall_timeout = stall_timeout
@@ -117,13 +124,22 @@ class RankActor:
         self.control = control
         self.device = device
         self.deterministic = deterministic
-        self.stage_to_rank = schedule.stage_to_rank
+        self.stage_to_rank = schedule.stage_to_rank if stage_to_rank is None else tuple(stage_to_rank)
+        row = rank if pp_rank is None else pp_rank
+        #: UNSHARD/RESHARD/REDUCE_GRAD handler (data parallelism), or None
+        self.collectives = collectives
+        if collectives is not None:
+            collectives.attach(self)
         self.last_stage = schedule.num_stages - 1
         # Only compute drives execution; sends and receives are derived from
         # it (they happen when producers finish and announcements arrive), and
         # UNSHARD/RESHARD/REDUCE_GRAD are no-ops without data parallelism.
-        self.train_actions = [a for a in schedule.actions[rank] if a.is_compute]
-        self.eval_actions = self._forward_only(self.train_actions)
+        keep = _DP if collectives is not None else ()
+        self.train_actions = [a for a in schedule.actions[row] if a.is_compute or a.type in keep]
+        self.eval_actions = [
+            leaf for a in self.train_actions for leaf in a.leaves()
+            if leaf.type is _F or (leaf.type in keep and leaf.type is not ActionType.REDUCE_GRAD)
+        ]
         self.memory_limit = _static_peak(self.train_actions)
         self.step_index = 0
         self._inbox: dict[tuple[int, str, int, int], list[torch.Tensor | None]] = {}
@@ -201,7 +217,7 @@ class RankActor:
                     self.trace.transfer("recv", key[0], src, key[2], key[3], key[1], seq, nbytes, posted, clock_ns())
                 self._wake.set()
 
-            buffers, works = self.tensors.recv(src, spec, arrived)
+            buffers, works = self.tensors.recv(src, spec, arrived, seq=msg["seq"], fast=msg["fast"])
             if self._cuda and works:
                 self._posted[key] = (buffers, works, spec)
         elif kind == "abort":
@@ -248,6 +264,9 @@ class RankActor:
             q.popleft()
         return len(q)
     def _ready(self, a: Action, step: int, live: int, train: bool) -> bool:
+        c = self.collectives
+        if c is not None and not c.ready(a):  # DP events; computes of a stage not yet unsharded
+            return False
         t = a.type
         if t is _F:
             if train and live >= self.memory_limit:
@@ -277,19 +296,21 @@ class RankActor:
             return
         spec = TransferSpec.of(tensors)
         seq = self.tensors.next_send_seq(dst)
-        self.control.send(dst, "xfer", seq=seq, step=step, stage=to_stage, mb=mb, kind=kind, tensors=spec.to_wire())
-        if self.trace is None:
-            self.tensors.send(dst, tensors)
-            return
-        t0 = clock_ns()
-        nbytes = self.tensors.send(dst, tensors)
-        self.trace.transfer("send", step, dst, to_stage, mb, kind, seq, nbytes, t0, clock_ns())
+        t0 = clock_ns() if self.trace is not None else 0
+        fast, predicted = self.tensors.plan_send(dst, spec)
+        self.control.send(dst, "xfer", seq=seq, step=step, stage=to_stage, mb=mb, kind=kind, tensors=spec.to_wire(), fast=fast)
+        nbytes = self.tensors.send(dst, tensors, seq, fast, predicted)
+        if self.trace is not None:
+            self.trace.transfer("send", step, dst, to_stage, mb, kind, seq, nbytes, t0, clock_ns())
 
     def _run(self, a: Action, step: int, inputs: StepInputs, train: bool, results: dict[int, Any], losses: dict[int, torch.Tensor]) -> None:
         t = a.type
         if t is _OVL:
             for leaf in a.sub_actions:
                 self._run(leaf, step, inputs, train, results, losses)
+            return
+        if t in _DP:
+            self.collectives.run(a, step)
             return
         stage = self.stages[a.stage]
         mb = a.microbatch
@@ -336,6 +357,9 @@ class RankActor:
         self._listening_since = time.monotonic()
         self._liveness_interval = min(1.0, self.heartbeat_timeout / 4)
         pending = list(self.train_actions if train else self.eval_actions)
+        coll = self.collectives
+        if coll is not None:
+            coll.begin_step(self.train_actions if train else self.eval_actions)
         self._fwd_done = set()
         self._i_done = set()
         results: dict[int, Any] = {}
@@ -396,6 +420,8 @@ class RankActor:
             a0 = clock_ns() if trace is not None else 0
             try:
                 self._run(a, step, inputs, train, results, losses)
+                if coll is not None:
+                    coll.done(a)
             except PipelineError:
                 raise
             except Exception as exc:
@@ -423,6 +449,10 @@ class RankActor:
             # Let the loop deliver arrivals (control messages, completions)
             # that came in while this action ran, before choosing the next.
             await asyncio.sleep(0)
+        if coll is not None and coll.outstanding:
+            # Reductions still in flight: wait for them without blocking the loop.
+            self.state = ("waiting", "data-parallel collectives", time.monotonic())
+            await coll.drain(lambda: self._collectives_check(step), self._liveness_interval)
         if self.tensors.pending_sends:
             self.state = ("waiting", "sends to complete", time.monotonic())
             await asyncio.to_thread(self.tensors.drain_sends)
@@ -449,7 +479,17 @@ class RankActor:
                     out.append(f"{leaf}: gradient from stage {leaf.stage + 1} microbatch {leaf.microbatch} on rank {src}")
                 elif leaf.type is _F and train:
                     out.append(f"{leaf}: memory (live microbatches at the schedule's peak {self.memory_limit})")
+        if self.collectives is not None:
+            out += [d for a in pending[:3] if (d := self.collectives.describe(a))]
+        if not pending:
+            return out or ["data-parallel collectives to complete"]
         return out or [f"{pending[0]}: an earlier action"]
+
+    def _collectives_check(self, step: int) -> None:
+        """While waiting for collectives at the end of a step: stop on any failure or lost peer."""
+        if self._remote_error is not None:
+            raise self._annotate_wait(self._remote_error, [], step)
+        self._check_liveness([], step)
 
     def _check_liveness(self, pending: list[Action], step: int) -> None:
         """Raise PeerLostError if a peer has been silent longer than the heartbeat timeout."""

@@ -17,6 +17,7 @@ there is no shape-inference pass and no stale receive buffer.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import os
 import secrets
@@ -34,6 +35,7 @@ from ..schedules import Schedule, ScheduleError, load_csv
 from ..transport.control import ControlPlane, choose_bind_host
 from ..transport.tensor import TensorPlane, make_pair_groups
 from .actor import ActorStatistics, RankActor, StepInputs
+from .data_parallel import DEFAULT_BUCKET_BYTES, Layout, StageCollectives
 from .errors import PeerLostError, PipelineConfigError, RemoteRankError
 from .stage import StageExecutor
 from .trace import FileSink, StreamSink, TraceRecorder, make_header
@@ -176,6 +178,21 @@ class Pipeline:
             it is reported as stalled (default: $PIPELOOM_STALL_TIMEOUT, else 30).
         trace: record a trace to this path (default: $PIPELOOM_TRACE; under ``pipeloom launch
             --trace`` events stream to the launcher, which writes one file per job).
+        data_parallel: replicas of the pipeline (``pp x dp`` ranks; see
+            :mod:`pipeloom.runtime.data_parallel`).  Every rank passes the *global* batch;
+            replica ``d`` trains on part ``d`` of ``tensor_split(batch, data_parallel)``, and
+            gradients are averaged over replicas.  ``step`` returns this replica's outputs and
+            losses.  Replicas start from the parameters of replica 0 (broadcast, as DDP does).
+        fsdp: shard each stage's parameters over its replicas with FSDP2's ``fully_shard``
+            (parameters the optimizer sees are then DTensor shards).
+        mesh: a 2-D DeviceMesh with dims ``("pp", "dp")`` to use instead of building one.
+        fsdp_wrap: what ``fully_shard`` wraps: ``"stage"``, ``"blocks"`` (each child of the
+            stage that has parameters; the stage's own parameters stay replicated), or a
+            callable ``module -> bool``.  Stages that already hold FSDP units are used as given.
+        fsdp_kwargs: extra keyword arguments for ``fully_shard`` (``mp_policy``...);
+            ``reshard_after_forward`` is always False (see data_parallel's docstring).
+        prefetch: stage switches ahead of its use that a stage's all-gather is issued.
+        bucket_bytes: size of the flat buffers that replicated gradients are all-reduced in.
     """
 
     def __init__(
@@ -193,14 +210,41 @@ class Pipeline:
         heartbeat_timeout: float | None = None,
         stall_timeout: float | None = None,
         trace: str | os.PathLike[str] | None = None,
+        data_parallel: int = 1,
+        fsdp: bool = False,
+        mesh: Any = None,
+        fsdp_wrap: Any = "stage",
+        fsdp_kwargs: Mapping[str, Any] | None = None,
+        prefetch: int = 1,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         self._owns_group = _init_process_group()
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.num_microbatches = num_microbatches
         self.loss_fn = loss_fn
-        self.schedule = self._build_schedule(schedule, num_microbatches, stages_per_rank)
         backend = dist.get_backend()
+        #: the pp x dp grid, or None for a pipeline without data parallelism
+        self.layout: Layout | None = None
+        if data_parallel != 1 or fsdp or mesh is not None:
+            from .data_parallel import make_layout
+
+            self.layout = make_layout(
+                rank=self.rank, world=self.world_size, data_parallel=data_parallel, mesh=mesh,
+                device_type="cuda" if backend == "nccl" else "cpu",
+            )
+        lay = self.layout
+        self.pp_size = lay.pp if lay else self.world_size
+        self.pp_rank = lay.pp_rank if lay else self.rank
+        self.data_parallel = lay.dp if lay else 1
+        self.dp_rank = lay.dp_rank if lay else 0
+        self.schedule = self._build_schedule(schedule, num_microbatches, stages_per_rank)
+        if lay is not None:
+            from .data_parallel import lower_for_data_parallel
+
+            self.schedule = lower_for_data_parallel(self.schedule, fsdp=fsdp, prefetch=prefetch)
+        #: global rank of each stage in this replica
+        self.stage_to_rank = [lay.column[r] for r in self.schedule.stage_to_rank] if lay else list(self.schedule.stage_to_rank)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.device = torch.device(device)
@@ -208,14 +252,32 @@ class Pipeline:
         grad_scale = 1.0 / num_microbatches if scale_grads else 1.0
         last = self.schedule.num_stages - 1
         self._executors: dict[int, StageExecutor] = {}
-        split = {leaf.stage for a in self.schedule.actions[self.rank] for leaf in a.leaves() if leaf.type.value in ("I", "W")}
-        for s in self.schedule.stages_of(self.rank):
+        split = {leaf.stage for a in self.schedule.actions[self.pp_rank] for leaf in a.leaves() if leaf.type.value in ("I", "W")}
+        for s in self.schedule.stages_of(self.pp_rank):
             module = stage_fn(s)
             if not isinstance(module, nn.Module):
                 raise PipelineConfigError(f"rank {self.rank}: stage_fn({s}) returned {type(module).__name__}, not an nn.Module")
             module.to(self.device)
+            sharded = False
+            if lay is not None:
+                from .data_parallel import sync_module_states, wrap_fsdp
+
+                if lay.dp > 1:
+                    sync_module_states(module, lay.dp_group, src=lay.row[0])
+                if fsdp:
+                    module = wrap_fsdp(module, lay.dp_mesh, fsdp_wrap, fsdp_kwargs)
+                from ._fsdp_private import fsdp_modules
+
+                sharded = bool(fsdp_modules(module))
             self._executors[s] = StageExecutor(
-                s, module, is_first=s == 0, is_last=s == last, loss_fn=loss_fn, grad_scale=grad_scale, split_backward=s in split
+                s, module, is_first=s == 0, is_last=s == last, loss_fn=loss_fn, grad_scale=grad_scale, split_backward=s in split,
+                dynamic_params=sharded,
+            )
+        self._collectives: StageCollectives | None = None
+        if lay is not None:
+            self._collectives = StageCollectives(
+                {s: e.module for s, e in self._executors.items()}, rank=self.rank, group=lay.dp_group,
+                group_ranks=lay.row, device=self.device, bucket_bytes=bucket_bytes,
             )
 
         # Control plane: one endpoint per rank, exchanged over the job's group,
@@ -238,10 +300,12 @@ class Pipeline:
         pair_groups = None
         if backend == "nccl" or os.environ.get("PIPELOOM_PAIR_GROUPS") == "1":
             edges = set()
-            for st in range(self.schedule.num_stages - 1):
-                a, b = self.schedule.stage_to_rank[st], self.schedule.stage_to_rank[st + 1]
-                if a != b:
-                    edges |= {(a, b), (b, a)}
+            columns = [[row[j] for row in lay.grid] for j in range(lay.dp)] if lay else [list(range(self.world_size))]
+            for column in columns:  # every replica's pipeline edges, in global ranks
+                for st in range(self.schedule.num_stages - 1):
+                    a, b = column[self.schedule.stage_to_rank[st]], column[self.schedule.stage_to_rank[st + 1]]
+                    if a != b:
+                        edges |= {(a, b), (b, a)}
             ctas = os.environ.get("PIPELOOM_P2P_MAX_CTAS")
             pair_groups = make_pair_groups(edges, max_ctas=int(ctas) if ctas else None)
         self._tensors = TensorPlane(self.rank, device=self.device, pair_groups=pair_groups)
@@ -256,11 +320,19 @@ class Pipeline:
             heartbeat_timeout=heartbeat_timeout,
             stall_timeout=stall_timeout,
             trace=recorder,
+            pp_rank=self.pp_rank,
+            stage_to_rank=self.stage_to_rank,
+            collectives=self._collectives,
         )
         self._control.start_heartbeats(heartbeat_interval, lambda: self._actor.state)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._bound_loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        # A script that dies with an exception never calls close(); tearing
+        # down sockets, threads and the process group it owns at exit (while
+        # threads still run) keeps the process from aborting in C++
+        # destructors, so its exit code still says "user code failed".
+        atexit.register(self._close_at_exit)
 
     # ------------------------------------------------------------ setup
     def _build_schedule(self, schedule: Any, n: int, stages_per_rank: int | None) -> Schedule:
@@ -272,9 +344,10 @@ class Pipeline:
             elif isinstance(schedule, os.PathLike) or (isinstance(schedule, str) and (schedule.endswith(".csv") or Path(schedule).is_file())):
                 sched = load_csv(schedule)
             else:
-                sched = generate(str(schedule), num_ranks=self.world_size, num_microbatches=n, stages_per_rank=stages_per_rank)
-            if sched.num_ranks != self.world_size:
-                raise PipelineConfigError(f"the schedule has {sched.num_ranks} ranks but the job has {self.world_size}")
+                sched = generate(str(schedule), num_ranks=self.pp_size, num_microbatches=n, stages_per_rank=stages_per_rank)
+            if sched.num_ranks != self.pp_size:
+                what = f"pipeline dimension has {self.pp_size} ranks" if self.layout else f"job has {self.world_size}"
+                raise PipelineConfigError(f"the schedule has {sched.num_ranks} ranks but the {what}")
             if sched.num_microbatches != n:
                 raise PipelineConfigError(f"the schedule has {sched.num_microbatches} microbatches but num_microbatches={n}")
             check(sched)
@@ -342,17 +415,27 @@ class Pipeline:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self._close_at_exit)
         if self._trace_sink is not None:
             self._trace_sink.close()
         reader = self._control.stop()
         if reader is not None and self._loop is not None and not self._loop.is_running() and not self._loop.is_closed():
             self._loop.run_until_complete(asyncio.gather(reader, return_exceptions=True))
         self._control.close()
+        self._tensors.flush()  # release the receives peers pre-posted for us
         self._tensors.close()
+        if self._collectives is not None:
+            self._collectives.close()
         if self._loop is not None and not self._loop.is_running():
             self._loop.close()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+    def _close_at_exit(self) -> None:
+        try:
+            self.close()
+        except Exception:  # at interpreter exit there is nobody left to tell
+            pass
 
     def __enter__(self) -> Pipeline:
         return self
@@ -384,6 +467,10 @@ class Pipeline:
             self._bound_loop = loop
         step = self._actor.step_index
         try:
+            if self.layout is not None and self.layout.dp > 1:
+                from .data_parallel import replica_share
+
+                args, kwargs, target = replica_share(args, kwargs, target, dp=self.layout.dp, index=self.dp_rank, n=self.num_microbatches)
             inputs = split_microbatches(args, kwargs, target, self.num_microbatches, self.device)
             try:
                 results, mb_losses = await self._actor.run_step(inputs, train=train)
@@ -397,6 +484,10 @@ class Pipeline:
             precut = any(isinstance(v, Microbatches) for v in (*args, *kwargs.values()))
             return _merge([results[m] for m in range(self.num_microbatches)], precut=precut)
         except (RemoteRankError, PeerLostError) as exc:
+            if isinstance(exc, PeerLostError):
+                # Ranks that never talk to the lost peer (another replica, another stage)
+                # hear the root cause now instead of finding this rank silent later.
+                self._actor.broadcast_abort(exc, None, step)
             _report_root_cause(exc, remote=True)
             raise
         except BaseException as exc:

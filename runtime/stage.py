@@ -66,8 +66,12 @@ class StageExecutor:
         loss_fn: Callable[..., torch.Tensor] | None,
         grad_scale: float,
         split_backward: bool = False,
+        dynamic_params: bool = False,
     ) -> None:
         self.index = index
+        #: parameters are swapped while running (FSDP registers unsharded ones), so the
+        #: I/W split looks them up at each I instead of keeping those seen at construction
+        self.dynamic_params = dynamic_params
         self.module = module
         self.is_first = is_first
         self.is_last = is_last
@@ -79,7 +83,7 @@ class StageExecutor:
         self._owned: dict[nn.Module, list[torch.Tensor]] = {}
         if split_backward:
             for m in module.modules():
-                own = [p for p in m.parameters(recurse=False) if p.requires_grad]
+                own: list[torch.Tensor] = [p for p in m.parameters(recurse=False) if p.requires_grad]
                 if own:
                     self._owned[m] = own
                     m.register_forward_hook(self._capture_hook)
@@ -168,8 +172,13 @@ class StageExecutor:
         want_inputs = [t for t in saved.inputs if t.requires_grad]
         # Captured module outputs that carry a gradient path to their own parameters.
         captured = [(m, o) for m, o in saved.captured if isinstance(o, torch.Tensor) and o.requires_grad]
-        covered = {id(p) for m, _ in captured for p in self._owned[m]}
-        fallback = [p for p in self._params if id(p) not in covered]
+        owned = self._owned
+        params = self._params
+        if self.dynamic_params:
+            owned = {m: [p for p in m.parameters(recurse=False) if p.requires_grad] for m in owned}
+            params = [p for p in self.module.parameters() if p.requires_grad]
+        covered = {id(p) for m, _ in captured for p in owned[m]}
+        fallback: list[torch.Tensor] = [p for p in params if id(p) not in covered]
         targets = want_inputs + [o for _, o in captured]
         got: Sequence[torch.Tensor | None]
         if roots and targets:
@@ -178,10 +187,10 @@ class StageExecutor:
             got = (None,) * len(targets)
         it = iter(got[: len(want_inputs)])
         input_grads = [next(it) if t.requires_grad else None for t in saved.inputs]
-        work: list[tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = []
+        work: list[tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = []  # (roots, grads, params)
         for (m, o), g in zip(captured, got[len(want_inputs) :]):
             if g is not None:
-                work.append(([o], [g], self._owned[m]))
+                work.append(([o], [g], owned[m]))
         if fallback and roots:
             work.append((roots, grads if grads is not None else [torch.ones_like(r) for r in roots], fallback))
         saved.weight_work = work

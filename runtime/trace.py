@@ -29,6 +29,12 @@ start, so ranks line up and a rank's own times never go backwards)::
     {"ev": "memory", "rank": 0, "step": 3, "t": ..., "live_mb": 2,
      "allocated": bytes, "peak": bytes}      # CUDA numbers on GPU only
     {"ev": "step", "rank": 0, "step": 3, "start": ..., "end": ...}
+    {"ev": "collective", "rank": 0, "step": 3, "name": "2REDUCE_GRAD",
+     "kind": "all-gather" | "reduce-scatter" | "all-reduce", "stage": 2,
+     "bytes": 4096, "start": ..., "end": ...}   # data parallelism
+
+A collective's start is when its action launched it and its end when the
+dispatcher saw it complete (the action span itself only covers the launch).
 
 ``type`` is one of F, B, I, W, OVERLAP_F_B, UNSHARD, RESHARD, REDUCE_GRAD;
 for OVERLAP_F_B ``stage``/``mb`` are those of the forward half and
@@ -106,6 +112,11 @@ class TraceRecorder:
         if allocated is not None:
             ev["allocated"], ev["peak"] = allocated, peak
         self._events.append(ev)
+
+    def collective(self, step: int, name: str, kind: str, stage: int, nbytes: int, start: int, end: int) -> None:
+        self._events.append(
+            {"ev": "collective", "rank": self.rank, "step": step, "name": name, "kind": kind, "stage": stage, "bytes": nbytes, "start": start, "end": end}
+        )
 
     def step(self, step: int, start: int, end: int) -> None:
         self._events.append({"ev": "step", "rank": self.rank, "step": step, "start": start, "end": end})

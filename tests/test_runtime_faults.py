@@ -101,7 +101,7 @@ async def test_stopped_rank_is_detected_by_heartbeats(tmp_path: Path) -> None:
 def _garbage() -> list[bytes]:
     rng = random.Random(0)
     frames = [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))) for _ in range(50)]
-    good = {"v": 1, "type": "xfer", "src": 0, "seq": 0, "step": 0, "stage": 1, "mb": 0, "kind": "F", "tensors": [[[2], "float32", True]]}
+    good = {"v": 1, "type": "xfer", "src": 0, "seq": 0, "step": 0, "stage": 1, "mb": 0, "kind": "F", "tensors": [[[2], "float32", True]], "fast": False}
     frames += [
         msgpack.packb(good)[:-3],  # truncated
         msgpack.packb({**good, "v": 99}),  # wrong version

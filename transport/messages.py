@@ -92,6 +92,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "mb": _nonneg,
         "kind": lambda v: v in ("F", "B"),
         "tensors": _tensor_specs,
+        "fast": lambda v: isinstance(v, bool),  # sent into the receives pre-posted for this seq
     },
     # ``state``: idle / busy / waiting, ``what``: the action (or what is awaited), ``for_s``: since how long
     "heartbeat": {

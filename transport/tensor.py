@@ -19,6 +19,18 @@ whose data depends on our own progress while the one we need sits queued.
 Sends are not waited for on the hot path; their ``Work`` is kept (holding the
 tensor alive) and reaped when completed.
 
+Pre-posted receives (gloo).  gloo's send waits until the receiver has posted
+the matching receive (a "ready" notice travels back first), so posting a
+receive only when its announcement arrives costs a round trip on every
+transfer.  The next transfer on a pair usually has the previous one's shapes,
+so after each announcement the receiver pre-posts the next sequence number's
+receives with those shapes, and the sender, which knows what was pre-posted,
+sends straight into them (``fast``).  When the shapes differ, the sender
+fills the pre-posted receives with placeholders and sends the real payload
+under other tags, receiving buffers sized from the announcement as usual.
+Tags are derived from the sequence number, so nothing can pair wrongly; the
+announcement still carries every shape, and says which path was taken.
+
 NCCL.  Two things differ on GPUs.  (1) NCCL runs a pair's point-to-point ops
 in order on one stream, so a send from A to B posted before A's receive from
 B can wait for B's receive, queued behind B's own send to A: a deadlock that
@@ -47,6 +59,44 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["TensorPlane", "TransferSpec", "dtype_from_name", "dtype_name", "make_pair_groups"]
+
+_SLOW = 1 << 30  #: tag offset of payloads sent outside a pre-posted receive
+_MAX_PARTS = 64  #: tensors per transfer that get distinct tags
+
+
+def _tag(seq: int, part: int, fast: bool) -> int:
+    return (seq * _MAX_PARTS + part) % _SLOW + (0 if fast else _SLOW)
+
+
+_Key = tuple[tuple[tuple[int, ...], str] | None, ...]
+
+
+def _key(spec: TransferSpec) -> _Key:
+    """What a receive buffer depends on: shape and dtype per tensor."""
+    return tuple(None if s is None else (s[0], s[1]) for s in spec.tensors)
+
+
+class _Slot:
+    """Completion of a pre-posted receive, delivered on the loop to whoever claims it."""
+
+    __slots__ = ("buffers", "done", "result")
+
+    def __init__(self, buffers: list[torch.Tensor | None]) -> None:
+        self.buffers = buffers
+        self.done: Callable[[list[torch.Tensor | None], BaseException | None], None] | None = None
+        self.result: tuple[BaseException | None] | None = None
+
+    def complete(self, err: BaseException | None) -> None:
+        if self.done is not None:
+            self.done(self.buffers, err)
+        else:
+            self.result = (err,)
+
+    def claim(self, loop: asyncio.AbstractEventLoop, done: Callable[[list[torch.Tensor | None], BaseException | None], None]) -> None:
+        if self.result is not None:
+            loop.call_soon(done, self.buffers, self.result[0])
+        else:
+            self.done = done
 
 log = logging.getLogger("pipeloom.tensor")
 
@@ -189,6 +239,10 @@ class TensorPlane:
         self._recv_seq: dict[int, int] = {}
         self._waiters: dict[int, _PeerWaiter] = {}
         self._inflight_sends: deque[tuple[Any, Sequence[torch.Tensor]]] = deque()
+        #: per peer we send to: the shapes the peer pre-posted for our next transfer
+        self._sent_pred: dict[int, _Key] = {}
+        #: per peer we receive from: (seq, shapes, slot) of the pre-posted receive
+        self._prepost: dict[int, tuple[int, _Key, _Slot]] = {}
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -198,21 +252,64 @@ class TensorPlane:
         self._send_seq[peer] = seq + 1
         return seq
 
-    def send(self, peer: int, tensors: Sequence[torch.Tensor | None]) -> int:
-        """Post the sends of one transfer (its announcement must already be out); return its bytes."""
+    def plan_send(self, peer: int, spec: TransferSpec) -> tuple[bool, _Key | None]:
+        """Decide how transfer ``spec`` to ``peer`` travels, before it is announced.
+
+        Returns (fast, predicted): ``fast`` (gloo) means the payload goes into
+        the receives the peer pre-posted, which the announcement must say;
+        ``predicted`` is what the peer pre-posted (to be filled with
+        placeholders when not fast).  On NCCL transfers pair by order: never fast.
+        """
+        if self._poll:
+            return False, None
+        key = _key(spec)
+        pred = self._sent_pred.get(peer)
+        self._sent_pred[peer] = key  # the peer pre-posts these shapes for our next transfer
+        return pred == key, pred
+
+    def send(self, peer: int, tensors: Sequence[torch.Tensor | None], seq: int, fast: bool, predicted: _Key | None) -> int:
+        """Post the sends of transfer ``seq`` as ``plan_send`` decided; return its bytes."""
+        group = self.pair_groups.get((self.rank, peer))
+        if predicted is not None and not fast:
+            self._fill_prepost(peer, seq, predicted)
         nbytes = 0
+        part = 0
         for t in tensors:
             if t is None:
                 continue
             t = t.detach()
             if not t.is_contiguous():
                 t = t.contiguous()
-            work = dist.isend(t, dst=peer, group=self.pair_groups.get((self.rank, peer)))
+            if self._poll:
+                work = dist.isend(t, dst=peer, group=group)
+            else:
+                work = dist.isend(t, dst=peer, group=group, tag=_tag(seq, part, fast))
+            part += 1
             nbytes += t.numel() * t.element_size()
             self._inflight_sends.append((work, (t,)))
         self.bytes_sent += nbytes
         self._reap_sends()
         return nbytes
+
+    def _fill_prepost(self, peer: int, seq: int, pred: _Key) -> None:
+        """Complete the receives the peer pre-posted for ``seq`` with placeholders."""
+        group = self.pair_groups.get((self.rank, peer))
+        part = 0
+        for ent in pred:
+            if ent is None:
+                continue
+            t = torch.empty(ent[0], dtype=dtype_from_name(ent[1]), device=self.device)
+            self._inflight_sends.append((dist.isend(t, dst=peer, group=group, tag=_tag(seq, part, True)), (t,)))
+            part += 1
+
+    def flush(self) -> None:
+        """Release every receive peers pre-posted for us (before closing); best effort."""
+        for peer, pred in list(self._sent_pred.items()):
+            try:
+                self._fill_prepost(peer, self._send_seq.get(peer, 0), pred)
+            except Exception:  # the peer may be gone already
+                pass
+        self._sent_pred.clear()
 
     def _reap_sends(self) -> None:
         q = self._inflight_sends
@@ -249,54 +346,127 @@ class TensorPlane:
         peer: int,
         spec: TransferSpec,
         done: Callable[[list[torch.Tensor | None], BaseException | None], None],
+        *,
+        seq: int = 0,
+        fast: bool = False,
     ) -> tuple[list[torch.Tensor | None], list[Any]]:
-        """Allocate buffers from the announced spec, post the receives, call ``done`` on the loop when complete.
+        """Receive transfer ``seq`` from ``peer``; call ``done`` on the loop when it has landed.
 
-        Returns the buffers and their ``Work`` objects, so a GPU consumer may
-        also order its stream after them (``work.wait()``) before they complete.
+        Buffers come from the announced spec (or, ``fast``, are the ones
+        pre-posted for this sequence number).  Returns the buffers and, on
+        NCCL, their ``Work`` objects, so a GPU consumer may order its stream
+        after them (``work.wait()``) before they complete.
         """
         loop = asyncio.get_running_loop()
-        buffers: list[torch.Tensor | None] = []
-        for s in spec.tensors:
-            if s is None:
-                buffers.append(None)
-                continue
-            shape, dtype, _ = s
-            buf = torch.empty(shape, dtype=dtype_from_name(dtype), device=self.device)
-            self.bytes_received += buf.numel() * buf.element_size()
-            buffers.append(buf)
-        group = self.pair_groups.get((peer, self.rank))
-        real = [b for b in buffers if b is not None]
-        works: list[Any] = []
         if self._poll:
-            # GPU: post here, on the loop's thread and current stream, so a
-            # consumer can be stream-ordered after these Works before they complete.
-            works = [dist.irecv(b, src=peer, group=group) for b in real]
+            return self._recv_nccl(loop, peer, spec, done)
+        pre = self._prepost.pop(peer, None)
+        if pre is not None and pre[0] != seq:
+            raise RuntimeError(f"rank {self.rank}: receive pre-posted for transfer {pre[0]} from rank {peer}, got transfer {seq}")
+        key = _key(spec)
+        if fast:
+            if pre is None:
+                if any(k is not None for k in key):
+                    raise RuntimeError(f"rank {self.rank}: rank {peer} sent transfer {seq} into a receive that was never pre-posted")
+                buffers: list[torch.Tensor | None] = [None] * len(key)
+                loop.call_soon(done, buffers, None)
+            else:
+                if pre[1] != key:
+                    raise RuntimeError(f"rank {self.rank}: transfer {seq} from rank {peer} claims pre-posted shapes {pre[1]}, announced {key}")
+                buffers = pre[2].buffers
+                pre[2].claim(loop, done)
+        else:
+            buffers = self._alloc(key)
+            self._post(loop, peer, seq, buffers, fast=False, on_done=lambda err, b=buffers: done(b, err))
+        # Pre-post the next transfer from this peer with these shapes.
+        nxt = self._alloc(key)
+        if any(b is not None for b in nxt):
+            slot = _Slot(nxt)
+            self._post(loop, peer, seq + 1, nxt, fast=True, on_done=slot.complete)
+            self._prepost[peer] = (seq + 1, key, slot)
+        return buffers, []
 
-        def _complete(err: BaseException | None) -> None:
-            try:
-                loop.call_soon_threadsafe(done, buffers, err)
-            except RuntimeError:  # the loop is closed: the job is being torn down
-                pass
+    def _alloc(self, key: _Key) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = []
+        for ent in key:
+            if ent is None:
+                out.append(None)
+                continue
+            buf = torch.empty(ent[0], dtype=dtype_from_name(ent[1]), device=self.device)
+            out.append(buf)
+        return out
 
-        if not real:
-            loop.call_soon(done, buffers, None)
-            return buffers, works
+    def _waiter(self, peer: int) -> _PeerWaiter:
         waiter = self._waiters.get(peer)
         if waiter is None:
             waiter = self._waiters[peer] = _PeerWaiter(peer, self.rank, poll=self._poll)
-        if works:
-            waiter.submit(works, _complete)
+        return waiter
+
+    def _post(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        peer: int,
+        seq: int,
+        buffers: list[torch.Tensor | None],
+        *,
+        fast: bool,
+        on_done: Callable[[BaseException | None], None],
+    ) -> None:
+        """Post receives on the peer's waiter thread; ``on_done(err)`` runs on the loop when they land.
+
+        Posting an irecv contends with gloo's I/O thread while data flows
+        (hundreds of microseconds under load); on the waiter thread that time
+        does not delay dispatch.  One thread per peer posts in order.
+        """
+        real = [b for b in buffers if b is not None]
+        if not real:
+            loop.call_soon(on_done, None)
+            return
+        for b in real:
+            self.bytes_received += b.numel() * b.element_size()
+        group = self.pair_groups.get((peer, self.rank))
+
+        def post() -> list[Any]:
+            return [dist.irecv(b, src=peer, group=group, tag=_tag(seq, i, fast)) for i, b in enumerate(real)]
+
+        def complete(err: BaseException | None) -> None:
+            try:
+                loop.call_soon_threadsafe(on_done, err)
+            except RuntimeError:  # the loop is closed: the job is being torn down
+                pass
+
+        self._waiter(peer).submit(post, complete)
+
+    def _recv_nccl(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        peer: int,
+        spec: TransferSpec,
+        done: Callable[[list[torch.Tensor | None], BaseException | None], None],
+    ) -> tuple[list[torch.Tensor | None], list[Any]]:
+        # Posted here, on the loop's thread and current stream, so a consumer
+        # can be stream-ordered after these Works before they complete.
+        buffers = self._alloc(_key(spec))
+        group = self.pair_groups.get((peer, self.rank))
+        works = []
+        for b in buffers:
+            if b is not None:
+                works.append(dist.irecv(b, src=peer, group=group))
+                self.bytes_received += b.numel() * b.element_size()
+
+        def complete(err: BaseException | None) -> None:
+            try:
+                loop.call_soon_threadsafe(done, buffers, err)
+            except RuntimeError:
+                pass
+
+        if not works:
+            loop.call_soon(done, buffers, None)
         else:
-            # CPU (gloo): the peer's waiter thread posts the receives and waits on
-            # them.  Posting an irecv contends with gloo's I/O thread while data
-            # flows (hundreds of microseconds under load); off the loop, that
-            # time no longer delays dispatch.  One thread per peer posts in
-            # announcement order, so pairing order is unchanged.
-            waiter.submit(lambda: [dist.irecv(b, src=peer, group=group) for b in real], _complete)
+            self._waiter(peer).submit(works, complete)
         return buffers, works
 
-    def close(self) -> None:
+    def close(self, join_timeout: float = 1.0) -> None:
         for w in self._waiters.values():
-            w.stop()
+            w.stop(join_timeout)
         self._waiters.clear()

@@ -59,7 +59,8 @@ def main() -> None:
     record: dict[str, object] = {"rank": RANK}
     try:
         pipe = pipeloom.Pipeline(lambda s: stages[s], schedule=schedule, num_microbatches=4,
-                                 loss_fn=nn.functional.mse_loss, heartbeat_timeout=float(os.environ.get("HB_TIMEOUT", "10")))
+                                 loss_fn=nn.functional.mse_loss, heartbeat_timeout=float(os.environ.get("HB_TIMEOUT", "10")),
+                                 data_parallel=int(os.environ.get("DP", "1")), fsdp=os.environ.get("FSDP") == "1")
         if MODE == "garbage":
             with open(os.path.join(OUT, f"endpoint{RANK}"), "w") as f:
                 f.write(pipe._control.endpoint)

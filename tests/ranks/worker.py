@@ -27,9 +27,14 @@ from data import make_step_batches  # noqa: E402
 from models import build_stages, loss_fn  # noqa: E402
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP shard) gathered whole; every rank of its group must call this in the same order."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def _grads(stages: dict[int, torch.nn.Module]) -> dict[str, torch.Tensor]:
     return {
-        f"s{s}.{name}": (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+        f"s{s}.{name}": (_full(p.grad).detach().clone() if p.grad is not None else torch.zeros_like(_full(p)))
         for s, m in stages.items()
         for name, p in m.named_parameters()
     }
@@ -39,7 +44,7 @@ def run_pipeloom(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
     import pipeloom
     from pipeloom.schedules import generate, default_stages_per_rank
 
-    world = int(os.environ["WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"]) // cfg.get("data_parallel", 1)  # pipeline ranks
     name = cfg["schedule"]
     spr = cfg.get("stages_per_rank")
     schedule: Any = cfg.get("csv") or name
@@ -48,6 +53,7 @@ def run_pipeloom(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
     else:
         num_stages = world * (spr or default_stages_per_rank(name))
     dtype = getattr(torch, cfg.get("dtype", "float64"))
+    os.environ.update(cfg.get("env", {}))
     all_stages = build_stages(num_stages, dim=cfg["dim"], multi=cfg.get("multi", False), seed=cfg.get("seed", 0), dtype=dtype)
     all_stages = [m.to(_device()) for m in all_stages]
     pipe = pipeloom.Pipeline(
@@ -57,6 +63,7 @@ def run_pipeloom(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
         loss_fn=loss_fn,
         stages_per_rank=spr,
         deterministic=cfg.get("deterministic", False),
+        **{k: cfg[k] for k in ("data_parallel", "fsdp", "fsdp_wrap", "trace", "bucket_bytes") if k in cfg},
     )
     opt = torch.optim.SGD(pipe.parameters(), lr=cfg.get("lr", 0.1)) if pipe.parameters() else None
     result: dict[str, Any] = {"grads": [], "losses": [], "outputs": [], "eval": [], "stats": []}
@@ -85,7 +92,7 @@ def run_pipeloom(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
                 ev = pipe.eval(b["x"], **kw)
             result["eval"].append(ev)
     result["stages"] = sorted(pipe.stages)
-    result["params"] = {f"s{s}.{n}": p.detach().clone() for s, m in pipe.stages.items() for n, p in m.named_parameters()}
+    result["params"] = {f"s{s}.{n}": _full(p).detach().clone() for s, m in pipe.stages.items() for n, p in m.named_parameters()}
     pipe.close()
     return result
 

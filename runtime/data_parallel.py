@@ -1,0 +1,756 @@
+"""Data parallelism around the pipeline: DDP-style replicas and FSDP2 shards.
+
+Layout.  ``pp x dp`` ranks form a 2-D ``DeviceMesh`` with dims ``("pp", "dp")``;
+global rank = ``pp_index * dp + dp_index``.  Every dp column (one replica or
+shard group member of every stage) runs the same schedule row as a pipeline of
+its own; the ranks of one pp row hold the same stages and reduce their
+gradients over the ``"dp"`` group.
+
+Data.  ``Pipeline.step`` takes the *global* batch on every rank; replica ``d``
+keeps part ``d`` of ``tensor_split(batch, dp)`` and cuts that into
+microbatches.  Gradients are averaged over replicas, after being averaged over
+microbatches, so with equal-sized parts a step equals one step of the unsplit
+model on the whole global batch cut into ``dp * num_microbatches`` pieces.
+
+Events.  The schedule is lowered with ``REDUCE_GRAD`` after each stage's last
+backward and, with FSDP, ``UNSHARD``/``RESHARD`` around each stage's work
+(the all-gather issued ``prefetch`` stage switches ahead).  The actor runs
+them as events, through :class:`StageCollectives`:
+
+- ``UNSHARD(s)`` launches FSDP's asynchronous all-gather and returns; a waiter
+  thread waits on its ``Work`` and wakes the dispatcher, and only then may a
+  compute of stage ``s`` run.
+- ``RESHARD(s)`` frees the gathered parameters once every earlier-listed
+  compute of ``s`` (and its ``REDUCE_GRAD``) is done.
+- ``REDUCE_GRAD(s)`` runs once all of ``s``'s backward work of the step (its
+  B, or its W with the I/W split) is done, and only launches: an
+  asynchronous reduce-scatter of the gradients FSDP accumulated unsharded over
+  the microbatches (once per step, not per microbatch), and a bucketed
+  asynchronous all-reduce of every replicated parameter's gradient (all of
+  them under DDP; with FSDP, those no FSDP unit manages, e.g. when only a
+  stage's inner blocks are wrapped).  Completions are applied on the loop
+  (sharded DTensor gradients written, averaged buckets copied back) and the
+  step returns when every collective has completed.
+
+Collective order.  Collectives on one group pair by issue order, and dynamic
+dispatch may order a rank's actions differently from its replica's.  So the
+collective actions (UNSHARD, REDUCE_GRAD) are issued in list order among
+themselves, which is the same on every replica (they share a schedule row),
+while compute stays free to reorder around them.  For the same reason FSDP
+must never issue a collective on its own inside a compute: pipeloom sets
+``reshard_after_forward=False`` (a stage runs many microbatch forwards and
+backwards between its UNSHARD and RESHARD; resharding after each forward
+would all-gather again before every backward, at a time that depends on
+dispatch order), ``reshard_after_backward=False`` and
+``requires_gradient_sync=False`` on every FSDP unit of a stage.
+
+Why pipeloom reduce-scatters FSDP's gradients itself.  FSDP2 does it in its
+post-backward, which on CPU (gloo) is synchronous, and which with the I/W
+split would fire during I, before W produced the weight gradients.  So every
+backward runs with gradient sync off and REDUCE_GRAD reduce-scatters the
+accumulated unsharded gradients (laid out as FSDP shards them: dim 0,
+``torch.chunk`` sizes) and writes the sharded gradients FSDP would have
+written.  That is exact when FSDP's reduction is a plain average; with a
+mixed-precision or offload policy (or ``PIPELOOM_FSDP_REDUCE=fsdp``) FSDP's
+own post-backward runs instead, as torch's pipelining runtime does it: queued
+on FSDP's stream on GPUs, synchronous on CPU (it then holds this rank's
+dispatcher for the duration of the collective).  The private FSDP internals
+this takes are confined to ``_fsdp_private``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..schedules import Action, ActionType
+from .errors import PeerLostError, PipelineConfigError
+from .trace import clock_ns
+
+__all__ = [
+    "COLLECTIVE_TYPES",
+    "StageCollectives",
+    "make_mesh",
+    "make_layout",
+    "Layout",
+    "lower_for_data_parallel",
+    "replica_share",
+    "wrap_fsdp",
+    "sync_module_states",
+    "DEFAULT_BUCKET_BYTES",
+]
+
+log = logging.getLogger("pipeloom.data_parallel")
+
+_UNSHARD, _RESHARD, _REDUCE = ActionType.UNSHARD, ActionType.RESHARD, ActionType.REDUCE_GRAD
+_B, _W = ActionType.B, ActionType.W
+COLLECTIVE_TYPES = frozenset({_UNSHARD, _RESHARD, _REDUCE})
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+# ---------------------------------------------------------------- setup helpers
+
+
+def make_mesh(pp: int, dp: int, device_type: str) -> Any:
+    """The ``(pp, dp)`` DeviceMesh, dims named ``("pp", "dp")``: rank = pp_index * dp + dp_index."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (pp, dp), mesh_dim_names=("pp", "dp"))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits in the ``pp x dp`` grid of global ranks."""
+
+    pp: int
+    dp: int
+    pp_rank: int
+    dp_rank: int
+    mesh: Any
+    #: grid[i][j]: the global rank of pipeline rank i in replica j
+    grid: tuple[tuple[int, ...], ...]
+
+    @property
+    def column(self) -> list[int]:
+        """Global ranks of this replica's pipeline ranks, by pipeline rank."""
+        return [row[self.dp_rank] for row in self.grid]
+
+    @property
+    def row(self) -> list[int]:
+        """Global ranks holding the same stages as this one (its data-parallel group)."""
+        return list(self.grid[self.pp_rank])
+
+    @property
+    def dp_group(self) -> Any:
+        return self.mesh.get_group("dp")
+
+    @property
+    def dp_mesh(self) -> Any:
+        return self.mesh["dp"]
+
+
+def make_layout(*, rank: int, world: int, data_parallel: int, mesh: Any, device_type: str) -> Layout:
+    """The grid from a given 2-D mesh (dims ``("pp", "dp")``), or a new one of ``world // data_parallel`` x ``data_parallel``."""
+    if mesh is None:
+        if data_parallel < 1 or world % data_parallel:
+            raise PipelineConfigError(f"data_parallel={data_parallel} does not divide the job's {world} ranks")
+        mesh = make_mesh(world // data_parallel, data_parallel, device_type)
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if mesh.ndim != 2 or names != ("pp", "dp"):
+        raise PipelineConfigError(f"mesh must be a 2-D DeviceMesh with dims ('pp', 'dp'), got dims {names or mesh.ndim}")
+    if data_parallel not in (1, mesh.size(1)):
+        raise PipelineConfigError(f"data_parallel={data_parallel} but the mesh's 'dp' dimension has {mesh.size(1)} ranks")
+    grid = tuple(tuple(int(r) for r in row) for row in mesh.mesh.tolist())
+    if sum(len(r) for r in grid) != world:
+        raise PipelineConfigError(f"the mesh holds {sum(len(r) for r in grid)} ranks but the job has {world}")
+    where = [(i, j) for i, row in enumerate(grid) for j, r in enumerate(row) if r == rank]
+    if not where:
+        raise PipelineConfigError(f"rank {rank} is not in the mesh {grid}")
+    i, j = where[0]
+    return Layout(pp=len(grid), dp=len(grid[0]), pp_rank=i, dp_rank=j, mesh=mesh, grid=grid)
+
+
+def lower_for_data_parallel(schedule: Any, *, fsdp: bool, prefetch: int) -> Any:
+    """REDUCE_GRAD (and with FSDP, UNSHARD/RESHARD) added to a compute schedule; one that has them already is kept."""
+    from ..schedules import lower
+
+    if any(a.type in COLLECTIVE_TYPES for acts in schedule.actions.values() for a in acts):
+        return schedule
+    return lower(schedule, comms=False, fsdp=fsdp, prefetch=prefetch, reduce_grad=True)
+
+
+def _share(value: Any, dp: int, index: int, n: int, what: str) -> Any:
+    from .pipeline import Microbatches
+
+    if isinstance(value, Microbatches):
+        if len(value) != n * dp:
+            raise PipelineConfigError(
+                f"{what} holds {len(value)} microbatches; with data_parallel={dp} pass the global "
+                f"batch's num_microbatches * data_parallel = {n * dp}"
+            )
+        return Microbatches(value[index * n : (index + 1) * n])
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        if value.shape[0] < dp * n:
+            raise PipelineConfigError(
+                f"{what} has {value.shape[0]} rows along dim 0, fewer than data_parallel * num_microbatches = {dp * n}; "
+                "every replica's every microbatch needs at least one row"
+            )
+        return torch.tensor_split(value, dp, dim=0)[index]
+    return value  # scalars and non-tensors reach every replica unchanged
+
+
+def replica_share(
+    args: tuple[Any, ...], kwargs: Mapping[str, Any], target: Any, *, dp: int, index: int, n: int
+) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    """Replica ``index``'s part of a global batch: part ``index`` of ``tensor_split(x, dp)`` along dim 0.
+
+    ``Microbatches`` (pre-cut) must hold ``n * dp`` entries; replica ``index``
+    takes entries ``[index * n, (index + 1) * n)``.
+    """
+    if dp == 1:
+        return args, dict(kwargs), target
+    a = tuple(_share(v, dp, index, n, f"positional input {i}") for i, v in enumerate(args))
+    k = {key: _share(v, dp, index, n, f"keyword input {key!r}") for key, v in kwargs.items()}
+    t = None if target is None else _share(target, dp, index, n, "target")
+    return a, k, t
+
+
+@torch.no_grad()
+def sync_module_states(module: nn.Module, group: Any, src: int) -> None:
+    """Broadcast parameters and buffers from global rank ``src`` over ``group`` (as DDP does at construction)."""
+    for t in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(t.data, src=src, group=group)
+
+
+def wrap_fsdp(module: nn.Module, mesh: Any, policy: Any, fsdp_kwargs: Mapping[str, Any] | None = None) -> nn.Module:
+    """Apply ``fully_shard`` to a stage as ``policy`` says; a stage that already holds FSDP units is left as is.
+
+    ``policy``: ``"stage"`` (one unit, the whole stage), ``"blocks"`` (each
+    direct child that has parameters; parameters of the stage itself stay
+    replicated and are all-reduced), or a callable ``module -> bool`` asked
+    for every submodule, children before parents.
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from ._fsdp_private import check_supported
+
+    check_supported()
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        return module
+    kw = {"reshard_after_forward": False, **(fsdp_kwargs or {})}
+    kw["mesh"] = mesh
+    if policy == "stage":
+        return fully_shard(module, **kw)  # type: ignore[return-value]  # an FSDPModule is the same nn.Module
+    if policy == "blocks":
+        for child in module.children():
+            if any(p.requires_grad for p in child.parameters()):
+                fully_shard(child, **kw)
+        return module
+    if callable(policy):
+        for m in _post_order(module):
+            if policy(m):
+                fully_shard(m, **kw)
+        return module
+    raise PipelineConfigError(f"fsdp_wrap must be 'stage', 'blocks' or a callable, not {policy!r}")
+
+
+def _post_order(module: nn.Module) -> list[nn.Module]:
+    out: list[nn.Module] = []
+    for child in module.children():
+        out.extend(_post_order(child))
+    out.append(module)
+    return out
+
+
+def _configure_fsdp(units: Sequence[Any]) -> None:
+    """No collective may start inside a compute (see the module docstring)."""
+    for m in units:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.set_reshard_after_backward(False, recurse=False)
+        m.set_requires_gradient_sync(False, recurse=False)
+        m.set_is_last_backward(False)
+
+
+# ---------------------------------------------------------------- completion
+
+
+class _Waiter:
+    """A daemon thread that waits on collective ``Work`` objects in issue order and reports on the loop."""
+
+    def __init__(self, rank: int, *, poll: bool) -> None:
+        #: longest sleep between completion checks (s): short on GPUs, where host time is precious
+        self._max_delay = 2e-4 if poll else 1e-3
+        self._q: queue.SimpleQueue[tuple[list[Any], Callable[[BaseException | None], None]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"pipeloom-dp-r{rank}", daemon=True)
+        self._thread.start()
+
+    def submit(self, works: list[Any], done: Callable[[BaseException | None], None]) -> None:
+        self._q.put((works, done))
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._q.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            works, done = item
+            err: BaseException | None = None
+            w = None
+            try:
+                for w in works:
+                    # Poll, never block inside gloo's wait(): a rank that stops on a failure
+                    # exits with this thread still waiting, and a thread parked in gloo when
+                    # the peer's connection then drops aborts the process at exit.
+                    delay = 5e-6
+                    while not w.is_completed():
+                        time.sleep(delay)
+                        delay = min(delay * 2, self._max_delay)
+                    w.wait()  # complete: returns at once, or raises the collective's error
+            except BaseException as exc:  # gloo raises RuntimeError when a peer's connection closes
+                err = exc
+            done(err)
+            # drop the Work objects here, not at interpreter shutdown (see transport.tensor)
+            works = done = item = err = w = None  # type: ignore[assignment]
+
+
+class _Bucket:
+    """Gradients of several parameters reduced as one flat tensor."""
+
+    __slots__ = ("params", "numel", "dtype", "device")
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.dtype = params[0].dtype
+        self.device = params[0].device
+
+
+def _make_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[_Bucket]:
+    """Consecutive parameters (in reverse order, as DDP) of one dtype and device, up to ``cap_bytes`` each."""
+    buckets: list[_Bucket] = []
+    current: list[torch.Tensor] = []
+    size = 0
+    for p in reversed(list(params)):
+        nbytes = p.numel() * p.element_size()
+        if current and (size + nbytes > cap_bytes or p.dtype != current[0].dtype or p.device != current[0].device):
+            buckets.append(_Bucket(current))
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        buckets.append(_Bucket(current))
+    return buckets
+
+
+# ---------------------------------------------------------------- the events
+
+
+class _Plan:
+    """What one action list requires, derived once per list (train or eval)."""
+
+    def __init__(self, actions: Sequence[Action]) -> None:
+        self.collectives: list[tuple[ActionType, int]] = []
+        self.bw_total: dict[int, int] = {}
+        #: per stage, for its k-th RESHARD: (stage computes listed before it, REDUCE_GRAD listed before it)
+        self.reshard_need: dict[int, list[tuple[int, bool]]] = {}
+        #: per stage, for its k-th UNSHARD: RESHARDs of the stage listed before it
+        self.unshard_need: dict[int, list[int]] = {}
+        #: stages whose computes wait for an UNSHARD (listed before their first compute)
+        self.unshard_first: set[int] = set()
+        #: FSDP stages that compute without a prior UNSHARD (filled in by StageCollectives)
+        self.ungated: list[int] = []
+        computes: dict[int, int] = {}
+        reduced: set[int] = set()
+        reshards: dict[int, int] = {}
+        for a in actions:
+            t = a.type
+            if t is _UNSHARD:
+                self.collectives.append((t, a.stage))
+                self.unshard_need.setdefault(a.stage, []).append(reshards.get(a.stage, 0))
+                if computes.get(a.stage, 0) == 0:
+                    self.unshard_first.add(a.stage)
+            elif t is _REDUCE:
+                self.collectives.append((t, a.stage))
+                reduced.add(a.stage)
+            elif t is _RESHARD:
+                self.reshard_need.setdefault(a.stage, []).append((computes.get(a.stage, 0), a.stage in reduced))
+                reshards[a.stage] = reshards.get(a.stage, 0) + 1
+            else:
+                for leaf in a.leaves():
+                    computes[leaf.stage] = computes.get(leaf.stage, 0) + 1
+                    if leaf.type is _B or leaf.type is _W:
+                        self.bw_total[leaf.stage] = self.bw_total.get(leaf.stage, 0) + 1
+
+
+class StageCollectives:
+    """UNSHARD / RESHARD / REDUCE_GRAD of one rank's stages, as non-blocking events for the actor.
+
+    The actor calls :meth:`begin_step` with the step's list, :meth:`ready` for
+    readiness (collective actions, and computes of FSDP stages), :meth:`run`
+    to launch one, :meth:`done` after every action, and waits for
+    :attr:`outstanding` to reach 0 before the step ends.  Completions arrive
+    on a waiter thread and are applied on the loop, which is woken.
+    """
+
+    def __init__(
+        self,
+        stages: Mapping[int, nn.Module],
+        *,
+        rank: int,
+        group: Any,
+        group_ranks: Sequence[int],
+        device: torch.device,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        from ._fsdp_private import fsdp_modules
+
+        self.rank = rank
+        self.group = group
+        self.group_ranks = list(group_ranks)
+        self.size = len(self.group_ranks)
+        self.peers = [r for r in self.group_ranks if r != rank]
+        self.device = device
+        self._units: dict[int, list[Any]] = {}
+        self._buckets: dict[int, list[_Bucket]] = {}
+        self._modules = dict(stages)
+        #: per FSDP stage: (name, sharded parameter) of every parameter FSDP manages
+        self._sharded: dict[int, list[tuple[str, Any]]] = {}
+        #: per FSDP stage: reduce-scatter here, asynchronously (True) or through FSDP's post-backward (False)
+        self._own_reduce: dict[int, bool] = {}
+        self._group_index = dist.get_rank(group) if group is not None else 0
+        for s, module in stages.items():
+            units = fsdp_modules(module)
+            if units:
+                _configure_fsdp(units)
+                self._units[s] = units
+                self._sharded[s] = [(n, p) for n, p in module.named_parameters() if p.requires_grad and _is_dtensor(p)]
+            # Replicated parameters: every one under DDP, with FSDP those that no unit manages
+            # (FSDP's are DTensors while resharded, which they are at construction).
+            replicated = [p for p in module.parameters() if p.requires_grad and not _is_dtensor(p)]
+            if replicated and self.size > 1:
+                self._buckets[s] = _make_buckets(replicated, bucket_bytes)
+        self._actor: Any = None
+        self._waiter: _Waiter | None = None
+        self._plans: list[tuple[Sequence[Action], _Plan]] = []
+        self.outstanding = 0
+        self._step = 0
+        #: stages whose parameters are gathered and usable by computes
+        self._unsharded: set[int] = set()
+        self._gathering: dict[int, list[Any]] = {}
+        self._new_step(_Plan(()))
+
+    @property
+    def fsdp_stages(self) -> list[int]:
+        return sorted(self._units)
+
+    def attach(self, actor: Any) -> None:
+        """Called by the actor: completions wake it, failures stop its step."""
+        self._actor = actor
+
+    def close(self) -> None:
+        if self._waiter is not None:
+            self._waiter.stop()
+            self._waiter = None
+
+    # ---------------------------------------------------------- per step
+    def _new_step(self, plan: _Plan) -> None:
+        self._plan = plan
+        self._queue: deque[tuple[ActionType, int]] = deque(plan.collectives)
+        self._computes: dict[int, int] = {}
+        self._bw_done: dict[int, int] = {}
+        self._reshards: dict[int, int] = {}
+        self._unshards: dict[int, int] = {}
+        self._reduced: set[int] = set()
+        #: FSDP stages whose computes must wait for their UNSHARD in this list
+        self._gated = plan.unshard_first & set(self._units)
+
+    def begin_step(self, actions: Sequence[Action]) -> None:
+        """Start a step running ``actions`` (the actor's static train or eval list, not a copy)."""
+        plan = self._plan_for(actions)
+        if plan.ungated:
+            raise PipelineConfigError(
+                f"rank {self.rank}: FSDP stage(s) {plan.ungated} compute without an UNSHARD before their first compute "
+                "in the schedule; lower it with fsdp=True (pipeloom.schedules.lower)"
+            )
+        self._new_step(plan)
+
+    def _plan_for(self, actions: Sequence[Action]) -> _Plan:
+        for lst, plan in self._plans:
+            if lst is actions:
+                return plan
+        plan = _Plan(actions)
+        computed = {leaf.stage for a in actions if a.type not in COLLECTIVE_TYPES for leaf in a.leaves()}
+        plan.ungated = sorted(s for s in self._units if s in computed and s not in plan.unshard_first)
+        self._plans.append((actions, plan))
+        return plan
+
+    # ---------------------------------------------------------- readiness
+    def ready(self, a: Action) -> bool:
+        t = a.type
+        if t is _UNSHARD:
+            q = self._queue
+            if not q or q[0][0] is not t or q[0][1] != a.stage:
+                return False
+            k = self._unshards.get(a.stage, 0)
+            need = self._plan.unshard_need[a.stage]
+            return k >= len(need) or self._reshards.get(a.stage, 0) >= need[k]
+        if t is _REDUCE:
+            q = self._queue
+            if not q or q[0][0] is not t or q[0][1] != a.stage:
+                return False
+            return self._bw_done.get(a.stage, 0) >= self._plan.bw_total.get(a.stage, 0)
+        if t is _RESHARD:
+            s = a.stage
+            if s in self._gathering:
+                return False
+            needs = self._plan.reshard_need.get(s, ())
+            k = self._reshards.get(s, 0)
+            if k >= len(needs):
+                return True
+            count, after_reduce = needs[k]
+            return self._computes.get(s, 0) >= count and (not after_reduce or s in self._reduced)
+        gated = self._gated
+        if not gated:
+            return True
+        for leaf in a.leaves():
+            if leaf.stage in gated and leaf.stage not in self._unsharded:
+                return False
+        return True
+
+    def describe(self, a: Action) -> str | None:
+        """Why ``a`` is not ready, if it is for a data-parallel reason."""
+        t = a.type
+        if t in (_UNSHARD, _REDUCE):
+            q = self._queue
+            if q and (q[0][0] is not t or q[0][1] != a.stage):
+                return f"{a}: collectives over the data-parallel group go in list order; {q[0][1]}{q[0][0].value} first"
+            if t is _REDUCE:
+                return (
+                    f"{a}: backward of stage {a.stage} ({self._bw_done.get(a.stage, 0)} of "
+                    f"{self._plan.bw_total.get(a.stage, 0)} B/W done)"
+                )
+            return f"{a}: an earlier RESHARD of stage {a.stage}"
+        if t is _RESHARD:
+            if a.stage in self._gathering:
+                return f"{a}: all-gather of stage {a.stage} over ranks {self.group_ranks}"
+            return f"{a}: earlier computes of stage {a.stage}"
+        for leaf in a.leaves():
+            if leaf.stage in self._gated and leaf.stage not in self._unsharded:
+                if leaf.stage in self._gathering:
+                    return f"{leaf}: all-gather (UNSHARD) of stage {leaf.stage} over ranks {self.group_ranks}"
+                return f"{leaf}: UNSHARD of stage {leaf.stage}"
+        return None
+
+    # ---------------------------------------------------------- running
+    def done(self, a: Action) -> None:
+        """Bookkeeping after any action ran."""
+        if a.type in COLLECTIVE_TYPES:
+            return
+        for leaf in a.leaves():
+            s = leaf.stage
+            self._computes[s] = self._computes.get(s, 0) + 1
+            if leaf.type is _B or leaf.type is _W:
+                self._bw_done[s] = self._bw_done.get(s, 0) + 1
+
+    def run(self, a: Action, step: int) -> None:
+        t = a.type
+        s = a.stage
+        self._step = step
+        if t is _UNSHARD:
+            self._queue.popleft()
+            self._unshards[s] = self._unshards.get(s, 0) + 1
+            self._unshard(s)
+        elif t is _RESHARD:
+            self._reshards[s] = self._reshards.get(s, 0) + 1
+            for m in self._units.get(s, ()):
+                m.reshard()
+            self._unsharded.discard(s)
+        elif t is _REDUCE:
+            self._queue.popleft()
+            self._reduced.add(s)
+            units = self._units.get(s)
+            if units:
+                self._reduce_sharded(s, units)
+            for bucket in self._buckets.get(s, ()):
+                self._all_reduce(bucket, s, step)
+        else:
+            raise AssertionError(f"not a data-parallel action: {a}")
+
+    def _unshard(self, s: int) -> None:
+        from ._fsdp_private import all_gather_works
+
+        units = self._units.get(s)
+        if not units:
+            self._unsharded.add(s)
+            return
+        handles = [m.unshard(async_op=True) for m in units]
+        works = all_gather_works(handles)
+        if not works:  # nothing in flight, or this torch hides the Work: wait here
+            for h in handles:
+                if h is not None:
+                    h.wait()
+            self._unsharded.add(s)
+            return
+        self._gathering[s] = handles
+
+        def landed() -> None:
+            for h in self._gathering.pop(s, ()):
+                if h is not None:
+                    h.wait()  # the copy-out; the data is there
+            self._unsharded.add(s)
+
+        nbytes = sum(p.numel() * p.element_size() for _, p in self._sharded.get(s, ()))
+        self._submit(works, landed, f"all-gather (UNSHARD) of stage {s}", (f"{s}UNSHARD", "all-gather", s, nbytes))
+
+    def _reduce_sharded(self, s: int, units: list[Any]) -> None:
+        """REDUCE_GRAD of an FSDP stage: one asynchronous reduce-scatter of its accumulated unsharded gradients.
+
+        FSDP2 itself reduce-scatters synchronously on CPU, so when its
+        reduction would be a plain average (see ``_fsdp_private.plain_reduction``)
+        it is done here instead: the unsharded gradients are copied into one
+        padded flat buffer laid out as FSDP shards (dim 0, ``torch.chunk``
+        sizes), the collective is launched, FSDP's per-step state is reset, and
+        on completion each sharded parameter gets its DTensor gradient.
+        """
+        from . import _fsdp_private as fp
+
+        own = self._own_reduce.get(s)
+        if own is None:
+            own = self._own_reduce[s] = (
+                os.environ.get("PIPELOOM_FSDP_REDUCE", "auto") != "fsdp"
+                and self.size > 1
+                and all(sp.dim() > 0 for _, sp in self._sharded[s])
+                and len({sp.dtype for _, sp in self._sharded[s]}) <= 1
+                and fp.plain_reduction(units)
+            )
+        if not own:
+            fp.reduce_grads(units)
+            return
+        sharded = self._sharded[s]
+        if not sharded:
+            fp.finish_backward(units)
+            return
+        current = dict(self._modules[s].named_parameters())  # the unsharded parameters, registered now
+        if any(_is_dtensor(current[name]) for name, _ in sharded):  # resharded before its REDUCE_GRAD
+            fp.reduce_grads(units)
+            return
+        ws, idx = self.size, self._group_index
+        layout = []
+        total = 0
+        for name, sp in sharded:
+            full = current[name]
+            rows = full.shape[0]
+            rest = tuple(full.shape[1:])
+            chunk_rows = -(-rows // ws)
+            per_row = full.numel() // rows if rows else 0
+            layout.append((name, sp, full, rows, rest, chunk_rows, chunk_rows * per_row, total))
+            total += chunk_rows * per_row
+        dtype = sharded[0][1].dtype
+        inp = torch.zeros(ws, total, dtype=dtype, device=self.device)
+        for name, sp, full, rows, rest, chunk_rows, cn, off in layout:
+            g = full.grad
+            if g is not None:
+                # rank k's shard is rows [k * chunk_rows, (k + 1) * chunk_rows), zero-padded
+                padded = g.new_zeros(ws * chunk_rows, *rest)
+                padded[:rows].copy_(g)
+                inp[:, off : off + cn].copy_(padded.view(ws, cn))
+                full.grad = None  # consumed; FSDP keeps the unsharded parameter across steps
+        fp.finish_backward(units)
+        out = torch.empty(total, dtype=dtype, device=self.device)
+        work = dist.reduce_scatter_tensor(out, inp.view(-1), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        from torch.distributed.tensor import DTensor
+
+        def landed() -> None:
+            del inp_keep[:]
+            out.div_(ws)
+            for name, sp, full, rows, rest, chunk_rows, cn, off in layout:
+                local_rows = max(0, min(chunk_rows, rows - idx * chunk_rows))
+                local = out[off : off + cn].view(chunk_rows, *rest)[:local_rows]
+                old = sp.grad
+                if old is not None:
+                    local = old.to_local() + local
+                sp.grad = DTensor.from_local(local, sp.device_mesh, sp.placements, run_check=False, shape=sp.shape, stride=sp.stride())
+
+        inp_keep = [inp]  # alive until the collective is done
+        self._submit([work], landed, f"reduce-scatter of stage {s}'s gradients ({total * ws} elements)",
+                     (f"{s}REDUCE_GRAD", "reduce-scatter", s, inp.numel() * inp.element_size()))
+
+    def _all_reduce(self, bucket: _Bucket, s: int, step: int) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        flat = torch.cat([g.detach().reshape(-1) for g in grads])
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        size = self.size
+
+        def landed() -> None:
+            flat.div_(size)
+            offset = 0
+            for p in bucket.params:
+                n = p.numel()
+                view = flat[offset : offset + n].view_as(p)
+                offset += n
+                if p.grad is None:
+                    p.grad = view
+                else:
+                    p.grad.copy_(view)
+
+        self._submit([work], landed, f"all-reduce of stage {s}'s gradients ({bucket.numel} elements)",
+                     (f"{s}REDUCE_GRAD", "all-reduce", s, flat.numel() * flat.element_size()))
+
+    def _submit(self, works: list[Any], landed: Callable[[], None], what: str, span: tuple[str, str, int, int]) -> None:
+        """Wait for ``works`` on the waiter thread; then, on the loop, run ``landed`` and wake the actor."""
+        actor = self._actor
+        loop = asyncio.get_running_loop()
+        trace = getattr(actor, "trace", None)
+        t0 = clock_ns() if trace is not None else 0
+        step = self._step
+        if self._waiter is None:
+            self._waiter = _Waiter(self.rank, poll=self.device.type == "cuda")
+        self.outstanding += 1
+
+        def on_loop(err: BaseException | None) -> None:
+            self.outstanding -= 1
+            if err is None:
+                try:
+                    landed()
+                except Exception as exc:  # a bug here must stop the step, not vanish in a callback
+                    err = exc
+            if err is not None and actor is not None:
+                actor._fail_remote(self._lost(what, err))
+            elif trace is not None:
+                trace.collective(step, span[0], span[1], span[2], span[3], t0, clock_ns())
+            if actor is not None:
+                actor._wake.set()
+
+        def complete(err: BaseException | None) -> None:
+            try:
+                loop.call_soon_threadsafe(on_loop, err)
+            except RuntimeError:  # the loop is closed: the job is being torn down
+                pass
+
+        self._waiter.submit(works, complete)
+
+    def _lost(self, what: str, err: BaseException) -> PeerLostError:
+        """Name the peer most likely gone: the data-parallel peer heard from least recently."""
+        actor = self._actor
+        seen = getattr(actor, "_last_seen", {}) if actor is not None else {}
+        peer = min(self.peers, key=lambda p: seen.get(p, 0.0)) if self.peers else self.rank
+        return PeerLostError(f"{what} over the data-parallel group (ranks {self.group_ranks}) failed: {err}", rank=self.rank, peer=peer)
+
+    async def drain(self, check: Callable[[], None], interval: float) -> None:
+        """Wait (without blocking the loop) until every launched collective completed; ``check()`` may raise."""
+        actor = self._actor
+        while self.outstanding:
+            check()
+            wake = actor._wake
+            wake.clear()
+            if not self.outstanding:
+                break
+            try:
+                await asyncio.wait_for(wake.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+        check()
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(t, DTensor)
