@@ -24,8 +24,9 @@ them as events, through :class:`StageCollectives`:
   compute of ``s`` (and its ``REDUCE_GRAD``) is done.
 - ``REDUCE_GRAD(s)`` runs once all of ``s``'s backward work of the step (its
   B, or its W with the I/W split) is done, and only launches: an
-  asynchronous reduce-scatter of the gradients FSDP accumulated unsharded over
-  the microbatches (once per step, not per microbatch), and a bucketed
+  asynchronous reduce-scatter (an all-reduce on gloo, whose reduce-scatter
+  cannot be polled) of the gradients FSDP accumulated unsharded over the
+  microbatches (once per step, not per microbatch), and a bucketed
   asynchronous all-reduce of every replicated parameter's gradient (all of
   them under DDP; with FSDP, those no FSDP unit manages, e.g. when only a
   stage's inner blocks are wrapped).  Completions are applied on the loop
@@ -652,8 +653,17 @@ class StageCollectives:
                 inp[:, off : off + cn].copy_(padded.view(ws, cn))
                 full.grad = None  # consumed; FSDP keeps the unsharded parameter across steps
         fp.finish_backward(units)
-        out = torch.empty(total, dtype=dtype, device=self.device)
-        work = dist.reduce_scatter_tensor(out, inp.view(-1), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        if self.device.type == "cuda":
+            kind = "reduce-scatter"
+            out = torch.empty(total, dtype=dtype, device=self.device)
+            work = dist.reduce_scatter_tensor(out, inp.view(-1), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        else:
+            # gloo's reduce-scatter Work never reports completion to is_completed() (only a
+            # blocking wait() ends it), and the waiter must poll; an all-reduce of the same
+            # buffer does report it, at twice the traffic, and this rank keeps its own row.
+            kind = "all-reduce"
+            out = inp[idx]
+            work = dist.all_reduce(inp, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         from torch.distributed.tensor import DTensor
 
         def landed() -> None:
@@ -668,8 +678,8 @@ class StageCollectives:
                 sp.grad = DTensor.from_local(local, sp.device_mesh, sp.placements, run_check=False, shape=sp.shape, stride=sp.stride())
 
         inp_keep = [inp]  # alive until the collective is done
-        self._submit([work], landed, f"reduce-scatter of stage {s}'s gradients ({total * ws} elements)",
-                     (f"{s}REDUCE_GRAD", "reduce-scatter", s, inp.numel() * inp.element_size()))
+        self._submit([work], landed, f"{kind} of stage {s}'s sharded gradients ({total * ws} elements)",
+                     (f"{s}REDUCE_GRAD", kind, s, inp.numel() * inp.element_size()))
 
     def _all_reduce(self, bucket: _Bucket, s: int, step: int) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
