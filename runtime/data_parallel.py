@@ -64,9 +64,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import queue
-import threading
-import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -77,6 +74,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedules import Action, ActionType
+from ..transport.tensor import WorkWaiter
 from .errors import PeerLostError, PipelineConfigError
 from .trace import clock_ns
 
@@ -267,49 +265,6 @@ def _configure_fsdp(units: Sequence[Any]) -> None:
 # ---------------------------------------------------------------- completion
 
 
-class _Waiter:
-    """A daemon thread that waits on collective ``Work`` objects in issue order and reports on the loop."""
-
-    def __init__(self, rank: int, *, poll: bool) -> None:
-        #: longest sleep between completion checks (s): short on GPUs, where host time is precious
-        self._max_delay = 2e-4 if poll else 1e-3
-        self._q: queue.SimpleQueue[tuple[list[Any], Callable[[BaseException | None], None]] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"pipeloom-dp-r{rank}", daemon=True)
-        self._thread.start()
-
-    def submit(self, works: list[Any], done: Callable[[BaseException | None], None]) -> None:
-        self._q.put((works, done))
-
-    def stop(self, timeout: float = 2.0) -> None:
-        self._q.put(None)
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            works, done = item
-            err: BaseException | None = None
-            w = None
-            try:
-                for w in works:
-                    # Poll, never block inside gloo's wait(): a rank that stops on a failure
-                    # exits with this thread still waiting, and a thread parked in gloo when
-                    # the peer's connection then drops aborts the process at exit.
-                    delay = 5e-6
-                    while not w.is_completed():
-                        time.sleep(delay)
-                        delay = min(delay * 2, self._max_delay)
-                    w.wait()  # complete: returns at once, or raises the collective's error
-            except BaseException as exc:  # gloo raises RuntimeError when a peer's connection closes
-                err = exc
-            done(err)
-            # drop the Work objects here, not at interpreter shutdown (see transport.tensor)
-            works = done = item = err = w = None  # type: ignore[assignment]
-
-
 class _Bucket:
     """Gradients of several parameters reduced as one flat tensor."""
 
@@ -427,7 +382,7 @@ class StageCollectives:
             if replicated and self.size > 1:
                 self._buckets[s] = _make_buckets(replicated, bucket_bytes)
         self._actor: Any = None
-        self._waiter: _Waiter | None = None
+        self._waiter: WorkWaiter | None = None
         self._plans: list[tuple[Sequence[Action], _Plan]] = []
         self.outstanding = 0
         self._step = 0
@@ -710,7 +665,12 @@ class StageCollectives:
         t0 = clock_ns() if trace is not None else 0
         step = self._step
         if self._waiter is None:
-            self._waiter = _Waiter(self.rank, poll=self.device.type == "cuda")
+            # Poll, never park inside gloo's wait() (see WorkWaiter): a rank that stops
+            # on a failure exits with this thread still waiting.
+            cuda = self.device.type == "cuda"
+            self._waiter = WorkWaiter(
+                f"pipeloom-dp-r{self.rank}", poll=True, max_delay=2e-4 if cuda else 1e-3, wait_after_poll=not cuda
+            )
         self.outstanding += 1
 
         def on_loop(err: BaseException | None) -> None:

@@ -232,9 +232,6 @@ def test_trace_shows_collectives_overlapping_compute(pool: Any, case_id: str) ->
         # every stage reduced once on each of its replicas
         assert sorted(e["stage"] for e in reduces) == sorted(s for s in range(ns) for _ in range(DP))
         assert any(e["start"] < last_compute_end for e in reduces), f"step {step}: no reduction overlapped compute"
-        # a reduction issued while another stage's backward was still to come
-        by_stage_end = {e["stage"]: e["start"] for e in reduces}
-        assert min(by_stage_end.values()) < last_compute_end
         if fsdp:
             unshards = [e for e in evs if e["type"] == "UNSHARD"]
             reshards = [e for e in evs if e["type"] == "RESHARD"]

@@ -46,6 +46,7 @@ is actually there and never blocks the host on it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -58,7 +59,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["TensorPlane", "TransferSpec", "dtype_from_name", "dtype_name", "make_pair_groups"]
+__all__ = ["TensorPlane", "TransferSpec", "WorkWaiter", "dtype_from_name", "dtype_name", "make_pair_groups"]
 
 _SLOW = 1 << 30  #: tag offset of payloads sent outside a pre-posted receive
 _MAX_PARTS = 64  #: tensors per transfer that get distinct tags
@@ -74,6 +75,14 @@ _Key = tuple[tuple[tuple[int, ...], str] | None, ...]
 def _key(spec: TransferSpec) -> _Key:
     """What a receive buffer depends on: shape and dtype per tensor."""
     return tuple(None if s is None else (s[0], s[1]) for s in spec.tensors)
+
+
+def _deliver(
+    done: Callable[[list[torch.Tensor | None], BaseException | None], None],
+    buffers: list[torch.Tensor | None],
+    err: BaseException | None,
+) -> None:
+    done(buffers, err)
 
 
 class _Slot:
@@ -175,14 +184,27 @@ def make_pair_groups(
     return groups
 
 
-class _PeerWaiter:
-    """A daemon thread that waits on one peer's receives, in posting order."""
+class WorkWaiter:
+    """A daemon thread that waits on ``Work`` objects in submission order and reports each batch.
 
-    def __init__(self, peer: int, rank: int, *, poll: bool = False) -> None:
-        self.peer = peer
+    ``poll=True`` checks ``is_completed()`` with a backoff of at most
+    ``max_delay`` seconds and never parks inside ``wait()``: for NCCL (where
+    ``wait()`` only orders a stream) and for gloo collectives (whose futures
+    complete; a thread parked in gloo when a peer's connection drops can abort
+    the process at exit).  gloo *point-to-point* receives must block in
+    ``wait()``: their ``is_completed()`` stays False until someone waits, and
+    a ``wait(timeout)`` that expires closes the pair.  A submitted item may be
+    a callable that posts the Works on this thread and returns them.
+    """
+
+    def __init__(self, name: str, *, poll: bool = False, max_delay: float = 2e-4, wait_after_poll: bool = False) -> None:
         self._poll = poll
-        self._q: queue.SimpleQueue[tuple[list[Any], Callable[[BaseException | None], None]] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"pipeloom-recv-r{rank}-from{peer}", daemon=True)
+        self._max_delay = max_delay
+        # After polling, wait() returns at once but raises the op's error (gloo).  Not
+        # on CUDA: there it would order this thread's current stream after the op.
+        self._wait_after_poll = wait_after_poll
+        self._q: queue.SimpleQueue[tuple[list[Any] | Callable[[], list[Any]], Callable[[BaseException | None], None]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, works: list[Any] | Callable[[], list[Any]], done: Callable[[BaseException | None], None]) -> None:
@@ -209,7 +231,9 @@ class _PeerWaiter:
                         delay = 5e-6
                         while not w.is_completed():
                             time.sleep(delay)
-                            delay = min(delay * 2, 2e-4)
+                            delay = min(delay * 2, self._max_delay)
+                        if self._wait_after_poll:
+                            w.wait()
                     else:
                         w.wait()
             except BaseException as exc:  # gloo raises RuntimeError on a closed connection
@@ -237,7 +261,7 @@ class TensorPlane:
         self._poll = device.type == "cuda"
         self._send_seq: dict[int, int] = {}
         self._recv_seq: dict[int, int] = {}
-        self._waiters: dict[int, _PeerWaiter] = {}
+        self._waiters: dict[int, WorkWaiter] = {}
         self._inflight_sends: deque[tuple[Any, Sequence[torch.Tensor]]] = deque()
         #: per peer we send to: the shapes the peer pre-posted for our next transfer
         self._sent_pred: dict[int, _Key] = {}
@@ -377,7 +401,8 @@ class TensorPlane:
                 pre[2].claim(loop, done)
         else:
             buffers = self._alloc(key)
-            self._post(loop, peer, seq, buffers, fast=False, on_done=lambda err, b=buffers: done(b, err))
+            landed = functools.partial(_deliver, done, buffers)
+            self._post(loop, peer, seq, buffers, fast=False, on_done=landed)
         # Pre-post the next transfer from this peer with these shapes.
         nxt = self._alloc(key)
         if any(b is not None for b in nxt):
@@ -396,10 +421,10 @@ class TensorPlane:
             out.append(buf)
         return out
 
-    def _waiter(self, peer: int) -> _PeerWaiter:
+    def _waiter(self, peer: int) -> WorkWaiter:
         waiter = self._waiters.get(peer)
         if waiter is None:
-            waiter = self._waiters[peer] = _PeerWaiter(peer, self.rank, poll=self._poll)
+            waiter = self._waiters[peer] = WorkWaiter(f"pipeloom-recv-r{self.rank}-from{peer}", poll=self._poll)
         return waiter
 
     def _post(
