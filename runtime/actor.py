@@ -436,8 +436,11 @@ class RankActor:
                              [str(x) for x in a.sub_actions] if a.sub_actions else None)
             # Hand the outputs on after the compute (its trace span ends before the sends).
             outbox, self._outbox = self._outbox, []
-            for item in outbox:
-                self._emit(*item)
+            try:
+                for item in outbox:
+                    self._emit(*item)
+            except Exception as exc:
+                raise self._abort(exc, a, step) from exc
             ran += 1
             if train:
                 for leaf in a.leaves():
