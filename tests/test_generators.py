@@ -13,7 +13,6 @@ order is not what they run (see ``test_single_stage_matches_torch_runtime``).
 from __future__ import annotations
 
 import logging
-import time
 from unittest import mock
 
 import pytest
@@ -346,11 +345,8 @@ def test_every_microbatch_runs_once(name: str, p: int, n: int) -> None:
 
 
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
-def test_large_schedule_is_fast(name: str) -> None:
-    """64 ranks x 2 stages per rank x 256 microbatches is part of a < 2 s generate+lower+validate budget."""
+def test_large_schedule_generates(name: str) -> None:
+    """64 ranks x 2 stages per rank x 256 microbatches (its speed: benchmarks/schedule_speed.py)."""
     spr = default_stages_per_rank(name)
-    start = time.perf_counter()
     s = generate(name, num_ranks=64, num_microbatches=256, stages_per_rank=spr)
-    elapsed = time.perf_counter() - start
     assert sum(len(a) for a in s.actions.values()) >= 64 * spr * 256 * 2 // 3
-    assert elapsed < 0.75, f"{name}: {elapsed:.3f} s"

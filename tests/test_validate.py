@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import pytest
@@ -432,16 +431,8 @@ def test_validate_problems_survive_a_csv_round_trip() -> None:
 
 
 @pytest.mark.parametrize("name", ["Interleaved1F1B", "ZBVZeroBubble"])
-def test_lowering_and_validating_a_large_schedule_is_fast(name: str) -> None:
-    schedule = named(name, 64, 256, 2)
-    best = float("inf")
-    for _ in range(2):  # the better of two runs: this machine is shared
-        start = time.perf_counter()
-        lowered = lower(schedule)
-        problems = validate(lowered)
-        best = min(best, time.perf_counter() - start)
-        if best < 1.5:
-            break
-    assert problems == []
+def test_a_large_schedule_lowers_and_validates_cleanly(name: str) -> None:
+    # Its speed is shown by benchmarks/schedule_speed.py, not asserted here.
+    lowered = lower(named(name, 64, 256, 2))
+    assert validate(lowered) == []
     assert sum(len(a) for a in lowered.actions.values()) > 190_000
-    assert best < 1.5, f"lower + validate took {best:.2f} s"
