@@ -23,6 +23,9 @@ Invariants:
   launched too, with the compute stream ordered after the receive.  That is
   deadlock-free: a receive is only posted after its producer was launched on
   the peer, so every stream wait is on work already in some queue.
+- OVERLAP_F_B on GPUs runs its forward and its backward on two CUDA streams
+  (see :meth:`RankActor._run_overlap`), ordered by stream waits, so their
+  kernels can run concurrently; on CPU the halves run one after the other.
 - Failures: an exception in an action is wrapped with rank, step, stage,
   microbatch and action, broadcast to every peer as an ``abort`` message, and
   raised; a peer's abort is raised here as :class:`RemoteRankError`.
@@ -32,8 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import traceback
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,6 +60,15 @@ log = logging.getLogger("pipeloom.actor")
 _F, _B, _I, _W, _OVL = ActionType.F, ActionType.B, ActionType.I, ActionType.W, ActionType.OVERLAP_F_B
 #: data-parallel events, run through the ``collectives`` object (runtime/data_parallel.py)
 _DP = frozenset({ActionType.UNSHARD, ActionType.RESHARD, ActionType.REDUCE_GRAD})
+
+
+#: every actor alive in this process (for debug dumps)
+_LIVE: weakref.WeakSet[RankActor] = weakref.WeakSet()
+
+
+def debug_dump() -> str:
+    """``debug_state()`` of every live actor in this process."""
+    return "\n".join(a.debug_state() for a in list(_LIVE)) or "no pipeloom actor alive in this process"
 
 
 @dataclass
@@ -157,11 +171,47 @@ class RankActor:
         self._consumed: set[tuple[int, str, int, int]] = set()
         self._gpu_events: deque[Any] = deque()
         self._speculate = False
+        #: launch actions on posted (incomplete) inputs while at most this many launched actions are queued
+        self._lookahead = int(os.environ.get("PIPELOOM_GPU_LOOKAHEAD", "1"))
+        # OVERLAP_F_B on two streams (PIPELOOM_OVERLAP_STREAMS=0 runs the halves in sequence)
+        self._side: Any = None
+        if self._cuda and os.environ.get("PIPELOOM_OVERLAP_STREAMS", "1") != "0":
+            if any(a.type is _OVL for a in self.train_actions):
+                self._side = torch.cuda.Stream(device=device)
+        #: (stage, mb) -> the stream its forward ran on, when not the main one (its backward runs there too)
+        self._fwd_on_side: set[tuple[int, int]] = set()
+        #: while running half of an OVERLAP_F_B on the side stream: inputs taken are recorded on it
+        self._record_on: Any = None
         #: payloads produced by the action being run, handed over once its compute is done
         self._outbox: list[tuple[int, str, int, int, Sequence[torch.Tensor | None]]] = []
+        #: the actions of the step in progress not yet run (for debug_state)
+        self._pending: list[Action] = []
+        _LIVE.add(self)
         #: what the loop is doing now, read by the heartbeat thread:
         #: ("idle" | "busy" | "waiting", action or wait description, since monotonic)
         self.state: tuple[str, str, float] = ("idle", "", time.monotonic())
+
+    def debug_state(self) -> str:
+        """What this rank is doing and waiting for, for a human looking at a hang (any thread may call it)."""
+        kind, what, since = self.state
+        lines = [f"rank {self.rank} step {self.step_index - 1}: {kind} {what!r} for {time.monotonic() - since:.1f} s"]
+        try:
+            pending = list(self._pending)
+            if pending:
+                lines.append(f"  next actions: {', '.join(str(a) for a in pending[:6])}{' ...' if len(pending) > 6 else ''}")
+                for d in self.describe_wait(pending, max(self.step_index - 1, 0), True)[:4]:
+                    lines.append(f"  waiting for {d}")
+            lines.append(f"  inputs arrived: {sorted(self._inbox)[:8]}")
+            if self._posted:
+                lines.append(f"  receives posted, not complete: {sorted(self._posted)[:8]}")
+            t = self.tensors
+            lines.append(f"  transfers sent per peer: {dict(t._send_seq)}, announced to us per peer: {dict(t._recv_seq)}, "
+                         f"sends in flight: {len(t._inflight_sends)}")
+            peers = ", ".join(f"rank {p} {st[0]}{' ' + st[1] if st[1] else ''}" for p, st in sorted(self._peer_state.items()))
+            lines.append(f"  peers' last reported state: {peers or 'none yet'}")
+        except Exception as exc:  # racing with the loop: show what we have
+            lines.append(f"  (state changed while reading: {exc!r})")
+        return "\n".join(lines)
 
     @staticmethod
     def _forward_only(actions: Sequence[Action]) -> list[Action]:
@@ -247,7 +297,7 @@ class RankActor:
         """An input: arrived, or (GPU) posted, with the current stream ordered after its receive."""
         got = self._inbox.pop(key, None)
         if got is not None:
-            return got
+            return self._recorded(got) if self._record_on is not None else got
         buffers, works, spec = self._posted.pop(key)
         for w in works:
             w.wait()  # NCCL: the current stream waits; the host does not
@@ -256,6 +306,16 @@ class RankActor:
             for b, sp in zip(buffers, spec.tensors):
                 if b is not None and sp is not None and sp[2]:
                     b.requires_grad_(True)
+        return self._recorded(buffers)
+
+    def _recorded(self, buffers: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        # Used on the side stream but allocated on the main one: the allocator must not
+        # hand the memory out again before the side stream's kernels reading it are done.
+        side = self._record_on
+        if side is not None:
+            for b in buffers:
+                if b is not None:
+                    b.record_stream(side)
         return buffers
 
     def _gpu_queue_depth(self) -> int:
@@ -306,6 +366,9 @@ class RankActor:
     def _run(self, a: Action, step: int, inputs: StepInputs, train: bool, results: dict[int, Any], losses: dict[int, torch.Tensor]) -> None:
         t = a.type
         if t is _OVL:
+            if self._side is not None and train:
+                self._run_overlap(a, step, inputs, results, losses)
+                return
             for leaf in a.sub_actions:
                 self._run(leaf, step, inputs, train, results, losses)
             return
@@ -315,6 +378,9 @@ class RankActor:
         stage = self.stages[a.stage]
         mb = a.microbatch
         assert mb is not None
+        if t is not _F and self._record_on is None and self._fwd_on_side and (a.stage, mb) in self._fwd_on_side:
+            self._run_after_side_forward(a, step, inputs, results, losses)
+            return
         if t is _F:
             if a.stage == 0:
                 args = inputs.args[mb]
@@ -346,6 +412,71 @@ class RankActor:
             return
         raise AssertionError(f"unexpected action {a}")
 
+    def _run_overlap(self, a: Action, step: int, inputs: StepInputs, results: dict[int, Any], losses: dict[int, torch.Tensor]) -> None:
+        """OVERLAP_F_B on two CUDA streams: the backward's kernels and the forward's, concurrently.
+
+        Autograd runs a backward op on the stream its forward op ran on, so
+        the backward half goes where its microbatch's forward ran, and the
+        forward half on the *other* stream (recorded, so this microbatch's
+        backward later lands there too).  Both streams first wait for
+        everything launched on the main stream; afterwards the main stream
+        waits for the side one, so sends, later actions and the optimizer
+        see both halves done.  Tensors crossing streams are recorded with the
+        caching allocator (``record_stream``), so memory freed by one stream
+        is not reused by the other while still being read.
+        """
+        f, b = a.sub_actions
+        main = torch.cuda.current_stream(self.device)
+        side = self._side
+        side.wait_stream(main)
+        b_key = (b.stage, b.microbatch)
+        b_side = b_key in self._fwd_on_side
+        f_stream = main if b_side else side
+        mark = len(self._outbox)
+        try:
+            # The backward first: its autograd call orders its streams after the *current*
+            # stream, which must not yet hold this forward's kernels.
+            self._record_on = side if b_side else None
+            with torch.cuda.stream(side if b_side else main):
+                self._run(b, step, inputs, True, results, losses)
+            self._record_on = side if f_stream is side else None
+            with torch.cuda.stream(f_stream):
+                self._run(f, step, inputs, True, results, losses)
+        finally:
+            self._record_on = None
+        if b.type is not _I:  # (after an I, its W still runs on the forward's stream)
+            self._fwd_on_side.discard(b_key)
+        if f_stream is side:
+            self._fwd_on_side.add((f.stage, f.microbatch))
+        main.wait_stream(side)
+        # What the side stream produced and others read later (sends, local hand-offs, outputs).
+        for item in self._outbox[mark:]:
+            for t in item[4]:
+                if t is not None:
+                    t.record_stream(main)
+        for d in (results, losses):
+            v = d.get(f.microbatch)
+            if isinstance(v, torch.Tensor) and v.is_cuda:
+                v.record_stream(main)
+
+    def _run_after_side_forward(self, a: Action, step: int, inputs: StepInputs, results: dict[int, Any], losses: dict[int, torch.Tensor]) -> None:
+        """B, I or W of a microbatch whose forward ran on the side stream (its kernels run there too)."""
+        main = torch.cuda.current_stream(self.device)
+        side = self._side
+        mark = len(self._outbox)
+        self._record_on = side
+        try:
+            self._run(a, step, inputs, True, results, losses)
+        finally:
+            self._record_on = None
+        main.wait_stream(side)
+        for item in self._outbox[mark:]:
+            for t in item[4]:
+                if t is not None:
+                    t.record_stream(main)
+        if a.type is not _I:
+            self._fwd_on_side.discard((a.stage, a.microbatch))
+
     async def run_step(self, inputs: StepInputs, *, train: bool = True) -> tuple[dict[int, Any], dict[int, torch.Tensor]]:
         """Run this rank's actions for one step; return (outputs, losses) by microbatch."""
         self.start()
@@ -356,12 +487,13 @@ class RankActor:
         self.control.step = step
         self._listening_since = time.monotonic()
         self._liveness_interval = min(1.0, self.heartbeat_timeout / 4)
-        pending = list(self.train_actions if train else self.eval_actions)
+        pending = self._pending = list(self.train_actions if train else self.eval_actions)
         coll = self.collectives
         if coll is not None:
             coll.begin_step(self.train_actions if train else self.eval_actions)
         self._fwd_done = set()
         self._i_done = set()
+        self._fwd_on_side.clear()
         results: dict[int, Any] = {}
         losses: dict[int, torch.Tensor] = {}
         live = 0
@@ -378,7 +510,7 @@ class RankActor:
                 raise self._annotate_wait(self._remote_error, pending, step)
             if self._cuda:
                 # Feed a nearly idle GPU with posted (not yet complete) inputs.
-                self._speculate = bool(self._posted) and self._gpu_queue_depth() <= 1
+                self._speculate = bool(self._posted) and self._gpu_queue_depth() <= self._lookahead
             pick = -1
             seen_forward = False
             for i, a in enumerate(pending):

@@ -43,38 +43,111 @@ def rank_env(rank: int, world: int, port: int, extra: dict[str, str] | None = No
     return env
 
 
+async def _drain(stream: asyncio.StreamReader | None, into: list[bytes]) -> None:
+    """Read a pipe to its end, keeping what came so far (it survives a timeout)."""
+    if stream is None:
+        return
+    while chunk := await stream.read(65536):
+        into.append(chunk)
+
+
 async def spawn_ranks(
     world: int, argv: list[str], *, timeout: float, env: dict[str, str] | None = None
 ) -> tuple[list[int | None], list[str], list[str]]:
-    """Run ``python argv...`` as ``world`` ranks; return (returncodes, stdouts, stderrs)."""
+    """Run ``python argv...`` as ``world`` ranks; return (returncodes, stdouts, stderrs).
+
+    Every rank gets ``PIPELOOM_TEST_STACKS=1``: a worker that calls
+    :func:`install_stack_dump` prints all its threads' stacks on SIGUSR1.  If
+    the ranks outlive ``timeout``, each is sent SIGUSR1, given a moment, and
+    killed; :class:`RanksFailed` then carries every rank's stderr tail (with
+    those stacks), so a hang says where each rank was.
+    """
     port = free_port()
-    procs = []
+    procs: list[asyncio.subprocess.Process] = []
+    outs: list[list[bytes]] = [[] for _ in range(world)]
+    errs: list[list[bytes]] = [[] for _ in range(world)]
+    readers: list[asyncio.Task[None]] = []
+    extra = {"PIPELOOM_TEST_STACKS": "1", **(env or {})}
+
+    def text(chunks: list[bytes]) -> str:
+        return b"".join(chunks).decode(errors="replace")
+
     try:
         for r in range(world):
-            procs.append(
-                await asyncio.create_subprocess_exec(
-                    sys.executable, *argv,
-                    env=rank_env(r, world, port, env),
-                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                    start_new_session=True,
-                )
+            p = await asyncio.create_subprocess_exec(
+                sys.executable, *argv,
+                env=rank_env(r, world, port, extra),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
             )
-        async with asyncio.timeout(timeout):
-            outs = await asyncio.gather(*(p.communicate() for p in procs))
-        return [p.returncode for p in procs], [o.decode(errors="replace") for o, _ in outs], [e.decode(errors="replace") for _, e in outs]
-    finally:
-        for p in procs:
-            if p.returncode is None:
+            procs.append(p)
+            readers += [asyncio.create_task(_drain(p.stdout, outs[r])), asyncio.create_task(_drain(p.stderr, errs[r]))]
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.gather(*(p.wait() for p in procs))
+                await asyncio.gather(*readers)
+        except TimeoutError:
+            alive = [r for r, p in enumerate(procs) if p.returncode is None]
+            for r in alive:
                 try:
-                    os.killpg(p.pid, signal.SIGKILL)
+                    procs[r].send_signal(signal.SIGUSR1)
                 except ProcessLookupError:
                     pass
-        for p in procs:
-            if p.returncode is None:
-                try:
-                    await asyncio.wait_for(p.wait(), 5)
-                except (asyncio.TimeoutError, ProcessLookupError):
-                    pass
+            await asyncio.sleep(2.0)
+            _kill(procs)
+            await _settle(procs, readers)
+            codes = [p.returncode for p in procs]
+            tails = "\n".join(f"--- rank {r} (exit {c}{', was still running' if r in alive else ''}) ---\n{text(e)[-6000:]}"
+                              for r, (c, e) in enumerate(zip(codes, errs)))
+            raise RanksFailed(f"ranks {alive} still running after {timeout:.0f} s; their stacks at that moment:\n{tails}",
+                              codes, [text(e) for e in errs]) from None
+        return [p.returncode for p in procs], [text(o) for o in outs], [text(e) for e in errs]
+    finally:
+        _kill(procs)
+        await _settle(procs, readers)
+
+
+def _kill(procs: list[asyncio.subprocess.Process]) -> None:
+    for p in procs:
+        if p.returncode is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+async def _settle(procs: list[asyncio.subprocess.Process], readers: list[asyncio.Task[None]]) -> None:
+    for p in procs:
+        if p.returncode is None:
+            try:
+                await asyncio.wait_for(p.wait(), 5)
+            except (asyncio.TimeoutError, ProcessLookupError):
+                pass
+    for t in readers:
+        if not t.done():
+            try:
+                await asyncio.wait_for(t, 5)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                t.cancel()
+
+
+def install_stack_dump() -> None:
+    """In a rank process: print every thread's stack on SIGUSR1 (the harness sends it on a timeout)."""
+    if os.environ.get("PIPELOOM_TEST_STACKS") == "1":
+        import faulthandler
+
+        def actors(signum: int, frame: Any) -> None:
+            # Runs when the main thread next executes Python (the event loop wakes for it);
+            # faulthandler below prints the raw stacks at once, even from inside C code.
+            try:
+                from pipeloom.runtime.actor import debug_dump
+
+                print(debug_dump(), file=sys.stderr, flush=True)
+            except Exception as exc:  # noqa: BLE001 - a debugging aid must not kill the rank
+                print(f"(no actor state: {exc!r})", file=sys.stderr, flush=True)
+
+        signal.signal(signal.SIGUSR1, actors)
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
 
 
 async def run_ranks(world: int, cases: list[dict[str, Any]], out: Path, *, timeout: float = 120.0) -> dict[str, list[dict[str, Any]]]:

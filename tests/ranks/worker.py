@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from data import make_step_batches  # noqa: E402
+from harness import install_stack_dump  # noqa: E402
 from models import build_stages, loss_fn  # noqa: E402
 
 
@@ -160,6 +161,7 @@ def _device() -> torch.device:
 
 
 def main() -> None:
+    install_stack_dump()
     job = json.load(open(sys.argv[1]))
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
@@ -171,6 +173,7 @@ def main() -> None:
     else:
         dist.init_process_group("gloo")
     for cfg in job["cases"]:
+        print(f"rank {rank}: case {cfg['id']}", file=sys.stderr, flush=True)  # where a hang happened
         fn = run_torch if cfg.get("engine") == "torch" else run_pipeloom
         result = _to_cpu(fn(cfg, rank))
         torch.save(result, os.path.join(job["out"], f"{cfg['id']}-rank{rank}.pt"))
