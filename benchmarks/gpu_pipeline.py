@@ -1,7 +1,7 @@
 """GPU benchmark: pipeloom against torch.distributed.pipelining on the same model, same run.
 
 A transformer of 16 layers (hidden 2048, 16 heads, MLP 4x), sequence 1024,
-bf16, 8 microbatches of 4 sequences, on 2 GPUs, for each named schedule:
+bf16, 8 microbatches of 4 sequences, on 2 or more GPUs, for each named schedule:
 
 - step time (median over timed steps, max over ranks), for pipeloom and torch;
 - efficiency: the compute floor divided by step time.  The floor is, per rank,
@@ -168,6 +168,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             "engine": engine, "schedule": name, "varlen": args.varlen, "step_ms": step * 1e3, "floor_ms": floor * 1e3,
             "efficiency": floor / step, "peak_gib": peak_max / 2**30, "tokens_per_s": tokens / step,
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "gpus": world, "label": args.label,
+            "env": {k: v for k, v in os.environ.items() if k.startswith("PIPELOOM_")},
             **(extra or {}),
         }
         results.append(row)
@@ -225,16 +227,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def table(path: str) -> str:
     rows = [json.loads(l) for l in open(path) if l.strip()]
-    by = {}
+    by: dict[tuple[Any, ...], dict[str, Any]] = {}
     for r in rows:
-        by.setdefault((r["schedule"], r["varlen"]), {})[r["engine"]] = r
-    out = ["| schedule | case | torch ms | pipeloom ms | ratio | torch eff | pipeloom eff | torch GiB | pipeloom GiB | torch tok/s | pipeloom tok/s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for (sched, varlen), e in by.items():
+        case = ("varlen" if r["varlen"] else "fixed") + (f" {r['label']}" if r.get("label") else "")
+        by.setdefault((r.get("gpus", 2), r["schedule"], case), {})[r["engine"]] = r
+    out = ["| GPUs | schedule | case | torch ms | pipeloom ms | ratio | torch eff | pipeloom eff | torch GiB | pipeloom GiB | torch tok/s | pipeloom tok/s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (gpus, sched, case), e in by.items():
         t, p = e.get("torch"), e.get("pipeloom")
         f = lambda r, k, fmt: (fmt % r[k]) if r else "—"  # noqa: E731
         ratio = f"{p['step_ms'] / t['step_ms']:.3f}" if t and p else "—"
-        out.append(f"| {sched} | {'varlen' if varlen else 'fixed'} | {f(t,'step_ms','%.1f')} | {f(p,'step_ms','%.1f')} | {ratio} | "
+        out.append(f"| {gpus} | {sched} | {case} | {f(t,'step_ms','%.1f')} | {f(p,'step_ms','%.1f')} | {ratio} | "
                    f"{f(t,'efficiency','%.3f')} | {f(p,'efficiency','%.3f')} | {f(t,'peak_gib','%.2f')} | {f(p,'peak_gib','%.2f')} | "
                    f"{f(t,'tokens_per_s','%.0f')} | {f(p,'tokens_per_s','%.0f')} |")
     return "\n".join(out)
@@ -253,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--varlen", action="store_true")
+    ap.add_argument("--label", default="", help="a tag for this row's variant (e.g. the PIPELOOM_* settings tried)")
     ap.add_argument("--json", default=None, help="append result rows (JSON Lines) here")
     ap.add_argument("--table", default=None, help="print the table of a results file and exit")
     args = ap.parse_args(argv)

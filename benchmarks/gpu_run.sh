@@ -1,32 +1,74 @@
 #!/usr/bin/env bash
-# The GPU session's script (2 GPUs, NCCL): install what the image lacks from
-# carried wheels, run the gradient tests on NCCL, then the benchmark for every
-# schedule (one torchrun per schedule, bounded, so a hang costs one row).
-# Usage on the GPU machine: bash benchmarks/gpu_run.sh [tests|bench|all] ; results under $OUT.
+# The GPU session's script: install what the image lacks from carried wheels,
+# then run the named parts, each bounded so a hang costs one part, not the call.
+#
+#   bash benchmarks/gpu_run.sh PART...       results under $OUT
+#
+# Parts:
+#   tests      NCCL: tests/test_runtime_gradients.py (2-rank pool; 4-rank pool with >= 4 GPUs)
+#              and, with >= 4 GPUs, the PP x DP / PP x FSDP rank pool of tests/test_data_parallel.py
+#   bench2     benchmarks/gpu_pipeline.py on GPUs 0,1 for every schedule (+ varlen, + variants)
+#   bench4     benchmarks/gpu_pipeline.py on 4 GPUs for every schedule
+#   fsdp       benchmarks/gpu_fsdp.py, 2 pipeline ranks x 2 FSDP ranks
+#   straggler  benchmarks/straggler.py on 4 GPUs
+# Environment: SCHEDULES, BENCH_ARGS, BENCH_TIMEOUT, VARIANTS (see bench2).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-what=${1:-all}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 # the project itself, built as pyproject.toml maps it (the image has setuptools)
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . || exit 1
 export PYTHONPATH=/tmp/site
 REPO=$PWD
+GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
 (cd /tmp && python3 -c "import torch, zmq, pipeloom.runtime; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'zmq', zmq.__version__)")
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-if [ "$what" = tests ] || [ "$what" = all ]; then
-  # from outside the checkout, so the installed package (not ./pipeloom) is imported
-  (cd /tmp && PIPELOOM_TEST_BACKEND=nccl timeout 300 python3 -m pytest -q -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" "$REPO/tests/test_runtime_gradients.py" 2>&1 | tail -25 | tee "$OUT/nccl-tests.log")
-fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
-  rm -f "$OUT/gpu.jsonl"
-  for s in ${SCHEDULES:-1F1B Interleaved1F1B ZBVZeroBubble DualPipeV GPipe LoopedBFS InterleavedZeroBubble}; do
-    echo "== $s"
-    (cd /tmp && timeout ${BENCH_TIMEOUT:-150} torchrun --nproc-per-node 2 "$REPO/benchmarks/gpu_pipeline.py" --schedule $s --json "$OUT/gpu.jsonl" ${BENCH_ARGS:-} 2>&1 | grep -v "^\[W\|Warning\|warn" | tail -4)
-  done
-  for s in ${VARLEN_SCHEDULES:-1F1B ZBVZeroBubble}; do
-    echo "== $s varlen"
-    (cd /tmp && timeout ${BENCH_TIMEOUT:-150} torchrun --nproc-per-node 2 "$REPO/benchmarks/gpu_pipeline.py" --schedule $s --varlen --json "$OUT/gpu.jsonl" ${BENCH_ARGS:-} 2>&1 | grep -v "^\[W\|Warning\|warn" | tail -3)
-  done
-  python3 benchmarks/gpu_pipeline.py --table "$OUT/gpu.jsonl" | tee "$OUT/table.md"
-fi
+ALL="1F1B Interleaved1F1B ZBVZeroBubble DualPipeV GPipe LoopedBFS InterleavedZeroBubble"
+T=${BENCH_TIMEOUT:-120}
+
+bench() {  # bench NPROC LABEL EXTRA_ARGS... (env for the run comes from the caller)
+  local n=$1 label=$2; shift 2
+  (cd /tmp && timeout "$T" torchrun --nproc-per-node "$n" "$REPO/benchmarks/gpu_pipeline.py" --json "$OUT/gpu.jsonl" \
+     --label "$label" ${BENCH_ARGS:-} "$@" 2>&1 | grep -v "^\[W\|Warning\|warn" | tail -3)
+}
+
+for part in "$@"; do
+  echo "=== $part $(date +%T)"
+  case $part in
+  tests)
+    # from outside the checkout, so the installed package (not ./pipeloom) is imported
+    files="$REPO/tests/test_runtime_gradients.py $REPO/tests/test_harness.py"
+    sel=()
+    if [ "$GPUS" -ge 4 ]; then files="$files $REPO/tests/test_data_parallel.py"; sel=(-k "not dead_rank and not user_error"); fi
+    (cd /tmp && PIPELOOM_TEST_BACKEND=nccl timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider --rootdir "$REPO" \
+       -c "$REPO/pyproject.toml" $files "${sel[@]}" 2>&1 | tail -60 > "$OUT/nccl-tests.log"; tail -15 "$OUT/nccl-tests.log")
+    ;;
+  bench2)
+    for s in ${SCHEDULES:-$ALL}; do echo "== 2 GPUs $s"; CUDA_VISIBLE_DEVICES=0,1 bench 2 "" --schedule "$s"; done
+    for s in 1F1B ZBVZeroBubble; do echo "== 2 GPUs $s varlen"; CUDA_VISIBLE_DEVICES=0,1 bench 2 "" --schedule "$s" --varlen; done
+    # variants: "LABEL:ENV=VALUE:SCHEDULE" each
+    for v in ${VARIANTS:-}; do
+      IFS=: read -r label envset sched <<< "$v"
+      echo "== 2 GPUs $sched $label"; (export CUDA_VISIBLE_DEVICES=0,1 "$envset"; bench 2 "$label" --schedule "$sched")
+    done
+    ;;
+  bench4)
+    for s in ${SCHEDULES4:-$ALL}; do echo "== 4 GPUs $s"; bench 4 "" --schedule "$s"; done
+    ;;
+  fsdp)
+    for s in ${FSDP_SCHEDULES:-1F1B Interleaved1F1B ZBVZeroBubble}; do
+      echo "== fsdp 2x2 $s"
+      (cd /tmp && timeout "$T" torchrun --nproc-per-node 4 "$REPO/benchmarks/gpu_fsdp.py" --schedule "$s" --json "$OUT/fsdp.jsonl" \
+         2>&1 | grep -v "^\[W\|Warning\|warn" | tail -5)
+    done
+    python3 benchmarks/gpu_fsdp.py --table "$OUT/fsdp.jsonl" | tee "$OUT/fsdp-table.md"
+    ;;
+  straggler)
+    (cd /tmp && timeout "${STRAGGLER_TIMEOUT:-200}" python3 "$REPO/benchmarks/straggler.py" --backend nccl --ranks 4 \
+       --json "$OUT/straggler.jsonl" ${STRAGGLER_ARGS:-} 2>&1 | grep -v "^\[W\|Warning\|warn" | tail -30 | tee "$OUT/straggler.txt")
+    ;;
+  *) echo "unknown part $part"; exit 2 ;;
+  esac
+done
+if [ -f "$OUT/gpu.jsonl" ]; then python3 benchmarks/gpu_pipeline.py --table "$OUT/gpu.jsonl" | tee "$OUT/table.md"; fi
+echo "=== done $(date +%T)"
