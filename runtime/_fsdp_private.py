@@ -61,6 +61,30 @@ def check_supported() -> None:
         raise RuntimeError(f"torch {torch.__version__}: FSDP2 lacks {', '.join(missing)}, which pipeloom's FSDP support uses")
 
 
+def param_groups(obj: Any) -> list[Any] | None:
+    """The FSDP parameter groups of an ``FSDPState`` or of an ``unshard(async_op=True)`` handle.
+
+    torch 2.13 holds a list, ``_fsdp_param_groups``; torch 2.11 holds one
+    group or None, ``_fsdp_param_group`` (2.13 keeps that name on the state as
+    a property that fails for more than one group, so the list is asked
+    first).  None: neither is there (internals this module does not know).
+    """
+    groups = getattr(obj, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    if hasattr(obj, "_fsdp_param_group"):
+        group = obj._fsdp_param_group
+        return [] if group is None else [group]
+    return None
+
+
+def _groups(state: Any) -> list[Any]:
+    groups = param_groups(state)
+    if groups is None:
+        raise AttributeError(f"torch {torch.__version__}: {type(state).__name__} has neither _fsdp_param_groups nor _fsdp_param_group")
+    return groups
+
+
 def fsdp_modules(module: nn.Module) -> list[Any]:
     """Every FSDPModule in ``module`` (itself included), in ``modules()`` order."""
     from torch.distributed.fsdp import FSDPModule
@@ -79,9 +103,9 @@ def all_gather_works(handles: Sequence[Any]) -> list[Any] | None:
     for h in handles:
         if h is None:
             continue
-        groups = getattr(h, "_fsdp_param_groups", None)
+        groups = param_groups(h)
         if groups is None:
-            continue
+            return None
         for pg in groups:
             if not hasattr(pg, "_all_gather_result"):
                 return None
@@ -113,7 +137,7 @@ def reduce_grads(modules: Sequence[Any]) -> None:
         for _, st in roots:
             ctx_states = getattr(getattr(st, "_state_ctx", None), "all_states", None) or [st]
             for s in ctx_states:
-                for pg in s._fsdp_param_groups:
+                for pg in _groups(s):
                     pg.post_backward()
             st._root_post_backward_final_callback()
     finally:
@@ -137,7 +161,7 @@ def plain_reduction(modules: Sequence[Any]) -> bool:
     try:
         for m in modules:
             st = fully_shard.state(m)  # type: ignore[attr-defined]
-            for pg in st._fsdp_param_groups:
+            for pg in _groups(st):
                 for fp in pg.fsdp_params:
                     if getattr(fp, "param_dtype", None) is not None or getattr(fp, "reduce_dtype", None) is not None:
                         return False

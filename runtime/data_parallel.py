@@ -33,6 +33,17 @@ them as events, through :class:`StageCollectives`:
   (sharded DTensor gradients written, averaged buckets copied back) and the
   step returns when every collective has completed.
 
+Without overlap.  ``Pipeline(overlap_collectives=False)`` (or
+``PIPELOOM_OVERLAP_COLLECTIVES=0``) runs the same events synchronously: each
+UNSHARD and REDUCE_GRAD launches its collectives and then holds this rank's
+dispatcher, polling ``is_completed()``, until they have completed (on a GPU:
+until the GPU has finished them, and whatever the stream queued before them),
+and applies them before it returns.  Nothing then overlaps a collective; the
+benchmarks use it as the naive baseline (``benchmarks/gpu_fsdp.py``).  While a
+collective blocks, this rank's loop does not read control messages; one that
+has not completed within ``stall_timeout + heartbeat_timeout`` seconds stops
+the step with a ``PeerLostError``.
+
 Collective order.  Collectives on one group pair by issue order, and dynamic
 dispatch may order a rank's actions differently from its replica's.  So the
 collective actions (UNSHARD, REDUCE_GRAD) are issued in list order among
@@ -64,6 +75,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -217,9 +229,14 @@ def wrap_fsdp(module: nn.Module, mesh: Any, policy: Any, fsdp_kwargs: Mapping[st
     """Apply ``fully_shard`` to a stage as ``policy`` says; a stage that already holds FSDP units is left as is.
 
     ``policy``: ``"stage"`` (one unit, the whole stage), ``"blocks"`` (each
-    direct child that has parameters; parameters of the stage itself stay
-    replicated and are all-reduced), or a callable ``module -> bool`` asked
-    for every submodule, children before parents.
+    direct child that has parameters is a unit, and the stage itself one more
+    for its remaining parameters, as torchtitan wraps a model: every
+    parameter is then a DTensor, which optimizers' fused/foreach paths
+    require on GPUs), or a callable ``module -> bool`` asked for every
+    submodule, children before parents; parameters that no unit it picks
+    manages stay replicated and are all-reduced (an optimizer then sees plain
+    tensors beside DTensors, which torch's foreach implementations reject
+    on GPUs: pass ``foreach=False`` to it).
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -236,7 +253,7 @@ def wrap_fsdp(module: nn.Module, mesh: Any, policy: Any, fsdp_kwargs: Mapping[st
         for child in module.children():
             if any(p.requires_grad for p in child.parameters()):
                 fully_shard(child, **kw)
-        return module
+        return fully_shard(module, **kw)  # type: ignore[return-value]
     if callable(policy):
         for m in _post_order(module):
             if policy(m):
@@ -342,6 +359,10 @@ class StageCollectives:
     to launch one, :meth:`done` after every action, and waits for
     :attr:`outstanding` to reach 0 before the step ends.  Completions arrive
     on a waiter thread and are applied on the loop, which is woken.
+
+    ``overlap=False``: :meth:`run` waits for the collectives it launched and
+    applies them before returning (the dispatcher is blocked meanwhile), so
+    :attr:`outstanding` is 0 whenever :meth:`run` has returned.
     """
 
     def __init__(
@@ -353,6 +374,7 @@ class StageCollectives:
         group_ranks: Sequence[int],
         device: torch.device,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        overlap: bool = True,
     ) -> None:
         from ._fsdp_private import fsdp_modules
 
@@ -362,6 +384,8 @@ class StageCollectives:
         self.size = len(self.group_ranks)
         self.peers = [r for r in self.group_ranks if r != rank]
         self.device = device
+        #: False: every collective blocks the dispatcher until it has completed (see the module docstring)
+        self.overlap = overlap
         self._units: dict[int, list[Any]] = {}
         self._buckets: dict[int, list[_Bucket]] = {}
         self._modules = dict(stages)
@@ -658,12 +682,25 @@ class StageCollectives:
                      (f"{s}REDUCE_GRAD", "all-reduce", s, flat.numel() * flat.element_size()))
 
     def _submit(self, works: list[Any], landed: Callable[[], None], what: str, span: tuple[str, str, int, int]) -> None:
-        """Wait for ``works`` on the waiter thread; then, on the loop, run ``landed`` and wake the actor."""
+        """Wait for ``works`` on the waiter thread; then, on the loop, run ``landed`` and wake the actor.
+
+        Without overlap, wait for them here (blocking the dispatcher) and run ``landed`` before returning.
+        """
         actor = self._actor
-        loop = asyncio.get_running_loop()
         trace = getattr(actor, "trace", None)
         t0 = clock_ns() if trace is not None else 0
         step = self._step
+        if not self.overlap:
+            self.outstanding += 1
+            err = self._wait_now(works)
+            self.outstanding -= 1
+            if err is not None:
+                raise self._lost(what, err)
+            landed()  # an exception here fails the action that launched the collective
+            if trace is not None:
+                trace.collective(step, span[0], span[1], span[2], span[3], t0, clock_ns())
+            return
+        loop = asyncio.get_running_loop()
         if self._waiter is None:
             # Poll, never park inside gloo's wait() (see WorkWaiter): a rank that stops
             # on a failure exits with this thread still waiting.
@@ -694,6 +731,30 @@ class StageCollectives:
                 pass
 
         self._waiter.submit(works, complete)
+
+    def _wait_now(self, works: list[Any]) -> BaseException | None:
+        """Block until every Work in ``works`` has completed (``overlap=False``); the error, if one failed."""
+        cuda = self.device.type == "cuda"
+        actor = self._actor
+        limit = float(getattr(actor, "stall_timeout", 30.0) or 30.0) + float(getattr(actor, "heartbeat_timeout", 10.0) or 10.0)
+        deadline = time.monotonic() + limit
+        try:
+            for w in works:
+                delay = 5e-6
+                # poll, as the waiter thread does (see WorkWaiter): on CUDA, is_completed() is
+                # true once the GPU has run the collective; wait() would only order a stream
+                while not w.is_completed():
+                    if time.monotonic() > deadline:
+                        return TimeoutError(
+                            f"not completed after {limit:g} s (overlap_collectives=False: the collective blocks this rank)"
+                        )
+                    time.sleep(delay)
+                    delay = min(delay * 2, 5e-5 if cuda else 1e-3)
+                if not cuda:
+                    w.wait()  # returns at once, raising the collective's error if it failed (gloo)
+        except Exception as exc:  # gloo raises RuntimeError on a closed connection
+            return exc
+        return None
 
     def _lost(self, what: str, err: BaseException) -> PeerLostError:
         """Name the peer most likely gone: the data-parallel peer heard from least recently."""

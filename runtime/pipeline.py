@@ -186,13 +186,23 @@ class Pipeline:
         fsdp: shard each stage's parameters over its replicas with FSDP2's ``fully_shard``
             (parameters the optimizer sees are then DTensor shards).
         mesh: a 2-D DeviceMesh with dims ``("pp", "dp")`` to use instead of building one.
-        fsdp_wrap: what ``fully_shard`` wraps: ``"stage"``, ``"blocks"`` (each child of the
-            stage that has parameters; the stage's own parameters stay replicated), or a
-            callable ``module -> bool``.  Stages that already hold FSDP units are used as given.
+        fsdp_wrap: what ``fully_shard`` wraps: ``"stage"`` (one unit), ``"blocks"`` (each child
+            of the stage that has parameters, and the stage itself for the rest, as torchtitan
+            does), or a callable ``module -> bool`` (parameters of modules it does not pick stay
+            replicated and are all-reduced; give the optimizer ``foreach=False`` then, since
+            torch's foreach kernels reject plain tensors beside DTensors on GPUs).  Stages that
+            already hold FSDP units are used as given.
         fsdp_kwargs: extra keyword arguments for ``fully_shard`` (``mp_policy``...);
             ``reshard_after_forward`` is always False (see data_parallel's docstring).
         prefetch: stage switches ahead of its use that a stage's all-gather is issued.
         bucket_bytes: size of the flat buffers that replicated gradients are all-reduced in.
+        overlap_collectives: run the data-parallel collectives (UNSHARD's all-gather,
+            REDUCE_GRAD's reduce-scatter and all-reduces) as events that overlap compute
+            (True, the default).  False makes each one block this rank's dispatcher until it has
+            completed (UNSHARD returns once the parameters are gathered, REDUCE_GRAD once the
+            gradients are reduced), so no compute overlaps a collective: the naive baseline
+            that the benchmarks compare against.  None: $PIPELOOM_OVERLAP_COLLECTIVES
+            (``0`` turns overlap off), else True.
     """
 
     def __init__(
@@ -217,6 +227,7 @@ class Pipeline:
         fsdp_kwargs: Mapping[str, Any] | None = None,
         prefetch: int = 1,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        overlap_collectives: bool | None = None,
     ) -> None:
         self._owns_group = _init_process_group()
         self.rank = dist.get_rank()
@@ -273,11 +284,15 @@ class Pipeline:
                 s, module, is_first=s == 0, is_last=s == last, loss_fn=loss_fn, grad_scale=grad_scale, split_backward=s in split,
                 dynamic_params=sharded,
             )
+        if overlap_collectives is None:
+            overlap_collectives = os.environ.get("PIPELOOM_OVERLAP_COLLECTIVES", "1").strip().lower() not in ("0", "false", "no", "off")
+        #: whether data-parallel collectives overlap compute (False: each blocks the dispatcher until done)
+        self.overlap_collectives = bool(overlap_collectives)
         self._collectives: StageCollectives | None = None
         if lay is not None:
             self._collectives = StageCollectives(
                 {s: e.module for s, e in self._executors.items()}, rank=self.rank, group=lay.dp_group,
-                group_ranks=lay.row, device=self.device, bucket_bytes=bucket_bytes,
+                group_ranks=lay.row, device=self.device, bucket_bytes=bucket_bytes, overlap=self.overlap_collectives,
             )
 
         # Control plane: one endpoint per rank, exchanged over the job's group,

@@ -31,6 +31,8 @@ from pipeloom.runtime.trace import read_trace  # noqa: E402
 from pipeloom.schedules import default_stages_per_rank  # noqa: E402
 
 TOL = dict(rtol=1e-10, atol=1e-12)
+# PIPELOOM_TEST_BACKEND=nccl runs the rank pool on 4 GPUs (the fault tests stay on gloo)
+BACKEND = os.environ.get("PIPELOOM_TEST_BACKEND", "gloo")
 WORLD, DP = 4, 2
 PP = WORLD // DP
 FAULT_WORKER = str(Path(__file__).parent / "ranks" / "fault_worker.py")
@@ -43,18 +45,31 @@ CASES: list[dict[str, Any]] = [
     dict(_BASE, id="ddp-ZBVZeroBubble", schedule="ZBVZeroBubble"),
     # tiny buckets: one collective per few parameters, several in flight at once
     dict(_BASE, id="ddp-small-buckets", schedule="Interleaved1F1B", multi=True, bucket_bytes=64),
-    # FSDP2: one unit per stage, or only the inner blocks (the stage's own `gain` stays replicated)
+    # FSDP2: one unit per stage; each block a unit and the stage one more (torchtitan's wrapping);
+    # or only the Linear submodules ("linears": each stage's own `gain` stays replicated and is all-reduced)
     dict(_BASE, id="fsdp-1F1B", schedule="1F1B", fsdp=True, eval=True),
     dict(_BASE, id="fsdp-Interleaved1F1B", schedule="Interleaved1F1B", fsdp=True, trace=True),
     dict(_BASE, id="fsdp-ZBVZeroBubble", schedule="ZBVZeroBubble", fsdp=True, dim=5),  # uneven shards
     dict(_BASE, id="fsdp-blocks-1F1B", schedule="1F1B", fsdp=True, fsdp_wrap="blocks"),
     dict(_BASE, id="fsdp-blocks-ZBVZeroBubble", schedule="ZBVZeroBubble", fsdp=True, fsdp_wrap="blocks", multi=True),
     dict(_BASE, id="fsdp-blocks-Interleaved1F1B", schedule="Interleaved1F1B", fsdp=True, fsdp_wrap="blocks", eval=True),
+    dict(_BASE, id="fsdp-linears-1F1B", schedule="1F1B", fsdp=True, fsdp_wrap="linears", trace=True),
+    dict(_BASE, id="fsdp-linears-ZBVZeroBubble", schedule="ZBVZeroBubble", fsdp=True, fsdp_wrap="linears", multi=True),
+    # Collectives without overlap (Pipeline(overlap_collectives=False), the benchmarks' naive
+    # baseline): each UNSHARD / REDUCE_GRAD blocks the dispatcher until its collectives completed.
+    # The worker's environment keeps a variable for the cases after it: the next case sets it back.
+    dict(_BASE, id="fsdp-no-overlap-Interleaved1F1B", schedule="Interleaved1F1B", fsdp=True, fsdp_wrap="blocks", trace=True,
+         env={"PIPELOOM_OVERLAP_COLLECTIVES": "0"}),
     # FSDP's own (synchronous on CPU) reduce-scatter, the path used for mixed precision or offload.
     # Last: the worker's environment keeps the variable for the cases after it.
     dict(_BASE, id="fsdp-own-reduce-ZBVZeroBubble", schedule="ZBVZeroBubble", fsdp=True, fsdp_wrap="blocks",
-         env={"PIPELOOM_FSDP_REDUCE": "fsdp"}),
+         env={"PIPELOOM_FSDP_REDUCE": "fsdp", "PIPELOOM_OVERLAP_COLLECTIVES": "1"}),
 ]
+
+
+def _overlapped(cfg: dict[str, Any]) -> bool:
+    """Whether the case runs its collectives as overlapping events (the default)."""
+    return cfg.get("env", {}).get("PIPELOOM_OVERLAP_COLLECTIVES", "1") != "0"
 
 
 # ---------------------------------------------------------------- in-process units
@@ -141,6 +156,20 @@ def test_reduce_grad_waits_for_every_backward_and_collectives_keep_list_order() 
     assert coll.ready(r2) and not coll.ready(r0)
 
 
+def test_fsdp_param_groups_of_either_torch() -> None:
+    # torch 2.13 keeps a list of parameter groups per FSDP state and unshard handle; 2.11 one (or None)
+    from types import SimpleNamespace
+
+    from pipeloom.runtime._fsdp_private import param_groups
+
+    a, b = object(), object()
+    assert param_groups(SimpleNamespace(_fsdp_param_groups=[a, b])) == [a, b]
+    assert param_groups(SimpleNamespace(_fsdp_param_group=a)) == [a]
+    assert param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
+    assert param_groups(SimpleNamespace(_fsdp_param_groups=None)) is None  # a 2.13 handle once waited
+    assert param_groups(SimpleNamespace()) is None
+
+
 def test_buckets_and_replica_share() -> None:
     from pipeloom.runtime.data_parallel import _make_buckets, replica_share
     from pipeloom.runtime.pipeline import Microbatches
@@ -213,7 +242,7 @@ def _compute(e: dict[str, Any]) -> bool:
     return e["ev"] == "action" and e["type"] in ("F", "B", "I", "W", "OVERLAP_F_B")
 
 
-@pytest.mark.parametrize("case_id", [c["id"] for c in CASES if c.get("trace")])
+@pytest.mark.parametrize("case_id", [c["id"] for c in CASES if c.get("trace") and _overlapped(c)])
 def test_trace_shows_collectives_overlapping_compute(pool: Any, case_id: str) -> None:
     cfg = next(c for c in CASES if c["id"] == case_id)
     out = pool[1]
@@ -260,9 +289,37 @@ def test_trace_shows_collectives_overlapping_compute(pool: Any, case_id: str) ->
             )
         kinds = {c["kind"] for c in colls}
         # (gloo: FSDP's gradients go through an all-reduce too, see data_parallel's docstring)
-        assert kinds == ({"all-gather", "all-reduce"} if fsdp else {"all-reduce"})
+        fsdp_reduce = "reduce-scatter" if BACKEND == "nccl" else "all-reduce"
+        want = {"all-gather", fsdp_reduce} if fsdp else {"all-reduce"}
+        if fsdp and cfg.get("fsdp_wrap") == "linears":
+            want.add("all-reduce")  # the stage's own parameters stay replicated
+        assert kinds == want
     if default_stages_per_rank(cfg["schedule"]) > 1:
         assert overlapped > 0, "no compute ran while a collective of its rank was in flight"
+
+
+@pytest.mark.parametrize("case_id", [c["id"] for c in CASES if c.get("trace") and not _overlapped(c)])
+def test_trace_without_overlap_shows_collectives_blocking(pool: Any, case_id: str) -> None:
+    # overlap_collectives=False: every collective completes inside the UNSHARD / REDUCE_GRAD
+    # action that launched it, and its rank computes nothing meanwhile
+    cfg = next(c for c in CASES if c["id"] == case_id)
+    trace = read_trace(sorted(str(p) for p in pool[1].glob(f"{case_id}.trace.rank*")))
+    steps = sorted({e["step"] for e in trace.events if e["ev"] == "action" and e["type"] in ("B", "W")})
+    assert len(steps) == cfg["steps"]
+    ns = _num_stages(cfg)
+    for step in steps:
+        evs = [e for e in trace.events if e.get("step") == step and e["ev"] == "action"]
+        colls = [e for e in trace.events if e["ev"] == "collective" and e["step"] == step]
+        launches = [e for e in evs if e["type"] in ("UNSHARD", "REDUCE_GRAD")]
+        assert len([e for e in launches if e["type"] == "REDUCE_GRAD"]) == ns * DP
+        for a in launches:
+            mine = [c for c in colls if c["rank"] == a["rank"] and c["name"] == a["name"]]
+            assert mine, f"no collective span for {a['name']} on rank {a['rank']}"
+            assert all(a["start"] <= c["start"] <= c["end"] <= a["end"] for c in mine), (a, mine)
+        for c in colls:
+            assert not any(
+                _compute(e) and e["rank"] == c["rank"] and c["start"] < e["end"] and e["start"] < c["end"] for e in evs
+            ), f"rank {c['rank']} computed during {c['name']}'s {c['kind']}"
 
 
 def test_pool_time(pool: Any) -> None:

@@ -41,6 +41,17 @@ def _grads(stages: dict[int, torch.nn.Module]) -> dict[str, torch.Tensor]:
     }
 
 
+def _wrap_policy(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``fsdp_wrap`` for Pipeline; ``"linears"``: a callable policy that wraps only the Linear
+    submodules, so each stage's own ``gain`` stays replicated (a mixed layout)."""
+    wrap = cfg.get("fsdp_wrap")
+    if wrap is None:
+        return {}
+    if wrap == "linears":
+        return {"fsdp_wrap": lambda m: isinstance(m, torch.nn.Linear)}
+    return {"fsdp_wrap": wrap}
+
+
 def run_pipeloom(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
     import pipeloom
     from pipeloom.schedules import generate, default_stages_per_rank
@@ -64,9 +75,12 @@ def run_pipeloom(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
         loss_fn=loss_fn,
         stages_per_rank=spr,
         deterministic=cfg.get("deterministic", False),
-        **{k: cfg[k] for k in ("data_parallel", "fsdp", "fsdp_wrap", "trace", "bucket_bytes") if k in cfg},
+        **{k: cfg[k] for k in ("data_parallel", "fsdp", "trace", "bucket_bytes") if k in cfg},
+        **_wrap_policy(cfg),
     )
-    opt = torch.optim.SGD(pipe.parameters(), lr=cfg.get("lr", 0.1)) if pipe.parameters() else None
+    # a mixed layout (DTensor shards beside replicated tensors) needs the optimizer's per-tensor path
+    mixed = cfg.get("fsdp_wrap") == "linears"
+    opt = torch.optim.SGD(pipe.parameters(), lr=cfg.get("lr", 0.1), foreach=False if mixed else None) if pipe.parameters() else None
     result: dict[str, Any] = {"grads": [], "losses": [], "outputs": [], "eval": [], "stats": []}
     for step in range(cfg.get("steps", 1)):
         b = make_step_batches(cfg, step)
@@ -125,10 +139,16 @@ def run_torch(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
     # Static shapes (input_args/output_args): torch's runtime shape inference is
     # what hangs GPipe/1F1B on NCCL, and these cases all have one shape.
     n = cfg["microbatches"]
-    ex = torch.zeros(cfg["batch"] // n, cfg["dim"], dtype=dtype, device=dev)
+
+    def ex(grad: bool) -> torch.Tensor:  # requires_grad as the real tensors: torch >= 2.13 sends no gradient back otherwise
+        return torch.zeros(cfg["batch"] // n, cfg["dim"], dtype=dtype, device=dev, requires_grad=grad)
+
     on_gpu = dist.get_backend() == "nccl"
-    static = {"input_args": (ex,), "output_args": (ex,)} if on_gpu and not cfg.get("multi") else {}
-    stages = [PipelineStage(all_stages[s].to(dev), s, num_stages, dev, **static) for s in mine]
+    stages = [
+        PipelineStage(all_stages[s].to(dev), s, num_stages, dev,
+                      **({"input_args": (ex(s != 0),), "output_args": (ex(True),)} if on_gpu and not cfg.get("multi") else {}))
+        for s in mine
+    ]
     sched = cls(stages[0] if single else stages, cfg["microbatches"], loss_fn=loss_fn)
     result: dict[str, Any] = {"grads": [], "losses": [], "outputs": []}
     local = {s: all_stages[s] for s in mine}
