@@ -199,8 +199,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
         t_pad = max(seqs) if not args.varlen else args.seq
-        ex = torch.empty(mb, t_pad, args.hidden, device="cuda", dtype=torch.bfloat16)
-        stages = [PipelineStage(mods[s], s, num_stages, torch.device("cuda"), input_args=(ex,), output_args=(ex,)) for s in mine]
+        def ex(grad: bool) -> Any:
+            # requires_grad as the real tensors have it: torch >= 2.13 sends no gradient back otherwise
+            return torch.empty(mb, t_pad, args.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+
+        stages = [PipelineStage(mods[s], s, num_stages, torch.device("cuda"), input_args=(ex(s != 0),), output_args=(ex(True),))
+                  for s in mine]
         cls = get_schedule_class(name)
         sched = cls(stages[0] if issubclass(cls, PipelineScheduleSingle) else stages, n, loss_fn=_loss)
         if args.varlen:  # torch needs one shape: pad every microbatch to the longest possible

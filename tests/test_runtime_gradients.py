@@ -94,7 +94,12 @@ def _oracle_cases(names: list[str], n: int) -> list[dict[str, Any]]:
 BACKEND = os.environ.get("PIPELOOM_TEST_BACKEND", "gloo")
 CASES = {
     2: _cases(2, MICROBATCHES_2) + _special_cases_2() + _oracle_cases(ORACLE_2, 4),
-    4: _cases(4, MICROBATCHES_4) + _oracle_cases(ORACLE_4, 8),
+    4: _cases(4, MICROBATCHES_4) + _oracle_cases(ORACLE_4, 8) + [
+        # one process group per ordered rank pair, as on NCCL (connected in one global order at
+        # construction), incl. the loop edge 3 -> 0; last: the worker keeps the variable set
+        dict(id="pair-groups-interleaved1f1b", schedule="Interleaved1F1B", microbatches=8, dim=4, batch=16, steps=2,
+             env={"PIPELOOM_PAIR_GROUPS": "1"}),
+    ],
 }
 if BACKEND == "nccl" and torch.cuda.device_count() < 4:
     del CASES[4]

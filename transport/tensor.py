@@ -176,12 +176,39 @@ def make_pair_groups(
     sorted order everywhere; a rank outside a pair gets no group for it.
     """
     groups: dict[tuple[int, int], dist.ProcessGroup] = {}
-    opts = _nccl_options(max_ctas) if dist.get_backend() == "nccl" else None
+    nccl = dist.get_backend() == "nccl"
+    opts = _nccl_options(max_ctas) if nccl else None
     for a, b in sorted(edges):
         g = dist.new_group([a, b] if a < b else [b, a], backend=backend, pg_options=opts)
         if dist.get_rank() in (a, b):
             groups[(a, b)] = g
+    _connect(groups, torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu"))
     return groups
+
+
+def _connect(groups: dict[tuple[int, int], dist.ProcessGroup], dev: torch.device) -> None:
+    """One tiny transfer per pair, now, while every rank is here.
+
+    NCCL connects a pair's point-to-point channels at its first send/receive,
+    and that handshake blocks the sending *host* until the peer posts its
+    matching receive.  Done lazily, a rank's first send to a peer that is
+    busy elsewhere (computing, or not yet in ``step``) would stall its whole
+    dispatcher.  Pairs are connected in one global (sorted) order, so the
+    first unconnected pair always has both its ranks at it: no deadlock.
+    (gloo connects at group creation; the exchange there only checks the pairs.)
+    """
+    me = dist.get_rank()
+    works = []
+    for a, b in sorted(groups):
+        t = torch.zeros(1, device=dev)
+        if me == a:
+            works.append((dist.isend(t, dst=b, group=groups[(a, b)]), t))
+        else:
+            works.append((dist.irecv(t, src=a, group=groups[(a, b)]), t))
+    for w, _ in works:
+        w.wait()
+    if dev.type == "cuda":
+        torch.cuda.current_stream(dev).synchronize()
 
 
 class WorkWaiter:
