@@ -433,9 +433,7 @@ class Pipeline:
         atexit.unregister(self._close_at_exit)
         if self._trace_sink is not None:
             self._trace_sink.close()
-        reader = self._control.stop()
-        if reader is not None and self._loop is not None and not self._loop.is_running() and not self._loop.is_closed():
-            self._loop.run_until_complete(asyncio.gather(reader, return_exceptions=True))
+        self._control.stop()  # unregisters the socket's reader from the loop
         self._control.close()
         self._tensors.flush()  # release the receives peers pre-posted for us
         self._tensors.close()

@@ -8,9 +8,16 @@ Announcements from one peer arrive in the order it sent them (one PUSH -> one
 PULL pipe is FIFO), which is what the tensor plane relies on.
 
 Sending uses plain synchronous sockets with ``NOBLOCK`` (a send never waits
-for the network); receiving is ``zmq.asyncio`` so the rank's event loop is
-woken when a message lands.  One context per process, created after any fork;
-``LINGER`` is short so closing never hangs on a dead peer.
+for the network).  Receiving is done by the rank's event loop itself: the PULL
+socket's ``ZMQ_FD`` is registered with ``loop.add_reader`` and every wake
+drains the socket with ``recv(NOBLOCK)`` and hands each message to the handler
+right there -- no ``zmq.asyncio`` future, no reader task to resume, so a
+message costs one loop callback.  ``ZMQ_FD`` is edge-triggered (it signals
+that ZeroMQ has commands to process, not that a message is waiting), so a wake
+always drains until ``ZMQ_EVENTS`` says nothing is left, and what was queued
+before the reader was registered is drained once on start.  One context per
+process, created after any fork; ``LINGER`` is short so closing never hangs on
+a dead peer.
 
 Endpoints are exchanged once through ``torch.distributed`` (an all-gather over
 the job's own process group), so no extra rendezvous service is needed.
@@ -32,7 +39,6 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from .messages import MessageError, decode, encode, sign, verify
 
@@ -63,14 +69,15 @@ class ControlPlane:
         self._key = secret
         self.world_size = world_size
         self._ctx = zmq.Context()
-        self._actx = zmq.asyncio.Context.shadow(self._ctx)
-        self._pull = self._actx.socket(zmq.PULL)
+        self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # oversized frames never reach the decoder
         port = self._pull.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         self._push: dict[int, zmq.Socket[Any]] = {}
-        self._reader: asyncio.Task[None] | None = None
+        self._fd: int = self._pull.getsockopt(zmq.FD)
+        self._reader_loop: asyncio.AbstractEventLoop | None = None  #: the loop whose reader watches ``_fd``
+        self._handler: Callable[[dict[str, Any]], None] | None = None
         self.rejected = 0  #: messages rejected by validation (statistics for tests and traces)
         self._closed = False
         self._endpoints: list[str] = []
@@ -147,22 +154,46 @@ class ControlPlane:
                 s.close()
 
     def start(self, handler: Callable[[dict[str, Any]], None]) -> None:
-        """Start delivering validated messages to ``handler`` on the running loop."""
-        if self._reader is None or self._reader.done():
-            self._reader = asyncio.get_running_loop().create_task(self._read(handler), name=f"pipeloom-control-{self.rank}")
+        """Deliver validated messages to ``handler`` from the running loop (a reader on the socket's FD)."""
+        loop = asyncio.get_running_loop()
+        self._handler = handler
+        if self._reader_loop is loop:
+            return
+        self.stop()
+        loop.add_reader(self._fd, self.drain)
+        self._reader_loop = loop
+        # Edge-triggered: messages queued before the reader existed raised their edge already.
+        loop.call_soon(self.drain)
 
-    async def _read(self, handler: Callable[[dict[str, Any]], None]) -> None:
+    def drain(self, limit: int = 512) -> int:
+        """Deliver every message already queued on the PULL socket; return how many.
+
+        Called by the loop when the socket's FD fires, and by the actor
+        whenever it wants arrivals handled now (it never blocks).  After
+        ``limit`` messages it yields to the loop and continues on its next
+        turn, so a flood cannot starve the dispatcher; the edge it consumed
+        will not fire again, hence the explicit ``call_soon``.
+        """
+        handler = self._handler
+        if handler is None or self._closed:
+            return 0
         pull = self._pull
-        while True:
-            data = await pull.recv(copy=True)
-            while True:
-                self._deliver(data, handler)
-                try:  # drain what is already queued without a trip through the loop
-                    data = pull.recv(zmq.NOBLOCK, copy=True)  # type: ignore[assignment]
-                    if isinstance(data, asyncio.Future):
-                        data = await data
-                except zmq.Again:
-                    break
+        events = pull.getsockopt
+        n = 0
+        # Reading ZMQ_EVENTS also makes ZeroMQ process its pending commands, which re-arms the FD.
+        while events(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                data = pull.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            self._deliver(data, handler)  # type: ignore[arg-type]
+            n += 1
+            if n >= limit:
+                loop = self._reader_loop
+                if loop is not None and not loop.is_closed():
+                    loop.call_soon(self.drain)
+                break
+        return n
 
     def _deliver(self, data: bytes, handler: Callable[[dict[str, Any]], None]) -> None:
         try:
@@ -177,12 +208,11 @@ class ControlPlane:
             self.rejected += 1
             log.exception("rank %d: handling a %s message from rank %s failed", self.rank, msg.get("type"), msg.get("src"))
 
-    def stop(self) -> asyncio.Task[None] | None:
-        """Stop the reader task; return it so the caller can let its loop finish cancelling it."""
-        task, self._reader = self._reader, None
-        if task is not None:
-            task.cancel()
-        return task
+    def stop(self) -> None:
+        """Stop watching the socket (messages stay queued in ZeroMQ until ``start`` on a loop again)."""
+        loop, self._reader_loop = self._reader_loop, None
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self._fd)
 
     def close(self) -> None:
         if self._closed:
