@@ -67,11 +67,13 @@ def param_groups(obj: Any) -> list[Any] | None:
     torch 2.13 holds a list, ``_fsdp_param_groups``; torch 2.11 holds one
     group or None, ``_fsdp_param_group`` (2.13 keeps that name on the state as
     a property that fails for more than one group, so the list is asked
-    first).  None: neither is there (internals this module does not know).
+    first).  A unit that manages no parameters of its own (a stage root whose
+    parameters all belong to wrapped children) has None there: no groups.
+    None: neither attribute is there (internals this module does not know).
     """
-    groups = getattr(obj, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
+    if hasattr(obj, "_fsdp_param_groups"):
+        groups = obj._fsdp_param_groups
+        return [] if groups is None else list(groups)
     if hasattr(obj, "_fsdp_param_group"):
         group = obj._fsdp_param_group
         return [] if group is None else [group]

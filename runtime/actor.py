@@ -178,7 +178,7 @@ class RankActor:
         if self._cuda and os.environ.get("PIPELOOM_OVERLAP_STREAMS", "1") != "0":
             if any(a.type is _OVL for a in self.train_actions):
                 self._side = torch.cuda.Stream(device=device)
-        #: (stage, mb) -> the stream its forward ran on, when not the main one (its backward runs there too)
+        #: (stage, mb) whose forward ran on the side stream (autograd runs its backward there too)
         self._fwd_on_side: set[tuple[int, int]] = set()
         #: while running half of an OVERLAP_F_B on the side stream: inputs taken are recorded on it
         self._record_on: Any = None
@@ -314,7 +314,7 @@ class RankActor:
         side = self._record_on
         if side is not None:
             for b in buffers:
-                if b is not None:
+                if b is not None and b.is_cuda:
                     b.record_stream(side)
         return buffers
 
@@ -452,7 +452,7 @@ class RankActor:
         # What the side stream produced and others read later (sends, local hand-offs, outputs).
         for item in self._outbox[mark:]:
             for t in item[4]:
-                if t is not None:
+                if t is not None and t.is_cuda:
                     t.record_stream(main)
         for d in (results, losses):
             v = d.get(f.microbatch)
@@ -472,7 +472,7 @@ class RankActor:
         main.wait_stream(side)
         for item in self._outbox[mark:]:
             for t in item[4]:
-                if t is not None:
+                if t is not None and t.is_cuda:
                     t.record_stream(main)
         if a.type is not _I:
             self._fwd_on_side.discard((a.stage, a.microbatch))

@@ -156,6 +156,33 @@ def test_reduce_grad_waits_for_every_backward_and_collectives_keep_list_order() 
     assert coll.ready(r2) and not coll.ready(r0)
 
 
+def test_unshard_of_a_parameterless_root_stays_asynchronous() -> None:
+    # fsdp_wrap="blocks" wraps the stage root too; with every parameter in a child, the root's
+    # unshard handle holds no groups, and all_gather_works must still return the children's Works
+    import torch.distributed as dist
+    from torch import nn
+
+    from pipeloom.runtime._fsdp_private import all_gather_works
+    from pipeloom.runtime.data_parallel import wrap_fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from harness import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        stage = wrap_fsdp(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), mesh, "blocks")
+        handles = [m.unshard(async_op=True) for m in (stage, stage[0], stage[1])]
+        works = all_gather_works(handles)
+        assert works is not None, "a parameter-less root made UNSHARD fall back to a blocking wait"
+        for h in handles:
+            if h is not None:
+                h.wait()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_fsdp_param_groups_of_either_torch() -> None:
     # torch 2.13 keeps a list of parameter groups per FSDP state and unshard handle; 2.11 one (or None)
     from types import SimpleNamespace
@@ -166,7 +193,9 @@ def test_fsdp_param_groups_of_either_torch() -> None:
     assert param_groups(SimpleNamespace(_fsdp_param_groups=[a, b])) == [a, b]
     assert param_groups(SimpleNamespace(_fsdp_param_group=a)) == [a]
     assert param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
-    assert param_groups(SimpleNamespace(_fsdp_param_groups=None)) is None  # a 2.13 handle once waited
+    # a 2.13 handle of a unit without parameters of its own (a stage root whose children hold them all):
+    # no groups, so nothing to wait for; not "unknown internals", which would make UNSHARD block
+    assert param_groups(SimpleNamespace(_fsdp_param_groups=None)) == []
     assert param_groups(SimpleNamespace()) is None
 
 

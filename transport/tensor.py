@@ -177,8 +177,9 @@ def make_pair_groups(
     """
     groups: dict[tuple[int, int], dist.ProcessGroup] = {}
     nccl = dist.get_backend() == "nccl"
-    opts = _nccl_options(max_ctas) if nccl else None
     for a, b in sorted(edges):
+        # a fresh Options per group: torch writes each group's metadata into the one it is given
+        opts = _nccl_options(max_ctas) if nccl else None
         g = dist.new_group([a, b] if a < b else [b, a], backend=backend, pg_options=opts)
         if dist.get_rank() in (a, b):
             groups[(a, b)] = g

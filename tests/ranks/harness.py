@@ -88,6 +88,7 @@ async def spawn_ranks(
                 await asyncio.gather(*readers)
         except TimeoutError:
             alive = [r for r, p in enumerate(procs) if p.returncode is None]
+            # (a rank that never installed the handler dies of SIGUSR1: its exit code says -10)
             for r in alive:
                 try:
                     procs[r].send_signal(signal.SIGUSR1)
@@ -108,12 +109,12 @@ async def spawn_ranks(
 
 
 def _kill(procs: list[asyncio.subprocess.Process]) -> None:
+    # every rank's session, also where the rank itself has exited (a child of it may hold a pipe)
     for p in procs:
-        if p.returncode is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 async def _settle(procs: list[asyncio.subprocess.Process], readers: list[asyncio.Task[None]]) -> None:
@@ -139,12 +140,16 @@ def install_stack_dump() -> None:
         def actors(signum: int, frame: Any) -> None:
             # Runs when the main thread next executes Python (the event loop wakes for it);
             # faulthandler below prints the raw stacks at once, even from inside C code.
+            # os.write, not print: print may be re-entered if the signal hit a write to stderr.
             try:
-                from pipeloom.runtime.actor import debug_dump
-
-                print(debug_dump(), file=sys.stderr, flush=True)
-            except Exception as exc:  # noqa: BLE001 - a debugging aid must not kill the rank
-                print(f"(no actor state: {exc!r})", file=sys.stderr, flush=True)
+                mod = sys.modules.get("pipeloom.runtime.actor")
+                text = mod.debug_dump() if mod is not None else "no pipeloom actor imported"
+            except BaseException as exc:  # noqa: BLE001 - a debugging aid must not disturb the rank
+                text = f"(no actor state: {exc!r})"
+            try:
+                os.write(2, (text + "\n").encode(errors="replace"))
+            except OSError:
+                pass
 
         signal.signal(signal.SIGUSR1, actors)
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
