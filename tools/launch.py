@@ -58,7 +58,8 @@ pipeloom's own, none of which a script may *require*:
   from the launcher's environment when set there; see multi-node below);
 * ``PIPELOOM_BACKEND`` (``--backend``), ``PIPELOOM_TRACE`` (``--trace``, an
   absolute path), ``PIPELOOM_HEARTBEAT_TIMEOUT`` (``--heartbeat-timeout``,
-  seconds): only when the flag is given;
+  seconds), ``PIPELOOM_STALL_TIMEOUT`` (``--stall-timeout``, seconds): only
+  when the flag is given;
 * ``PIPELOOM_TRACE_ENDPOINT``: with ``--trace``, where ranks stream their
   trace events (see Tracing below).
 
@@ -221,6 +222,8 @@ class LaunchConfig:
     """``PIPELOOM_TRACE_ENDPOINT``: the collector's address; set by the launcher once it has bound it."""
     heartbeat_timeout: float | None = None
     """``PIPELOOM_HEARTBEAT_TIMEOUT``, seconds without a heartbeat before a peer counts as lost."""
+    stall_timeout: float | None = None
+    """``PIPELOOM_STALL_TIMEOUT``, seconds a peer may stay busy in one action while others wait for it."""
     grace: float = 2.0
     """Seconds the other ranks get to exit by themselves after the first failure (or a signal)."""
     log_dir: Path | None = None
@@ -270,6 +273,7 @@ def rank_environment(config: LaunchConfig, local_rank: int, base: Mapping[str, s
         "PIPELOOM_TRACE": config.trace,
         "PIPELOOM_TRACE_ENDPOINT": config.trace_endpoint,
         "PIPELOOM_HEARTBEAT_TIMEOUT": None if config.heartbeat_timeout is None else repr(config.heartbeat_timeout),
+        "PIPELOOM_STALL_TIMEOUT": None if config.stall_timeout is None else repr(config.stall_timeout),
     }
     for key, value in optional.items():
         if value is not None:
@@ -882,6 +886,9 @@ def add_parser(subparsers: Any) -> None:
         help="record the job's trace to FILE, streamed through the launcher (live viewers: pipeloom trace attach --file FILE)")
     add("--heartbeat-timeout", dest="heartbeat_timeout", type=_positive_float, default=None, metavar="SECONDS",
         help="declare a silent peer lost after SECONDS (PIPELOOM_HEARTBEAT_TIMEOUT)")
+    add("--stall-timeout", dest="stall_timeout", type=_positive_float, default=None, metavar="SECONDS",
+        help="declare a peer stuck once it has run one action for SECONDS while others wait for it "
+             "(PIPELOOM_STALL_TIMEOUT; default 30; must exceed the slowest action)")
     add("--grace", type=_nonneg_float, default=2.0, metavar="SECONDS",
         help="after a failure, wait this long for the other ranks before SIGTERM (default 2)")
     add("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
@@ -973,6 +980,7 @@ def config_from_args(args: argparse.Namespace, *, environ: Mapping[str, str] | N
         backend=args.backend,
         trace=None if args.trace is None else os.path.abspath(args.trace),
         heartbeat_timeout=args.heartbeat_timeout,
+        stall_timeout=args.stall_timeout,
         grace=args.grace,
         log_dir=args.log_dir,
         prefix=args.prefix,
