@@ -168,8 +168,8 @@ class ControlPlane:
     def drain(self, limit: int = 512) -> int:
         """Deliver every message already queued on the PULL socket; return how many.
 
-        Called by the loop when the socket's FD fires, and by the actor
-        whenever it wants arrivals handled now (it never blocks).  After
+        Called by the loop when the socket's FD fires (and safe to call
+        directly from the loop's thread: it never blocks).  After
         ``limit`` messages it yields to the loop and continues on its next
         turn, so a flood cannot starve the dispatcher; the edge it consumed
         will not fire again, hence the explicit ``call_soon``.
