@@ -62,6 +62,9 @@ _F, _B, _I, _W, _OVL = ActionType.F, ActionType.B, ActionType.I, ActionType.W, A
 _DP = frozenset({ActionType.UNSHARD, ActionType.RESHARD, ActionType.REDUCE_GRAD})
 
 
+#: seconds a peer's closed control connection may stay closed (and the peer silent) before it counts as gone
+_RECONNECT_GRACE = 0.5
+
 #: every actor alive in this process (for debug dumps)
 _LIVE: weakref.WeakSet[RankActor] = weakref.WeakSet()
 
@@ -130,6 +133,8 @@ class RankActor:
         self.heartbeat_timeout = heartbeat_timeout
         self.stall_timeout = stall_timeout
         self._peer_state: dict[int, tuple[str, str, float]] = {}
+        #: peers whose Pipeline closed cleanly (their connection closing is no failure)
+        self._said_bye: set[int] = set()
         self._last_seen: dict[int, float] = {}
         self._listening_since = time.monotonic()
         self.schedule = schedule
@@ -155,6 +160,10 @@ class RankActor:
             if leaf.type is _F or (leaf.type in keep and leaf.type is not ActionType.REDUCE_GRAD)
         ]
         self.memory_limit = _static_peak(self.train_actions)
+        #: per step kind (train?): transfers this rank sends to each peer in a step
+        self._sends_per_peer = {True: self._count_sends(self.train_actions), False: self._count_sends(self.eval_actions)}
+        self._send_totals: dict[int, int] = {}
+        self._sent_count: dict[int, int] = {}
         self.step_index = 0
         self._inbox: dict[tuple[int, str, int, int], list[torch.Tensor | None]] = {}
         self._wake = asyncio.Event()
@@ -190,6 +199,20 @@ class RankActor:
         #: what the loop is doing now, read by the heartbeat thread:
         #: ("idle" | "busy" | "waiting", action or wait description, since monotonic)
         self.state: tuple[str, str, float] = ("idle", "", time.monotonic())
+
+    def _count_sends(self, actions: Sequence[Action]) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for a in actions:
+            for leaf in a.leaves():
+                if leaf.type is _F and leaf.stage != self.last_stage:
+                    dst = self.stage_to_rank[leaf.stage + 1]
+                elif (leaf.type is _B or leaf.type is _I) and leaf.stage > 0:
+                    dst = self.stage_to_rank[leaf.stage - 1]
+                else:
+                    continue
+                if dst != self.rank:
+                    out[dst] = out.get(dst, 0) + 1
+        return out
 
     def debug_state(self) -> str:
         """What this rank is doing and waiting for, for a human looking at a hang (any thread may call it)."""
@@ -232,6 +255,9 @@ class RankActor:
         if kind == "heartbeat":
             self._peer_state[src] = (msg["state"], msg["what"], msg["for_s"])
             return
+        if kind == "bye":
+            self._said_bye.add(src)
+            return
         if kind == "xfer":
             try:
                 self.tensors.check_recv_seq(src, msg["seq"])
@@ -267,7 +293,7 @@ class RankActor:
                     self.trace.transfer("recv", key[0], src, key[2], key[3], key[1], seq, nbytes, posted, clock_ns())
                 self._wake.set()
 
-            buffers, works = self.tensors.recv(src, spec, arrived, seq=msg["seq"], fast=msg["fast"])
+            buffers, works = self.tensors.recv(src, spec, arrived, seq=msg["seq"], fast=msg["fast"], last=msg["last"])
             if self._cuda and works:
                 self._posted[key] = (buffers, works, spec)
         elif kind == "abort":
@@ -357,8 +383,11 @@ class RankActor:
         spec = TransferSpec.of(tensors)
         seq = self.tensors.next_send_seq(dst)
         t0 = clock_ns() if self.trace is not None else 0
-        fast, predicted = self.tensors.plan_send(dst, spec)
-        self.control.send(dst, "xfer", seq=seq, step=step, stage=to_stage, mb=mb, kind=kind, tensors=spec.to_wire(), fast=fast)
+        sent = self._sent_count[dst] = self._sent_count.get(dst, 0) + 1
+        last = sent >= self._send_totals.get(dst, 0)
+        fast, predicted = self.tensors.plan_send(dst, spec, last)
+        self.control.send(dst, "xfer", seq=seq, step=step, stage=to_stage, mb=mb, kind=kind, tensors=spec.to_wire(),
+                          fast=fast, last=last)
         nbytes = self.tensors.send(dst, tensors, seq, fast, predicted)
         if self.trace is not None:
             self.trace.transfer("send", step, dst, to_stage, mb, kind, seq, nbytes, t0, clock_ns())
@@ -488,6 +517,8 @@ class RankActor:
         self._listening_since = time.monotonic()
         self._liveness_interval = min(1.0, self.heartbeat_timeout / 4)
         pending = self._pending = list(self.train_actions if train else self.eval_actions)
+        self._send_totals = self._sends_per_peer[train]
+        self._sent_count = {}
         coll = self.collectives
         if coll is not None:
             coll.begin_step(self.train_actions if train else self.eval_actions)
@@ -636,7 +667,13 @@ class RankActor:
             silent = now - seen
             state, what, busy_for = self._peer_state.get(peer, ("idle", "", 0.0))
             busy_for += now - self._last_seen.get(peer, now)  # time since that heartbeat
-            if silent > self.heartbeat_timeout:
+            gone = None if peer in self._said_bye else self.control.disconnected.get(peer)
+            if gone is not None and now - gone > _RECONNECT_GRACE and now - self._last_seen.get(peer, 0.0) > _RECONNECT_GRACE:
+                message = (
+                    f"its control connection closed {now - gone:.1f} s ago and did not come back: "
+                    "the process exited or was killed"
+                )
+            elif silent > self.heartbeat_timeout:
                 message = (
                     f"no heartbeat for {silent:.1f} s (timeout {self.heartbeat_timeout:g} s): the rank died, "
                     "was stopped, or its host is unreachable"

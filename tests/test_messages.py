@@ -9,7 +9,7 @@ import pytest
 
 from pipeloom.transport.messages import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, MessageError, decode, encode
 
-GOOD = dict(seq=3, step=1, stage=2, mb=0, kind="F", tensors=[[[4, 8], "float32", True], None], fast=False)
+GOOD = dict(seq=3, step=1, stage=2, mb=0, kind="F", tensors=[[[4, 8], "float32", True], None], fast=False, last=False)
 
 
 def test_round_trip() -> None:

@@ -15,6 +15,7 @@ import os
 import random
 import signal
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,51 @@ async def test_killed_rank_is_named_on_the_survivor(tmp_path: Path) -> None:
     r0 = _records(tmp_path, 2)[0]
     assert r0["type"] in ("PeerLostError", "RemoteRankError"), r0
     assert "rank 1" in r0["message"]
+
+
+async def test_dead_rank_is_detected_by_its_closed_connection(tmp_path: Path) -> None:
+    # rank 1 dies between steps: rank 0 has no receive open from it, and the heartbeat
+    # timeout is long; its control connection closing must give it away within seconds
+    os.environ["HB_TIMEOUT"] = "60"
+    try:
+        codes, _, errs = await spawn_ranks(2, [WORKER, "vanish", str(tmp_path)], timeout=50)
+    finally:
+        del os.environ["HB_TIMEOUT"]
+    assert codes[1] == -signal.SIGKILL
+    assert codes[0] == 1, errs[0][-2000:]
+    r0 = _records(tmp_path, 2)[0]
+    assert r0["type"] == "PeerLostError", r0
+    assert "lost rank 1" in r0["message"] and "control connection closed" in r0["message"], r0["message"]
+    killed_at = float((tmp_path / "killed_at").read_text())
+    assert r0["t"] - killed_at < 5.0, f"detected {r0['t'] - killed_at:.1f} s after the kill"
+
+
+async def test_a_rank_that_finished_and_left_is_no_failure(tmp_path: Path) -> None:
+    # 3 ranks, 1F1B: rank 2 finishes its last backward, closes its Pipeline and exits, while
+    # rank 0 still waits 2 s for rank 1's last gradient: rank 2's closed connection is no error
+    script = tmp_path / "early.py"
+    script.write_text(textwrap.dedent("""
+        import os, time, torch, pipeloom
+        from torch import nn
+        rank = int(os.environ["RANK"])
+
+        class Slow(nn.Linear):
+            def forward(self, x):
+                y = super().forward(x)
+                if rank == 1 and y.requires_grad:
+                    y.register_hook(lambda g: (time.sleep(0.5), g)[1])  # 4 microbatches: 2 s
+                return y
+
+        torch.manual_seed(0)
+        pipe = pipeloom.Pipeline(lambda s: Slow(4, 4), schedule="1F1B", num_microbatches=4,
+                                 loss_fn=nn.functional.mse_loss)
+        pipe.step(torch.randn(8, 4), target=torch.randn(8, 4))
+        pipe.close()
+        print("done", rank, flush=True)
+    """))
+    codes, outs, errs = await spawn_ranks(3, [str(script)], timeout=60)
+    assert codes == [0, 0, 0], "\n".join(e[-1500:] for e in errs)
+    assert all(f"done {r}" in outs[r] for r in range(3))
 
 
 async def test_stopped_rank_is_detected_by_heartbeats(tmp_path: Path) -> None:

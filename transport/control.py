@@ -84,6 +84,9 @@ class ControlPlane:
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self.step = 0  #: the step this rank is in, reported in heartbeats
+        #: peer -> when (monotonic) its heartbeat connection closed and has not come back
+        #: (written by the heartbeat thread, read by the actor's liveness check)
+        self.disconnected: dict[int, float] = {}
 
     def connect(self, endpoints: list[str]) -> None:
         """Connect a PUSH socket to every other rank's endpoint (index = rank)."""
@@ -129,16 +132,22 @@ class ControlPlane:
 
     def _heartbeat(self, interval: float) -> None:
         socks = []
+        monitors: list[tuple[int, zmq.Socket[Any]]] = []
         for peer, ep in enumerate(self._endpoints):
             if peer == self.rank:
                 continue
             s = self._ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.SNDHWM, 16)
+            # Connection events of this socket: a peer whose process ends closes its end at
+            # once, so "disconnected and not back" tells a dead peer long before its
+            # heartbeats are missed (see ``disconnected``).
+            monitors.append((peer, s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)))
             s.connect(ep)
             socks.append(s)
         try:
             while not self._hb_stop.wait(interval):
+                self._read_monitors(monitors)
                 state, what, since = self._hb_state()
                 data = sign(self._key, encode(
                     "heartbeat", self.rank, step=self.step, t=time.time(), state=state, what=what[:200],
@@ -150,8 +159,29 @@ class ControlPlane:
                     except zmq.Again:
                         pass
         finally:
-            for s in socks:
+            for (_, mon), s in zip(monitors, socks):
+                try:
+                    s.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+                mon.close()
                 s.close()
+
+    def _read_monitors(self, monitors: list[tuple[int, zmq.Socket[Any]]]) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        for peer, mon in monitors:
+            while True:
+                try:
+                    event = recv_monitor_message(mon, zmq.NOBLOCK)["event"]
+                except zmq.Again:
+                    break
+                except zmq.ZMQError:
+                    break
+                if event == zmq.EVENT_DISCONNECTED:
+                    self.disconnected.setdefault(peer, time.monotonic())
+                elif event == zmq.EVENT_CONNECTED:
+                    self.disconnected.pop(peer, None)
 
     def start(self, handler: Callable[[dict[str, Any]], None]) -> None:
         """Deliver validated messages to ``handler`` from the running loop (a reader on the socket's FD)."""
@@ -219,6 +249,8 @@ class ControlPlane:
             return
         self._closed = True
         self.stop()
+        if self._push:
+            self.broadcast("bye")  # (LINGER gives it time to leave)
         self._hb_stop.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=2)

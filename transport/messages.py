@@ -93,6 +93,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "kind": lambda v: v in ("F", "B"),
         "tensors": _tensor_specs,
         "fast": lambda v: isinstance(v, bool),  # sent into the receives pre-posted for this seq
+        "last": lambda v: isinstance(v, bool),  # the sender's last transfer to this rank in this step
     },
     # ``state``: idle / busy / waiting, ``what``: the action (or what is awaited), ``for_s``: since how long
     "heartbeat": {
@@ -102,6 +103,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "what": _str,
         "for_s": lambda v: isinstance(v, float) and v >= 0,
     },
+    # the sender's Pipeline closed cleanly: its control connection closing next is no failure
+    "bye": {},
     "abort": {
         "step": _nonneg,
         "stage": _opt_int,

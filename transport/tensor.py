@@ -30,6 +30,9 @@ fills the pre-posted receives with placeholders and sends the real payload
 under other tags, receiving buffers sized from the announcement as usual.
 Tags are derived from the sequence number, so nothing can pair wrongly; the
 announcement still carries every shape, and says which path was taken.
+Pre-posting stops at the sender's last transfer of a step (the announcement
+says so), so no receive stays pending between steps: a rank that finishes and
+exits while its peers still work must not leave a gloo receive waiting.
 
 NCCL.  Two things differ on GPUs.  (1) NCCL runs a pair's point-to-point ops
 in order on one stream, so a send from A to B posted before A's receive from
@@ -304,19 +307,24 @@ class TensorPlane:
         self._send_seq[peer] = seq + 1
         return seq
 
-    def plan_send(self, peer: int, spec: TransferSpec) -> tuple[bool, _Key | None]:
+    def plan_send(self, peer: int, spec: TransferSpec, last: bool = False) -> tuple[bool, _Key | None]:
         """Decide how transfer ``spec`` to ``peer`` travels, before it is announced.
 
         Returns (fast, predicted): ``fast`` (gloo) means the payload goes into
         the receives the peer pre-posted, which the announcement must say;
         ``predicted`` is what the peer pre-posted (to be filled with
-        placeholders when not fast).  On NCCL transfers pair by order: never fast.
+        placeholders when not fast).  ``last``: the last transfer to ``peer``
+        in this step, after which the peer pre-posts nothing.  On NCCL
+        transfers pair by order: never fast.
         """
         if self._poll:
             return False, None
         key = _key(spec)
         pred = self._sent_pred.get(peer)
-        self._sent_pred[peer] = key  # the peer pre-posts these shapes for our next transfer
+        if last:
+            self._sent_pred.pop(peer, None)
+        else:
+            self._sent_pred[peer] = key  # the peer pre-posts these shapes for our next transfer
         return pred == key, pred
 
     def send(self, peer: int, tensors: Sequence[torch.Tensor | None], seq: int, fast: bool, predicted: _Key | None) -> int:
@@ -401,6 +409,7 @@ class TensorPlane:
         *,
         seq: int = 0,
         fast: bool = False,
+        last: bool = False,
     ) -> tuple[list[torch.Tensor | None], list[Any]]:
         """Receive transfer ``seq`` from ``peer``; call ``done`` on the loop when it has landed.
 
@@ -431,7 +440,11 @@ class TensorPlane:
             buffers = self._alloc(key)
             landed = functools.partial(_deliver, done, buffers)
             self._post(loop, peer, seq, buffers, fast=False, on_done=landed)
-        # Pre-post the next transfer from this peer with these shapes.
+        # Pre-post the next transfer from this peer with these shapes; not after the
+        # sender's last one of the step: a receive left pending across steps would block
+        # this rank's exit if the peer stops sending (a rank that finishes and leaves first).
+        if last:
+            return buffers, []
         nxt = self._alloc(key)
         if any(b is not None for b in nxt):
             slot = _Slot(nxt)

@@ -3,6 +3,8 @@
 argv: MODE OUT_DIR.  Modes:
 - ``raise``: rank 1's stage raises in the forward of microbatch 2 of step 1.
 - ``kill``: rank 1 SIGKILLs itself in the middle of step 1.
+- ``vanish``: rank 1 SIGKILLs itself between steps 1 and 2 (so rank 0 has no
+  receive open from it; only the closed connection or missing heartbeats tell).
 - ``stop``: rank 1 SIGSTOPs itself in the middle of step 1 (the test resumes and kills it).
 - ``garbage``: every rank publishes its control endpoint; the test sprays it
   with malformed messages while the ranks train; they must finish correctly.
@@ -69,6 +71,10 @@ def main() -> None:
         steps = 20 if MODE == "garbage" else 3
         losses: list[torch.Tensor] = []
         for step in range(steps):
+            if MODE == "vanish" and RANK == 1 and step == 2:
+                with open(os.path.join(OUT, "killed_at"), "w") as f:
+                    f.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
             for s in stages:
                 s.step, s.calls = step, 0
             losses = []
