@@ -62,8 +62,9 @@ _F, _B, _I, _W, _OVL = ActionType.F, ActionType.B, ActionType.I, ActionType.W, A
 _DP = frozenset({ActionType.UNSHARD, ActionType.RESHARD, ActionType.REDUCE_GRAD})
 
 
-#: seconds a peer's closed control connection may stay closed (and the peer silent) before it counts as gone
-_RECONNECT_GRACE = 0.5
+#: seconds a peer's closed control connection must stay closed (seen by a later read of the
+#: connection events, taken every heartbeat interval) before the peer counts as gone
+_RECONNECT_GRACE = 0.3
 
 #: every actor alive in this process (for debug dumps)
 _LIVE: weakref.WeakSet[RankActor] = weakref.WeakSet()
@@ -133,8 +134,8 @@ class RankActor:
         self.heartbeat_timeout = heartbeat_timeout
         self.stall_timeout = stall_timeout
         self._peer_state: dict[int, tuple[str, str, float]] = {}
-        #: peers whose Pipeline closed cleanly (their connection closing is no failure)
-        self._said_bye: set[int] = set()
+        #: peers whose Pipeline closed, and how many steps each had completed
+        self._bye_steps: dict[int, int] = {}
         self._last_seen: dict[int, float] = {}
         self._listening_since = time.monotonic()
         self.schedule = schedule
@@ -256,7 +257,9 @@ class RankActor:
             self._peer_state[src] = (msg["state"], msg["what"], msg["for_s"])
             return
         if kind == "bye":
-            self._said_bye.add(src)
+            self._bye_steps[src] = msg["steps"]
+            self._peer_state[src] = ("idle", "", 0.0)
+            self._wake.set()  # a waiting rank re-checks whether it still needs the peer
             return
         if kind == "xfer":
             try:
@@ -388,7 +391,24 @@ class RankActor:
         fast, predicted = self.tensors.plan_send(dst, spec, last)
         self.control.send(dst, "xfer", seq=seq, step=step, stage=to_stage, mb=mb, kind=kind, tensors=spec.to_wire(),
                           fast=fast, last=last)
-        nbytes = self.tensors.send(dst, tensors, seq, fast, predicted)
+        try:
+            nbytes = self.tensors.send(dst, tensors, seq, fast, predicted)
+        except RuntimeError as exc:
+            try:
+                self.control.drain()  # a 'bye' from it may be waiting unread
+            except Exception:  # noqa: BLE001 - only a better message is at stake
+                pass
+            left = self._bye_steps.get(dst)
+            if left is None and dst not in self.control.disconnected:
+                raise
+            # the peer is gone: say so (and which), rather than a transport error
+            why = (f"it closed its Pipeline after {left} step(s) while this rank is in step {step}" if left is not None
+                   else "its control connection closed: the process exited or was killed")
+            err = PeerLostError(f"sending {kind} of stage {to_stage} microbatch {mb} (step {step}) failed: {why}",
+                                rank=self.rank, peer=dst)
+            self._remote_error = err
+            self.broadcast_abort(err, None, step)
+            raise err from exc
         if self.trace is not None:
             self.trace.transfer("send", step, dst, to_stage, mb, kind, seq, nbytes, t0, clock_ns())
 
@@ -602,6 +622,8 @@ class RankActor:
             try:
                 for item in outbox:
                     self._emit(*item)
+            except PipelineError:
+                raise
             except Exception as exc:
                 raise self._abort(exc, a, step) from exc
             ran += 1
@@ -630,6 +652,7 @@ class RankActor:
                 trace.memory(step, peak)
             trace.step(step, step_start, clock_ns())
         self.statistics = ActorStatistics(ran, out_of_order, waits, idle, peak)
+        self.control.steps_done = self.step_index
         return results, losses
 
     def describe_wait(self, pending: Sequence[Action], step: int, train: bool = True) -> list[str]:
@@ -667,8 +690,17 @@ class RankActor:
             silent = now - seen
             state, what, busy_for = self._peer_state.get(peer, ("idle", "", 0.0))
             busy_for += now - self._last_seen.get(peer, now)  # time since that heartbeat
-            gone = None if peer in self._said_bye else self.control.disconnected.get(peer)
-            if gone is not None and now - gone > _RECONNECT_GRACE and now - self._last_seen.get(peer, 0.0) > _RECONNECT_GRACE:
+            left = self._bye_steps.get(peer)
+            gone = self.control.disconnected.get(peer)
+            if left is not None:
+                if step < left:
+                    continue  # it finished this step and closed: nothing is missing from it
+                message = (
+                    f"it closed its Pipeline after {left} step(s) while this rank is in step {step}: "
+                    "it stopped early (an error outside a step?) and will not take part"
+                )
+            elif gone is not None and self.control.monitors_read_at - gone > _RECONNECT_GRACE:
+                # (a read of the connection events after the grace still showed it closed)
                 message = (
                     f"its control connection closed {now - gone:.1f} s ago and did not come back: "
                     "the process exited or was killed"

@@ -26,7 +26,7 @@ def test_encode_refuses_what_decode_would_reject() -> None:
 @pytest.mark.parametrize(
     "mutation, reason",
     [
-        ({"v": 2}, "protocol version"),
+        ({"v": PROTOCOL_VERSION + 1}, "protocol version"),
         ({"type": "launch_missiles"}, "unknown message type"),
         ({"src": -1}, "sender rank"),
         ({"src": 9}, "sender rank"),

@@ -86,7 +86,8 @@ async def test_dead_rank_is_detected_by_its_closed_connection(tmp_path: Path) ->
 
 async def test_a_rank_that_finished_and_left_is_no_failure(tmp_path: Path) -> None:
     # 3 ranks, 1F1B: rank 2 finishes its last backward, closes its Pipeline and exits, while
-    # rank 0 still waits 2 s for rank 1's last gradient: rank 2's closed connection is no error
+    # rank 0 still waits 3 s for rank 1's last gradient, longer than the heartbeat timeout:
+    # neither rank 2's closed connection nor its missing heartbeats are an error
     script = tmp_path / "early.py"
     script.write_text(textwrap.dedent("""
         import os, time, torch, pipeloom
@@ -97,12 +98,12 @@ async def test_a_rank_that_finished_and_left_is_no_failure(tmp_path: Path) -> No
             def forward(self, x):
                 y = super().forward(x)
                 if rank == 1 and y.requires_grad:
-                    y.register_hook(lambda g: (time.sleep(0.5), g)[1])  # 4 microbatches: 2 s
+                    y.register_hook(lambda g: (time.sleep(0.75), g)[1])  # 4 microbatches: 3 s
                 return y
 
         torch.manual_seed(0)
         pipe = pipeloom.Pipeline(lambda s: Slow(4, 4), schedule="1F1B", num_microbatches=4,
-                                 loss_fn=nn.functional.mse_loss)
+                                 loss_fn=nn.functional.mse_loss, heartbeat_timeout=1.5, stall_timeout=10)
         pipe.step(torch.randn(8, 4), target=torch.randn(8, 4))
         pipe.close()
         print("done", rank, flush=True)
@@ -110,6 +111,37 @@ async def test_a_rank_that_finished_and_left_is_no_failure(tmp_path: Path) -> No
     codes, outs, errs = await spawn_ranks(3, [str(script)], timeout=60)
     assert codes == [0, 0, 0], "\n".join(e[-1500:] for e in errs)
     assert all(f"done {r}" in outs[r] for r in range(3))
+
+
+async def test_a_rank_that_left_early_is_named_at_once(tmp_path: Path) -> None:
+    # rank 1 fails outside a step (an exception after step 0): its Pipeline closes at exit and
+    # says so; rank 0, in step 1, must not wait for the 60 s heartbeat timeout
+    script = tmp_path / "leave.py"
+    script.write_text(textwrap.dedent("""
+        import os, time, torch, pipeloom
+        from torch import nn
+        rank = int(os.environ["RANK"])
+        torch.manual_seed(0)
+        pipe = pipeloom.Pipeline(lambda s: nn.Linear(4, 4), schedule="1F1B", num_microbatches=2,
+                                 loss_fn=nn.functional.mse_loss, heartbeat_timeout=60)
+        x, y = torch.randn(4, 4), torch.randn(4, 4)
+        pipe.step(x, target=y)
+        if rank == 1:
+            raise RuntimeError("checkpoint failed")   # outside any step
+        t0 = time.time()
+        try:
+            pipe.step(x, target=y)
+        finally:
+            print(f"rank 0 stopped after {time.time() - t0:.2f} s", flush=True)
+    """))
+    codes, outs, errs = await spawn_ranks(2, [str(script)], timeout=50)
+    assert codes == [1, 1], errs
+    assert "checkpoint failed" in errs[1]
+    # (found by the liveness check while waiting, or by a send to it failing: either names the cause)
+    assert "PeerLostError" in errs[0] and "lost rank 1" in errs[0], errs[0][-2000:]
+    assert "it closed its Pipeline after 1 step(s) while this rank is in step 1" in errs[0], errs[0][-2000:]
+    waited = float(outs[0].split("stopped after ")[1].split(" s")[0])
+    assert waited < 5.0, outs[0]
 
 
 async def test_stopped_rank_is_detected_by_heartbeats(tmp_path: Path) -> None:

@@ -87,6 +87,10 @@ class ControlPlane:
         #: peer -> when (monotonic) its heartbeat connection closed and has not come back
         #: (written by the heartbeat thread, read by the actor's liveness check)
         self.disconnected: dict[int, float] = {}
+        #: when (monotonic) the heartbeat thread last read the connection events: a
+        #: disconnect counts only once a later read still shows no reconnect
+        self.monitors_read_at = 0.0
+        self.steps_done = 0  #: steps this rank completed (set by the actor), said in ``bye``
 
     def connect(self, endpoints: list[str]) -> None:
         """Connect a PUSH socket to every other rank's endpoint (index = rank)."""
@@ -182,6 +186,7 @@ class ControlPlane:
                     self.disconnected.setdefault(peer, time.monotonic())
                 elif event == zmq.EVENT_CONNECTED:
                     self.disconnected.pop(peer, None)
+        self.monitors_read_at = time.monotonic()
 
     def start(self, handler: Callable[[dict[str, Any]], None]) -> None:
         """Deliver validated messages to ``handler`` from the running loop (a reader on the socket's FD)."""
@@ -250,7 +255,7 @@ class ControlPlane:
         self._closed = True
         self.stop()
         if self._push:
-            self.broadcast("bye")  # (LINGER gives it time to leave)
+            self.broadcast("bye", steps=self.steps_done)  # (LINGER gives it time to leave)
         self._hb_stop.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=2)

@@ -33,7 +33,7 @@ __all__ = [
 
 MAC_BYTES = 16  #: truncated HMAC-SHA256 in front of every frame
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: xfer carries 'last'; 'bye'
 MAX_MESSAGE_BYTES = 1 << 20  #: larger frames are rejected before decoding
 
 _MAX_TENSORS = 256
@@ -104,7 +104,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "for_s": lambda v: isinstance(v, float) and v >= 0,
     },
     # the sender's Pipeline closed cleanly: its control connection closing next is no failure
-    "bye": {},
+    "bye": {"steps": _nonneg},  # steps this rank completed
     "abort": {
         "step": _nonneg,
         "stage": _opt_int,
