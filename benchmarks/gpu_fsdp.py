@@ -84,51 +84,10 @@ __all__ = ["main", "table"]
 ENGINES = ("pipeloom-overlap", "pipeloom-no-overlap", "torch-fsdp")
 
 
-# ---------------------------------------------------------------- model (as gpu_pipeline.py, device/dtype configurable)
+# ---------------------------------------------------------------- model: gpu_pipeline.py's
 
-
-def _model(args: argparse.Namespace, num_stages: int, stage: int, device: Any, dtype: Any) -> Any:
-    """Stage ``stage`` of the transformer: ``layers // num_stages`` blocks in an ``nn.Sequential``; seeded per stage."""
-    import torch
-    from torch import nn
-    from torch.nn import functional as F
-
-    class Block(nn.Module):
-        def __init__(self, h: int, heads: int) -> None:
-            super().__init__()
-            self.heads = heads
-            self.ln1 = nn.LayerNorm(h)
-            self.qkv = nn.Linear(h, 3 * h)
-            self.proj = nn.Linear(h, h)
-            self.ln2 = nn.LayerNorm(h)
-            self.fc1 = nn.Linear(h, 4 * h)
-            self.fc2 = nn.Linear(4 * h, h)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            b, t, h = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, h)
-            x = x + self.proj(a)
-            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-    per = args.layers // num_stages
-    torch.manual_seed(1000 + stage)
-    with torch.device(device):  # initialized where it runs (fast on GPU); the same values for every engine
-        m = nn.Sequential(*[Block(args.hidden, args.heads) for _ in range(per)])
-    return m.to(dtype=dtype)
-
-
-def _loss(out: Any, target: Any) -> Any:
-    import torch.nn.functional as F
-
-    return F.mse_loss(out.float(), target.float())
-
-
-def _stages_of(name: str, pp_rank: int, pp: int, spr: int) -> list[int]:
-    """The stages pipeline rank ``pp_rank`` holds (V schedules: ``rank`` and ``2 * pp - 1 - rank``)."""
-    if name in ("ZBVZeroBubble", "DualPipeV"):
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(spr)]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_pipeline import _loss, _model, _stages_of  # noqa: E402
 
 
 # ---------------------------------------------------------------- measurement

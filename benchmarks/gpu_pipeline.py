@@ -40,7 +40,9 @@ from typing import Any
 __all__ = ["main"]
 
 
-def _model(args: argparse.Namespace, num_stages: int, stage: int) -> Any:
+def _model(args: argparse.Namespace, num_stages: int, stage: int, device: Any = "cuda", dtype: Any = None) -> Any:
+    """Stage ``stage``: ``layers // num_stages`` transformer blocks in an ``nn.Sequential``, seeded per stage
+    (bf16 unless ``dtype`` says otherwise; benchmarks/gpu_fsdp.py builds the same model)."""
     import torch
     from torch import nn
     from torch.nn import functional as F
@@ -65,7 +67,7 @@ def _model(args: argparse.Namespace, num_stages: int, stage: int) -> Any:
 
     per = args.layers // num_stages
     torch.manual_seed(1000 + stage)
-    return nn.Sequential(*[Block(args.hidden, args.heads) for _ in range(per)]).to(device="cuda", dtype=torch.bfloat16)
+    return nn.Sequential(*[Block(args.hidden, args.heads) for _ in range(per)]).to(device=device, dtype=dtype or torch.bfloat16)
 
 
 def _loss(out: Any, target: Any) -> Any:

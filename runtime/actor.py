@@ -498,15 +498,18 @@ class RankActor:
         if f_stream is side:
             self._fwd_on_side.add((f.stage, f.microbatch))
         main.wait_stream(side)
-        # What the side stream produced and others read later (sends, local hand-offs, outputs).
-        for item in self._outbox[mark:]:
-            for t in item[4]:
-                if t is not None and t.is_cuda:
-                    t.record_stream(main)
+        self._record_outputs(mark, main)
         for d in (results, losses):
             v = d.get(f.microbatch)
             if isinstance(v, torch.Tensor) and v.is_cuda:
                 v.record_stream(main)
+
+    def _record_outputs(self, mark: int, main: Any) -> None:
+        """What the side stream produced since ``mark`` and others read later (sends, local hand-offs)."""
+        for item in self._outbox[mark:]:
+            for t in item[4]:
+                if t is not None and t.is_cuda:
+                    t.record_stream(main)
 
     def _run_after_side_forward(self, a: Action, step: int, inputs: StepInputs, results: dict[int, Any], losses: dict[int, torch.Tensor]) -> None:
         """B, I or W of a microbatch whose forward ran on the side stream (its kernels run there too)."""
@@ -519,10 +522,7 @@ class RankActor:
         finally:
             self._record_on = None
         main.wait_stream(side)
-        for item in self._outbox[mark:]:
-            for t in item[4]:
-                if t is not None and t.is_cuda:
-                    t.record_stream(main)
+        self._record_outputs(mark, main)
         if a.type is not _I:
             self._fwd_on_side.discard((a.stage, a.microbatch))
 
