@@ -312,3 +312,33 @@ def test_wrongly_signed_messages_are_rejected_and_training_completes(tmp_path: P
     for r in range(WORLD):
         assert f"[rank{r}]: rank {r}: rejected a control message: bad signature" in err, err[-3000:]
     assert recs[1]["losses"] == pytest.approx(_reference_losses(), rel=1e-5)
+
+
+# ---------------------------------------------------------------- restarts
+
+
+def test_killed_rank_restarts_and_training_resumes_from_checkpoint(tmp_path: Path) -> None:
+    """``--max-restarts 1``: rank 1 is SIGKILLed in step 3; every rank restarts, resumes from the
+    last step both saved and ends with exactly the parameters of an uninterrupted run."""
+    import torch
+
+    worker = str(Path(__file__).parent / "ranks" / "resume_worker.py")
+    results = {}
+    for mode in ("clean", "kill"):
+        out = tmp_path / mode
+        out.mkdir()
+        proc = subprocess.run([*LAUNCH, "--nproc-per-node", "2", "--grace", "0.5", "--max-restarts", "1",
+                               worker, mode, str(out), "6"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[mode] = (out, proc.stderr)
+    out, err = results["kill"]
+    assert "attempt 0 failed: rank 1 was killed by SIGKILL" in err and "restarting every rank (restart 1" in err
+    assert (out / "attempts1").read_text().split() == ["0:0", "1:3"]
+    assert (out / "attempts0").read_text().split() == ["0:0", "1:3"]
+    assert "restarting" not in results["clean"][1]
+    for rank in range(2):
+        clean = torch.load(results["clean"][0] / f"final{rank}.pt")
+        resumed = torch.load(out / f"final{rank}.pt")
+        for index in clean:
+            for name, value in clean[index].items():
+                assert torch.equal(value, resumed[index][name]), (rank, index, name)

@@ -500,3 +500,54 @@ def test_parse_root_cause_line() -> None:
         assert parse(bad) is None
     odd = parse('PIPELOOM_ROOT_CAUSE {"rank": "x", "stage": true, "remote": 1}')
     assert odd is not None and odd.rank is None and odd.stage is None and not odd.remote
+
+
+# ---------------------------------------------------------------- restarts
+
+RESTART_SCRIPT = """\
+# A job that resumes from its own checkpoint files: each rank records every step it completes with the
+# attempt that did it; rank 1 SIGKILLs itself in step 3 of every attempt before FAIL_UNTIL.
+FAIL_UNTIL = int(sys.argv[2])
+restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+ckpt = os.path.join(D, f"ckpt{RANK}")
+start = int(open(ckpt).read()) if os.path.exists(ckpt) else 0
+print(f"restart={restart} of {os.environ['TORCHELASTIC_MAX_RESTARTS']} resumes at step {start}", flush=True)
+for step in range(start, 6):
+    if RANK == 0:  # lockstep: step s needs rank 1's step s-1
+        end = time.monotonic() + 20
+        while not (os.path.exists(os.path.join(D, "ckpt1")) and int(open(os.path.join(D, "ckpt1")).read()) >= step):
+            assert time.monotonic() < end
+            time.sleep(0.01)
+    if RANK == 1 and step == 3 and restart < FAIL_UNTIL:
+        os.kill(os.getpid(), signal.SIGKILL)
+    with open(os.path.join(D, f"steps{RANK}"), "a") as f:
+        f.write(f"{restart}:{step}\\n")
+    note(f"ckpt{RANK}", step + 1)
+"""
+
+
+def test_max_restarts_resumes_from_the_scripts_checkpoint(tmp_path: Path, reaper: Reaper) -> None:
+    script = _script(tmp_path, "restart.py", RESTART_SCRIPT)
+    code, out, err, took = reaper.run("--nproc-per-node", "2", "--grace", "0.3", "--max-restarts", "2", script, tmp_path, 1)
+    print(f"\none restart, then success: {took:.2f} s")
+    assert code == 0, err
+    assert "attempt 0 failed: rank 1 was killed by SIGKILL" in err and "job failed" not in err
+    assert err.count("restarting every rank (restart 1 of --max-restarts 2)") == 1 and "restart 2" not in err
+    lines = _by_rank(out)
+    assert lines[1] == ["restart=0 of 2 resumes at step 0", "restart=1 of 2 resumes at step 3"]
+    assert lines[0][0] == "restart=0 of 2 resumes at step 0" and lines[0][1].startswith("restart=1 of 2 resumes at step ")
+    steps1 = (tmp_path / "steps1").read_text().split()
+    assert steps1 == ["0:0", "0:1", "0:2", "1:3", "1:4", "1:5"]
+    steps0 = [int(s.split(":")[1]) for s in (tmp_path / "steps0").read_text().split()]
+    assert steps0 == list(range(6))  # every step once: resumed, not restarted from scratch
+    assert not _wait_dead(_pids(tmp_path), timeout=0.5)
+
+
+def test_max_restarts_exhausted_fails_the_job(tmp_path: Path, reaper: Reaper) -> None:
+    script = _script(tmp_path, "restart.py", RESTART_SCRIPT)
+    code, out, err, _ = reaper.run("--nproc-per-node", "2", "--grace", "0.3", "--max-restarts", "1", script, tmp_path, 99)
+    assert code == 3, err
+    assert "attempt 0 failed: rank 1 was killed by SIGKILL" in err
+    assert "restarting every rank (restart 1 of --max-restarts 1)" in err
+    assert err.count("job failed: rank 1 was killed by SIGKILL") == 1 and "restart 2" not in err
+    assert _by_rank(out)[1] == ["restart=0 of 1 resumes at step 0", "restart=1 of 1 resumes at step 3"]

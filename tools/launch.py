@@ -25,8 +25,9 @@ launcher's job is to make that visible and bounded:
 * on Linux every rank also gets ``PR_SET_PDEATHSIG=SIGKILL``, so not even a
   SIGKILL of the launcher leaves a rank running.
 
-Alternatives considered: torch's elastic agent (restarts and rendezvous we do
-not need, imports torch, and its failure summary is per-rank), a thread per
+Alternatives considered: torch's elastic agent (imports torch at start-up,
+its failure summary is per-rank, and its teardown waits 30 s for a rank that
+ignores SIGTERM; we take its restart semantics, below), a thread per
 pipe (works, but the exits, pipes, timers and signals are easiest to order on
 one asyncio loop: a rank's exit, its output and SIGINT all arrive as callbacks
 in one thread, so there are no locks).  The launcher never imports torch.
@@ -117,6 +118,20 @@ Exit status
 * 130 / 143 (/ 129) -- the launcher received SIGINT / SIGTERM (/ SIGHUP): it
   sent SIGTERM to every rank's process group, SIGKILL after ``--grace``
   seconds (at once on a second signal), and exits with 128 + the signal.
+
+Restarts
+--------
+``--max-restarts N`` is torchrun's: after a failed attempt (the bounded
+teardown above, then the summary, headed ``attempt K failed`` instead of
+``job failed``) every rank of the node is started again, with
+``TORCHELASTIC_RESTART_COUNT`` = K + 1 (``TORCHELASTIC_MAX_RESTARTS`` = N), at
+most N times; the job's exit status is that of the last attempt.  Resuming is
+the script's business, from its own checkpoints, as under torchrun.  A
+signal to the launcher never restarts.  On a single node with no
+``--master-port``, each attempt gets a fresh port (the old store's port may
+linger).  With ``--log-dir``, attempt K > 0 writes ``rank{R}.restart{K}.log``.
+With several nodes and a static ``--master-addr``, each launcher restarts its
+own ranks (a failure elsewhere fails them too, so they restart together).
 
 Multi-node
 ----------
@@ -232,6 +247,12 @@ class LaunchConfig:
     """Prefix echoed lines with ``[rank{R}]: ``."""
     console_local_ranks: frozenset[int] | None = None
     """Local ranks whose output is echoed (None: all); log files always get everything."""
+    max_restarts: int = 0
+    """After a failure, stop every rank and start them all again, at most this many times (torchrun's ``--max-restarts``)."""
+    restart_count: int = 0
+    """Which attempt this is (0: the first); ranks see it as ``TORCHELASTIC_RESTART_COUNT``."""
+    fresh_port_per_restart: bool = False
+    """The launcher chose ``master_port`` itself: take a new free port at each restart (the old one may linger)."""
 
     @property
     def world_size(self) -> int:
@@ -259,8 +280,8 @@ def rank_environment(config: LaunchConfig, local_rank: int, base: Mapping[str, s
         ROLE_NAME="default",
         MASTER_ADDR=config.master_addr,
         MASTER_PORT=str(config.master_port),
-        TORCHELASTIC_RESTART_COUNT="0",
-        TORCHELASTIC_MAX_RESTARTS="0",
+        TORCHELASTIC_RESTART_COUNT=str(config.restart_count),
+        TORCHELASTIC_MAX_RESTARTS=str(config.max_restarts),
         PIPELOOM_LAUNCHER="1",
     )
     if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
@@ -572,6 +593,22 @@ class _Job:
         collector = None
         try:
             collector = self._start_collector()
+            while True:
+                code = await self._attempt()
+                cfg = self.config
+                if code in (EXIT_OK, EXIT_USAGE) or self.interrupt is not None or cfg.restart_count >= cfg.max_restarts:
+                    return code
+                self._next_attempt()
+        finally:
+            if collector is not None:
+                await asyncio.to_thread(collector.close)  # drains the last batches, bounded
+            for sig in installed:
+                self._loop.remove_signal_handler(sig)
+            self._close_attempt()
+
+    async def _attempt(self) -> int:
+        """Start this attempt's ranks, supervise them to the end, and report; returns the exit status."""
+        try:
             try:
                 await self._spawn_all()
             except OSError as exc:
@@ -584,17 +621,30 @@ class _Job:
             await self._drain()
             return self._report()
         finally:
-            if collector is not None:
-                await asyncio.to_thread(collector.close)  # drains the last batches, bounded
-            for sig in installed:
-                self._loop.remove_signal_handler(sig)
-            for r in self.ranks:
-                if r.transport is not None:
-                    r.transport.close()
-                for s in r.streams.values():
-                    s.close()
-                if r.log is not None:
-                    r.log.close()
+            self._close_attempt()
+
+    def _close_attempt(self) -> None:
+        for r in self.ranks:
+            if r.transport is not None:
+                r.transport.close()
+            for s in r.streams.values():
+                s.close()
+            if r.log is not None:
+                r.log.close()
+                r.log = None
+
+    def _next_attempt(self) -> None:
+        """torchrun's restart: every rank of this node starts again, with TORCHELASTIC_RESTART_COUNT + 1."""
+        from dataclasses import replace
+
+        cfg = self.config
+        restart = cfg.restart_count + 1
+        port = _free_port(cfg.master_addr) if cfg.fresh_port_per_restart else cfg.master_port
+        self.config = replace(cfg, restart_count=restart, master_port=port)
+        self.ranks = [_Rank(local_rank=lr, rank=cfg.global_rank(lr)) for lr in range(cfg.nproc_per_node)]
+        self.exit_order = []
+        self.failure_at = None
+        self.err.say(f"restarting every rank (restart {restart} of --max-restarts {cfg.max_restarts})")
 
     def _start_collector(self) -> Any:
         """With ``--trace``: start the collector and point the ranks at it (None: ranks write files)."""
@@ -630,7 +680,8 @@ class _Job:
                 return
             self._spawning = r.rank
             if cfg.log_dir is not None:
-                r.log = open(cfg.log_dir / f"rank{r.rank}.log", "wb")
+                name = f"rank{r.rank}.log" if cfg.restart_count == 0 else f"rank{r.rank}.restart{cfg.restart_count}.log"
+                r.log = open(cfg.log_dir / name, "wb")
             shown = cfg.console_local_ranks is None or r.local_rank in cfg.console_local_ranks
             prefix = f"[rank{r.rank}]: ".encode() if cfg.prefix else b""
             r.streams = {
@@ -753,7 +804,10 @@ class _Job:
         own = [r for r in failures if not (r.signalled and self.interrupt is not None)]
         if own:
             root = self._root(own)
-            lines = [f"job failed: {root.outcome()}" + (" (stopped by the launcher)" if root.signalled else "")]
+            cfg = self.config
+            final = cfg.restart_count >= cfg.max_restarts or self.interrupt is not None
+            what = "job failed" if final else f"attempt {cfg.restart_count} failed"
+            lines = [f"{what}: {root.outcome()}" + (" (stopped by the launcher)" if root.signalled else "")]
             cause = root.root_cause
             if cause is not None and not cause.remote:
                 lines.append(f"  root cause: {cause.where(root.rank)}")
@@ -891,6 +945,9 @@ def add_parser(subparsers: Any) -> None:
              "(PIPELOOM_STALL_TIMEOUT; default 30; must exceed the slowest action)")
     add("--grace", type=_nonneg_float, default=2.0, metavar="SECONDS",
         help="after a failure, wait this long for the other ranks before SIGTERM (default 2)")
+    add("--max-restarts", "--max_restarts", dest="max_restarts", type=_int_arg, default=0, metavar="N",
+        help="after a failure, stop every rank and restart them all, at most N times; ranks see "
+             "TORCHELASTIC_RESTART_COUNT (default 0)")
     add("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
     add("--no-python", "--no_python", dest="no_python", action="store_true", help="run SCRIPT as an executable, not with python")
     add("script", metavar="SCRIPT", help="the training script (or module with -m, executable with --no-python)")
@@ -947,6 +1004,8 @@ def config_from_args(args: argparse.Namespace, *, environ: Mapping[str, str] | N
     if not 0 < port < 65536:
         raise _UsageError(f"--master-port must be in 1..65535, got {port}")
 
+    if args.max_restarts < 0:
+        raise _UsageError(f"--max-restarts must be at least 0, got {args.max_restarts}")
     if args.module and args.no_python:
         raise _UsageError("-m and --no-python exclude each other")
     if args.no_python:
@@ -985,6 +1044,8 @@ def config_from_args(args: argparse.Namespace, *, environ: Mapping[str, str] | N
         log_dir=args.log_dir,
         prefix=args.prefix,
         console_local_ranks=args.ranks_filter,
+        max_restarts=args.max_restarts,
+        fresh_port_per_restart=args.master_port is None and (args.standalone or nnodes == 1),
     )
     return config, warnings
 
