@@ -217,19 +217,8 @@ def rank_main(args: argparse.Namespace) -> None:
     everyone: list[Any] = [None] * WORLD
     dist.all_gather_object(everyone, mine)
     dist.destroy_process_group()
-    _join_runtime_threads()
     if rank == 0:
         print_report(everyone, args)
-
-
-def _join_runtime_threads() -> None:
-    # TensorPlane.close() does not join its receive-waiter threads; one still
-    # freeing a gloo Work while Python finalises aborts the process.
-    import threading
-
-    for t in threading.enumerate():
-        if t is not threading.current_thread() and t.name.startswith("pipeloom-"):
-            t.join(2)
 
 
 # ---------------------------------------------------------------- compute, in one process

@@ -305,24 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return train(pipe, args, cfg, sum(p.numel() for p in model.parameters()))
     finally:
-        pipe.close()
-        _join_runtime_threads()
-
-
-def _join_runtime_threads(timeout: float = 2.0) -> None:
-    """Let the runtime's receive-waiter threads end before the interpreter does.
-
-    Workaround: ``TensorPlane.close()`` tells its per-peer waiter threads to
-    stop but does not join them, and a waiter still freeing a gloo ``Work``
-    while Python finalises aborts the process ("terminate called without an
-    active exception", exit -6) in roughly one run in six.  Remove once
-    ``close()`` joins them.
-    """
-    import threading
-
-    for t in threading.enumerate():
-        if t is not threading.current_thread() and t.name.startswith("pipeloom-"):
-            t.join(timeout)
+        pipe.close()  # joins the runtime's threads
 
 
 def train(pipe: pipeloom.Pipeline, args: argparse.Namespace, cfg: GPTConfig, num_params: int) -> int:

@@ -105,13 +105,6 @@ def main() -> None:
         torch.save(result, os.path.join(job["out"], f"{case['id']}-rank{rank}.pt"))
         dist.barrier()
     dist.destroy_process_group()
-    # TensorPlane.close() does not join its receive-waiter threads; one still
-    # freeing a gloo Work during interpreter shutdown aborts the process.
-    import threading
-
-    for t in threading.enumerate():
-        if t.name.startswith("pipeloom-"):
-            t.join(2)
 
 
 if __name__ == "__main__":
