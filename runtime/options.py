@@ -1,0 +1,196 @@
+"""The runtime's knobs: one frozen, typed, documented options object.
+
+Problem.  The runtime's settings (timeouts, the tensor plane's layout, GPU
+dispatch, trace output, data-parallel behaviour) used to be read from
+``PIPELOOM_*`` environment variables wherever they were needed: in the actor,
+the data-parallel code, the pipeline's setup.  A reader could not see in one
+place what can be configured, with which unit and default; a test had to
+patch the process environment; and two reads of the same variable could
+disagree about how to parse it.
+
+Alternatives.  (a) Keep environment reads but centralise the parsing
+helpers: still global state read at a distance.  (b) Many keyword arguments
+threaded through every constructor: explicit, but each new knob touches every
+layer.  (c) One frozen, keyword-only dataclass, built once in
+``Pipeline.__init__`` and passed down whole: every field is typed and
+documented here, the environment is read in exactly one function
+(:meth:`RuntimeOptions.from_env`), and a component takes the object (or the
+fields it needs) as an argument.  That is (c), the shape of
+``tools/launch.py``'s ``LaunchConfig``.
+
+Precedence, in ``Pipeline``: explicit keyword arguments (``heartbeat_timeout=``,
+``overlap_collectives=``...) over ``options=`` over the environment.  Passing
+``options=`` replaces the environment entirely (nothing is read from it);
+``RuntimeOptions.from_env(stall_timeout=60)`` keeps the launcher's settings
+and overrides some.
+
+What stays outside: ``PIPELOOM_LAUNCHER``, ``PIPELOOM_JOB_SECRET`` and the
+``PIPELOOM_ROOT_CAUSE`` lines are the launcher <-> rank protocol (not
+settings a user tunes) and are handled in ``runtime/pipeline.py`` alone.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["RuntimeOptions", "ENV_VARS", "resolve_options"]
+
+_FALSE = ("0", "false", "no", "off")
+_TRUE = ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeOptions:
+    """How one rank's runtime behaves (the same on every rank of a job)."""
+
+    backend: str | None = None
+    """torch.distributed backend used when the Pipeline initialises the process group:
+    ``"gloo"`` or ``"nccl"``; None picks NCCL if CUDA is available, else gloo.
+    Environment: ``PIPELOOM_BACKEND``."""
+
+    deterministic: bool = False
+    """Run each rank's action list in exact order (debugging, bit-exact comparison with torch)."""
+
+    heartbeat_interval: float = 0.5
+    """Seconds between liveness heartbeats this rank sends to every peer."""
+
+    heartbeat_timeout: float = 10.0
+    """Seconds of silence after which a waiting rank declares a peer lost (default 10).
+    Environment: ``PIPELOOM_HEARTBEAT_TIMEOUT`` (``pipeloom launch --heartbeat-timeout``)."""
+
+    stall_timeout: float = 30.0
+    """Seconds a peer may stay inside one action while this rank waits for it before it is
+    reported as stalled (default 30; must exceed the slowest action).
+    Environment: ``PIPELOOM_STALL_TIMEOUT`` (``pipeloom launch --stall-timeout``)."""
+
+    trace: str | None = None
+    """Path of the trace file to record (one file per rank without a collector); None: no
+    trace unless ``trace_endpoint`` is set.  Environment: ``PIPELOOM_TRACE`` (``--trace``)."""
+
+    trace_endpoint: str | None = None
+    """ZeroMQ address of the launcher's trace collector; when set, trace events stream there
+    instead of to ``trace``.  Set by ``pipeloom launch --trace``.
+    Environment: ``PIPELOOM_TRACE_ENDPOINT``."""
+
+    pair_groups: bool = False
+    """Tensor plane on gloo: one two-rank process group per pair of neighbouring ranks (True)
+    instead of the default group (False).  Always on with NCCL, which needs them.
+    Environment: ``PIPELOOM_PAIR_GROUPS=1``."""
+
+    p2p_max_ctas: int | None = None
+    """NCCL only: cap on the CTAs (thread blocks) each pair group's communicator uses; None:
+    NCCL's default.  Environment: ``PIPELOOM_P2P_MAX_CTAS``."""
+
+    gpu_lookahead: int = 1
+    """GPUs: launch an action on a posted (not yet complete) input while at most this many
+    launched actions are queued on the GPU (an action count; default 1).
+    Environment: ``PIPELOOM_GPU_LOOKAHEAD``."""
+
+    overlap_streams: bool = True
+    """GPUs: run OVERLAP_F_B's forward and backward on two concurrent CUDA streams (True) or
+    one after the other on one stream (False).  Environment: ``PIPELOOM_OVERLAP_STREAMS=0``."""
+
+    overlap_collectives: bool = True
+    """Data parallelism: run UNSHARD's all-gather and REDUCE_GRAD's reductions as events that
+    overlap compute (True), or make each block the dispatcher until it has completed (False,
+    the naive baseline).  Environment: ``PIPELOOM_OVERLAP_COLLECTIVES=0``."""
+
+    fsdp_reduce: str = "auto"
+    """FSDP gradient reduction: ``"auto"`` reduce-scatters asynchronously in pipeloom where the
+    reduction is a plain average, ``"fsdp"`` always leaves it to FSDP2's own (synchronous on
+    CPU) post-backward.  Environment: ``PIPELOOM_FSDP_REDUCE``."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.backend not in (None, "gloo", "nccl"):
+            problems.append(f"backend must be 'gloo', 'nccl' or None (got {self.backend!r})")
+        for name in ("heartbeat_interval", "heartbeat_timeout", "stall_timeout"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                problems.append(f"{name} must be a positive number of seconds (got {v!r})")
+        if isinstance(self.gpu_lookahead, bool) or not isinstance(self.gpu_lookahead, int) or self.gpu_lookahead < 0:
+            problems.append(f"gpu_lookahead must be an int >= 0 (got {self.gpu_lookahead!r})")
+        if self.p2p_max_ctas is not None and (
+            isinstance(self.p2p_max_ctas, bool) or not isinstance(self.p2p_max_ctas, int) or self.p2p_max_ctas < 1
+        ):
+            problems.append(f"p2p_max_ctas must be an int >= 1 or None (got {self.p2p_max_ctas!r})")
+        if self.fsdp_reduce not in ("auto", "fsdp"):
+            problems.append(f"fsdp_reduce must be 'auto' or 'fsdp' (got {self.fsdp_reduce!r})")
+        if problems:
+            raise ValueError("RuntimeOptions: " + "; ".join(problems))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> RuntimeOptions:
+        """Options from the ``PIPELOOM_*`` variables (see :data:`ENV_VARS`), then ``overrides``.
+
+        ``environ`` defaults to ``os.environ``; unset or empty variables keep the
+        field's default.  A malformed value raises ``ValueError`` naming the
+        variable and the value.
+        """
+        env = os.environ if environ is None else environ
+        fields: dict[str, Any] = {}
+        for var, (name, parse) in ENV_VARS.items():
+            raw = env.get(var)
+            if raw is None or not raw.strip():
+                continue
+            try:
+                fields[name] = parse(raw.strip())
+            except ValueError as exc:
+                raise ValueError(f"{var}={raw!r}: {exc}") from None
+        fields.update(overrides)
+        return cls(**fields)
+
+
+def _flag(raw: str) -> bool:
+    low = raw.lower()
+    if low in _FALSE:
+        return False
+    if low in _TRUE:
+        return True
+    raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)}")
+
+
+def _seconds(raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError("expected a number of seconds") from None
+
+
+def _int(raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError("expected an integer") from None
+
+
+#: environment variable -> (field, parser); the one place the runtime reads its settings from the environment
+ENV_VARS: dict[str, tuple[str, Any]] = {
+    "PIPELOOM_BACKEND": ("backend", str),
+    "PIPELOOM_HEARTBEAT_TIMEOUT": ("heartbeat_timeout", _seconds),
+    "PIPELOOM_STALL_TIMEOUT": ("stall_timeout", _seconds),
+    "PIPELOOM_TRACE": ("trace", str),
+    "PIPELOOM_TRACE_ENDPOINT": ("trace_endpoint", str),
+    "PIPELOOM_PAIR_GROUPS": ("pair_groups", _flag),
+    "PIPELOOM_P2P_MAX_CTAS": ("p2p_max_ctas", _int),
+    "PIPELOOM_GPU_LOOKAHEAD": ("gpu_lookahead", _int),
+    "PIPELOOM_OVERLAP_STREAMS": ("overlap_streams", _flag),
+    "PIPELOOM_OVERLAP_COLLECTIVES": ("overlap_collectives", _flag),
+    "PIPELOOM_FSDP_REDUCE": ("fsdp_reduce", str),
+}
+
+
+def resolve_options(options: RuntimeOptions | None, **explicit: Any) -> RuntimeOptions:
+    """``Pipeline``'s precedence: ``explicit`` values that are not None, over ``options``, over the environment.
+
+    ``options=None`` reads the environment (:meth:`RuntimeOptions.from_env`);
+    given options are used as they are, without reading it.
+    """
+    base = RuntimeOptions.from_env() if options is None else options
+    if not isinstance(base, RuntimeOptions):
+        raise TypeError(f"options must be a RuntimeOptions, not {type(base).__name__}")
+    return dataclasses.replace(base, **{k: v for k, v in explicit.items() if v is not None})
