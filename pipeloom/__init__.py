@@ -21,6 +21,7 @@ _RUNTIME_NAMES = (
     "PipelineConfigError",
     "PipelineError",
     "RemoteRankError",
+    "RuntimeOptions",
     "StageError",
     "split_by_fqn",
     "stage_fn_from_pipe",

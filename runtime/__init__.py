@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .actor import ActorStatistics, RankActor
 from .errors import PeerLostError, PipelineConfigError, PipelineError, RemoteRankError, StageError
+from .options import RuntimeOptions
 from .pipeline import Microbatches, Pipeline, split_microbatches
 from .split import split_by_fqn, stage_fn_from_pipe
 
@@ -16,6 +17,7 @@ __all__ = [
     "PipelineError",
     "RankActor",
     "RemoteRankError",
+    "RuntimeOptions",
     "StageError",
     "split_microbatches",
     "split_by_fqn",

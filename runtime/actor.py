@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import traceback
 import weakref
@@ -50,6 +49,7 @@ from ..schedules import Action, ActionType, Schedule
 from ..transport.control import ControlPlane
 from ..transport.tensor import TensorPlane, TransferSpec
 from .errors import PeerLostError, PipelineError, RemoteRankError, StageError
+from .options import RuntimeOptions
 from .stage import StageExecutor
 from .trace import TraceRecorder, clock_ns
 
@@ -120,9 +120,7 @@ class RankActor:
         tensor_plane: TensorPlane,
         control: ControlPlane,
         device: torch.device,
-        deterministic: bool = False,
-        heartbeat_timeout: float = 10.0,
-        stall_timeout: float = 30.0,
+        options: RuntimeOptions | None = None,
         trace: TraceRecorder | None = None,
         pp_rank: int | None = None,
         stage_to_rank: Sequence[int] | None = None,
@@ -131,8 +129,9 @@ class RankActor:
         # rank: global (control and tensor planes); pp_rank: this rank's schedule row
         # (differs with data parallelism); stage_to_rank: global ranks of this replica's stages.
         self.rank = rank
-        self.heartbeat_timeout = heartbeat_timeout
-        self.stall_timeout = stall_timeout
+        self.options = options = RuntimeOptions() if options is None else options
+        self.heartbeat_timeout = options.heartbeat_timeout
+        self.stall_timeout = options.stall_timeout
         self._peer_state: dict[int, tuple[str, str, float]] = {}
         #: peers whose Pipeline closed, and how many steps each had completed
         self._bye_steps: dict[int, int] = {}
@@ -143,7 +142,7 @@ class RankActor:
         self.tensors = tensor_plane
         self.control = control
         self.device = device
-        self.deterministic = deterministic
+        self.deterministic = options.deterministic
         self.stage_to_rank = schedule.stage_to_rank if stage_to_rank is None else tuple(stage_to_rank)
         row = rank if pp_rank is None else pp_rank
         #: UNSHARD/RESHARD/REDUCE_GRAD handler (data parallelism), or None
@@ -182,10 +181,10 @@ class RankActor:
         self._gpu_events: deque[Any] = deque()
         self._speculate = False
         #: launch actions on posted (incomplete) inputs while at most this many launched actions are queued
-        self._lookahead = int(os.environ.get("PIPELOOM_GPU_LOOKAHEAD", "1"))
-        # OVERLAP_F_B on two streams (PIPELOOM_OVERLAP_STREAMS=0 runs the halves in sequence)
+        self._lookahead = options.gpu_lookahead
+        # OVERLAP_F_B on two streams (options.overlap_streams=False runs the halves in sequence)
         self._side: Any = None
-        if self._cuda and os.environ.get("PIPELOOM_OVERLAP_STREAMS", "1") != "0":
+        if self._cuda and options.overlap_streams:
             if any(a.type is _OVL for a in self.train_actions):
                 self._side = torch.cuda.Stream(device=device)
         #: (stage, mb) whose forward ran on the side stream (autograd runs its backward there too)

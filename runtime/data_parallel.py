@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -375,6 +374,7 @@ class StageCollectives:
         device: torch.device,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         overlap: bool = True,
+        fsdp_reduce: str = "auto",
     ) -> None:
         from ._fsdp_private import fsdp_modules
 
@@ -386,6 +386,8 @@ class StageCollectives:
         self.device = device
         #: False: every collective blocks the dispatcher until it has completed (see the module docstring)
         self.overlap = overlap
+        #: "auto": reduce-scatter FSDP gradients here where that is a plain average; "fsdp": leave it to FSDP2
+        self.fsdp_reduce = fsdp_reduce
         self._units: dict[int, list[Any]] = {}
         self._buckets: dict[int, list[_Bucket]] = {}
         self._modules = dict(stages)
@@ -593,7 +595,7 @@ class StageCollectives:
         own = self._own_reduce.get(s)
         if own is None:
             own = self._own_reduce[s] = (
-                os.environ.get("PIPELOOM_FSDP_REDUCE", "auto") != "fsdp"
+                self.fsdp_reduce != "fsdp"
                 and self.size > 1
                 and all(sp.dim() > 0 for _, sp in self._sharded[s])
                 and len({sp.dtype for _, sp in self._sharded[s]}) <= 1

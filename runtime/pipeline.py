@@ -37,6 +37,7 @@ from ..transport.tensor import TensorPlane, make_pair_groups
 from .actor import ActorStatistics, RankActor, StepInputs
 from .data_parallel import DEFAULT_BUCKET_BYTES, Layout, StageCollectives
 from .errors import PeerLostError, PipelineConfigError, RemoteRankError
+from .options import RuntimeOptions, resolve_options
 from .stage import StageExecutor
 from .trace import FileSink, StreamSink, TraceRecorder, make_header
 
@@ -114,7 +115,7 @@ def _merge(outputs: list[Any], *, precut: bool) -> Any:
     return outputs
 
 
-def _init_process_group() -> bool:
+def _init_process_group(backend: str | None) -> bool:
     """Initialise torch.distributed from the environment if needed; True if we did."""
     if dist.is_initialized():
         return False
@@ -124,7 +125,7 @@ def _init_process_group() -> bool:
             f"torch.distributed is not initialised and {', '.join(missing)} are not set; "
             "start the script with `pipeloom launch` or `torchrun`, or call init_process_group first"
         )
-    backend = os.environ.get("PIPELOOM_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
@@ -171,13 +172,17 @@ class Pipeline:
         scale_grads: divide gradients by the number of microbatches (as torch does by default).
         deterministic: run each rank's list in exact order (debugging, bit-exact comparisons).
         device: where this rank's stages run; default cuda:LOCAL_RANK on NCCL, else CPU.
-        heartbeat_interval: seconds between liveness heartbeats to every peer.
+        heartbeat_interval: seconds between liveness heartbeats to every peer (default 0.5).
         heartbeat_timeout: seconds of silence after which a waiting rank declares a peer lost
             (default: $PIPELOOM_HEARTBEAT_TIMEOUT, else 10).
         stall_timeout: seconds a peer may stay inside one action (while this rank waits) before
             it is reported as stalled (default: $PIPELOOM_STALL_TIMEOUT, else 30).
         trace: record a trace to this path (default: $PIPELOOM_TRACE; under ``pipeloom launch
             --trace`` events stream to the launcher, which writes one file per job).
+        options: the runtime's settings (:class:`~pipeloom.runtime.options.RuntimeOptions`);
+            default ``RuntimeOptions.from_env()``.  Given, nothing is read from the
+            environment.  The keyword arguments above and ``overlap_collectives`` that are not
+            None override its fields.
         data_parallel: replicas of the pipeline (``pp x dp`` ranks; see
             :mod:`pipeloom.runtime.data_parallel`).  Every rank passes the *global* batch;
             replica ``d`` trains on part ``d`` of ``tensor_split(batch, data_parallel)``, and
@@ -214,9 +219,9 @@ class Pipeline:
         stages_per_rank: int | None = None,
         *,
         scale_grads: bool = True,
-        deterministic: bool = False,
+        deterministic: bool | None = None,
         device: torch.device | str | None = None,
-        heartbeat_interval: float = 0.5,
+        heartbeat_interval: float | None = None,
         heartbeat_timeout: float | None = None,
         stall_timeout: float | None = None,
         trace: str | os.PathLike[str] | None = None,
@@ -228,8 +233,19 @@ class Pipeline:
         prefetch: int = 1,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         overlap_collectives: bool | None = None,
+        options: RuntimeOptions | None = None,
     ) -> None:
-        self._owns_group = _init_process_group()
+        try:
+            opts = resolve_options(
+                options, deterministic=deterministic, heartbeat_interval=heartbeat_interval,
+                heartbeat_timeout=heartbeat_timeout, stall_timeout=stall_timeout,
+                trace=None if trace is None else os.fspath(trace), overlap_collectives=overlap_collectives,
+            )
+        except ValueError as exc:
+            raise PipelineConfigError(str(exc)) from None
+        #: the runtime's settings, as resolved (keyword arguments over ``options`` over the environment)
+        self.options = opts
+        self._owns_group = _init_process_group(opts.backend)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.num_microbatches = num_microbatches
@@ -284,15 +300,14 @@ class Pipeline:
                 s, module, is_first=s == 0, is_last=s == last, loss_fn=loss_fn, grad_scale=grad_scale, split_backward=s in split,
                 dynamic_params=sharded,
             )
-        if overlap_collectives is None:
-            overlap_collectives = os.environ.get("PIPELOOM_OVERLAP_COLLECTIVES", "1").strip().lower() not in ("0", "false", "no", "off")
         #: whether data-parallel collectives overlap compute (False: each blocks the dispatcher until done)
-        self.overlap_collectives = bool(overlap_collectives)
+        self.overlap_collectives = opts.overlap_collectives
         self._collectives: StageCollectives | None = None
         if lay is not None:
             self._collectives = StageCollectives(
                 {s: e.module for s, e in self._executors.items()}, rank=self.rank, group=lay.dp_group,
                 group_ranks=lay.row, device=self.device, bucket_bytes=bucket_bytes, overlap=self.overlap_collectives,
+                fsdp_reduce=opts.fsdp_reduce,
             )
 
         # Control plane: one endpoint per rank, exchanged over the job's group,
@@ -307,13 +322,9 @@ class Pipeline:
         endpoints: list[Any] = [None] * self.world_size
         dist.all_gather_object(endpoints, self._control.endpoint, group=obj_group)
         self._control.connect([str(e) for e in endpoints])
-        if heartbeat_timeout is None:
-            heartbeat_timeout = float(os.environ.get("PIPELOOM_HEARTBEAT_TIMEOUT", "10"))
-        if stall_timeout is None:
-            stall_timeout = float(os.environ.get("PIPELOOM_STALL_TIMEOUT", "30"))
-        self._trace_sink, recorder = self._open_trace(trace, secret[0].encode())
+        self._trace_sink, recorder = self._open_trace(opts.trace, opts.trace_endpoint, secret[0].encode())
         pair_groups = None
-        if backend == "nccl" or os.environ.get("PIPELOOM_PAIR_GROUPS") == "1":
+        if backend == "nccl" or opts.pair_groups:
             edges = set()
             columns = [[row[j] for row in lay.grid] for j in range(lay.dp)] if lay else [list(range(self.world_size))]
             for column in columns:  # every replica's pipeline edges, in global ranks
@@ -321,8 +332,7 @@ class Pipeline:
                     a, b = column[self.schedule.stage_to_rank[st]], column[self.schedule.stage_to_rank[st + 1]]
                     if a != b:
                         edges |= {(a, b), (b, a)}
-            ctas = os.environ.get("PIPELOOM_P2P_MAX_CTAS")
-            pair_groups = make_pair_groups(edges, max_ctas=int(ctas) if ctas else None)
+            pair_groups = make_pair_groups(edges, max_ctas=opts.p2p_max_ctas)
         self._tensors = TensorPlane(self.rank, device=self.device, pair_groups=pair_groups)
         self._actor = RankActor(
             rank=self.rank,
@@ -331,15 +341,13 @@ class Pipeline:
             tensor_plane=self._tensors,
             control=self._control,
             device=self.device,
-            deterministic=deterministic,
-            heartbeat_timeout=heartbeat_timeout,
-            stall_timeout=stall_timeout,
+            options=opts,
             trace=recorder,
             pp_rank=self.pp_rank,
             stage_to_rank=self.stage_to_rank,
             collectives=self._collectives,
         )
-        self._control.start_heartbeats(heartbeat_interval, lambda: self._actor.state)
+        self._control.start_heartbeats(opts.heartbeat_interval, lambda: self._actor.state)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._bound_loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -370,9 +378,7 @@ class Pipeline:
             raise PipelineConfigError(f"rank {self.rank}: bad schedule: {exc}") from exc
         return sched
 
-    def _open_trace(self, path: Any, secret: bytes) -> tuple[Any, TraceRecorder | None]:
-        endpoint = os.environ.get("PIPELOOM_TRACE_ENDPOINT")
-        path = path if path is not None else os.environ.get("PIPELOOM_TRACE")
+    def _open_trace(self, path: str | None, endpoint: str | None, secret: bytes) -> tuple[Any, TraceRecorder | None]:
         if not endpoint and not path:
             return None, None
         header = make_header(
