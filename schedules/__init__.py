@@ -6,6 +6,7 @@ Pure Python (stdlib only): nothing here knows about processes or tensors.
 from __future__ import annotations
 
 from .action import COMM_TYPES, COMPUTE_TYPES, Action, ActionParseError, ActionType, parse_action
+from .dataflow import Dataflow, TransferKey, consumer_stage, producer_stage, transfer_kind
 from .generators import (
     SCHEDULE_NAMES,
     ScheduleConfigError,
@@ -37,6 +38,7 @@ __all__ = [
     "COMM_TYPES",
     "COMPUTE_TYPES",
     "Costs",
+    "Dataflow",
     "InvalidScheduleError",
     "SCHEDULE_NAMES",
     "Schedule",
@@ -45,11 +47,13 @@ __all__ = [
     "ScheduleProblem",
     "SimulationResult",
     "TimedEvent",
+    "TransferKey",
     "add_reduce_grad",
     "add_send_recv",
     "add_unshard_reshard",
     "canonical_name",
     "check",
+    "consumer_stage",
     "default_stages_per_rank",
     "dump_csv",
     "dumps_csv",
@@ -63,7 +67,9 @@ __all__ = [
     "merge_bw",
     "parse_action",
     "placement_style",
+    "producer_stage",
     "simulate",
+    "transfer_kind",
     "v_mapping",
     "validate",
 ]
