@@ -60,6 +60,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from .action import COMM_TYPES, Action, ActionType
+from .dataflow import Dataflow, consumer_stage
 from .schedule import Schedule, ScheduleError
 from .simulate import Costs, lane_times
 
@@ -132,9 +133,10 @@ def add_send_recv(schedule: Schedule, *, recv_placement: str = "late", costs: Co
     """
     if recv_placement not in ("late", "early"):
         raise ValueError(f"recv_placement must be 'late' or 'early' (got {recv_placement!r})")
-    place = schedule.stage_to_rank
-    num_stages = len(place)
-    last = num_stages - 1
+    flow = Dataflow(schedule.stage_to_rank)
+    num_stages = flow.num_stages
+    # who consumes (to) and who produced (from) each stage's activation and gradient
+    act_to, grad_to, act_from, grad_from = flow.activation_to, flow.gradient_to, flow.activation_from, flow.gradient_from
     actions = schedule.actions
 
     # Pass 1: sends after their producers, and for every (src, dst) pair the
@@ -178,18 +180,22 @@ def add_send_recv(schedule: Schedule, *, recv_placement: str = "late", costs: Co
                 if not 0 <= s < num_stages or m is None:
                     raise ScheduleError(_malformed(rank, pos, a, num_stages))
                 if lt is _F:
-                    if s < last and place[s + 1] != rank:
+                    dst = act_to[s]
+                    if dst is not None and dst != rank:
+                        c = consumer_stage("F", s)
                         append(Action(s, _SEND_F, m))
-                        sid = stream_for(rank, place[s + 1])
-                        recv_f_at[m * num_stages + s + 1] = (sid, len(streams[sid]))
-                        streams[sid].append(Action(s + 1, _RECV_F, m))
+                        sid = stream_for(rank, dst)
+                        recv_f_at[m * num_stages + c] = (sid, len(streams[sid]))
+                        streams[sid].append(Action(c, _RECV_F, m))
                         stream_send_pos[sid].append(len(out) - 1)
                 elif lt is _B or lt is _I:
-                    if s > 0 and place[s - 1] != rank:
+                    dst = grad_to[s]
+                    if dst is not None and dst != rank:
+                        c = consumer_stage("B", s)
                         append(Action(s, _SEND_B, m))
-                        sid = stream_for(rank, place[s - 1])
-                        recv_b_at[m * num_stages + s - 1] = (sid, len(streams[sid]))
-                        streams[sid].append(Action(s - 1, _RECV_B, m))
+                        sid = stream_for(rank, dst)
+                        recv_b_at[m * num_stages + c] = (sid, len(streams[sid]))
+                        streams[sid].append(Action(c, _RECV_B, m))
                         stream_send_pos[sid].append(len(out) - 1)
         with_sends[rank] = out
 
@@ -239,10 +245,11 @@ def add_send_recv(schedule: Schedule, *, recv_placement: str = "late", costs: Co
                 if m is None:  # cannot happen: pass 1 raised
                     continue
                 if lt is _F:
-                    if s == 0 or place[s - 1] == rank:
+                    src = act_from[s]
+                    if src is None or src == rank:
                         continue
                     loc = recv_f_at.get(m * num_stages + s)
-                elif lt is _W or s == last or place[s + 1] == rank:
+                elif lt is _W or (src := grad_from[s]) is None or src == rank:
                     continue
                 else:
                     loc = recv_b_at.get(m * num_stages + s)

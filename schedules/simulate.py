@@ -58,6 +58,7 @@ from operator import itemgetter
 from typing import ClassVar, NamedTuple
 
 from .action import Action, ActionType
+from .dataflow import Dataflow, consumer_stage
 from .schedule import Schedule, ScheduleError
 
 __all__ = ["Costs", "SimulationResult", "TimedEvent", "lane_times", "simulate"]
@@ -248,6 +249,8 @@ def _run(
     """The simulation proper; ``marks`` collects lane clocks, ``record`` the events."""
     actions = schedule.actions
     place = schedule.stage_to_rank
+    flow = Dataflow(place)
+    act_from, grad_from = flow.activation_from, flow.gradient_from  # who produced each stage's inputs
     S = len(place)
     M = schedule.num_microbatches
     N = S * M
@@ -288,13 +291,14 @@ def _run(
         k = s * M + m
         ready_t = 0.0
         if t is _F:
-            if s > 0:
-                if place[s - 1] == rank or not lowered:
-                    key = _END_F * N + k - M
+            src = act_from[s]
+            if src is not None:
+                if src == rank or not lowered:
+                    key = _END_F * N + k - M  # the producer's (stage s-1) forward
                     v = value[key]
                     if v is None:
                         return None, key
-                    ready_t = v if place[s - 1] == rank else v + xfer
+                    ready_t = v if src == rank else v + xfer
                 else:
                     key = _ARR_F * N + k
                     v = value[key]
@@ -307,13 +311,14 @@ def _run(
             if v is None:
                 return None, key
             ready_t = v
-            if s < S - 1:
-                if place[s + 1] == rank or not lowered:
-                    key = _END_G * N + k + M
+            src = grad_from[s]
+            if src is not None:
+                if src == rank or not lowered:
+                    key = _END_G * N + k + M  # the producer's (stage s+1) input gradient
                     v = value[key]
                     if v is None:
                         return None, key
-                    v = v if place[s + 1] == rank else v + xfer
+                    v = v if src == rank else v + xfer
                 else:
                     key = _ARR_B * N + k
                     v = value[key]
@@ -385,10 +390,13 @@ def _run(
                     raise ScheduleError(f"cannot simulate {a} on rank {rank}: a transfer needs a microbatch")
                 # A transfer is known by its receiving side: slot k (+ N for gradients).
                 k = s * M + m
+                c = consumer_stage("F" if t is _SEND_F else "B", s, S)
+                if c is None:
+                    raise ScheduleError(f"cannot simulate {a} on rank {rank}: stage {s} has no stage to send it to")
                 if t is _SEND_F:
-                    need, slot = _END_F * N + k, k + M
+                    need, slot = _END_F * N + k, c * M + m
                 else:
-                    need, slot = _END_G * N + k, k - M + N
+                    need, slot = _END_G * N + k, c * M + m + N
                 produced = value[need]
                 if produced is None:  # a send listed before its producer: wait for the data
                     waiters.setdefault(need, []).append(rank)

@@ -67,6 +67,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .action import Action, ActionType
+from .dataflow import Dataflow, consumer_stage, producer_stage
 from .schedule import Schedule, ScheduleError, format_grid
 
 __all__ = ["InvalidScheduleError", "ScheduleProblem", "check", "validate"]
@@ -141,6 +142,8 @@ class _Checker:
         self.schedule = schedule
         self.actions = schedule.actions
         self.place = schedule.stage_to_rank
+        #: who consumes and who produced each stage's activation and gradient (the one dataflow rule)
+        self.flow = Dataflow(self.place)
         self.S = len(self.place)
         self.M = schedule.num_microbatches
         self.problems: list[ScheduleProblem] = []
@@ -256,11 +259,12 @@ class _Checker:
         misplaced = self.misplaced
         comms = self.has_comms
         add = self.add
+        flow = self.flow
         for s in range(S):
             r = place[s]
             acts = self.actions.get(r, ())
-            prev_local = s > 0 and place[s - 1] == r
-            next_local = s < S - 1 and place[s + 1] == r
+            prev_local = flow.activation_from[s] == r  # input activation handed over in memory
+            next_local = flow.gradient_from[s] == r  # output gradient handed over in memory
             for m in range(M):
                 k = s * M + m
                 f = pF[k]
@@ -312,44 +316,49 @@ class _Checker:
 
     def check_comms(self) -> None:
         """Every transfer between ranks has both sides, after its producer, and nothing else does."""
-        S, M, place = self.S, self.M, self.place
+        S, M, place, flow = self.S, self.M, self.place, self.flow
         pF, pB, pI, pSF, pRF, pSB, pRB = self.pF, self.pB, self.pI, self.pSF, self.pRF, self.pSB, self.pRB
         add = self.add
         for s in range(S):
             r = place[s]
             acts = self.actions.get(r, ())
+            # Forward edge s -> s+1 (SEND_F(s, m) here, RECV_F(s+1, m) there), backward edge s -> s-1.
+            f_dst, f_src = flow.send_rank("F", s, r), flow.recv_rank("F", s, r)
+            b_dst, b_src = flow.send_rank("B", s, r), flow.recv_rank("B", s, r)
+            f_to, b_to = consumer_stage("F", s, S), consumer_stage("B", s, S)
+            f_from, b_from = producer_stage("F", s, S), producer_stage("B", s, S)
             for m in range(M):
                 k = s * M + m
-                # Forward edge s -> s+1: SEND_F(s, m) here, RECV_F(s+1, m) there.
                 sp = pSF[k]
-                if s == S - 1 or place[s + 1] == r:
+                if f_dst is None:
                     if sp != -1:
-                        why = "the last stage has no next stage" if s == S - 1 else f"stage {s + 1} is on the same rank; the activation is handed over in memory"
+                        why = "the last stage has no next stage" if f_to is None else f"stage {f_to} is on the same rank; the activation is handed over in memory"
                         add(r, sp, acts[sp], "wrong-peer", why)
                 else:
-                    self._pair(r, place[s + 1], Action(s, _SEND_F, m), sp, Action(s + 1, _RECV_F, m), pRF[k + M], k, k + M)
+                    ck = f_to * M + m  # type: ignore[operator]
+                    self._pair(r, f_dst, Action(s, _SEND_F, m), sp, Action(f_to, _RECV_F, m), pRF[ck], k, ck)  # type: ignore[arg-type]
                     if sp != -1 and pF[k] != -1 and pF[k] >= sp:
                         add(r, sp, acts[sp], "dependency", _after("it sends the output of", Action(s, _F, m), pF[k], sp))
                 rp = pRF[k]
-                if rp != -1 and (s == 0 or place[s - 1] == r):
-                    why = "stage 0 has no previous stage" if s == 0 else f"stage {s - 1} is on the same rank; the activation is handed over in memory"
+                if rp != -1 and f_src is None:
+                    why = "stage 0 has no previous stage" if f_from is None else f"stage {f_from} is on the same rank; the activation is handed over in memory"
                     add(r, rp, acts[rp], "wrong-peer", why)
-                # Backward edge s -> s-1: SEND_B(s, m) here, RECV_B(s-1, m) there.
                 sp = pSB[k]
-                if s == 0 or place[s - 1] == r:
+                if b_dst is None:
                     if sp != -1:
-                        why = "stage 0 has no previous stage" if s == 0 else f"stage {s - 1} is on the same rank; the gradient is handed over in memory"
+                        why = "stage 0 has no previous stage" if b_to is None else f"stage {b_to} is on the same rank; the gradient is handed over in memory"
                         add(r, sp, acts[sp], "wrong-peer", why)
                 else:
-                    self._pair(r, place[s - 1], Action(s, _SEND_B, m), sp, Action(s - 1, _RECV_B, m), pRB[k - M], k, k - M)
+                    ck = b_to * M + m  # type: ignore[operator]
+                    self._pair(r, b_dst, Action(s, _SEND_B, m), sp, Action(b_to, _RECV_B, m), pRB[ck], k, ck)  # type: ignore[arg-type]
                     if sp != -1:
                         g = pB[k] if pB[k] != -1 else pI[k]
                         if g != -1 and g >= sp:
                             prod = Action(s, _B if pB[k] != -1 else _I, m)
                             add(r, sp, acts[sp], "dependency", _after("it sends the input gradient of", prod, g, sp))
                 rp = pRB[k]
-                if rp != -1 and (s == S - 1 or place[s + 1] == r):
-                    why = "the last stage has no next stage" if s == S - 1 else f"stage {s + 1} is on the same rank; the gradient is handed over in memory"
+                if rp != -1 and b_src is None:
+                    why = "the last stage has no next stage" if b_from is None else f"stage {b_from} is on the same rank; the gradient is handed over in memory"
                     add(r, rp, acts[rp], "wrong-peer", why)
 
     def _pair(self, src: int, dst: int, send: Action, sp: int, recv: Action, rp: int, sk: int, rk: int) -> None:
@@ -365,20 +374,22 @@ class _Checker:
 
     def check_recv_order(self) -> None:
         """Receives from each peer in the order that peer sends them (FIFO pairing)."""
-        M, place = self.M, self.place
+        M, flow = self.M, self.flow
         pSF, pSB = self.pSF, self.pSB
         for rank in sorted(self.recvs):
             last: dict[int, tuple[int, Action]] = {}  # peer -> (send position, receive) of the latest receive
             for pos, recv, k in self.recvs[rank]:
                 s = recv.stage
+                kind = "F" if recv.type is _RECV_F else "B"
+                src = flow.recv_rank(kind, s, rank)
+                if src is None:
+                    continue
+                p = producer_stage(kind, s)
+                pk = p * M + recv.microbatch  # type: ignore[operator]
                 if recv.type is _RECV_F:
-                    if s == 0 or place[s - 1] == rank:
-                        continue
-                    src, sp, send = place[s - 1], pSF[k - M], Action(s - 1, _SEND_F, recv.microbatch)
+                    sp, send = pSF[pk], Action(p, _SEND_F, recv.microbatch)  # type: ignore[arg-type]
                 else:
-                    if s == self.S - 1 or place[s + 1] == rank:
-                        continue
-                    src, sp, send = place[s + 1], pSB[k + M], Action(s + 1, _SEND_B, recv.microbatch)
+                    sp, send = pSB[pk], Action(p, _SEND_B, recv.microbatch)  # type: ignore[arg-type]
                 if sp == -1:
                     continue
                 prev = last.get(src)
@@ -477,7 +488,7 @@ class _Checker:
 
     def check_deadlock(self) -> None:
         """Run every rank's list in order, all together; report the ranks that never finish."""
-        S, M, place = self.S, self.M, self.place
+        M, flow = self.M, self.flow
         pF, pB, pI, pSF, pSB = self.pF, self.pB, self.pI, self.pSF, self.pSB
         ranks = sorted(self.actions)
         # Per rank, the cross-rank waits in list order: (position, peer rank, peer position).
@@ -488,23 +499,26 @@ class _Checker:
                 for pos, recv, k in self.recvs[rank]:
                     s = recv.stage
                     if recv.type is _RECV_F:
-                        if s > 0 and place[s - 1] != rank and pSF[k - M] != -1:
-                            w.append((pos, place[s - 1], pSF[k - M]))
-                    elif s < S - 1 and place[s + 1] != rank and pSB[k + M] != -1:
-                        w.append((pos, place[s + 1], pSB[k + M]))
+                        src = flow.recv_rank("F", s, rank)
+                        if src is not None and pSF[k - M] != -1:  # SEND_F of stage s-1
+                            w.append((pos, src, pSF[k - M]))
+                    else:
+                        src = flow.recv_rank("B", s, rank)
+                        if src is not None and pSB[k + M] != -1:  # SEND_B of stage s+1
+                            w.append((pos, src, pSB[k + M]))
             else:
                 for s in self.schedule.stages_of(rank):
-                    prev_remote = s > 0 and place[s - 1] != rank
-                    next_remote = s < S - 1 and place[s + 1] != rank
+                    prev_remote = flow.recv_rank("F", s, rank)
+                    next_remote = flow.recv_rank("B", s, rank)
                     for m in range(M):
                         k = s * M + m
-                        if prev_remote and pF[k] != -1 and pF[k - M] != -1:
-                            w.append((pF[k], place[s - 1], pF[k - M]))
-                        if next_remote:
+                        if prev_remote is not None and pF[k] != -1 and pF[k - M] != -1:
+                            w.append((pF[k], prev_remote, pF[k - M]))
+                        if next_remote is not None:
                             bk = pB[k] if pB[k] != -1 else pI[k]
                             g = pB[k + M] if pB[k + M] != -1 else pI[k + M]
                             if bk != -1 and g != -1:
-                                w.append((bk, place[s + 1], g))
+                                w.append((bk, next_remote, g))
                 w.sort()
             waits[rank] = w
 
