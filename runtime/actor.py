@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from ..schedules import Action, ActionType, Schedule
+from ..schedules import Action, ActionType, Dataflow, Schedule, consumer_stage, producer_stage
 from ..transport.control import ControlPlane
 from ..transport.tensor import TensorPlane, TransferSpec
 from .errors import PeerLostError, PipelineError, RemoteRankError, StageError
@@ -144,6 +144,8 @@ class RankActor:
         self.device = device
         self.deterministic = options.deterministic
         self.stage_to_rank = schedule.stage_to_rank if stage_to_rank is None else tuple(stage_to_rank)
+        #: who sends what to whom, in global ranks
+        self.flow = Dataflow(self.stage_to_rank)
         row = rank if pp_rank is None else pp_rank
         #: UNSHARD/RESHARD/REDUCE_GRAD handler (data parallelism), or None
         self.collectives = collectives
@@ -161,7 +163,7 @@ class RankActor:
         ]
         self.memory_limit = _static_peak(self.train_actions)
         #: per step kind (train?): transfers this rank sends to each peer in a step
-        self._sends_per_peer = {True: self._count_sends(self.train_actions), False: self._count_sends(self.eval_actions)}
+        self._sends_per_peer = {train: self.flow.sends_per_peer(rank, acts) for train, acts in ((True, self.train_actions), (False, self.eval_actions))}
         self._send_totals: dict[int, int] = {}
         self._sent_count: dict[int, int] = {}
         self.step_index = 0
@@ -199,20 +201,6 @@ class RankActor:
         #: what the loop is doing now, read by the heartbeat thread:
         #: ("idle" | "busy" | "waiting", action or wait description, since monotonic)
         self.state: tuple[str, str, float] = ("idle", "", time.monotonic())
-
-    def _count_sends(self, actions: Sequence[Action]) -> dict[int, int]:
-        out: dict[int, int] = {}
-        for a in actions:
-            for leaf in a.leaves():
-                if leaf.type is _F and leaf.stage != self.last_stage:
-                    dst = self.stage_to_rank[leaf.stage + 1]
-                elif (leaf.type is _B or leaf.type is _I) and leaf.stage > 0:
-                    dst = self.stage_to_rank[leaf.stage - 1]
-                else:
-                    continue
-                if dst != self.rank:
-                    out[dst] = out.get(dst, 0) + 1
-        return out
 
     def debug_state(self) -> str:
         """What this rank is doing and waiting for, for a human looking at a hang (any thread may call it)."""
@@ -359,11 +347,13 @@ class RankActor:
         if t is _F:
             if train and live >= self.memory_limit:
                 return False
-            return a.stage == 0 or self._have((step, "F", a.stage, a.microbatch))
+            key = self.flow.input_key(a, step)
+            return key is None or self._have(key)
         if t is _B or t is _I:
             if (a.stage, a.microbatch) not in self._fwd_done:
                 return False
-            return a.stage == self.last_stage or self._have((step, "B", a.stage, a.microbatch))
+            key = self.flow.input_key(a, step)
+            return key is None or self._have(key)
         if t is _W:
             return (a.stage, a.microbatch) in self._i_done
         if t is _OVL:
@@ -441,7 +431,7 @@ class RankActor:
                 if loss is not None:
                     losses[mb] = loss.detach()
             else:
-                self._outbox.append((step, "F", a.stage + 1, mb, outputs))
+                self._outbox.append((step, "F", consumer_stage("F", a.stage), mb, outputs))
             if train:
                 self._fwd_done.add((a.stage, mb))
             return
@@ -453,7 +443,7 @@ class RankActor:
                 in_grads = stage.backward_input(mb, grads)
                 self._i_done.add((a.stage, mb))
             if a.stage > 0:
-                self._outbox.append((step, "B", a.stage - 1, mb, in_grads))
+                self._outbox.append((step, "B", consumer_stage("B", a.stage), mb, in_grads))
             return
         if t is _W:
             stage.backward_weight(mb)
@@ -659,12 +649,12 @@ class RankActor:
         out = []
         for a in pending[:3]:
             for leaf in a.leaves():
-                if leaf.type is _F and leaf.stage != 0 and (step, "F", leaf.stage, leaf.microbatch) not in self._inbox:
-                    src = self.stage_to_rank[leaf.stage - 1]
-                    out.append(f"{leaf}: activation of stage {leaf.stage - 1} microbatch {leaf.microbatch} from rank {src}")
-                elif leaf.type in (_B, _I) and leaf.stage != self.last_stage and (step, "B", leaf.stage, leaf.microbatch) not in self._inbox:
-                    src = self.stage_to_rank[leaf.stage + 1]
-                    out.append(f"{leaf}: gradient from stage {leaf.stage + 1} microbatch {leaf.microbatch} on rank {src}")
+                key = self.flow.input_key(leaf, step)
+                if key is not None and key not in self._inbox:
+                    p = producer_stage(key.kind, leaf.stage)
+                    src = self.stage_to_rank[p]  # type: ignore[index]
+                    what = f"activation of stage {p}" if key.kind == "F" else f"gradient from stage {p}"
+                    out.append(f"{leaf}: {what} microbatch {leaf.microbatch} {'from' if key.kind == 'F' else 'on'} rank {src}")
                 elif leaf.type is _F and train:
                     out.append(f"{leaf}: memory (live microbatches at the schedule's peak {self.memory_limit})")
         if self.collectives is not None:

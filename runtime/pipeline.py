@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..schedules import Schedule, ScheduleError, load_csv
+from ..schedules import Dataflow, Schedule, ScheduleError, load_csv
 from ..transport.control import ControlPlane, choose_bind_host
 from ..transport.tensor import TensorPlane, make_pair_groups
 from .actor import ActorStatistics, RankActor, StepInputs
@@ -325,13 +325,10 @@ class Pipeline:
         self._trace_sink, recorder = self._open_trace(opts.trace, opts.trace_endpoint, secret[0].encode())
         pair_groups = None
         if backend == "nccl" or opts.pair_groups:
-            edges = set()
             columns = [[row[j] for row in lay.grid] for j in range(lay.dp)] if lay else [list(range(self.world_size))]
-            for column in columns:  # every replica's pipeline edges, in global ranks
-                for st in range(self.schedule.num_stages - 1):
-                    a, b = column[self.schedule.stage_to_rank[st]], column[self.schedule.stage_to_rank[st + 1]]
-                    if a != b:
-                        edges |= {(a, b), (b, a)}
+            links = Dataflow(self.schedule.stage_to_rank).links()  # in schedule rows
+            # every replica's pipeline edges, in global ranks
+            edges = {(column[a], column[b]) for column in columns for a, b in links}
             pair_groups = make_pair_groups(edges, max_ctas=opts.p2p_max_ctas)
         self._tensors = TensorPlane(self.rank, device=self.device, pair_groups=pair_groups)
         self._actor = RankActor(

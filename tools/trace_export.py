@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from ..schedules.dataflow import consumer_stage, producer_stage, transfer_kind
 from .trace_model import Span, TraceModel, trace_api
 
 if TYPE_CHECKING:
@@ -166,10 +167,12 @@ def _inputs_text(action: Any, place: tuple[int, ...] | list[int], last_stage: in
     out = []
     for leaf in action.leaves():
         s, t, m = leaf.stage, leaf.type.value, leaf.microbatch
-        if t == "F" and s > 0:
-            out.append(f"{leaf}: activation of stage {s - 1} microbatch {m} from rank {place[s - 1]}")
-        elif t in ("B", "I") and s < last_stage:
-            out.append(f"{leaf}: gradient from stage {s + 1} microbatch {m} on rank {place[s + 1]}")
+        kind = transfer_kind(leaf.type)
+        p = None if kind is None else producer_stage(kind, s, last_stage + 1)
+        if kind == "F" and p is not None:
+            out.append(f"{leaf}: activation of stage {p} microbatch {m} from rank {place[p]}")
+        elif kind == "B" and p is not None:
+            out.append(f"{leaf}: gradient from stage {p} microbatch {m} on rank {place[p]}")
         elif t == "W":
             out.append(f"{leaf}: {s}I{m}")
         elif t in ("B", "I"):
@@ -209,14 +212,12 @@ def simulation_trace(
         t = a.type.value
         if e.lane == "comm":
             s, m = a.stage, a.microbatch
-            if t == "SEND_F":
-                consumer, kind, src, dst = s + 1, "F", e.rank, place[s + 1]
-            elif t == "SEND_B":
-                consumer, kind, src, dst = s - 1, "B", e.rank, place[s - 1]
-            elif t == "RECV_F":
-                consumer, kind, src, dst = s, "F", place[s - 1], e.rank
+            kind = "F" if t.endswith("_F") else "B"
+            if t.startswith("SEND"):
+                consumer = consumer_stage(kind, s)
+                src, dst = e.rank, place[consumer]  # type: ignore[index]
             else:
-                consumer, kind, src, dst = s, "B", place[s + 1], e.rank
+                consumer, src, dst = s, place[producer_stage(kind, s)], e.rank  # type: ignore[index]
             transfers.append((e.start, src, dst, kind, consumer, m if m is not None else 0, e, t.startswith("SEND")))
             continue
         leaf = a.leaves()[0]

@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+from ..schedules.dataflow import producer_stage
+
 __all__ = [
     "Span",
     "TraceModel",
@@ -142,7 +144,10 @@ def transfer_name(ev: Mapping[str, Any]) -> str:
     mb = ev.get("mb")
     mb_s = "" if mb is None else str(mb)
     if ev["ev"] == "send":
-        producer = stage - 1 if kind == "F" else stage + 1
+        # (a trace from disk may be malformed: name what it says rather than fail)
+        producer = producer_stage(kind, stage) if kind in ("F", "B") else None
+        if producer is None:
+            return f"?SEND_{kind}{mb_s}"
         return f"{producer}SEND_{kind}{mb_s}"
     return f"{stage}RECV_{kind}{mb_s}"
 
