@@ -224,10 +224,6 @@ class RankActor:
             lines.append(f"  (state changed while reading: {exc!r})")
         return "\n".join(lines)
 
-    @staticmethod
-    def _forward_only(actions: Sequence[Action]) -> list[Action]:
-        return [leaf for a in actions for leaf in a.leaves() if leaf.type is _F]
-
     # ------------------------------------------------------------ messages
     def start(self) -> None:
         if self._started:

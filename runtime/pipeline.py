@@ -297,7 +297,7 @@ class Pipeline:
 
                 sharded = bool(fsdp_modules(module))
             self._executors[s] = StageExecutor(
-                s, module, is_first=s == 0, is_last=s == last, loss_fn=loss_fn, grad_scale=grad_scale, split_backward=s in split,
+                s, module, is_last=s == last, loss_fn=loss_fn, grad_scale=grad_scale, split_backward=s in split,
                 dynamic_params=sharded,
             )
         #: whether data-parallel collectives overlap compute (False: each blocks the dispatcher until done)

@@ -61,7 +61,6 @@ class StageExecutor:
         index: int,
         module: nn.Module,
         *,
-        is_first: bool,
         is_last: bool,
         loss_fn: Callable[..., torch.Tensor] | None,
         grad_scale: float,
@@ -73,7 +72,6 @@ class StageExecutor:
         #: I/W split looks them up at each I instead of keeping those seen at construction
         self.dynamic_params = dynamic_params
         self.module = module
-        self.is_first = is_first
         self.is_last = is_last
         self.loss_fn = loss_fn
         self.grad_scale = grad_scale
@@ -91,14 +89,6 @@ class StageExecutor:
     def _capture_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._capture is not None:
             self._capture.append((module, output))
-
-    @property
-    def live_microbatches(self) -> int:
-        """Microbatches whose forward state is still held (activations in memory)."""
-        return len(self._saved)
-
-    def reset(self) -> None:
-        self._saved.clear()
 
     def forward(
         self,
