@@ -298,8 +298,6 @@ class TensorPlane:
         self._sent_pred: dict[int, _Key] = {}
         #: per peer we receive from: (seq, shapes, slot) of the pre-posted receive
         self._prepost: dict[int, tuple[int, _Key, _Slot]] = {}
-        self.bytes_sent = 0
-        self.bytes_received = 0
 
     # -- sending ----------------------------------------------------------
     def next_send_seq(self, peer: int) -> int:
@@ -347,7 +345,6 @@ class TensorPlane:
             part += 1
             nbytes += t.numel() * t.element_size()
             self._inflight_sends.append((work, (t,)))
-        self.bytes_sent += nbytes
         self._reap_sends()
         return nbytes
 
@@ -488,8 +485,6 @@ class TensorPlane:
         if not real:
             loop.call_soon(on_done, None)
             return
-        for b in real:
-            self.bytes_received += b.numel() * b.element_size()
         group = self.pair_groups.get((peer, self.rank))
 
         def post() -> list[Any]:
@@ -518,7 +513,6 @@ class TensorPlane:
         for b in buffers:
             if b is not None:
                 works.append(dist.irecv(b, src=peer, group=group))
-                self.bytes_received += b.numel() * b.element_size()
 
         def complete(err: BaseException | None) -> None:
             try:
