@@ -28,6 +28,7 @@ def test_encode_refuses_what_decode_would_reject() -> None:
     [
         ({"v": PROTOCOL_VERSION + 1}, "protocol version"),
         ({"type": "launch_missiles"}, "unknown message type"),
+        ({"type": "hello"}, "unknown message type"),  # a schema nothing ever sent: removed
         ({"src": -1}, "sender rank"),
         ({"src": 9}, "sender rank"),
         ({"src": 0}, "this rank"),

@@ -33,7 +33,7 @@ __all__ = [
 
 MAC_BYTES = 16  #: truncated HMAC-SHA256 in front of every frame
 
-PROTOCOL_VERSION = 2  # 2: xfer carries 'last'; 'bye'
+PROTOCOL_VERSION = 2  # 2: xfer carries 'last'; 'bye'.  ('hello', never sent by any version, is gone.)
 MAX_MESSAGE_BYTES = 1 << 20  #: larger frames are rejected before decoding
 
 _MAX_TENSORS = 256
@@ -83,7 +83,6 @@ def _tensor_specs(v: Any) -> bool:
 
 # type -> {field: validator}.  ``src`` (the sending rank) is common to all.
 SCHEMAS: dict[str, dict[str, Any]] = {
-    "hello": {"world": _nonneg, "pid": _nonneg},
     # A tensor transfer: the receiver posts its receives in ``seq`` order per peer.
     "xfer": {
         "seq": _nonneg,
