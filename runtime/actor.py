@@ -625,17 +625,23 @@ class RankActor:
         if coll is not None and coll.outstanding:
             # Reductions still in flight: wait for them without blocking the loop.
             self.state = ("waiting", "data-parallel collectives", time.monotonic())
+            d0 = clock_ns() if trace is not None else 0
             await coll.drain(lambda: self._collectives_check(step), self._liveness_interval)
+            if trace is not None:
+                trace.wait(step, d0, clock_ns(), ["data-parallel collectives to complete"])
         if self.tensors.pending_sends:
             self.state = ("waiting", "sends to complete", time.monotonic())
+            d0 = clock_ns() if trace is not None else 0
             await asyncio.to_thread(self.tensors.drain_sends)
+            if trace is not None:
+                trace.wait(step, d0, clock_ns(), ["sends to complete"])
         self.state = ("idle", "", time.monotonic())
         if trace is not None:
             if self.device.type == "cuda":
                 trace.memory(step, peak, torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(self.device))
             else:
                 trace.memory(step, peak)
-            trace.step(step, step_start, clock_ns())
+            trace.step(step, step_start, clock_ns(), train=train)
         self.statistics = ActorStatistics(ran, out_of_order, waits, idle, peak)
         self.control.steps_done = self.step_index
         return results, losses

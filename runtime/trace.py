@@ -29,9 +29,23 @@ start, so ranks line up and a rank's own times never go backwards)::
     {"ev": "memory", "rank": 0, "step": 3, "t": ..., "live_mb": 2,
      "allocated": bytes, "peak": bytes}      # CUDA numbers on GPU only
     {"ev": "step", "rank": 0, "step": 3, "start": ..., "end": ...}
+                                             # + "eval": true for Pipeline.eval()
     {"ev": "collective", "rank": 0, "step": 3, "name": "2REDUCE_GRAD",
      "kind": "all-gather" | "reduce-scatter" | "all-reduce", "stage": 2,
      "bytes": 4096, "start": ..., "end": ...}   # data parallelism
+
+A ``wait``'s ``for`` names what the first pending actions lack, one string
+each, ``"{action}: {what}"``: ``activation of stage S microbatch M from rank
+R``, ``gradient from stage S microbatch M on rank R``, ``memory (live
+microbatches at the schedule's peak N)``, an ``UNSHARD``/all-gather, a
+``REDUCE_GRAD``; the end of a step adds waits ``for`` ``["data-parallel
+collectives to complete"]`` and ``["sends to complete"]``.  ``pipeloom trace
+summary`` attributes every wait to a cause and a peer from these and from the
+receive that ended it.
+
+A step's span covers the rank's whole ``run_step`` (every action, send and
+wait of the step is inside it); eval steps carry ``"eval": true`` so that the
+tools leave them out of training statistics.
 
 A collective's start is when its action launched it and its end when the
 dispatcher saw it complete (the action span itself only covers the launch).
@@ -71,6 +85,7 @@ __all__ = [
     "StreamSink",
     "read_header",
     "check_batch",
+    "expand_paths",
 ]
 
 TRACE_FORMAT = "pipeloom-trace"
@@ -118,8 +133,11 @@ class TraceRecorder:
             {"ev": "collective", "rank": self.rank, "step": step, "name": name, "kind": kind, "stage": stage, "bytes": nbytes, "start": start, "end": end}
         )
 
-    def step(self, step: int, start: int, end: int) -> None:
-        self._events.append({"ev": "step", "rank": self.rank, "step": step, "start": start, "end": end})
+    def step(self, step: int, start: int, end: int, *, train: bool = True) -> None:
+        ev: dict[str, Any] = {"ev": "step", "rank": self.rank, "step": step, "start": start, "end": end}
+        if not train:
+            ev["eval"] = True
+        self._events.append(ev)
 
     def drain(self) -> list[dict[str, Any]]:
         events, self._events = self._events, []
@@ -175,15 +193,48 @@ def append_events(f: IO[str], events: Iterable[dict[str, Any]]) -> None:
     f.flush()
 
 
+def expand_paths(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> list[str]:
+    """The files a list of trace paths means.
+
+    ``PATH`` that does not exist but ``PATH.rank0``... do is the trace path
+    given to a job that ran without the collecting launcher (under torchrun
+    every rank writes ``PATH.rank{R}``, see :class:`FileSink`): it stands for
+    all of them, so the path given to the job works with every ``pipeloom
+    trace`` command.
+    """
+    import glob
+    import re
+
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    out: list[str] = []
+    for p in map(os.fspath, paths):
+        if not os.path.exists(p):
+            ranks = [q for q in glob.glob(glob.escape(p) + ".rank*") if re.fullmatch(r"\.rank\d+", q[len(p):])]
+            if ranks:
+                out += sorted(ranks, key=lambda q: int(q[len(p) + 5:]))
+                continue
+        out.append(p)
+    return out
+
+
+#: Header fields that every file of one trace must agree on.
+_MUST_AGREE = ("source", "world_size", "schedule", "num_microbatches")
+
+
 def read_trace(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> TraceFile:
     """Read one trace file, or several per-rank files of one job (merged, headers must agree).
 
     A truncated last line (a job killed mid-write) is ignored; any other
-    malformed line raises ValueError naming the file and line.
+    malformed line raises ValueError naming the file and line.  Files whose
+    headers disagree on the source (a simulated plan and a recorded run), the
+    world size, the schedule or the microbatch count are not one job: that is
+    a ValueError naming both files (``pipeloom trace compare`` sets a run
+    against a plan).
     """
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
+    paths = expand_paths(paths)
     header: dict[str, Any] | None = None
+    first = ""
     events: list[dict[str, Any]] = []
     for path in paths:
         with open(path) as f:
@@ -199,7 +250,14 @@ def read_trace(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]])
         if h.get("version") != TRACE_VERSION:
             raise ValueError(f"{path}: {TRACE_FORMAT} version {h.get('version')} is not supported (this reads {TRACE_VERSION})")
         if header is None:
-            header = h
+            header, first = h, str(path)
+        else:
+            for key in _MUST_AGREE:
+                if h.get(key, "run" if key == "source" else None) != header.get(key, "run" if key == "source" else None):
+                    a, b = header.get(key, "run" if key == "source" else None), h.get(key, "run" if key == "source" else None)
+                    hint = (" (a simulated plan and a recorded run are not one trace: compare them with "
+                            "`pipeloom trace compare RUN PLAN`)" if key == "source" else "")
+                    raise ValueError(f"{first} and {path} are not files of one job: {key} {a!r} vs {b!r}{hint}")
         body = [ln for ln in lines[1:]]
         while body and not body[-1].strip():
             body.pop()

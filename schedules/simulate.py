@@ -61,7 +61,7 @@ from .action import Action, ActionType
 from .dataflow import Dataflow, consumer_stage
 from .schedule import Schedule, ScheduleError
 
-__all__ = ["Costs", "SimulationResult", "TimedEvent", "lane_times", "simulate"]
+__all__ = ["ActionCosts", "Costs", "SimulationResult", "TimedEvent", "lane_times", "simulate"]
 
 _F = ActionType.F
 _B = ActionType.B
@@ -212,8 +212,17 @@ _WAIT_TEXT = {
 }
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult:
+ActionCosts = Mapping[tuple[int, str, "int | None"], float]
+"""Durations by ``(stage, type, microbatch)``; microbatch None: every microbatch of that stage and type."""
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None, *, action_costs: ActionCosts | None = None) -> SimulationResult:
     """Simulate ``schedule`` under ``costs`` (default :class:`Costs`).
+
+    ``action_costs`` overrides the compute costs of F, B, I and W per stage
+    (key ``(stage, "F", None)``) or per stage and microbatch (``(stage, "F",
+    3)``, looked up first): costs measured on a recorded run differ by stage
+    (an embedding, a vocabulary head) and by microbatch (varying lengths).
 
     Accepts compute-only and lowered schedules, with or without FSDP actions,
     ``REDUCE_GRAD`` and ``OVERLAP_F_B``.  Raises :class:`ScheduleError` when
@@ -222,7 +231,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimulationResult
     """
     costs = Costs() if costs is None else costs
     lowered = any(a.is_comm for acts in schedule.actions.values() for a in acts)
-    return _run(schedule, costs, lowered=lowered, marks=None, record=True)
+    return _run(schedule, costs, lowered=lowered, marks=None, record=True, action_costs=action_costs)
 
 
 def lane_times(schedule: Schedule, costs: Costs | None = None) -> dict[int, list[float]]:
@@ -245,6 +254,7 @@ def _run(
     lowered: bool,
     marks: dict[int, list[float]] | None,
     record: bool,
+    action_costs: ActionCosts | None = None,
 ) -> SimulationResult:
     """The simulation proper; ``marks`` collects lane clocks, ``record`` the events."""
     actions = schedule.actions
@@ -256,6 +266,21 @@ def _run(
     N = S * M
     xfer = costs.transfer
     leaf_cost = {_F: costs.F, _B: costs.B, _I: costs.I, _W: costs.W}
+    if action_costs:
+        by_type = {t.value: t for t in (_F, _B, _I, _W)}
+        table: dict[tuple[int, ActionType, int | None], float] = {}
+        for (st, typ, mb), v in action_costs.items():
+            if typ not in by_type or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"action cost {(st, typ, mb)!r} = {v!r}: needs a type F, B, I or W and a finite cost >= 0")
+            table[(st, by_type[typ], mb)] = float(v)
+
+        def cost_of(leaf: Action) -> float:
+            v = table.get((leaf.stage, leaf.type, leaf.microbatch))
+            if v is None:
+                v = table.get((leaf.stage, leaf.type, None))
+            return leaf_cost[leaf.type] if v is None else v
+    else:
+        cost_of = None  # type: ignore[assignment]
     overlap = costs.overlap
 
     # value[kind * N + k]: when the value became available (None: not yet).
@@ -359,10 +384,13 @@ def _run(
                     if when > start:
                         start = when
                 if subs:
-                    c1, c2 = leaf_cost[subs[0].type], leaf_cost[subs[1].type]
+                    if cost_of is None:
+                        c1, c2 = leaf_cost[subs[0].type], leaf_cost[subs[1].type]
+                    else:
+                        c1, c2 = cost_of(subs[0]), cost_of(subs[1])
                     dur = max(c1, c2) + overlap * min(c1, c2)
                 else:
-                    dur = leaf_cost[t]
+                    dur = leaf_cost[t] if cost_of is None else cost_of(a)
                 end = start + dur
                 for leaf in leaves:
                     ls, lt, lm, _ = leaf

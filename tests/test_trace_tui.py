@@ -278,3 +278,34 @@ async def test_view_of_a_simulated_plan(tmp_path: Path) -> None:
         assert app.state.selected is not None and app.state.selected.name == "0F1"
         lanes = app.render_timeline(200).plain
     assert "0F0" in lanes and "1F0" in lanes
+
+
+async def test_critical_path_key_and_help_screen() -> None:
+    from pipeloom.tools.trace_tui import CRITICAL_STYLE, HelpScreen
+
+    m = _model()
+    app = TraceApp(m)
+    async with app.run_test(size=(150, 40)) as pilot:
+        assert app.critical_spans() == set()
+        await pilot.press("c")
+        crit = app.critical_spans()
+        names = {a.name for a in m.actions_of(0, 0) + m.actions_of(1, 0) if id(a) in crit}
+        # rank 0 ends the step; its gradient wait has no receive recorded, so the path stays on rank 0
+        assert names == {"0F0", "0F1", "0B0", "0B1"}
+        assert "critical path shown" in _text(app, "#summary")
+        assert "step 0 = 10.000 ms: compute 6.000 ms + transfers 0 ns + runtime 0 ns + waiting on rank 1 4.000 ms" in _text(app, "#summary")
+        text = app.render_timeline(150)
+        assert "critical path" in text.plain
+        assert any(str(span.style) == CRITICAL_STYLE for span in text.spans)
+        await pilot.press("c")
+        assert app.critical_spans() == set()
+
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        help_text = app.screen.text
+        assert "critical path" in help_text and "not_sent" in help_text and "zoom in" in help_text
+        await pilot.press("x")
+        await pilot.pause()
+        assert not isinstance(app.screen, HelpScreen)
+        await pilot.press("q")

@@ -95,7 +95,9 @@ def add_parser(subparsers: Any) -> None:
     check.set_defaults(func=_guarded(_cmd_check))
 
     simulate_p = sub.add_parser("simulate", help="estimate makespan, bubbles and memory of a schedule")
-    simulate_p.add_argument("target", metavar="NAME|FILE.csv", help="a named schedule (lowered first) or a CSV file (as loaded)")
+    simulate_p.add_argument("target", nargs="?", metavar="NAME|FILE.csv",
+                            help="a named schedule (lowered first) or a CSV file (as loaded); with --costs-from, "
+                            "default: the run's schedule, ranks, microbatches and stages per rank")
     _add_generator_args(simulate_p, required=False)
     simulate_p.add_argument("--fsdp", action="store_true", help="for a NAME: lower with UNSHARD/RESHARD")
     _add_recv_arg(simulate_p)
@@ -105,6 +107,13 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         metavar="SPEC",
         help="action durations, e.g. F=1,B=2,I=1,W=1 (see the README for every key)",
+    )
+    simulate_p.add_argument(
+        "--costs-from",
+        metavar="RUN.jsonl",
+        default=None,
+        help="per-stage, per-type mean costs and transfer times measured on a recorded run (times in ns; "
+        "see `pipeloom trace compare` to set the plan against the run)",
     )
     simulate_p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     simulate_p.add_argument(
@@ -279,6 +288,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 def _load_target(args: argparse.Namespace) -> tuple[Schedule, str, str | None]:
     """The schedule to simulate, its label, and its generator name (None for a file)."""
+    if args.target is None:
+        raise _UsageError("give a schedule NAME or FILE.csv (or --costs-from RUN.jsonl to simulate the run's configuration)")
     if _is_file(args.target):
         if args.microbatches is not None or args.stages_per_rank is not None or args.fsdp or args.recv is not None:
             raise _UsageError("--microbatches, --stages-per-rank, --fsdp and --recv apply to a NAME, not to a CSV file")
@@ -290,7 +301,32 @@ def _load_target(args: argparse.Namespace) -> tuple[Schedule, str, str | None]:
     return _build(name, args, lowered=True, costs=args.costs), name, name
 
 
+def _run_costs(path: str) -> Any:
+    """:func:`~pipeloom.tools.run_costs.costs_from_trace` of a run, user errors as _UsageError."""
+    from .run_costs import costs_from_trace
+    from .trace_model import load_trace
+
+    try:
+        return costs_from_trace(load_trace(path))
+    except ValueError as exc:
+        raise _UsageError(f"--costs-from {path}: {exc}") from None
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    run = None
+    if args.costs_from is not None:
+        if args.costs is not None:
+            raise _UsageError("give --costs or --costs-from, not both")
+        run = _run_costs(args.costs_from)
+        if args.target is None:
+            if not run.schedule or not run.num_microbatches:
+                raise _UsageError(f"{args.costs_from}: the header names no schedule and microbatch count; give NAME -p -m")
+            args.target = run.schedule
+            args.ranks = args.ranks or run.world_size
+            args.microbatches = args.microbatches or run.num_microbatches
+            if args.stages_per_rank is None:
+                args.stages_per_rank = run.stages_per_rank
+        args.costs = run.costs
     schedule, label, name = _load_target(args)
     # The simulator only says "cannot finish"; the validator says where and why.
     problems = validate(schedule)
@@ -298,25 +334,47 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         _report_problems(schedule, problems, label)
         return 1
     costs = args.costs if args.costs is not None else Costs()
-    result = simulate(schedule, costs)
+    action_costs = run.action_costs if run is not None else None
+    result = simulate(schedule, costs, action_costs=action_costs)
+    unit = 1 if run is not None else None
     if args.trace is not None:
-        _write_simulation_trace(args.trace, schedule, costs, result)
+        _write_simulation_trace(args.trace, schedule, costs, result, time_unit_ns=unit, action_costs=action_costs)
+    same = run is not None and (schedule.name, schedule.num_microbatches, list(schedule.stage_to_rank)) == (
+        run.schedule, run.num_microbatches, run.stage_to_rank)
     if args.json:
-        print(json.dumps(_simulation_json(schedule, label, costs, result), indent=2))
+        doc = _simulation_json(schedule, label, costs, result)
+        if run is not None:
+            doc["costs_from"] = {"file": args.costs_from, **run.to_json()}
+            doc["time_unit"] = "ns"
+            if same:
+                doc["measured_step_ns"] = run.step_ns
+        print(json.dumps(doc, indent=2))
     else:
         print(_describe_schedule(schedule, label, name=name))
+        if run is not None:
+            print(f"costs measured on {args.costs_from} (steps {', '.join(map(str, run.steps))}), in ns; per stage: "
+                  + ", ".join(f"{s}{t}={v / 1000:.1f}us" for (s, t, _), v in sorted(run.action_costs.items()))
+                  + " (mean duration + the rank's runtime time per action)")
         print(_simulation_table(costs, result))
+        if same and run.step_ns:
+            err = (result.makespan - run.step_ns) / run.step_ns
+            print(f"measured step time {run.step_ns / 1e6:.3f} ms, simulated {result.makespan / 1e6:.3f} ms ({err:+.1%})")
     return 0
 
 
-def _write_simulation_trace(path: str, schedule: Schedule, costs: Costs, result: SimulationResult) -> None:
+def _write_simulation_trace(path: str, schedule: Schedule, costs: Costs, result: SimulationResult, *,
+                            time_unit_ns: int | None = None, action_costs: Any = None) -> None:
     """The simulated step in the trace format (see :mod:`pipeloom.tools.trace_export` for the time scale)."""
     from .trace_export import SIMULATION_UNIT_NS, simulation_trace
     from .trace_model import trace_api
 
-    header, events = simulation_trace(schedule, result, costs, time_unit_ns=SIMULATION_UNIT_NS)
+    unit = SIMULATION_UNIT_NS if time_unit_ns is None else time_unit_ns
+    header, events = simulation_trace(schedule, result, costs, time_unit_ns=unit)
+    if action_costs:
+        header["action_costs"] = {f"{s}{t}" + ("" if m is None else f"@{m}"): v for (s, t, m), v in sorted(action_costs.items(), key=str)}
     trace_api().write_trace(path, header, events)
-    print(f"wrote {path}: simulated trace, 1 time unit = {SIMULATION_UNIT_NS // 1_000_000} ms", file=sys.stderr)
+    what = f"1 time unit = {unit // 1_000_000} ms" if unit >= 1_000_000 else f"1 time unit = {unit} ns"
+    print(f"wrote {path}: simulated trace, {what}", file=sys.stderr)
 
 
 def _simulation_json(schedule: Schedule, label: str, costs: Costs, result: SimulationResult) -> dict[str, Any]:

@@ -9,8 +9,15 @@
   with ``--file`` the history so far is loaded first.
 * ``export FILE... --chrome OUT.json`` -- Chrome trace JSON for Perfetto or
   ``chrome://tracing``.
-* ``summary FILE... [--json] [--step N]`` -- the summary pane's numbers as
-  text or JSON.
+* ``summary FILE... [--json] [--step N] [--skip-warmup N] [--include-eval]``
+  -- the summary pane's numbers as text or JSON: attribution of every rank's
+  step time, critical paths, action statistics (definitions in ``--help``).
+* ``compare RUN PLAN`` -- a recorded run against a simulated plan, action by
+  action (slip).
+
+Every FILE may be the path the job was given (``PATH`` for the
+``PATH.rank{R}`` files ranks write without the collecting launcher); files
+of different jobs, or a plan mixed with a run, are refused (exit 2).
 
 The commands import neither torch nor (except ``view``/``attach``) textual,
 so they start at once.  Exit status: 0 done, 2 the request could not be
@@ -53,12 +60,42 @@ def add_parser(subparsers: Any) -> None:
     export.add_argument("--chrome", required=True, metavar="OUT.json", help="where to write the Chrome trace")
     export.set_defaults(func=_guarded(_cmd_export))
 
-    summary = sub.add_parser("summary", help="busy, idle and bubble per rank, step times, longest waits")
-    summary.add_argument("files", nargs="+", metavar="FILE")
+    from .trace_analysis import DEFINITIONS
+
+    summary = sub.add_parser("summary", help="where the step time went: attribution, critical path, statistics",
+                             description="Per rank: busy, idle and bubble, and where every nanosecond of the step "
+                             "time went; per step: the critical path; per rank, stage and type: action durations; "
+                             "step-time percentiles; the longest waits.",
+                             epilog=DEFINITIONS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    summary.add_argument("files", nargs="+", metavar="FILE", help="a trace, the per-rank files of one job, or the path given to the job")
     summary.add_argument("--json", action="store_true", help="print one JSON object")
     summary.add_argument("--step", type=int, default=None, metavar="N", help="only step N")
+    summary.add_argument("--skip-warmup", type=_nonneg, default=0, metavar="N", help="leave out the first N training steps")
+    summary.add_argument("--include-eval", action="store_true", help="count eval steps too (left out by default)")
     summary.add_argument("--top", type=int, default=5, metavar="K", help="longest waits to list (default 5)")
     summary.set_defaults(func=_guarded(_cmd_summary))
+
+    compare = sub.add_parser("compare", help="a recorded run against a simulated plan: per-action slip",
+                             description="Set a recorded run against a plan (`pipeloom schedule simulate ... "
+                             "--trace PLAN.jsonl`, best with --costs-from RUN.jsonl): for every action of a step, "
+                             "its planned and actual start (from the step window's start) and duration, and the "
+                             "slip (actual start - planned start).")
+    compare.add_argument("run", metavar="RUN.jsonl", help="the recorded run (or the path given to the job)")
+    compare.add_argument("plan", metavar="PLAN.jsonl", help="the simulated plan")
+    compare.add_argument("--step", type=int, default=None, metavar="N", help="the run's step to compare (default: the last training step)")
+    compare.add_argument("--json", action="store_true", help="print one JSON object")
+    compare.add_argument("--top", type=int, default=10, metavar="K", help="largest slips to list (default 10; 0: every action)")
+    compare.set_defaults(func=_guarded(_cmd_compare))
+
+
+def _nonneg(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return v
 
 
 def _guarded(handler: Any) -> Any:
@@ -78,10 +115,17 @@ def _guarded(handler: Any) -> Any:
     return run
 
 
-def _load(files: list[str]) -> Any:
+def _load(files: list[str], *, warn: bool = True) -> Any:
     from .trace_model import load_trace
 
-    return load_trace(files)
+    model = load_trace(files)
+    if warn and model.missing_ranks:
+        given = ", ".join(files)
+        print(f"pipeloom trace: warning: no events of rank{'s' if len(model.missing_ranks) > 1 else ''} "
+              f"{', '.join(map(str, model.missing_ranks))} of {model.header.get('world_size')} in {given} "
+              "(a per-rank file not given? give the path the job was given, or every PATH.rankN): left out",
+              file=sys.stderr)
+    return model
 
 
 def _cmd_view(args: argparse.Namespace) -> int:
@@ -142,9 +186,32 @@ def _cmd_summary(args: argparse.Namespace) -> int:
     model = _load(args.files)
     if args.step is not None and args.step not in model.steps:
         raise _UserError(f"the trace has no step {args.step} (steps: {', '.join(map(str, model.steps)) or 'none'})")
-    summary = summarize(model, step=args.step, top=args.top)
+    summary = summarize(model, step=args.step, top=args.top, skip_warmup=args.skip_warmup, include_eval=args.include_eval)
     if args.json:
         print(json.dumps(summary.to_json(), indent=2))
     else:
         print(format_summary(summary))
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from .trace_compare import compare, format_comparison
+
+    run = _load([args.run])
+    plan = _load([args.plan], warn=False)
+    if run.source == "simulation" and plan.source != "simulation":
+        raise _UserError(f"{args.run} is a simulated plan and {args.plan} a recorded run: give the run first "
+                         f"(pipeloom trace compare {args.plan} {args.run})")
+    if run.source == "simulation":
+        raise _UserError(f"{args.run} is a simulated plan, not a recorded run")
+    if plan.source != "simulation":
+        raise _UserError(f"{args.plan} is a recorded run, not a simulated plan (make one with "
+                         "`pipeloom schedule simulate NAME ... --costs-from RUN.jsonl --trace PLAN.jsonl`)")
+    if args.step is not None and args.step not in run.steps:
+        raise _UserError(f"{args.run} has no step {args.step} (steps: {', '.join(map(str, run.steps)) or 'none'})")
+    result = compare(run, plan, step=args.step)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(format_comparison(result, top=args.top))
     return 0

@@ -19,7 +19,13 @@ profiler shows, so the two can be compared side by side:
   each send to the receive it matches on (source rank, destination rank,
   seq), starting where the send starts and ending where the data landed;
 * memory events as counters (``"ph": "C"``): live microbatches, and CUDA
-  allocated/peak bytes where recorded.
+  allocated/peak bytes where recorded;
+* each step's **critical path** (see :mod:`pipeloom.tools.trace_analysis`) on
+  its own track, ``critical path``, in its own category ``critical_path``:
+  one slice per segment (``compute: 1F3``, ``transfer: ...``, ``waiting: ...``)
+  on the rank where it happened; and each rank's **attribution** of the step
+  time (actions by type, waits by cause and peer, sends, runtime, outside)
+  in the ``args`` of its ``step`` slice.
 
 ``ts``/``dur`` are microseconds (the format's unit) from the trace's first
 event, as floats with nanosecond resolution.
@@ -51,7 +57,7 @@ __all__ = ["chrome_trace", "simulation_trace", "SIMULATION_UNIT_NS"]
 SIMULATION_UNIT_NS = 1_000_000
 """Default scale of simulated time: one cost unit is one millisecond."""
 
-_TRACKS = ("steps", "compute", "fsdp", "comm send", "comm recv", "waits")
+_TRACKS = ("steps", "critical path", "compute", "fsdp", "comm send", "comm recv", "waits")
 
 
 def _track(span: Span) -> str:
@@ -155,9 +161,34 @@ def chrome_trace(model: TraceModel) -> dict[str, Any]:
             if ev.get("allocated") is not None:
                 out.append({"ph": "C", "name": "memory", "pid": r, "ts": us(ev["t"]),
                             "args": {"allocated": ev["allocated"], "peak": ev.get("peak") or 0}})
+    _explain(model, out, tracks, us)
     other = {k: v for k, v in model.header.items() if isinstance(v, (str, int, float, bool))}
     other["trace_start_ns"] = t0
     return {"traceEvents": tracks.meta + out, "displayTimeUnit": "ms", "otherData": other}
+
+
+def _explain(model: TraceModel, out: list[dict[str, Any]], tracks: _Tracks, us: Any) -> None:
+    """The critical path (its own category and track) and each rank's attribution (on its step slices)."""
+    from .trace_analysis import Attributor, critical_path
+
+    att = Attributor(model)
+    present = [r for r in model.ranks if r not in model.missing_ranks]
+    by_step_rank = {(s, r): att.attribute(r, s) for s in model.steps for r in present}
+    for e in out:
+        if e.get("cat") == "step":
+            a = by_step_rank.get((e["args"].get("step"), e["pid"]))
+            if a is not None:
+                e["args"]["attribution_ns"] = a.to_json()
+                e["args"]["eval"] = e["args"].get("step") in model.eval_steps
+    for s in model.steps:
+        cp = critical_path(model, s, attributor=att)
+        for seg in cp.segments:
+            if seg.rank < 0 or seg.duration <= 0:
+                continue
+            out.append({"ph": "X", "name": f"{seg.kind}: {seg.name}", "cat": "critical_path", "pid": seg.rank,
+                        "tid": tracks.named(seg.rank, "critical path"), "ts": us(seg.start),
+                        "dur": round(us(seg.end) - us(seg.start), 3),
+                        "args": {"step": s, "kind": seg.kind, "peer": seg.peer}})
 
 
 # ---------------------------------------------------------------- simulation

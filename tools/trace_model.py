@@ -201,6 +201,10 @@ class TraceModel:
         self.transfers: dict[int, list[Span]] = {}
         self.memory: dict[int, list[Mapping[str, Any]]] = {}
         step_ev: dict[int, list[tuple[int, int]]] = {}
+        self.step_spans: dict[int, dict[int, tuple[int, int]]] = {}
+        """rank -> step -> (start, end) of the rank's own ``step`` event."""
+        self.eval_steps: set[int] = set()
+        """Steps recorded by ``Pipeline.eval()`` (``"eval": true``)."""
         extent: dict[int, list[int]] = {}  # step -> [min start, max end] of its spans
         t_lo, t_hi = math.inf, -math.inf
         for ev in self.events:
@@ -216,7 +220,11 @@ class TraceModel:
                 continue
             if kind == "step":
                 try:
-                    step_ev.setdefault(int(ev["step"]), []).append((int(ev["start"]), int(ev["end"])))
+                    span = (int(ev["start"]), int(ev["end"]))
+                    step_ev.setdefault(int(ev["step"]), []).append(span)
+                    self.step_spans.setdefault(ev["rank"], {})[int(ev["step"])] = span
+                    if ev.get("eval"):
+                        self.eval_steps.add(int(ev["step"]))
                 except (KeyError, TypeError, ValueError):
                     pass
                 continue
@@ -235,13 +243,25 @@ class TraceModel:
         if isinstance(world, int) and world > 0:
             ranks.update(range(world))
         self.ranks: list[int] = sorted(ranks)
-        self.windows: dict[int, tuple[int, int]] = {}
+        with_events = {r for d in (self.actions, self.waits, self.transfers, self.step_spans) for r in d}
+        self.missing_ranks: list[int] = sorted(set(self.ranks) - with_events) if with_events else []
+        """Ranks of the job (``world_size``) with no event at all: their file was not given, or they died first."""
+        # Windows: from the first rank's start of a step to the last rank's end of
+        # it, cut where the next step begins, so that windows never overlap.
+        spans: dict[int, tuple[int, int]] = {}
         for s in set(step_ev) | set(extent):
             if s in step_ev:
-                self.windows[s] = (min(a for a, _ in step_ev[s]), max(b for _, b in step_ev[s]))
+                spans[s] = (min(a for a, _ in step_ev[s]), max(b for _, b in step_ev[s]))
             else:
-                self.windows[s] = (extent[s][0], extent[s][1])
-            t_lo, t_hi = min(t_lo, self.windows[s][0]), max(t_hi, self.windows[s][1])
+                spans[s] = (extent[s][0], extent[s][1])
+            t_lo, t_hi = min(t_lo, spans[s][0]), max(t_hi, spans[s][1])
+        self.windows: dict[int, tuple[int, int]] = {}
+        order = sorted(spans, key=lambda s: (spans[s][0], s))
+        for i, s in enumerate(order):
+            lo, hi = spans[s]
+            if i + 1 < len(order):
+                hi = max(lo, min(hi, spans[order[i + 1]][0]))
+            self.windows[s] = (lo, hi)
         self.steps: list[int] = sorted(self.windows)
         self.t0 = int(t_lo) if t_lo != math.inf else 0
         self.t_end = int(t_hi) if t_hi != -math.inf else self.t0
@@ -259,6 +279,19 @@ class TraceModel:
 
     def window(self, step: int) -> tuple[int, int]:
         return self.windows.get(step, (self.t0, self.t_end))
+
+    @property
+    def train_steps(self) -> list[int]:
+        """The steps that are not eval steps."""
+        return [s for s in self.steps if s not in self.eval_steps]
+
+    def step_at(self, t: float) -> int | None:
+        """The step whose window holds time ``t`` (None: between steps or outside the trace)."""
+        for s in self.steps:
+            lo, hi = self.windows[s]
+            if lo <= t < hi or (t == hi and s == self.steps[-1]):
+                return s
+        return None
 
     def waits_before(self, action: Span) -> list[Span]:
         """The waits on the action's rank between the previous action's end and this one's start."""
@@ -368,6 +401,17 @@ class TraceSummary:
     ranks: tuple[RankStats, ...]
     step_times_ns: Mapping[int, int]
     longest_waits: tuple[WaitInfo, ...]
+    attribution: tuple[Any, ...] = ()
+    """Per rank, where its time went over the steps measured (:class:`~pipeloom.tools.trace_analysis.Attribution`)."""
+    per_step: tuple[Any, ...] = ()
+    """The same per (rank, step)."""
+    critical: tuple[Any, ...] = ()
+    """The critical path of each step measured (:class:`~pipeloom.tools.trace_analysis.CriticalPath`)."""
+    action_stats: tuple[Any, ...] = ()
+    missing_ranks: tuple[int, ...] = ()
+    """Ranks of the job without any event (their file not given?): left out of every number."""
+    left_out: str = ""
+    """Which steps were left out and why (eval, warm-up)."""
 
     @property
     def mean_step_ns(self) -> float:
@@ -380,10 +424,19 @@ class TraceSummary:
         return sum(r.idle_ns for r in self.ranks) / total if total else 0.0
 
     def to_json(self) -> dict[str, Any]:
+        from .trace_analysis import step_percentiles
+
         return {
             "source": self.source,
             "schedule": self.schedule,
             "steps": list(self.steps),
+            "left_out": self.left_out,
+            "missing_ranks": list(self.missing_ranks),
+            "step_time_percentiles_ns": step_percentiles(self.step_times_ns),
+            "attribution": [a.to_json() for a in self.attribution],
+            "attribution_per_step": [{"step": s, **a.to_json()} for s, a in self.per_step],
+            "critical_path": [c.to_json() for c in self.critical],
+            "action_stats": [x.to_json() for x in self.action_stats],
             "bubble_fraction": self.bubble_fraction,
             "mean_step_ns": self.mean_step_ns,
             "step_times_ns": {str(k): v for k, v in sorted(self.step_times_ns.items())},
@@ -416,17 +469,49 @@ class TraceSummary:
         }
 
 
-def summarize(model: TraceModel, *, step: int | None = None, top: int = 5) -> TraceSummary:
-    """Per-rank busy/idle/bubble, step times, traffic and the ``top`` longest waits (see the module docstring)."""
-    steps = tuple(model.steps if step is None else [s for s in model.steps if s == step])
+def summarize(
+    model: TraceModel,
+    *,
+    step: int | None = None,
+    top: int = 5,
+    skip_warmup: int = 0,
+    include_eval: bool = False,
+    critical: bool = True,
+) -> TraceSummary:
+    """Per-rank busy/idle/bubble and attribution, step times, critical paths, traffic and the ``top`` longest waits.
+
+    ``step``: only that step; else every training step after the first
+    ``skip_warmup`` (eval steps too with ``include_eval``).  See the module
+    docstring and :data:`~pipeloom.tools.trace_analysis.DEFINITIONS`.
+    """
+    from .trace_analysis import Attribution, Attributor, action_stats, critical_path, select_steps
+
+    steps = tuple(select_steps(model, step=step, skip_warmup=skip_warmup, include_eval=include_eval))
+    left = []
+    if step is None:
+        ev = [s for s in model.eval_steps if s in model.windows]
+        if ev and not include_eval:
+            left.append(f"{len(ev)} eval step{'s' if len(ev) != 1 else ''}")
+        if skip_warmup:
+            left.append(f"the first {min(skip_warmup, len(model.train_steps))} training step(s) (warm-up)")
     chosen = set(steps)
     step_times = {s: model.windows[s][1] - model.windows[s][0] for s in steps}
     window = sum(step_times.values())
     ranks = []
     waits: list[WaitInfo] = []
-    for r in model.ranks:
+    att = Attributor(model)
+    attribution = []
+    per_step = []
+    present = [r for r in model.ranks if r not in model.missing_ranks]
+    for r in present:
         acts = [a for a in model.actions.get(r, []) if a.step in chosen]
-        busy = sum(a.duration for a in acts if a.type != "UNSHARD")
+        total = Attribution(r)
+        for s in steps:
+            a1 = att.attribute(r, s)
+            per_step.append((s, a1))
+            total.add(a1)
+        attribution.append(total)
+        busy = total.compute_ns
         ws = [w for w in model.waits.get(r, []) if w.step in chosen]
         xs = [t for t in model.transfers.get(r, []) if t.step in chosen]
         idle = window - busy
@@ -436,7 +521,7 @@ def summarize(model: TraceModel, *, step: int | None = None, top: int = 5) -> Tr
                 window_ns=window,
                 busy_ns=busy,
                 idle_ns=idle,
-                waiting_ns=sum(w.duration for w in ws),
+                waiting_ns=total.waiting_ns,
                 busy_fraction=busy / window if window else 0.0,
                 bubble_fraction=idle / window if window else 0.0,
                 actions=len(acts),
@@ -458,6 +543,12 @@ def summarize(model: TraceModel, *, step: int | None = None, top: int = 5) -> Tr
         ranks=tuple(ranks),
         step_times_ns=step_times,
         longest_waits=tuple(waits[:top]),
+        attribution=tuple(attribution),
+        per_step=tuple(per_step),
+        critical=tuple(critical_path(model, s, attributor=att) for s in steps) if critical else (),
+        action_stats=tuple(action_stats(model, steps)),
+        missing_ranks=tuple(model.missing_ranks),
+        left_out=", ".join(left),
     )
 
 
@@ -484,8 +575,49 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
+_TYPE_ORDER = ("F", "I", "B", "W", "OVERLAP_F_B", "UNSHARD", "RESHARD", "REDUCE_GRAD")
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+
+
+def format_attribution(summary: TraceSummary) -> list[str]:
+    """The "where the time went" table: each rank's row adds up to 100% of the step time."""
+    atts = summary.attribution
+    if not atts or not any(a.window_ns for a in atts):
+        return []
+    from .trace_analysis import WAIT_CAUSES
+
+    types = sorted({t for a in atts for t in a.actions_ns}, key=lambda t: (_TYPE_ORDER.index(t) if t in _TYPE_ORDER else 99, t))
+    causes = [c for c in WAIT_CAUSES if any(a.by_cause().get(c) for a in atts)]
+    rest = [("send", "sends_ns"), ("runtime", "runtime_ns"), ("prev step", "prev_step_ns"), ("outside", "outside_ns")]
+    rest = [(n, f) for n, f in rest if any(getattr(a, f) for a in atts)]
+    head = ("rank", *types, *(f"wait:{c}" for c in causes), *(n for n, _ in rest), "total")
+    rows = [head]
+    for a in atts:
+        w = a.window_ns or 1
+        bc = a.by_cause()
+        rows.append((str(a.rank), *(format_pct(a.actions_ns.get(t, 0) / w) for t in types),
+                     *(format_pct(bc.get(c, 0) / w) for c in causes), *(format_pct(getattr(a, f) / w) for _, f in rest),
+                     format_pct(a.total_ns / w)))
+    out = ["where the time went (% of the step time; every row adds up to it; `pipeloom trace summary --help` defines each part):"]
+    out += _table(rows)
+    peers = []
+    for a in atts:
+        for peer, d in sorted(a.by_peer().items()):
+            parts = ", ".join(f"{c.replace('_', ' ')} {format_ns(v)}" for c, v in sorted(d.items(), key=lambda kv: -kv[1]))
+            peers.append(f"rank {a.rank} on rank {peer}: {format_ns(sum(d.values()))} ({parts})")
+    if peers:
+        out.append("waiting by peer: " + "; ".join(peers))
+    return out
+
+
 def format_summary(summary: TraceSummary) -> str:
     """The text form of a summary (``pipeloom trace summary`` and the UI's pane)."""
+    from .trace_analysis import step_percentiles
+
     steps = summary.steps
     if not steps:
         what = "no steps"
@@ -496,6 +628,11 @@ def format_summary(summary: TraceSummary) -> str:
     head = f"{summary.schedule or 'trace'} ({summary.source}), {what}: "
     head += f"step time {format_ns(summary.mean_step_ns)}" + (" mean" if len(steps) > 1 else "")
     head += f", bubble {format_pct(summary.bubble_fraction)}"
+    if summary.left_out:
+        head += f" (left out: {summary.left_out})"
+    lines = [head]
+    for r in summary.missing_ranks:
+        lines.append(f"rank {r}: no events (its per-rank file not given, or it died before tracing): left out of every number")
     rows = [("rank", "busy", "idle", "busy %", "bubble %", "waiting", "actions", "sent", "received")]
     for r in summary.ranks:
         rows.append(
@@ -511,10 +648,33 @@ def format_summary(summary: TraceSummary) -> str:
                 format_bytes(r.bytes_received),
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [head, ""] + ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    lines += [""] + _table(rows)
+    att = format_attribution(summary)
+    if att:
+        lines += [""] + att
+    if summary.critical:
+        lines += ["", "critical path:"]
+        crit = list(summary.critical)
+        if len(crit) > 4:
+            slowest = max(crit, key=lambda c: c.window[1] - c.window[0])
+            n = len(crit)
+            tot = {k: sum(c.total(k) for c in crit) / n for k in ("compute", "transfer", "runtime", "waiting")}
+            lines.append(f"  mean over {n} steps: compute {format_ns(tot['compute'])} + transfers {format_ns(tot['transfer'])} + "
+                         f"runtime {format_ns(tot['runtime'])} + waiting {format_ns(tot['waiting'])}")
+            crit = [slowest]
+            lines.append("  slowest " + crit[0].line())
+        else:
+            lines += ["  " + c.line() for c in crit]
     if len(steps) > 1:
-        lines += ["", "step times: " + ", ".join(f"{s}: {format_ns(t)}" for s, t in sorted(summary.step_times_ns.items()))]
+        p = step_percentiles(summary.step_times_ns)
+        lines += ["", f"step times: mean {format_ns(p['mean'])}, p50 {format_ns(p['p50'])}, p90 {format_ns(p['p90'])}, "
+                      f"max {format_ns(p['max'])}, min {format_ns(p['min'])} ({p['count']} steps)"]
+    if summary.action_stats:
+        rows = [("rank", "stage", "type", "n", "mean", "p50", "p90", "max")]
+        for x in summary.action_stats:
+            rows.append((str(x.rank), "-" if x.stage is None else str(x.stage), x.type, str(x.count), format_ns(x.mean),
+                         format_ns(x.p50), format_ns(x.p90), format_ns(x.max)))
+        lines += ["", "action durations:"] + _table(rows)
     if summary.longest_waits:
         lines += ["", "longest waits:"]
         for w in summary.longest_waits:

@@ -30,7 +30,8 @@ from typing import Any
 from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal
+from textual.containers import Horizontal, VerticalScroll
+from textual.screen import ModalScreen
 from textual.widget import Widget
 from textual.widgets import Footer, Static
 
@@ -48,7 +49,7 @@ from .trace_model import (
     summarize,
 )
 
-__all__ = ["TraceApp", "LiveSource", "STYLES"]
+__all__ = ["TraceApp", "LiveSource", "STYLES", "HelpScreen"]
 
 #: Block styles per category: two shades, alternating between neighbouring blocks of one kind.
 STYLES: dict[str, tuple[str, str]] = {
@@ -63,6 +64,8 @@ STYLES: dict[str, tuple[str, str]] = {
     "wait": ("grey42", "grey42"),
 }
 SELECTED_STYLE = "bold white on #d70000"
+CRITICAL_STYLE = "bold black on #ffffff"
+"""An action on the critical path (key c)."""
 _LABEL = 8  # width of the "rank 12 " column
 
 
@@ -129,6 +132,28 @@ class Timeline(Widget):
         return self._owner.render_timeline(max(self.size.width, 20))
 
 
+class HelpScreen(ModalScreen[None]):
+    """The ``?`` screen: every key, the colours and what the summary's numbers mean."""
+
+    DEFAULT_CSS = """
+    HelpScreen { align: center middle; }
+    HelpScreen > VerticalScroll { width: 90%; height: 90%; border: round $accent; background: $surface; padding: 0 1; }
+    """
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll():
+            yield Static(Text(self.text), id="help")
+
+    def on_key(self, event: Any) -> None:
+        if event.key not in ("up", "down", "pageup", "pagedown"):
+            event.stop()
+            self.dismiss()
+
+
 class TraceApp(App[None]):
     """View a trace; ``live`` (a :class:`LiveSource`) makes it follow a running job."""
 
@@ -154,7 +179,9 @@ class TraceApp(App[None]):
         Binding("comma", "action(-1)", "prev action", key_display=","),
         Binding("full_stop", "action(1)", "next action", key_display="."),
         Binding("z", "fit", "fit step"),
+        Binding("c", "critical", "critical path"),
         Binding("f", "follow", "follow", show=False),
+        Binding("question_mark", "help", "help", key_display="?"),
         Binding("q", "quit", "quit"),
     ]
 
@@ -170,6 +197,8 @@ class TraceApp(App[None]):
         self.poll_interval = poll_interval
         self.detail_text = ""
         self.summary_text = ""
+        self.show_critical = False
+        self._summaries: dict[tuple[int, int | None], Any] = {}
         self._mounted = False
 
     # -- layout
@@ -245,6 +274,44 @@ class TraceApp(App[None]):
         self.state.fit()
         self._changed()
 
+    def action_critical(self) -> None:
+        """Toggle the highlight of the current step's critical path."""
+        self.show_critical = not self.show_critical
+        self._changed()
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen(self.help_text()))
+
+    def help_text(self) -> str:
+        from .trace_analysis import DEFINITIONS
+
+        keys = []
+        for b in self.BINDINGS:
+            if isinstance(b, Binding):
+                keys.append(f"  {(b.key_display or b.key.split(',')[0]):<12} {b.description}")
+        keys += ["  Left/Right   pan", "  Home/End     start/end of the trace", "  Tab/S-Tab    next/previous rank (also Up/Down)",
+                 "  f            follow the newest step (live)"]
+        legend = "  " + "  ".join(CATEGORIES) + "  crit (critical path, key c)"
+        return "keys:\n" + "\n".join(keys) + "\n\ncolours:\n" + legend + "\n\n" + DEFINITIONS + "\n\n(press any key to close)"
+
+    def summary_of(self, step: int | None) -> Any:
+        """The summary of one step, cached per model (a live model is a new object)."""
+        key = (id(self.state.model), step)
+        got = self._summaries.get(key)
+        if got is None:
+            if len(self._summaries) > 64:
+                self._summaries.clear()
+            got = self._summaries[key] = summarize(self.state.model, step=step, top=5)
+        return got
+
+    def critical_spans(self) -> set[int]:
+        """ids of the actions on the current step's critical path (empty unless shown)."""
+        st = self.state
+        if not self.show_critical or st.step is None or st.step not in st.model.windows:
+            return set()
+        s = self.summary_of(st.step)
+        return {id(a) for c in s.critical for a in c.actions}
+
     def action_follow(self) -> None:
         self.state.follow = not self.state.follow
         if self.state.follow:
@@ -261,7 +328,9 @@ class TraceApp(App[None]):
         else:
             self.detail_text = "\n".join(describe_action(st.model, sel).lines())
         if st.model.steps:
-            self.summary_text = format_summary(summarize(st.model, step=st.step, top=5))
+            self.summary_text = format_summary(self.summary_of(st.step))
+            if self.show_critical and st.step is not None:
+                self.summary_text = "critical path shown (c hides it)\n" + self.summary_text
         else:
             self.summary_text = "no events yet" if self.live is not None else "the trace has no events"
         if self._mounted:
@@ -269,7 +338,7 @@ class TraceApp(App[None]):
             self.query_one("#summary", Static).update(Text(self.summary_text))
             self.query_one(Timeline).refresh()
 
-    def _row(self, spans: list[Span], under: list[Span] | None, width: int, selected: Span | None) -> Text:
+    def _row(self, spans: list[Span], under: list[Span] | None, width: int, selected: Span | None, critical: set[int] | None = None) -> Text:
         st = self.state
         cells = lane_cells(spans, st.view_start, st.view_end, width)
         back = lane_cells(under, st.view_start, st.view_end, width) if under else [None] * width
@@ -298,7 +367,12 @@ class TraceApp(App[None]):
             sp = spans[idx]
             cat = category(sp)
             shade[cat] = shade.get(cat, 1) ^ 1
-            style = SELECTED_STYLE if sp is selected else STYLES.get(cat, STYLES["F"])[shade[cat]]
+            if sp is selected:
+                style = SELECTED_STYLE
+            elif critical and id(sp) in critical:
+                style = CRITICAL_STYLE
+            else:
+                style = STYLES.get(cat, STYLES["F"])[shade[cat]]
             label = (sp.name if len(sp.name) <= j - i else _short(sp)[: j - i]).ljust(j - i)
             text.append(label, style)
             i = j
@@ -327,6 +401,7 @@ class TraceApp(App[None]):
                     axis[c + k] = ch
         out.append(" " * _LABEL + "".join(axis) + "\n", "grey50")
         sel = st.selected
+        crit = self.critical_spans()
         lo, hi = st.view_start, st.view_end
         for pos, r in enumerate(m.ranks):
             visible = [a for a in m.actions.get(r, []) if a.end >= lo and a.start < hi]
@@ -336,7 +411,7 @@ class TraceApp(App[None]):
             comm.sort(key=lambda s: s.start)
             marker = ">" if pos == st.rank_pos else " "
             out.append(f"{marker}rank {r:<2}"[:_LABEL].ljust(_LABEL), "bold" if pos == st.rank_pos else "")
-            out.append_text(self._row(compute, waits, width, sel))
+            out.append_text(self._row(compute, waits, width, sel, crit))
             out.append("\n" + " " * _LABEL)
             out.append_text(self._row(comm, None, width, None))
             out.append("\n")
@@ -344,5 +419,8 @@ class TraceApp(App[None]):
         for cat in CATEGORIES:
             legend.append(f" {cat} ", STYLES[cat][0] if cat != "wait" else "grey42 reverse")
             legend.append(" ")
+        if crit:
+            legend.append(" critical path ", CRITICAL_STYLE)
+        legend.append("  ? help", "grey50")
         out.append_text(legend)
         return out

@@ -1,0 +1,204 @@
+"""Explaining the step time: attribution, critical path, planned vs actual.
+
+One real 2-rank job (gloo) runs every named schedule for 3 training steps
+with an eval step after the first, each rank writing its own file
+(``PATH.rank{R}``, as under torchrun), once per module.  On those traces the
+attribution of every rank's time must add up to every step window exactly,
+the critical path must tile the window, windows must not overlap, eval steps
+must be marked and left out.  The rest runs on small hand-built traces whose
+numbers are known.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeloom.schedules import SCHEDULE_NAMES
+from pipeloom.tools.cli import main
+from pipeloom.tools.trace_analysis import Attributor, attribute, critical_path, wait_causes
+from pipeloom.tools.trace_export import chrome_trace
+from pipeloom.tools.trace_model import TraceModel, load_trace, summarize, trace_api
+
+SCRIPT = textwrap.dedent(
+    """\
+    import os, sys
+    import torch, pipeloom
+    import torch.distributed as dist
+    from torch import nn
+    out, names = sys.argv[1], sys.argv[2].split(",")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    for name in names:
+        stages = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)]
+        pipe = pipeloom.Pipeline(lambda s: stages[s], schedule=name, num_microbatches=4,
+                                 loss_fn=nn.functional.mse_loss, trace=f"{out}/{name}.jsonl")
+        x, y = torch.randn(16, 16), torch.randn(16, 16)
+        pipe.step(x, target=y)
+        pipe.eval(x, target=y)
+        pipe.step(x, target=y)
+        pipe.step(x, target=y)
+        pipe.close()
+        dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(0)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("explain")
+    (d / "job.py").write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELOOM_")}
+    cmd = [sys.executable, "-m", "pipeloom.tools.cli", "launch", "--nproc-per-node", "2", str(d / "job.py"), str(d), ",".join(SCHEDULE_NAMES)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return d
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_attribution_adds_up_on_real_runs(runs: Path, name: str) -> None:
+    model = load_trace(runs / f"{name}.jsonl")  # the path the job was given stands for PATH.rank0, PATH.rank1
+    assert model.ranks == [0, 1] and not model.missing_ranks
+    assert model.steps == [0, 1, 2, 3] and model.eval_steps == {1} and model.train_steps == [0, 2, 3]
+    wins = [model.windows[s] for s in model.steps]
+    assert all(a[1] <= b[0] for a, b in zip(wins, wins[1:])), "step windows overlap"
+    att = Attributor(model)
+    for step in model.steps:
+        lo, hi = model.window(step)
+        for rank in model.ranks:
+            a = att.attribute(rank, step)
+            assert a.total_ns == a.window_ns == hi - lo, (name, step, rank, a)
+            assert min([*a.actions_ns.values(), *a.waits_ns.values(), a.sends_ns, a.runtime_ns, a.prev_step_ns, a.outside_ns]) >= 0
+            assert a.compute_ns > 0
+        cp = critical_path(model, step, attributor=att)
+        assert sum(s.duration for s in cp.segments) == hi - lo
+        assert all(s.duration >= 0 for s in cp.segments) and cp.actions
+        # segments in time order, tiling the window without gaps
+        assert cp.segments[0].start == lo and cp.segments[-1].end == hi
+        assert all(x.end == y.start for x, y in zip(cp.segments, cp.segments[1:]))
+        assert cp.total("compute") > 0
+    s = summarize(model)
+    assert s.steps == (0, 2, 3) and "1 eval step" in s.left_out
+    for r in s.attribution:
+        assert r.total_ns == sum(model.windows[k][1] - model.windows[k][0] for k in (0, 2, 3))
+    # the train step's waits on the other rank are attributed to that peer
+    assert any(p in (0, 1) for r in s.attribution for p in r.by_peer())
+
+
+def test_summary_cli_on_a_real_run(runs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(runs / "1F1B.jsonl")
+    assert main(["trace", "summary", path, "--json", "--skip-warmup", "1"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["steps"] == [2, 3] and "warm-up" in doc["left_out"] and "eval" in doc["left_out"]
+    for a in doc["attribution_per_step"]:
+        assert a["total_ns"] == a["window_ns"] == doc["step_times_ns"][str(a["step"])]
+    assert {c["step"] for c in doc["critical_path"]} == {2, 3}
+    assert {(x["rank"], x["type"]) for x in doc["action_stats"]} >= {(0, "F"), (0, "B"), (1, "F"), (1, "B")}
+    assert set(doc["step_time_percentiles_ns"]) >= {"mean", "p50", "p90", "max"}
+    assert main(["trace", "summary", path, "--include-eval"]) == 0
+    out = capsys.readouterr().out
+    assert "where the time went" in out and "critical path:" in out and "action durations:" in out
+    assert "4 steps (0..3)" in out
+    # only one rank's file: the other rank is reported, not shown as idle
+    assert main(["trace", "summary", path + ".rank0"]) == 0
+    cap = capsys.readouterr()
+    assert "no events of rank 1" in cap.err and "rank 1: no events" in cap.out
+
+
+def test_plan_against_run(runs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = str(runs / "ZBVZeroBubble.jsonl")
+    plan = str(tmp_path / "plan.jsonl")
+    assert main(["schedule", "simulate", "--costs-from", run, "--trace", plan]) == 0
+    out = capsys.readouterr().out
+    assert "measured step time" in out and "ZBVZeroBubble: 2 ranks, 4 stages" in out
+    assert load_trace(plan).header["time_unit_ns"] == 1
+    assert main(["trace", "compare", run, plan]) == 0
+    out = capsys.readouterr().out
+    assert "run step 3:" in out and "slip" in out
+    assert main(["trace", "compare", run, plan, "--json", "--top", "0"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["actions"]) == 2 * 4 * 3 * 2  # 2 ranks x 2 stages x (F, I, W) x 4 microbatches
+    # a plan mixed with a run anywhere else: exit 2 and say so
+    assert main(["trace", "summary", plan, run]) == 2
+    assert "compare them with `pipeloom trace compare RUN PLAN`" in capsys.readouterr().err
+    assert main(["trace", "compare", plan, run]) == 2
+    assert "give the run first" in capsys.readouterr().err
+    assert main(["trace", "export", run, str(runs / "1F1B.jsonl"), "--chrome", str(tmp_path / "x.json")]) == 2
+    assert "not files of one job" in capsys.readouterr().err
+
+
+def test_export_carries_the_critical_path_and_attribution(runs: Path) -> None:
+    model = load_trace(runs / "DualPipeV.jsonl")
+    doc = chrome_trace(model)
+    crit = [e for e in doc["traceEvents"] if e.get("cat") == "critical_path"]
+    assert crit and {e["args"]["kind"] for e in crit} >= {"compute"}
+    steps = [e for e in doc["traceEvents"] if e.get("cat") == "step"]
+    for e in steps:
+        a = e["args"]["attribution_ns"]
+        assert a["total_ns"] == a["window_ns"]
+    assert any(e["args"]["eval"] for e in steps)
+
+
+# ---------------------------------------------------------------- by hand
+
+
+def _hand() -> TraceModel:
+    """Rank 1 waits 100..200 for 1F0: announced at 130, landed at 170, action at 180 (after 10 of wake-up)."""
+    h = trace_api().make_header(world_size=2, schedule="1F1B", num_microbatches=1, stage_to_rank=[0, 1])
+    ev: list[dict[str, Any]] = [
+        {"ev": "step", "rank": 0, "step": 0, "start": 100, "end": 400},
+        {"ev": "step", "rank": 1, "step": 0, "start": 100, "end": 380},
+        {"ev": "action", "rank": 0, "step": 0, "name": "0F0", "type": "F", "stage": 0, "mb": 0, "start": 100, "end": 120},
+        {"ev": "send", "rank": 0, "step": 0, "peer": 1, "stage": 1, "mb": 0, "kind": "F", "seq": 0, "bytes": 8, "start": 125, "end": 140},
+        {"ev": "wait", "rank": 1, "step": 0, "start": 100, "end": 180, "for": ["1F0: activation of stage 0 microbatch 0 from rank 0"]},
+        {"ev": "recv", "rank": 1, "step": 0, "peer": 0, "stage": 1, "mb": 0, "kind": "F", "seq": 0, "bytes": 8, "start": 130, "end": 170},
+        {"ev": "action", "rank": 1, "step": 0, "name": "1F0", "type": "F", "stage": 1, "mb": 0, "start": 185, "end": 220},
+        {"ev": "action", "rank": 1, "step": 0, "name": "1B0", "type": "B", "stage": 1, "mb": 0, "start": 220, "end": 300},
+        {"ev": "send", "rank": 1, "step": 0, "peer": 0, "stage": 0, "mb": 0, "kind": "B", "seq": 0, "bytes": 8, "start": 300, "end": 310},
+        {"ev": "wait", "rank": 0, "step": 0, "start": 140, "end": 330, "for": ["0B0: gradient from stage 1 microbatch 0 on rank 1"]},
+        {"ev": "recv", "rank": 0, "step": 0, "peer": 1, "stage": 0, "mb": 0, "kind": "B", "seq": 0, "bytes": 8, "start": 305, "end": 325},
+        {"ev": "action", "rank": 0, "step": 0, "name": "0B0", "type": "B", "stage": 0, "mb": 0, "start": 330, "end": 390},
+        # step 1 starts on rank 1 while rank 0 still finishes step 0 (its window is cut there)
+        {"ev": "step", "rank": 1, "step": 1, "start": 390, "end": 500},
+        {"ev": "step", "rank": 0, "step": 1, "start": 410, "end": 500, "eval": True},
+        {"ev": "action", "rank": 1, "step": 1, "name": "1F0", "type": "F", "stage": 1, "mb": 0, "start": 420, "end": 450},
+    ]
+    return TraceModel(h, sorted(ev, key=lambda e: e.get("start", 0)))
+
+
+def test_wait_causes_and_attribution_by_hand() -> None:
+    m = _hand()
+    assert m.windows == {0: (100, 390), 1: (390, 500)} and m.eval_steps == {1}
+    w1 = m.waits[1][0]
+    assert wait_causes(m, w1) == [(100, 130, "not_sent", 0), (130, 170, "in_flight", 0), (170, 180, "wakeup", None)]
+    a1 = attribute(m, 1, 0)
+    assert a1.actions_ns == {"F": 35, "B": 80} and a1.sends_ns == 10
+    assert a1.waits_ns == {("not_sent", 0): 30, ("in_flight", 0): 40, ("wakeup", None): 10}
+    assert a1.runtime_ns == 5 + 70 and a1.outside_ns == 10 - 0 and a1.total_ns == 290
+    a0 = attribute(m, 0, 0)
+    assert a0.actions_ns == {"F": 20, "B": 60} and a0.sends_ns == 15
+    assert a0.waits_ns == {("not_sent", 1): 165, ("in_flight", 1): 20, ("wakeup", None): 5}
+    assert a0.runtime_ns == 5 and a0.total_ns == 290
+    # rank 0 in step 1's window: still in step 0 for 390..400, then outside until it enters step 1 at 410
+    a0s1 = attribute(m, 0, 1)
+    assert (a0s1.prev_step_ns, a0s1.outside_ns, a0s1.runtime_ns, a0s1.total_ns) == (10, 10, 90, 110)
+    cp = critical_path(m, 0)
+    assert [(s.kind, s.rank, s.start, s.end) for s in cp.segments] == [
+        ("compute", 0, 100, 120), ("runtime", 0, 120, 125), ("transfer", 1, 125, 170), ("runtime", 1, 170, 185),
+        ("compute", 1, 185, 220), ("compute", 1, 220, 300), ("transfer", 0, 300, 325), ("runtime", 0, 325, 330),
+        ("compute", 0, 330, 390),
+    ]
+    assert cp.line() == "step 0 = 290 ns: compute 195 ns + transfers 70 ns + runtime 25 ns"
+    s = summarize(m)
+    assert s.steps == (0,) and s.left_out == "1 eval step"
