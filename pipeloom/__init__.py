@@ -15,6 +15,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _RUNTIME_NAMES = (
+    "CheckpointInfo",
     "Microbatches",
     "PeerLostError",
     "Pipeline",
@@ -23,8 +24,12 @@ _RUNTIME_NAMES = (
     "RemoteRankError",
     "RuntimeOptions",
     "StageError",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
     "split_by_fqn",
     "stage_fn_from_pipe",
+    "wait_checkpoints",
 )
 
 __all__ = [*_RUNTIME_NAMES, "__version__"]

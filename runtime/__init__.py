@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .actor import ActorStatistics, RankActor
+from .checkpoint import CheckpointInfo, PendingCheckpoint, latest_checkpoint, load_checkpoint, save_checkpoint, wait_checkpoints
 from .errors import PeerLostError, PipelineConfigError, PipelineError, RemoteRankError, StageError
 from .options import RuntimeOptions
 from .pipeline import Microbatches, Pipeline, split_microbatches
@@ -10,6 +11,8 @@ from .split import split_by_fqn, stage_fn_from_pipe
 
 __all__ = [
     "ActorStatistics",
+    "CheckpointInfo",
+    "PendingCheckpoint",
     "Microbatches",
     "PeerLostError",
     "Pipeline",
@@ -19,7 +22,11 @@ __all__ = [
     "RemoteRankError",
     "RuntimeOptions",
     "StageError",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
     "split_microbatches",
     "split_by_fqn",
     "stage_fn_from_pipe",
+    "wait_checkpoints",
 ]

@@ -44,6 +44,14 @@ collective blocks, this rank's loop does not read control messages; one that
 has not completed within ``stall_timeout + heartbeat_timeout`` seconds stops
 the step with a ``PeerLostError``.
 
+Accumulation.  Under ``Pipeline.no_sync()`` (DDP's ``no_sync``) REDUCE_GRAD
+still runs in its place (so RESHARD keeps its order) but reduces nothing:
+replicated gradients stay local, and FSDP's stay unsharded on its unsharded
+parameters (which FSDP keeps, with their ``.grad``, across RESHARD and
+UNSHARD).  Backward adds to them, so the first step outside ``no_sync``
+reduces the sum over every accumulated step at once: the average over
+replicas of the sum over steps, as if one step had seen all those batches.
+
 Collective order.  Collectives on one group pair by issue order, and dynamic
 dispatch may order a rank's actions differently from its replica's.  So the
 collective actions (UNSHARD, REDUCE_GRAD) are issued in list order among
@@ -412,6 +420,8 @@ class StageCollectives:
         self._plans: list[tuple[Sequence[Action], _Plan]] = []
         self.outstanding = 0
         self._step = 0
+        #: False while accumulating (``Pipeline.no_sync``): REDUCE_GRAD reduces nothing
+        self.sync = True
         #: stages whose parameters are gathered and usable by computes
         self._unsharded: set[int] = set()
         self._gathering: dict[int, list[Any]] = {}
@@ -547,6 +557,14 @@ class StageCollectives:
             self._queue.popleft()
             self._reduced.add(s)
             units = self._units.get(s)
+            if not self.sync:
+                # Accumulation step (Pipeline.no_sync): gradients stay local, unreduced (FSDP's
+                # unsharded ones on its unsharded parameters), and add up until a step that syncs.
+                if units:
+                    from ._fsdp_private import finish_backward
+
+                    finish_backward(units)
+                return
             if units:
                 self._reduce_sharded(s, units)
             for bucket in self._buckets.get(s, ()):

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import json
 import os
 import secrets
 import sys
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -348,6 +349,8 @@ class Pipeline:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._bound_loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        #: the last step's losses on this rank, by microbatch (empty off the last stage)
+        self._last_losses: dict[int, torch.Tensor] = {}
         # A script that dies with an exception never calls close(); tearing
         # down sockets, threads and the process group it owns at exit (while
         # threads still run) keeps the process from aborting in C++
@@ -428,6 +431,56 @@ class Pipeline:
         """``eval`` inside a running event loop."""
         return await self._arun(args, kwargs, target, losses, train=False)
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients over several steps without reducing them over the replicas (DDP's ``no_sync``).
+
+        Steps run inside it skip the data-parallel reduction; the first step
+        outside reduces everything accumulated since the last reduction, so::
+
+            with pipe.no_sync():
+                pipe.step(x0, target=y0)          # gradients stay local
+            pipe.step(x1, target=y1)              # reduces the sum of both steps
+            opt.step(); opt.zero_grad()
+
+        gives the gradients of the sum of both steps' losses, each averaged
+        over its microbatches and the replicas (divide by the number of
+        steps, or scale the loss, for their mean).  Without data parallelism
+        it changes nothing.
+        """
+        coll = self._collectives
+        if coll is None:
+            yield
+            return
+        before = coll.sync
+        coll.sync = False
+        try:
+            yield
+        finally:
+            coll.sync = before
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip every stage's gradients by the norm of the whole model's; return that norm (call on every rank).
+
+        Exact against ``torch.nn.utils.clip_grad_norm_`` on the unsplit model,
+        across stages and data-parallel replicas (FSDP shards and replicated
+        parameters each counted once); see :mod:`pipeloom.runtime.training`.
+        """
+        from .training import clip_grad_norm_
+
+        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
+
+    def last_loss(self, reduce_to: str | int = "all") -> float | None:
+        """The last step's loss, the mean over every microbatch of every replica (call on every rank).
+
+        ``reduce_to="all"``: every rank gets it; a rank number: only that rank
+        does (the others get None).  A collective over the job: one small
+        all-reduce (or reduce), no user code needed.
+        """
+        from .training import reduce_step_loss
+
+        return reduce_step_loss(self, self._last_losses, reduce_to=reduce_to)
+
     def close(self) -> None:
         """Release sockets and threads; destroy the process group if this Pipeline created it."""
         if self._closed:
@@ -493,6 +546,7 @@ class Pipeline:
             finally:
                 if self._trace_sink is not None and self._actor.trace is not None:
                     self._trace_sink.emit(self._actor.trace.drain())
+            self._last_losses = mb_losses
             if not self.has_last_stage:
                 return None
             if losses is not None:

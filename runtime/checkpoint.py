@@ -1,0 +1,504 @@
+"""Distributed checkpoints of a pipeline: resumable after a crash, loadable under another layout.
+
+The problem.  A pipeline's state is spread over ranks: each rank holds some
+stages, with FSDP each holds a shard of them, and with data parallelism
+several ranks hold the same thing.  A checkpoint must hold every parameter,
+buffer and optimizer state exactly once, must load under a different layout
+(pipeline degree, schedule, stages per rank, FSDP degree), and must never be
+loaded half-written after a crash.
+
+Alternatives.  (a) Each rank ``torch.save``-s its own stages: simple, but the
+files are keyed by rank, so a checkpoint only loads under the layout that
+wrote it, and FSDP shards would have to be gathered first.  (b) Gather
+everything on rank 0 and save one file: a full copy of the model through one
+process, which does not scale and re-shards nothing.  (c) torch's
+``torch.distributed.checkpoint`` (DCP): every rank writes its own tensors (and
+shards) in parallel, keyed by name, deduplicating replicas, and on load every
+rank reads exactly the pieces its own tensors need, whatever layout wrote
+them.  pipeloom uses (c), as torchtitan does.
+
+Keys.  Every tensor is keyed by the model's own fully qualified name:
+:func:`~pipeloom.split_by_fqn` stages keep the full model's names
+(``layers.3.attn.wq.weight``), as do stages from torch's tracer
+(``stage_fn_from_pipe``), and FSDP2 keeps names too (its parameters become
+DTensors, which DCP saves as shards and re-shards on load).  This rank's
+stages are gathered into one *view* module whose attribute paths are those
+names and whose parameters and buffers are the stages' own tensor objects, so
+torch's ``get_state_dict``/``set_state_dict`` (``torch.distributed.checkpoint.
+state_dict``) apply unchanged, optimizer included: its state is keyed by the
+same names (``flatten_optimizer_state_dict=True``, one key per name and
+setting, so a rank loads only the entries of the parameters it holds now).
+A ``stage_fn`` whose stages do not carry the model's names (two stages that
+both call a parameter ``lin.weight``) is refused with a clear error; pass
+``stage_prefix=True`` to key by ``stage{S}.name`` instead (such a checkpoint
+then loads only under the same number of stages).
+
+What else a bit-exact resume needs: the step counter and the caller's
+``extra`` dict (data position, scheduler state...; any picklable values),
+and every rank's random-number generators (torch CPU and CUDA, Python's
+``random``), saved per rank and restored when the world size is the same
+(under another layout each rank continues with its own seed: nothing to
+match).
+
+Atomicity.  A checkpoint is written into ``ROOT/.step-00000012.partial``;
+when every rank has written its part (rank 0's DCP ``finish`` has written the
+metadata, which needs every rank's result), rank 0 writes a ``COMPLETE``
+marker and renames the directory to ``ROOT/step-00000012`` (``os.replace``, a
+single atomic rename on one file system).  :func:`latest_checkpoint` and
+:func:`load_checkpoint` only ever consider ``step-N`` directories with the
+marker, so a checkpoint that was being written when a crash hit is invisible
+(it is removed when the same step is saved again).
+
+Asynchronous save.  ``save_checkpoint(..., async_save=True)`` copies the
+state to CPU memory (DCP's stager) and returns; the files are written by a
+background thread (``dcp.async_save``), over a separate gloo group so its
+collectives never interleave with the training step's.  The returned
+:class:`PendingCheckpoint` says when it is complete; a later save waits for
+the previous one first, and :func:`wait_checkpoints` (or
+``PendingCheckpoint.wait()``) must be called before the process group is
+destroyed (before ``pipe.close()``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import re
+import shutil
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .errors import PipelineConfigError
+
+__all__ = [
+    "CheckpointInfo",
+    "PendingCheckpoint",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "save_checkpoint",
+    "wait_checkpoints",
+]
+
+_NAME = re.compile(r"^step-(\d{8,})$")
+MARKER = "COMPLETE"
+
+
+# ---------------------------------------------------------------- directory layout
+
+
+def _final_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def _partial_dir(root: Path, step: int) -> Path:
+    return root / f".step-{step:08d}.partial"
+
+
+def is_complete(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a checkpoint that finished writing (named ``step-N``, marker and metadata present)."""
+    p = Path(path)
+    return bool(_NAME.match(p.name)) and (p / MARKER).is_file() and (p / ".metadata").is_file()
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``root`` as (step, path), oldest first; partial ones are never listed."""
+    r = Path(root)
+    if not r.is_dir():
+        return []
+    out = []
+    for p in r.iterdir():
+        m = _NAME.match(p.name)
+        if m and is_complete(p):
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """The complete checkpoint of the highest step under ``root``, or None."""
+    found = list_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+# ---------------------------------------------------------------- the view module
+
+
+def _owner(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    *path, leaf = fqn.split(".")
+    node = root
+    for part in path:
+        child = node._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            node.add_module(part, child)
+        node = child
+    return node, leaf
+
+
+@dataclass
+class _View:
+    module: nn.Module
+    #: buffers held by several local stages under one name: (kept, other copies)
+    dup_buffers: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
+    #: key -> stage, for every parameter
+    param_stage: dict[str, int] = field(default_factory=dict)
+
+
+def _build_view(stages: Mapping[int, nn.Module], *, stage_prefix: bool, rank: int) -> _View:
+    """One module holding this rank's stages' parameters and persistent buffers under their checkpoint keys."""
+    root = nn.Module()
+    view = _View(root)
+    buffers: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+    for s in sorted(stages):
+        m = stages[s]
+        pre = f"stage{s}." if stage_prefix else ""
+        persistent = set(m.state_dict(keep_vars=True))
+        for name, p in m.named_parameters():
+            key = pre + name
+            if key in view.param_stage:
+                raise PipelineConfigError(
+                    f"rank {rank}: stages {view.param_stage[key]} and {s} both hold a parameter named {name!r}: "
+                    "checkpoint keys are the model's names, which split_by_fqn and stage_fn_from_pipe keep; "
+                    "build stages that keep them, or pass stage_prefix=True (keys stage{S}.name, "
+                    "loadable only under the same number of stages)"
+                )
+            view.param_stage[key] = s
+            node, leaf = _owner(root, key)
+            node.register_parameter(leaf, p)
+        for name, b in m.named_buffers():
+            if name not in persistent:
+                continue
+            key = pre + name
+            if key in buffers:  # a buffer every stage keeps (state on a split module): save it once
+                buffers[key][1].append(b)
+                continue
+            buffers[key] = (b, [])
+            node, leaf = _owner(root, key)
+            node.register_buffer(leaf, b)
+    view.dup_buffers = [(b, others) for b, others in buffers.values() if others]
+    return view
+
+
+def _check_global_names(view: _View, group: Any, rank: int) -> None:
+    """No parameter name may be held by two different stages anywhere (DCP would keep one of them)."""
+    mine = view.param_stage
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    seen: dict[str, tuple[int, int]] = {}
+    for r, names in enumerate(everyone):
+        for key, s in names.items():
+            if key in seen and seen[key][0] != s:
+                raise PipelineConfigError(
+                    f"rank {rank}: parameter {key!r} is held by stage {seen[key][0]} (rank {seen[key][1]}) and by "
+                    f"stage {s} (rank {r}): checkpoint keys are the model's names, which split_by_fqn and "
+                    "stage_fn_from_pipe keep; build stages that keep them, or pass stage_prefix=True"
+                )
+            seen.setdefault(key, (s, r))
+
+
+# ---------------------------------------------------------------- groups, state
+
+
+_GROUP: dict[str, Any] = {}
+
+
+def _ckpt_group() -> Any:
+    """A gloo group over every rank, created at the first checkpoint call (a collective call on every rank).
+
+    DCP's coordination (and an asynchronous save's background thread) runs
+    there, never on the group the pipeline's transfers use.
+    """
+    key = "gloo"
+    if key not in _GROUP:
+        _GROUP[key] = dist.new_group(backend="gloo")
+    return _GROUP[key]
+
+
+def _options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _optims(optimizer: Any) -> list[torch.optim.Optimizer]:
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    if isinstance(optimizer, Iterable):
+        out = list(optimizer)
+        for o in out:
+            if not isinstance(o, torch.optim.Optimizer):
+                raise PipelineConfigError(f"optimizer must be a torch.optim.Optimizer or a list of them, got {type(o).__name__}")
+        return out
+    raise PipelineConfigError(f"optimizer must be a torch.optim.Optimizer or a list of them, got {type(optimizer).__name__}")
+
+
+def _state_dicts(view: _View, optims: list[torch.optim.Optimizer]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if not optims:
+        return get_model_state_dict(view.module, options=_options()), None
+    msd, osd = get_state_dict(view.module, optims if len(optims) > 1 else optims[0], options=_options())
+    return msd, osd
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _restore_rng(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _pickled(value: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _unpickled(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+# ---------------------------------------------------------------- save
+
+
+class PendingCheckpoint:
+    """A checkpoint being written (``async_save=True``), or one already written.
+
+    ``path`` is where it will be once complete; :meth:`wait` blocks until this
+    rank's part is written and, on rank 0, the checkpoint renamed into place
+    (it re-raises a failure of the background writer).
+    """
+
+    def __init__(self, path: Path, step: int, future: Future[Any] | None) -> None:
+        self.path = path
+        self.step = step
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future is None or self._future.done()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        if self._future is not None:
+            self._future.result(timeout)
+        return self.path
+
+
+_PENDING: list[PendingCheckpoint] = []
+
+
+def wait_checkpoints() -> None:
+    """Wait for every asynchronous save of this process (call before destroying the process group)."""
+    while _PENDING:
+        _PENDING.pop(0).wait()
+
+
+def _finalize(partial: Path, final: Path, step: int, meta: dict[str, Any], keep_last: int | None) -> None:
+    """Rank 0, after every rank's data and DCP's metadata are written: marker, then one atomic rename."""
+    with open(partial / MARKER, "w") as f:
+        json.dump({"step": step, "time": time.time(), **meta}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if final.exists():  # the same step saved again (after a resume): the new one wins
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    try:
+        fd = os.open(final.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:  # pragma: no cover - a file system without directory fsync
+        pass
+    if keep_last is not None:
+        for _, old in list_checkpoints(final.parent)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(
+    root: str | os.PathLike[str],
+    pipe: Any,
+    optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
+    *,
+    step: int,
+    extra: Mapping[str, Any] | None = None,
+    async_save: bool = False,
+    keep_last: int | None = None,
+    stage_prefix: bool = False,
+) -> PendingCheckpoint:
+    """Save the pipeline's model and optimizer state as ``root/step-{step:08d}``; call on every rank.
+
+    Args:
+        root: the directory holding this job's checkpoints (created if needed).
+        pipe: the :class:`~pipeloom.Pipeline` (or anything with a ``stages`` dict of modules).
+        optimizer: the optimizer(s) over ``pipe.parameters()``, or None for the model alone.
+        step: the number of optimizer steps taken (what a resumed run starts from).
+        extra: the caller's picklable state (data position, scheduler, ...), from rank 0.
+        async_save: copy the state to CPU memory and write it in a background thread
+            (``dcp.async_save``); the result says when it is complete.
+        keep_last: after this checkpoint is complete, delete all but the newest ``keep_last``.
+        stage_prefix: key by ``stage{S}.name`` (for stages that do not keep the model's names).
+
+    Returns:
+        a :class:`PendingCheckpoint` (already complete unless ``async_save``).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise PipelineConfigError(f"step must be a non-negative int, got {step!r}")
+    if keep_last is not None and keep_last < 1:
+        raise PipelineConfigError(f"keep_last must be at least 1, got {keep_last}")
+    wait_checkpoints()  # one save in flight at a time, in order
+    group = _ckpt_group()
+    rank = dist.get_rank()
+    view = _build_view(pipe.stages, stage_prefix=stage_prefix, rank=rank)
+    _check_global_names(view, group, rank)
+    optims = _optims(optimizer)
+    msd, osd = _state_dicts(view, optims)
+    state: dict[str, Any] = {
+        "model": msd,
+        "pipeloom": {"step": step, "extra": _pickled(dict(extra or {}))},
+        f"rng_rank{rank}": _pickled(_rng_state()),
+    }
+    if osd is not None:
+        state["optim"] = osd
+    r = Path(root)
+    partial, final = _partial_dir(r, step), _final_dir(r, step)
+    if rank == 0:
+        r.mkdir(parents=True, exist_ok=True)
+        if partial.exists():  # left by a crash while this step was being saved
+            shutil.rmtree(partial)
+        partial.mkdir()
+    dist.barrier(group=group)
+    meta = {"world_size": dist.get_world_size(), "optimizer": osd is not None, "stage_prefix": stage_prefix}
+    if not async_save:
+        dcp.save(state, checkpoint_id=str(partial), process_group=group)
+        if rank == 0:
+            _finalize(partial, final, step, meta, keep_last)
+        dist.barrier(group=group)
+        return PendingCheckpoint(final, step, None)
+    res = dcp.async_save(state, checkpoint_id=str(partial), process_group=group)
+    upload: Future[Any] = getattr(res, "upload_completion", res)  # AsyncSaveResponse (torch >= 2.9) or a Future
+    done: Future[Any] = upload
+    if rank == 0:
+        done = Future()
+
+        def finish(f: Future[Any]) -> None:
+            try:
+                f.result()
+                _finalize(partial, final, step, meta, keep_last)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                done.set_exception(exc)
+            else:
+                done.set_result(final)
+
+        upload.add_done_callback(finish)
+    pending = PendingCheckpoint(final, step, done)
+    _PENDING.append(pending)
+    return pending
+
+
+# ---------------------------------------------------------------- load
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What :func:`load_checkpoint` restored besides the tensors."""
+
+    #: the checkpoint directory read
+    path: Path
+    #: the optimizer steps taken when it was saved
+    step: int
+    #: the caller's ``extra`` dict as saved
+    extra: dict[str, Any]
+    #: whether this rank's random-number generators were restored (same world size)
+    rng_restored: bool
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    pipe: Any,
+    optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
+    *,
+    restore_rng: bool = True,
+    stage_prefix: bool = False,
+) -> CheckpointInfo | None:
+    """Load a checkpoint into this rank's stages (and optimizer); call on every rank.
+
+    ``path`` is a checkpoint directory (``step-N``) or a root holding them, of
+    which the latest complete one is loaded; None is returned when a root holds
+    none (a fresh start).  The pipeline may have another layout than the one
+    that saved: another number of ranks, stages per rank, schedule, or FSDP
+    degree; every rank reads the pieces its tensors need.  Raises
+    ``FileNotFoundError`` for a ``step-N`` directory that is not complete.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    p = Path(path)
+    if _NAME.match(p.name) or (p / ".metadata").exists():
+        if not is_complete(p):
+            raise FileNotFoundError(f"{p} is not a complete checkpoint (no {MARKER} marker or no DCP metadata)")
+        ckpt = p
+    else:
+        found = latest_checkpoint(p)
+        if found is None:
+            return None
+        ckpt = found
+    group = _ckpt_group()
+    rank = dist.get_rank()
+    view = _build_view(pipe.stages, stage_prefix=stage_prefix, rank=rank)
+    optims = _optims(optimizer)
+    reader = dcp.FileSystemReader(str(ckpt))
+    saved_keys = reader.read_metadata().state_dict_metadata
+    if optims and not any(k.startswith("optim.") for k in saved_keys):
+        raise PipelineConfigError(f"{ckpt} holds no optimizer state (it was saved with optimizer=None)")
+    msd, osd = _state_dicts(view, optims)
+    missing = sorted(k for k in msd if f"model.{k}" not in saved_keys)
+    if missing:
+        shown = ", ".join(missing[:6]) + ("..." if len(missing) > 6 else "")
+        raise PipelineConfigError(
+            f"rank {rank}: {ckpt} holds no {shown} ({len(missing)} of this rank's tensors); "
+            "was it saved from the same model (and the same stage_prefix)?"
+        )
+    state: dict[str, Any] = {"model": msd, "pipeloom": {"step": 0, "extra": b""}}
+    if osd is not None:
+        state["optim"] = osd
+    rng_key = f"rng_rank{rank}"
+    with open(ckpt / MARKER) as f:
+        same_world = json.load(f).get("world_size") == dist.get_world_size()
+    want_rng = restore_rng and same_world and rng_key in saved_keys
+    if want_rng:
+        state[rng_key] = b""
+    dcp.load(state, checkpoint_id=str(ckpt), process_group=group)
+    if osd is not None:
+        set_state_dict(view.module, optims if len(optims) > 1 else optims[0],
+                       model_state_dict=state["model"], optim_state_dict=state["optim"], options=_options())
+    else:
+        set_model_state_dict(view.module, state["model"], options=_options())
+    with torch.no_grad():
+        for kept, others in view.dup_buffers:
+            for b in others:
+                b.copy_(kept)
+    if want_rng:
+        _restore_rng(_unpickled(state[rng_key]))
+    dist.barrier(group=group)
+    return CheckpointInfo(ckpt, int(state["pipeloom"]["step"]), _unpickled(state["pipeloom"]["extra"]), want_rng)

@@ -1,0 +1,156 @@
+"""What a training loop needs across ranks: the global gradient norm and the step's loss.
+
+The problem.  In a pipeline, no rank sees the whole model: each holds some
+stages, with FSDP a shard of each, and with data parallelism several ranks
+hold the same (replicated) gradients.  ``torch.nn.utils.clip_grad_norm_`` on
+one rank's parameters clips by that rank's norm, which differs on every
+rank, so the stages end up scaled by different factors.  Likewise the losses
+exist only on the last stage's ranks, one per replica.
+
+The rule used here.  The global ``p``-norm is ``(sum_i |g_i|^p)^(1/p)`` over
+every parameter of the model, each counted once:
+
+* a parameter of a stage this rank holds alone (pipeline only): counted here;
+* an FSDP-sharded parameter (a DTensor sharded over the replicas): each rank
+  adds its shard's ``|.|^p``; the shards sum to the whole;
+* a replicated parameter (DDP, or one FSDP does not manage): identical on
+  every replica after REDUCE_GRAD, so only the replica with ``dp_rank == 0``
+  counts it.
+
+One all-reduce (SUM, or MAX for the inf-norm) of a single float64 over every
+rank gives every rank the same total, hence the same clip coefficient, which
+then scales every local gradient (shard or replica) in place, as torch's
+``clip_grad_norm_`` does (``max_norm / (total + 1e-6)``, clamped to 1).
+
+Alternative considered: gather every gradient's norm to one rank and
+broadcast the coefficient (two collectives instead of one, and a rank
+that holds nothing would still have to take part).
+
+The step's loss: each last-stage rank adds its microbatch losses and counts
+them; one all-reduce (or reduce to rank 0) of ``[sum, count]`` gives the
+mean over every microbatch of every replica.
+
+Both are collectives over all ranks of the job: every rank calls them, in the
+same order, between steps.  A rank that died makes them fail within
+``stall_timeout + heartbeat_timeout`` seconds (a ``PeerLostError``), not hang.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import PeerLostError, PipelineConfigError
+
+__all__ = ["clip_grad_norm_", "reduce_step_loss"]
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(t, DTensor)
+
+
+def _sharded(g: Any) -> bool:
+    from torch.distributed.tensor import Shard
+
+    return any(isinstance(pl, Shard) for pl in g.placements)
+
+
+def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: str) -> None:
+    """An all-reduce (or reduce to ``dst``) over every rank, bounded in time instead of hanging on a dead peer."""
+    work = dist.reduce(t, dst=dst, op=op, async_op=True) if dst is not None else dist.all_reduce(t, op=op, async_op=True)
+    actor = getattr(pipe, "_actor", None)
+    limit = float(getattr(actor, "stall_timeout", 30.0)) + float(getattr(actor, "heartbeat_timeout", 10.0))
+    deadline = time.monotonic() + limit
+    delay = 1e-5
+    try:
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not completed after {limit:g} s")
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
+        work.wait()
+    except Exception as exc:  # gloo raises RuntimeError on a closed connection
+        rank = dist.get_rank()
+        raise PeerLostError(f"{what} over all {dist.get_world_size()} ranks failed: {exc}", rank=rank, peer=-1) from exc
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    pipe: Any, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
+) -> torch.Tensor:
+    """Clip the gradients of the whole pipelined model by their global norm; return that norm.
+
+    The same contract as ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``
+    on the unsplit model: every rank gets the total norm (a float64 tensor on
+    the pipeline's device) and its gradients are scaled by
+    ``min(1, max_norm / (total + 1e-6))``.  Call it on every rank after the
+    step (after the gradients were reduced: not inside ``no_sync``).
+    """
+    p = float(norm_type)
+    if not (p > 0 or p == math.inf):
+        raise PipelineConfigError(f"norm_type must be positive or inf, got {norm_type}")
+    count_replicated = getattr(pipe, "dp_rank", 0) == 0
+    counted: list[torch.Tensor] = []
+    scaled: list[torch.Tensor] = []
+    for param in pipe.parameters():
+        g = param.grad
+        if g is None:
+            continue
+        if _is_dtensor(g):
+            local = g.to_local()
+            scaled.append(local)
+            if _sharded(g) or count_replicated:
+                counted.append(local)
+        else:
+            scaled.append(g)
+            if count_replicated:
+                counted.append(g)
+    device = pipe.device
+    local_total = torch.zeros((), dtype=torch.float64, device=device)
+    if counted:
+        if p == math.inf:
+            local_total = torch.stack([g.detach().abs().max().to(torch.float64) for g in counted if g.numel()] or [local_total]).max()
+        else:
+            norms = torch.stack([torch.linalg.vector_norm(g.detach(), p).to(torch.float64) for g in counted])
+            local_total = norms.pow(p).sum()
+    op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM
+    _collective(pipe, local_total, op, dst=None, what="the gradient norm's all-reduce")
+    total = local_total if p == math.inf else local_total.pow(1.0 / p)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from all pipeline stages is non-finite, so it cannot "
+            "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            "`error_if_nonfinite=False`"
+        )
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    for g in scaled:
+        g.mul_(coef.to(g.device, g.dtype))
+    return total
+
+
+def reduce_step_loss(pipe: Any, losses: dict[int, torch.Tensor] | None, *, reduce_to: str | int = "all") -> float | None:
+    """The mean of the last step's microbatch losses over every replica; on every rank or only on rank 0."""
+    if reduce_to != "all" and (isinstance(reduce_to, bool) or not isinstance(reduce_to, int)):
+        raise PipelineConfigError(f"reduce_to must be 'all' or a rank number, got {reduce_to!r}")
+    if reduce_to != "all" and not 0 <= int(reduce_to) < dist.get_world_size():
+        raise PipelineConfigError(f"reduce_to={reduce_to} is not a rank of this {dist.get_world_size()}-rank job")
+    vals = list((losses or {}).values())
+    t = torch.zeros(2, dtype=torch.float64, device=pipe.device)
+    if vals:
+        t[0] = torch.stack([v.detach().to(t.device, torch.float64).reshape(()) for v in vals]).sum()
+        t[1] = len(vals)
+    dst = None if reduce_to == "all" else int(reduce_to)
+    _collective(pipe, t, dist.ReduceOp.SUM, dst=dst, what="the step loss's reduction")
+    if dst is not None and dist.get_rank() != dst:
+        return None
+    if t[1] == 0:
+        raise PipelineConfigError("no rank has a loss for the last step (was it run with a target and a loss_fn?)")
+    return float(t[0] / t[1])

@@ -1,0 +1,215 @@
+"""Checkpoints across layouts, global clipping, the step loss and accumulation, on real gloo ranks.
+
+Two rank pools (tests/ranks/harness.py) run ``tests/ranks/ckpt_worker.py``:
+4 ranks, then 2.  A checkpoint saved at PP=2 x FSDP=2 (Linears sharded, each
+layer's ``gain`` replicated) is loaded at PP=4, at PP=2 x DP=2 with another
+schedule and 2 stages per rank, and at PP=2 without data parallelism; each
+must restore the saved parameters bit for bit and give the next step the loss
+the unsplit model has there.  Clipping, the step loss and ``no_sync``
+accumulation are compared with the unsplit model on one process (float64).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "ranks"))
+from harness import RanksFailed, spawn_ranks  # noqa: E402
+from net import batch, build_net, loss_fn, make_optimizer  # noqa: E402
+
+TOL = dict(rtol=1e-10, atol=1e-12)
+BASE = dict(dim=4, layers=4, batch=16, microbatches=4, clip=0.05)
+WORKER = Path(__file__).parent / "ranks" / "ckpt_worker.py"
+
+
+async def run_ranks(world: int, cases: list[dict[str, Any]], out: Path, *, timeout: float) -> dict[str, list[dict[str, Any]]]:
+    """harness.run_ranks with ckpt_worker.py: every case on one pool of ``world`` ranks."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "job.json").write_text(json.dumps({"cases": cases, "out": str(out)}))
+    codes, _, errs = await spawn_ranks(world, [str(WORKER), str(out / "job.json")], timeout=timeout)
+    if any(c != 0 for c in codes):
+        tails = "\n".join(f"--- rank {r} (exit {c}) ---\n{e[-3000:]}" for r, (c, e) in enumerate(zip(codes, errs)))
+        raise RanksFailed(f"ranks failed: exit codes {codes}\n{tails}", codes, errs)
+    return {c["id"]: [torch.load(out / f"{c['id']}-rank{r}.pt", weights_only=False) for r in range(world)] for c in cases}
+
+
+def _cases4(tmp: Path) -> list[dict[str, Any]]:
+    ck, ck_async = str(tmp / "ckpt"), str(tmp / "ckpt-async")
+    return [
+        # save at PP=2 x FSDP=2 after 2 steps, train a third
+        dict(BASE, id="save-fsdp", schedule="1F1B", data_parallel=2, fsdp=True, fsdp_wrap="linears", steps=3,
+             save={"path": ck, "at": 2}),
+        # ...resume at PP=4 (4 stages, 1F1B)...
+        dict(BASE, id="load-pp4", schedule="1F1B", load=ck, steps=1),
+        # ...and at PP=2 x DP=2 (DDP), another schedule with 2 stages per rank
+        dict(BASE, id="load-ddp-interleaved", schedule="Interleaved1F1B", data_parallel=2, load=ck, steps=1),
+        # an asynchronous save while training goes on (PP=2 x DP=2); loaded by the 2-rank pool
+        dict(BASE, id="save-async-ddp", schedule="1F1B", data_parallel=2, steps=3, save={"path": ck_async, "at": 2, "async": True}),
+        # clipping by the inf-norm at PP=4
+        dict(BASE, id="clip-inf-pp4", schedule="1F1B", steps=2, norm_type=math.inf, clip=0.02),
+        # accumulation: steps under no_sync, then one that reduces
+        dict(BASE, id="accum-ddp", schedule="1F1B", data_parallel=2, accumulate=2, clip=None),
+        dict(BASE, id="accum-fsdp", schedule="Interleaved1F1B", data_parallel=2, fsdp=True, accumulate=1, clip=None),
+    ]
+
+
+def _cases2(tmp: Path) -> list[dict[str, Any]]:
+    return [
+        dict(BASE, id="load-pp2", schedule="1F1B", load=str(tmp / "ckpt"), steps=1),
+        dict(BASE, id="load-async-pp2", schedule="ZBVZeroBubble", load=str(tmp / "ckpt-async"), steps=1),
+        dict(BASE, id="clip-pp2", schedule="ZBVZeroBubble", steps=2, clip=0.03),
+        dict(BASE, id="noclip-pp2", schedule="1F1B", steps=1, clip=100.0),  # a norm below max_norm: nothing scaled
+    ]
+
+
+@pytest.fixture(scope="module")
+def pools(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[dict[str, Any]]], Path]:
+    tmp = tmp_path_factory.mktemp("ckpt")
+    c4, c2 = _cases4(tmp), _cases2(tmp)
+    results = asyncio.run(run_ranks(4, c4, tmp / "out4", timeout=240))
+    results.update(asyncio.run(run_ranks(2, c2, tmp / "out2", timeout=180)))
+    return results, tmp
+
+
+def _case(cid: str) -> dict[str, Any]:
+    return next(c for c in _cases4(Path("/")) + _cases2(Path("/")) if c["id"] == cid)
+
+
+def reference(cfg: dict[str, Any], steps: int) -> list[dict[str, Any]]:
+    """The unsplit model on one process: per step the mean loss, the norm, the clipped grads, the params after."""
+    model = build_net(cfg)
+    opt = make_optimizer(model.parameters(), cfg)
+    pieces = cfg.get("data_parallel", 1) * cfg["microbatches"]  # replica d's microbatches follow replica d-1's
+    out = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        x, y = batch(cfg, step)
+        losses = [loss_fn(model(xm), ym) for xm, ym in zip(torch.tensor_split(x, pieces), torch.tensor_split(y, pieces))]
+        (sum(losses) / pieces).backward()
+        rec: dict[str, Any] = {"loss": float(torch.stack(losses).detach().mean())}
+        if cfg.get("clip") is not None:
+            rec["norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"], cfg.get("norm_type", 2.0))
+        rec["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        rec["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out.append(rec)
+    return out
+
+
+def _merged(results: list[dict[str, Any]], key: str) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for res in results:
+        for n, t in res[key].items():
+            if n in out:  # replicas (and FSDP shards gathered whole) agree exactly
+                assert torch.equal(out[n], t), n
+            out[n] = t
+    return out
+
+
+def _check_steps(cid: str, results: list[dict[str, Any]], first: int = 0) -> None:
+    cfg = _case(cid)
+    ref = reference(cfg, first + cfg["steps"])
+    for i, want in enumerate(ref[first:]):
+        for rank, res in enumerate(results):
+            got = res["steps"][i]
+            assert got["loss_all"] == pytest.approx(want["loss"], rel=1e-12), (cid, rank, i)
+            assert (got["loss0"] is None) == (rank != 0), (cid, rank)
+            if rank == 0:
+                assert got["loss0"] == got["loss_all"]
+            if "norm" in want:
+                assert float(got["norm"]) == pytest.approx(float(want["norm"]), rel=1e-12), (cid, rank, i)
+                assert got["norm"] == results[0]["steps"][i]["norm"]  # every rank: the same number
+        grads = _merged([{"g": r["steps"][i]["grads"]} for r in results], "g")
+        assert grads.keys() == want["grads"].keys()
+        for n, g in want["grads"].items():
+            torch.testing.assert_close(grads[n], g, **TOL, msg=f"{cid} step {i} {n}")
+    params = _merged(results, "params")
+    for n, p in ref[-1]["params"].items():
+        torch.testing.assert_close(params[n], p, **TOL, msg=f"{cid} params {n}")
+
+
+def test_saved_under_pp2_fsdp2_training_matches_the_unsplit_model(pools: Any) -> None:
+    _check_steps("save-fsdp", pools[0]["save-fsdp"])
+
+
+@pytest.mark.parametrize("cid", ["load-pp4", "load-ddp-interleaved", "load-pp2"])
+def test_a_checkpoint_loads_under_another_layout(pools: Any, cid: str) -> None:
+    results, tmp = pools
+    saved = results["save-fsdp"]
+    got = results[cid]
+    ref = reference(_case("save-fsdp"), 3)
+    for rank, res in enumerate(got):
+        assert res["loaded"]["step"] == 2 and res["loaded"]["extra"] == {"case": "save-fsdp", "next": 2}
+        assert res["loaded"]["path"].endswith("step-00000002")
+        assert res["loaded"]["rng"] == (len(got) == 4)  # RNG restored only under the same world size
+    # the parameters restored are those of the unsplit model after 2 steps (the FSDP run's, within float
+    # reordering), identical on every layout that loaded them, bit for bit
+    loaded = _merged(got, "loaded_params")
+    for n, p in ref[1]["params"].items():
+        torch.testing.assert_close(loaded[n], p, **TOL)
+    for other in ("load-pp4", "load-ddp-interleaved", "load-pp2"):
+        theirs = _merged(results[other], "loaded_params")
+        assert all(torch.equal(loaded[n], theirs[n]) for n in ref[1]["params"]), (cid, other)
+    # the buffer kept on every stage is restored on every stage
+    assert all(torch.equal(t, build_net(BASE).offset) for n, t in loaded.items() if n.startswith("buffer:"))
+    # the next step: the same loss as the saving layout's third step and the unsplit model's
+    nxt = got[0]["steps"][0]["loss_all"]
+    assert nxt == pytest.approx(saved[0]["steps"][2]["loss_all"], rel=1e-12)
+    assert nxt == pytest.approx(ref[2]["loss"], rel=1e-12)
+    params = _merged(got, "params")
+    for n, p in ref[2]["params"].items():
+        torch.testing.assert_close(params[n], p, **TOL, msg=f"{cid} {n}")
+
+
+def test_an_async_save_holds_the_state_of_its_step(pools: Any) -> None:
+    results, _ = pools
+    _check_steps("save-async-ddp", results["save-async-ddp"])
+    ref = reference(_case("save-async-ddp"), 3)
+    got = results["load-async-pp2"]
+    loaded = _merged(got, "loaded_params")
+    for n, p in ref[1]["params"].items():  # step 2's parameters, though training went on to step 3 meanwhile
+        torch.testing.assert_close(loaded[n], p, **TOL)
+    assert got[0]["steps"][0]["loss_all"] == pytest.approx(ref[2]["loss"], rel=1e-12)
+
+
+@pytest.mark.parametrize("cid", ["clip-inf-pp4", "clip-pp2", "noclip-pp2"])
+def test_clipping_by_the_global_norm_matches_the_unsplit_model(pools: Any, cid: str) -> None:
+    _check_steps(cid, pools[0][cid])
+    ref = reference(_case(cid), 1)
+    clipped = float(ref[0]["norm"]) > _case(cid)["clip"]
+    assert clipped == (cid != "noclip-pp2")
+
+
+@pytest.mark.parametrize("cid", ["accum-ddp", "accum-fsdp"])
+def test_no_sync_accumulates_without_reducing(pools: Any, cid: str) -> None:
+    cfg = _case(cid)
+    results = pools[0][cid]
+    k = cfg["accumulate"]
+    # the unsplit model, backward of k + 1 steps' losses without zeroing in between
+    model = build_net(cfg)
+    pieces = cfg["data_parallel"] * cfg["microbatches"]
+    total = 0.0
+    for step in range(k + 1):
+        x, y = batch(cfg, step)
+        losses = [loss_fn(model(xm), ym) for xm, ym in zip(torch.tensor_split(x, pieces), torch.tensor_split(y, pieces))]
+        (sum(losses) / pieces).backward()
+        total = float(torch.stack(losses).detach().mean())
+    grads = _merged([{"g": r["steps"][-1]["grads"]} for r in results], "g")
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, **TOL, msg=f"{cid} {n}")
+    assert results[0]["steps"][-1]["loss_all"] == pytest.approx(total, rel=1e-12)  # the last step's loss
+    if not cfg.get("fsdp"):
+        # inside no_sync the two replicas of a stage held different (their own, unreduced) gradients
+        by_row: dict[int, list[dict[str, torch.Tensor]]] = {}
+        for rank, res in enumerate(results):
+            by_row.setdefault(rank // 2, []).append(res["steps"][0]["local"])
+        for a, b in by_row.values():
+            assert any(not torch.equal(a[n], b[n]) for n in a)
