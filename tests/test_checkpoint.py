@@ -213,3 +213,44 @@ def test_no_sync_accumulates_without_reducing(pools: Any, cid: str) -> None:
             by_row.setdefault(rank // 2, []).append(res["steps"][0]["local"])
         for a, b in by_row.values():
             assert any(not torch.equal(a[n], b[n]) for n in a)
+
+
+# ---------------------------------------------------------------- crash and resume
+
+
+def test_killed_mid_save_resumes_from_the_last_complete_checkpoint_bit_exactly(tmp_path: Path) -> None:
+    """``pipeloom launch --max-restarts 1``: rank 1 is SIGKILLed inside the (asynchronous) save of step 4,
+    after writing its files; the restart must ignore that unfinished checkpoint, resume from step 2 and end
+    with the parameters of an uninterrupted run, bit for bit (CPU, float64, deterministic, dropout)."""
+    import subprocess
+
+    worker = str(Path(__file__).parent / "ranks" / "ckpt_resume_worker.py")
+    launch = [sys.executable, "-m", "pipeloom.tools.cli", "launch", "--nproc-per-node", "2", "--grace", "0.5"]
+    runs = {}
+    for mode in ("clean", "kill"):
+        out = tmp_path / mode
+        out.mkdir()
+        proc = subprocess.run([*launch, "--max-restarts", "1", worker, mode, str(out), "6"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[mode] = (out, proc.stderr)
+    out, err = runs["kill"]
+    assert "attempt 0 failed: rank 1 was killed by SIGKILL" in err, err[-3000:]
+    for rank in range(2):
+        first, second = (out / f"attempts{rank}").read_text().split()
+        assert first == "0:0:-"
+        # the restart saw step 4's directory with both ranks' data files, and resumed from step 2
+        assert second == "1:2:partial:__0_0.distcp,__1_0.distcp", second
+    assert "restarting" not in runs["clean"][1]
+    for rank in range(2):
+        clean = torch.load(runs["clean"][0] / f"final{rank}.pt")
+        resumed = torch.load(out / f"final{rank}.pt")
+        assert clean.keys() == resumed.keys() and clean
+        for name, value in clean.items():
+            assert torch.equal(value, resumed[name]), (rank, name)
+        # the losses of the steps run after the resume (3..6) are those of the uninterrupted run's
+        assert torch.load(out / f"losses{rank}.pt") == torch.load(runs["clean"][0] / f"losses{rank}.pt")[2:]
+    # step 4 was saved again by the restarted run: complete now, and the latest is step 6
+    from pipeloom.runtime.checkpoint import list_checkpoints
+
+    assert [s for s, _ in list_checkpoints(out / "ckpt")] == [2, 4, 6]
