@@ -10,7 +10,20 @@ own, which is the whole contract :func:`pipeloom.split_by_fqn` asks for.  The
 model is built on the meta device, so no rank ever allocates the whole of it:
 each stage is materialised and initialised (``init_weights``) where it runs.
 Every rank builds the same ``Pipeline`` and calls ``step`` with the same batch;
-the rank holding the last stage sees the losses and draws the progress line.
+``pipe.last_loss(reduce_to=0)`` brings each step's loss to rank 0, which draws
+the progress bar (rich's ``Progress``: loss, tokens/s, ETA; on a terminal a live
+bar, otherwise a line every ~5%) and prints the loss table at the end.
+
+A trainer's other parts: gradients clipped by their global norm across
+stages (``--clip``, ``pipe.clip_grad_norm_``), distributed checkpoints
+(``--ckpt-dir``, ``--ckpt-every``: ``pipeloom.save_checkpoint``, written
+asynchronously, keyed by the model's names) holding the model, AdamW, the
+LR schedule, the data stream's position and the loss history, and
+``--resume`` to continue from the latest complete one (also under another
+number of ranks or another schedule)::
+
+    pipeloom launch --nproc-per-node 2 --max-restarts 3 examples/train_gpt.py \
+        --steps 2000 --ckpt-dir ckpt --ckpt-every 100 --resume
 
 The task is synthetic but learnable: sequences drawn from a fixed random
 Markov chain in which each token has three likely successors (probabilities
@@ -31,6 +44,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -177,30 +191,60 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- progress
 
 
-class Progress:
-    """One status line: redrawn in place on a terminal, a line every ~5% otherwise (logs, launchers)."""
+class TrainProgress:
+    """Progress through rich: a live bar on a terminal; elsewhere (logs, launchers) a line every ~5%.
 
-    def __init__(self, total: int, stream=sys.stdout) -> None:  # type: ignore[no-untyped-def]
-        self.total, self.stream = total, stream
-        self.tty = stream.isatty()
+    rich's ``Progress`` keeps the speed estimate that gives the ETA either way.
+    """
+
+    def __init__(self, total: int, done: int = 0) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.console = Console()
+        self.live = self.console.is_terminal
+        self.total = total
         self.every = max(1, total // 20)
+        self.bar = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]:.3f}  {task.fields[tps]:,.0f} tok/s  |g| {task.fields[gnorm]:.2f}"),
+            TextColumn("ETA"), TimeRemainingColumn(),
+            console=self.console, disable=not self.live,
+        )
+        self.task = self.bar.add_task("train", total=total, completed=done, loss=float("nan"), tps=0.0, gnorm=0.0)
+        self.bar.start()
 
-    def update(self, step: int, text: str) -> None:
-        if self.tty:
-            filled = 24 * step // self.total
-            self.stream.write(f"\r[{'#' * filled}{'.' * (24 - filled)}] {step}/{self.total} {text}\033[K")
-            self.stream.flush()
-        elif step % self.every == 0 or step == self.total:
-            print(f"step {step}/{self.total} {text}", file=self.stream, flush=True)
+    def update(self, step: int, *, loss: float, tokens_per_s: float, gnorm: float) -> None:
+        self.bar.update(self.task, completed=step, loss=loss, tps=tokens_per_s, gnorm=gnorm)
+        if not self.live and (step % self.every == 0 or step == self.total):
+            eta = self.bar.tasks[0].time_remaining
+            eta_text = "?" if eta is None else f"{int(eta) // 60}:{int(eta) % 60:02d}"
+            print(f"step {step}/{self.total} loss {loss:.3f}  {tokens_per_s:,.0f} tok/s  |g| {gnorm:.2f}  ETA {eta_text}", flush=True)
 
     def note(self, text: str) -> None:
-        """A line that stays (an eval result), above the redrawn one."""
-        print(("\r\033[K" if self.tty else "") + text, file=self.stream, flush=True)
+        """A line that stays (an eval result, a checkpoint), above the live bar."""
+        if self.live:
+            self.bar.console.print(text, highlight=False)
+        else:
+            print(text, flush=True)
 
     def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
+        self.bar.stop()
+
+
+def loss_table(history: Sequence[float], *, rows: int = 8) -> Any:
+    """The loss curve as a table: mean, min and last loss over consecutive runs of steps."""
+    from rich.table import Table
+
+    table = Table(title="loss by steps", title_justify="left")
+    for col in ("steps", "mean", "min", "last"):
+        table.add_column(col, justify="right")
+    n = len(history)
+    bounds = [round(i * n / min(rows, n)) for i in range(min(rows, n) + 1)] if n else []
+    for a, b in zip(bounds, bounds[1:]):
+        part = history[a:b]
+        table.add_row(f"{a + 1}-{b}", f"{sum(part) / len(part):.3f}", f"{min(part):.3f}", f"{part[-1]:.3f}")
+    return table
 
 
 # ---------------------------------------------------------------- flags
@@ -257,7 +301,26 @@ def parse_args(argv: Sequence[str] | None, world: int) -> argparse.Namespace:
     p.add_argument("--lr", type=lr, default=3e-3, help="peak AdamW learning rate (10-step warmup, cosine decay to 10%%)")
     p.add_argument("--seed", type=int, default=0, help="seed of the chain, the data and the weights")
     p.add_argument("--eval-every", type=nonneg, default=50, help="steps between held-out evaluations (0: never)")
+
+    def clip(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (v >= 0 and math.isfinite(v)):
+            raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text}")
+        return v
+
+    p.add_argument("--clip", type=clip, default=1.0, help="clip gradients to this global L2 norm (0: no clipping)")
+    p.add_argument("--ckpt-dir", default=None, help="directory of distributed checkpoints (step-N folders)")
+    p.add_argument("--ckpt-every", type=nonneg, default=0,
+                   help="steps between checkpoints (0: only at the end); needs --ckpt-dir")
+    p.add_argument("--keep-last", type=positive, default=3, help="complete checkpoints kept in --ckpt-dir")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest complete checkpoint in --ckpt-dir (a fresh start if there is none)")
     args = p.parse_args(argv)
+    if (args.resume or args.ckpt_every) and not args.ckpt_dir:
+        p.error("--resume and --ckpt-every need --ckpt-dir")
 
     if args.microbatches is None:
         args.microbatches = default_microbatches(args.schedule, world)
@@ -324,8 +387,20 @@ def train(pipe: pipeloom.Pipeline, args: argparse.Namespace, cfg: GPTConfig, num
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    reporter = pipe.has_last_stage  # the rank that sees the losses
-    progress = Progress(args.steps) if reporter else None
+    reporter = pipe.rank == 0  # pipe.last_loss(reduce_to=0) brings every step's loss here
+    history: list[float] = []  # per step, across resumes (it rides in the checkpoints)
+    done = 0
+    if args.resume:
+        info = pipeloom.load_checkpoint(args.ckpt_dir, pipe, opt)
+        if info is not None:
+            done = info.step
+            sched.load_state_dict(info.extra["sched"])
+            data.gen.set_state(info.extra["data"])  # the data stream continues where it was
+            history = list(info.extra["losses"])
+            if reporter:
+                print(f"resumed from {info.path} (step {done})", flush=True)
+        elif reporter:
+            print(f"no complete checkpoint in {args.ckpt_dir}: starting from step 0", flush=True)
     if reporter:
         print(
             f"GPT {num_params / 1e6:.2f}M params ({cfg.layers} layers, dim {cfg.dim}), {args.num_stages} stages, "
@@ -334,36 +409,49 @@ def train(pipe: pipeloom.Pipeline, args: argparse.Namespace, cfg: GPTConfig, num
             f"loss floor (the chain's entropy) {data.entropy():.2f}",
             flush=True,
         )
-    step_losses: list[float] = []
+    progress = TrainProgress(args.steps, done) if reporter else None
+
+    def save(step: int) -> None:
+        extra = {"sched": sched.state_dict(), "data": data.gen.get_state(), "losses": history}
+        pending = pipeloom.save_checkpoint(args.ckpt_dir, pipe, opt, step=step, extra=extra, async_save=True,
+                                           keep_last=args.keep_last)
+        if progress is not None:
+            progress.note(f"checkpoint of step {step} -> {pending.path} (written in the background)")
+
     tokens = args.batch * cfg.seq
     start = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    for step in range(done + 1, args.steps + 1):
         x, y = data.batch(args.batch)
         opt.zero_grad(set_to_none=True)
-        losses: list[torch.Tensor] = []
-        pipe.step(x, target=y, losses=losses)
+        pipe.step(x, target=y)
+        loss = pipe.last_loss(reduce_to=0)
+        gnorm = float(pipe.clip_grad_norm_(args.clip)) if args.clip else float("nan")
         opt.step()
         sched.step()
-        if progress is not None:
-            loss = float(torch.stack(losses).mean())
-            step_losses.append(loss)
-            elapsed = time.perf_counter() - start
-            progress.update(step, f"loss {loss:.3f}  {step * tokens / elapsed:,.0f} tok/s  lr {sched.get_last_lr()[0]:.2e}")
+        if progress is not None and loss is not None:
+            history.append(loss)
+            progress.update(step, loss=loss, tokens_per_s=(step - done) * tokens / (time.perf_counter() - start), gnorm=gnorm)
         if args.eval_every and step % args.eval_every == 0:
-            ev: list[torch.Tensor] = []
-            pipe.eval(eval_x, target=eval_y, losses=ev)
+            pipe.eval(eval_x, target=eval_y)
+            ev = pipe.last_loss(reduce_to=0)
             if progress is not None:
-                progress.note(f"eval at step {step}: held-out loss {float(torch.stack(ev).mean()):.3f}")
+                progress.note(f"eval at step {step}: held-out loss {ev:.3f}")
+        if args.ckpt_dir and (step == args.steps or (args.ckpt_every and step % args.ckpt_every == 0)):
+            save(step)
+    pipeloom.wait_checkpoints()  # before the process group goes
     elapsed = time.perf_counter() - start
     if progress is not None:
         progress.close()
-        k = max(1, min(10, len(step_losses) // 4))
-        first, last = sum(step_losses[:k]) / k, sum(step_losses[-k:]) / k
-        print(
-            f"final: first_loss={first:.4f} last_loss={last:.4f} (mean of the first and last {k} steps) "
-            f"steps={args.steps} seconds={elapsed:.1f} tokens_per_s={args.steps * tokens / elapsed:,.0f}",
-            flush=True,
-        )
+        if history:
+            progress.console.print(loss_table(history))
+            k = max(1, min(10, len(history) // 4))
+            first, last = sum(history[:k]) / k, sum(history[-k:]) / k
+            ran = args.steps - done
+            print(
+                f"final: first_loss={first:.4f} last_loss={last:.4f} (mean of the first and last {k} steps) "
+                f"steps={args.steps} seconds={elapsed:.1f} tokens_per_s={ran * tokens / max(elapsed, 1e-9):,.0f}",
+                flush=True,
+            )
     return 0
 
 

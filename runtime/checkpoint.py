@@ -373,9 +373,12 @@ def save_checkpoint(
     _check_global_names(view, group, rank)
     optims = _optims(optimizer)
     msd, osd = _state_dicts(view, optims)
+    # DCP keeps one copy of a value every rank has, from whichever rank it picks: make it rank 0's
+    shared = [dict(extra or {})]
+    dist.broadcast_object_list(shared, src=0, group=group)
     state: dict[str, Any] = {
         "model": msd,
-        "pipeloom": {"step": step, "extra": _pickled(dict(extra or {}))},
+        "pipeloom": {"step": step, "extra": _pickled(shared[0])},
         f"rng_rank{rank}": _pickled(_rng_state()),
     }
     if osd is not None:
