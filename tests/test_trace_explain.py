@@ -202,3 +202,33 @@ def test_wait_causes_and_attribution_by_hand() -> None:
     assert cp.line() == "step 0 = 290 ns: compute 195 ns + transfers 70 ns + runtime 25 ns"
     s = summarize(m)
     assert s.steps == (0,) and s.left_out == "1 eval step"
+
+
+def test_tune_ranks_configurations_from_a_run(runs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeloom.tools.run_costs import costs_from_trace
+    from pipeloom.tools.schedule_tune import _action_costs, tune
+
+    path = str(runs / "1F1B.jsonl")
+    assert main(["schedule", "tune", "--costs-from", path, "--json", "-m", "2,4,8", "-v", "1,2"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    cands = doc["candidates"]
+    assert doc["recorded"]["schedule"] == "1F1B" and doc["recorded"]["microbatches"] == 4
+    times = [c["step_ns"] for c in cands]
+    assert times == sorted(times) and all(c["fits"] for c in cands)
+    assert {(c["schedule"], c["microbatches"], c["stages_per_rank"]) for c in cands} >= {("1F1B", 2, 1), ("ZBVZeroBubble", 4, 2)}
+    assert any("GPipe m=2 v=2" in s for s in doc["skipped"])
+    assert main(["schedule", "tune", "--costs-from", path, "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "recorded configuration 1F1B m=4 v=1: measured" in out and "top 3 of" in out
+    # a cap nothing fits under: exit 1, every candidate listed as over it
+    assert main(["schedule", "tune", "--costs-from", path, "--memory-cap", "1B"]) == 1
+    assert "over the cap" in capsys.readouterr().out
+    assert main(["schedule", "tune", "--costs-from", path, "--memory-cap", "lots"]) == 2
+    assert "not a size" in capsys.readouterr().err
+    # scaling: half the microbatches, twice the compute per action (the runtime time per action stays)
+    rc = costs_from_trace(load_trace(path))
+    a4, a2 = _action_costs(rc, 2, 1, 4), _action_costs(rc, 2, 1, 2)
+    o = rc.overhead_per_action_ns[0]
+    assert a2[(0, "F", None)] - o == pytest.approx(2 * (a4[(0, "F", None)] - o))
+    r = tune(rc, schedules=["1F1B"], microbatches=[4], stages_per_rank=[1], activation_memory=1000)
+    assert r.recorded is not None and r.candidates[0].peak_activation_bytes == 1000 * r.candidates[0].peak_live

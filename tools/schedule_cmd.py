@@ -124,6 +124,27 @@ def add_parser(subparsers: Any) -> None:
     )
     simulate_p.set_defaults(func=_guarded(_cmd_simulate))
 
+    tune_p = sub.add_parser(
+        "tune",
+        help="rank schedules x microbatches x stages per rank by simulated step time, with a run's measured costs",
+        description="From a recorded run's measured costs (see `simulate --costs-from`), simulate every candidate "
+        "configuration (schedule, microbatches, stages per rank; same ranks and global batch) and print the fastest "
+        "that fit the memory cap, with their predicted step time, bubble and peak activation memory. How costs are "
+        "scaled to other configurations: see the README.",
+    )
+    tune_p.add_argument("--costs-from", required=True, metavar="RUN.jsonl", help="a recorded run (trace)")
+    tune_p.add_argument("--schedules", default=None, metavar="A,B", help="schedule names to try (default: every named schedule)")
+    tune_p.add_argument("--microbatches", "-m", default=None, metavar="M1,M2",
+                        help="microbatch counts to try (default: P, 2P, 4P, 8P and the run's)")
+    tune_p.add_argument("--stages-per-rank", "-v", default="1,2", metavar="V1,V2", help="stages per rank to try (default 1,2)")
+    tune_p.add_argument("--memory-cap", default=None, metavar="SIZE", help="per-rank activation memory cap, e.g. 8GiB")
+    tune_p.add_argument("--activation-memory", default=None, metavar="SIZE",
+                        help="activation memory of one microbatch on one stage in the recorded run (default: the "
+                        "stage-boundary activation size, a lower bound)")
+    tune_p.add_argument("--top", type=_positive_int, default=5, metavar="K", help="configurations to print (default 5)")
+    tune_p.add_argument("--json", action="store_true", help="print one JSON object")
+    tune_p.set_defaults(func=_guarded(_cmd_tune))
+
 
 # ---------------------------------------------------------------- arguments
 
@@ -327,6 +348,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             if args.stages_per_rank is None:
                 args.stages_per_rank = run.stages_per_rank
         args.costs = run.costs
+        if args.recv is None and not (args.target and _is_file(args.target)):
+            args.recv = "early"  # pipeloom posts a receive when the sender announces it
     schedule, label, name = _load_target(args)
     # The simulator only says "cannot finish"; the validator says where and why.
     problems = validate(schedule)
@@ -431,3 +454,37 @@ def _num(value: float | int | None) -> str:
     if float(value).is_integer():
         return str(int(value))
     return f"{value:.3f}".rstrip("0")
+
+
+def _int_list(text: str | None, what: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise _UsageError(f"{what}: expected comma-separated integers, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise _UsageError(f"{what}: expected positive integers, got {text!r}")
+    return out
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from .schedule_tune import format_tune, parse_size, tune
+
+    run = _run_costs(args.costs_from)
+    names = SCHEDULE_NAMES if args.schedules is None else [canonical_name(n.strip()) for n in args.schedules.split(",") if n.strip()]
+    try:
+        cap = None if args.memory_cap is None else parse_size(args.memory_cap)
+        act = None if args.activation_memory is None else parse_size(args.activation_memory)
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+    result = tune(run, schedules=names, microbatches=_int_list(args.microbatches, "--microbatches"),
+                  stages_per_rank=_int_list(args.stages_per_rank, "--stages-per-rank") or [1, 2],
+                  memory_cap=cap, activation_memory=act)
+    if not result.candidates:
+        raise _UsageError("no candidate configuration could be simulated: " + "; ".join(result.skipped[:3]))
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(format_tune(result, top=args.top))
+    return 0 if any(c.fits for c in result.candidates) else 1

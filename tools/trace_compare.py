@@ -88,7 +88,8 @@ def compare(run: TraceModel, plan: TraceModel, *, step: int | None = None) -> Co
             prev_slip = s.slip
             slips.append(s)
     only_run = tuple(sorted(f"rank {r} {n}" for r, n in actual.keys() - planned.keys()))
-    only_plan = tuple(sorted(f"rank {r} {n}" for r, n in planned.keys() - actual.keys()))
+    # zero-cost plan actions (REDUCE_GRAD without data parallelism) have no counterpart to miss
+    only_plan = tuple(sorted(f"rank {r} {n}" for r, n in planned.keys() - actual.keys() if planned[(r, n)].duration > 0))
     return Comparison(step, phi - plo, rhi - rlo, tuple(slips), only_run, only_plan)
 
 
