@@ -67,6 +67,8 @@ def _cases2(tmp: Path) -> list[dict[str, Any]]:
         dict(BASE, id="load-async-pp2", schedule="ZBVZeroBubble", load=str(tmp / "ckpt-async"), steps=1),
         dict(BASE, id="clip-pp2", schedule="ZBVZeroBubble", steps=2, clip=0.03),
         dict(BASE, id="noclip-pp2", schedule="1F1B", steps=1, clip=100.0),  # a norm below max_norm: nothing scaled
+        # the crash test's job, uninterrupted (the same code as under the launcher, in this pool's processes)
+        dict(id="resume-clean", resume_clean=str(tmp / "clean"), steps=6),
     ]
 
 
@@ -218,30 +220,30 @@ def test_no_sync_accumulates_without_reducing(pools: Any, cid: str) -> None:
 # ---------------------------------------------------------------- crash and resume
 
 
-def test_killed_mid_save_resumes_from_the_last_complete_checkpoint_bit_exactly(tmp_path: Path) -> None:
+def test_killed_mid_save_resumes_from_the_last_complete_checkpoint_bit_exactly(pools: Any, tmp_path: Path) -> None:
     """``pipeloom launch --max-restarts 1``: rank 1 is SIGKILLed inside the (asynchronous) save of step 4,
     after writing its files; the restart must ignore that unfinished checkpoint, resume from step 2 and end
-    with the parameters of an uninterrupted run, bit for bit (CPU, float64, deterministic, dropout)."""
+    with the parameters of an uninterrupted run of the same job, bit for bit (CPU, float64, deterministic,
+    dropout).  The uninterrupted run is the 2-rank pool's ``resume-clean`` case (the same code)."""
     import subprocess
 
     worker = str(Path(__file__).parent / "ranks" / "ckpt_resume_worker.py")
     launch = [sys.executable, "-m", "pipeloom.tools.cli", "launch", "--nproc-per-node", "2", "--grace", "0.5"]
-    runs = {}
-    for mode in ("clean", "kill"):
-        out = tmp_path / mode
-        out.mkdir()
-        proc = subprocess.run([*launch, "--max-restarts", "1", worker, mode, str(out), "6"],
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        runs[mode] = (out, proc.stderr)
-    out, err = runs["kill"]
+    out = tmp_path / "kill"
+    out.mkdir()
+    proc = subprocess.run([*launch, "--max-restarts", "1", worker, "kill", str(out), "6"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    err = proc.stderr
     assert "attempt 0 failed: rank 1 was killed by SIGKILL" in err, err[-3000:]
     for rank in range(2):
         first, second = (out / f"attempts{rank}").read_text().split()
         assert first == "0:0:-"
         # the restart saw step 4's directory with both ranks' data files, and resumed from step 2
         assert second == "1:2:partial:__0_0.distcp,__1_0.distcp", second
-    assert "restarting" not in runs["clean"][1]
+    clean_dir = pools[1] / "clean"
+    assert [line.split(":")[:2] for line in (clean_dir / "attempts0").read_text().split()] == [["0", "0"]]
+    runs = {"clean": (clean_dir, "")}
     for rank in range(2):
         clean = torch.load(runs["clean"][0] / f"final{rank}.pt")
         resumed = torch.load(out / f"final{rank}.pt")

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_gpt.py"
 LAUNCH = [sys.executable, "-m", "pipeloom.tools.cli", "launch", "--nproc-per-node", "2"]
@@ -54,5 +56,19 @@ def test_example_refuses_a_microbatch_count_the_schedule_rejects() -> None:
     proc = _launch("--schedule", "DualPipeV", "--microbatches", "3", "--steps", "1")
     assert proc.returncode != 0
     assert "DualPipeV needs num_microbatches >= 2 x num_ranks" in proc.stderr, proc.stderr[-3000:]
-    proc = _launch("--resume", "--steps", "1")
-    assert proc.returncode != 0 and "--resume and --ckpt-every need --ckpt-dir" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_example_checks_its_checkpoint_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        import train_gpt
+    finally:
+        sys.path.remove(str(EXAMPLE.parent))
+    for argv, message in ((["--resume"], "--resume and --ckpt-every need --ckpt-dir"),
+                          (["--ckpt-every", "5"], "--resume and --ckpt-every need --ckpt-dir"),
+                          (["--clip", "-1"], "must be a non-negative number")):
+        with pytest.raises(SystemExit) as exc:
+            train_gpt.parse_args(argv, world=2)
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    args = train_gpt.parse_args(["--ckpt-dir", "d", "--resume", "--clip", "0"], world=2)
+    assert args.resume and args.clip == 0 and args.ckpt_every == 0 and args.keep_last == 3

@@ -25,9 +25,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from net import batch, build_net, fqns, loss_fn, make_optimizer  # noqa: E402
 
-MODE, OUT, STEPS = sys.argv[1], sys.argv[2], int(sys.argv[3])
-RANK = int(os.environ["RANK"])
-RESTART = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 CFG = dict(dim=8, layers=4, batch=16, dropout=0.1, seed=0)
 KILL_IN_SAVE = 4
 
@@ -46,11 +43,12 @@ def die_after_writing() -> None:
     _FileSystemWriter.write_data = write_then_die  # type: ignore[method-assign]
 
 
-def main() -> None:
+def run(mode: str, out: str, steps: int, restart: int) -> None:
+    """The job (``mode`` clean or kill); also run as a case of the 2-rank pool (ckpt_worker.py) for the clean reference."""
     import pipeloom
 
-    torch.set_num_threads(1)
-    ckpt = os.path.join(OUT, "ckpt")
+    rank = int(os.environ["RANK"])
+    ckpt = os.path.join(out, "ckpt")
     partial = os.path.join(ckpt, f".step-{KILL_IN_SAVE:08d}.partial")
     left = "-"
     if os.path.isdir(partial):
@@ -59,16 +57,16 @@ def main() -> None:
     pipe = pipeloom.Pipeline(split, schedule="1F1B", num_microbatches=4, loss_fn=loss_fn, deterministic=True)
     opt = make_optimizer(pipe.parameters(), {"lr": 0.02})
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    torch.manual_seed(100 + RANK)  # the dropout masks: per rank, continued across a resume by the saved RNG state
+    torch.manual_seed(100 + rank)  # the dropout masks: per rank, continued across a resume by the saved RNG state
     info = pipeloom.load_checkpoint(ckpt, pipe, opt)
     start = 0
     if info is not None:
         start = info.step
         sched.load_state_dict(info.extra["sched"])
-    with open(os.path.join(OUT, f"attempts{RANK}"), "a") as f:
-        f.write(f"{RESTART}:{start}:{left}\n")
+    with open(os.path.join(out, f"attempts{rank}"), "a") as f:
+        f.write(f"{restart}:{start}:{left}\n")
     losses = []
-    for step in range(start, STEPS):
+    for step in range(start, steps):
         x, y = batch(CFG, step)
         opt.zero_grad(set_to_none=True)
         pipe.step(x, target=y)
@@ -77,13 +75,18 @@ def main() -> None:
         opt.step()
         sched.step()
         if (step + 1) % 2 == 0:
-            if MODE == "kill" and RESTART == 0 and RANK == 1 and step + 1 == KILL_IN_SAVE:
+            if mode == "kill" and restart == 0 and rank == 1 and step + 1 == KILL_IN_SAVE:
                 die_after_writing()
             pipeloom.save_checkpoint(ckpt, pipe, opt, step=step + 1, extra={"sched": sched.state_dict()}, async_save=True)
     pipeloom.wait_checkpoints()
-    torch.save({n: p.detach() for m in pipe.stages.values() for n, p in m.named_parameters()}, os.path.join(OUT, f"final{RANK}.pt"))
-    torch.save(losses, os.path.join(OUT, f"losses{RANK}.pt"))
+    torch.save({n: p.detach() for m in pipe.stages.values() for n, p in m.named_parameters()}, os.path.join(out, f"final{rank}.pt"))
+    torch.save(losses, os.path.join(out, f"losses{rank}.pt"))
     pipe.close()
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    run(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(os.environ["TORCHELASTIC_RESTART_COUNT"]))
 
 
 if __name__ == "__main__":
