@@ -1,0 +1,161 @@
+"""Peer liveness: what a rank knows of its peers, and when it declares one lost.
+
+Problem.  A rank that waits for a peer's data cannot tell, from the wait
+alone, a slow peer from a dead, stopped or hung one; waiting forever is the
+failure mode of most pipeline runtimes (NCCL's watchdog fires after ten
+minutes).  pipeloom's ranks therefore exchange application-level heartbeats
+on the control plane (each says what the sender is doing and for how long),
+send ``bye`` when their Pipeline closes, and watch their control connections;
+a waiting rank periodically asks whether some peer is gone.
+
+Alternatives.  The decision used to live inside the actor, reading the wall
+clock and the control plane's fields directly, so it could only be tested by
+killing and stopping real rank processes and waiting out real timeouts.  Here
+it is a small class with no sockets, tensors or event loop: the actor feeds
+it what arrived (:meth:`PeerLiveness.seen`, :meth:`heartbeat`, :meth:`bye`)
+and the control plane's connection events, and asks :meth:`check`.  Its clock
+is injected (``clock=``), so tests drive time by hand, as trio's fake clock
+does; the real ranks pass ``time.monotonic``.
+
+The decision, for each peer, first match wins:
+
+1. it said ``bye`` after completing at least ``step + 1`` steps: it finished
+   this step and left; nothing is missing from it (not lost);
+2. it said ``bye`` earlier: it stopped before this step and will not take part;
+3. its control connection closed and a read of the connection events at least
+   ``reconnect_grace`` later still showed it closed: the process is gone;
+4. nothing from it for ``heartbeat_timeout`` (counted from the later of its
+   last message and the start of this rank's current step): dead or unreachable;
+5. its last heartbeat said it was busy in one action for more than
+   ``stall_timeout``: an endless loop or a hang in user code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+__all__ = ["PeerLiveness", "LostPeer", "RECONNECT_GRACE"]
+
+#: seconds a peer's closed control connection must stay closed (seen by a later read of the
+#: connection events, taken every heartbeat interval) before the peer counts as gone
+RECONNECT_GRACE = 0.3
+
+
+@dataclass(frozen=True)
+class LostPeer:
+    """A peer that :meth:`PeerLiveness.check` declared lost, and why (a sentence for the error)."""
+
+    peer: int
+    reason: str
+
+
+class PeerLiveness:
+    """One rank's view of its peers' liveness (single-threaded: the actor's loop calls it)."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        heartbeat_timeout: float,
+        stall_timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+        reconnect_grace: float = RECONNECT_GRACE,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        #: seconds of silence after which a peer is lost
+        self.heartbeat_timeout = heartbeat_timeout
+        #: seconds a peer may stay busy in one action while this rank waits
+        self.stall_timeout = stall_timeout
+        self.reconnect_grace = reconnect_grace
+        self.clock = clock
+        self._last_seen: dict[int, float] = {}
+        #: peer -> (state, what, seconds in that state) from its last heartbeat
+        self._state: dict[int, tuple[str, str, float]] = {}
+        #: peers whose Pipeline closed, and how many steps each had completed
+        self._bye_steps: dict[int, int] = {}
+        self._listening_since = clock()
+
+    @property
+    def check_interval(self) -> float:
+        """How often (seconds) a waiting rank should call :meth:`check`: a quarter of the timeout, at most 1 s."""
+        return min(1.0, self.heartbeat_timeout / 4)
+
+    # ------------------------------------------------------------ what arrived
+    def start_step(self) -> None:
+        """This rank starts a step: silence before now is not held against a peer."""
+        self._listening_since = self.clock()
+
+    def seen(self, peer: int) -> None:
+        """Any message from ``peer`` arrived now."""
+        self._last_seen[peer] = self.clock()
+
+    def heartbeat(self, peer: int, state: str, what: str, for_s: float) -> None:
+        """``peer`` reports it is ``state`` (idle/busy/waiting) in ``what`` for ``for_s`` seconds."""
+        self._state[peer] = (state, what, for_s)
+
+    def bye(self, peer: int, steps: int) -> None:
+        """``peer``'s Pipeline closed after completing ``steps`` steps."""
+        self._bye_steps[peer] = steps
+        self._state[peer] = ("idle", "", 0.0)
+
+    # ------------------------------------------------------------ questions
+    def left(self, peer: int) -> int | None:
+        """Steps ``peer`` had completed when it said ``bye``; None if it has not."""
+        return self._bye_steps.get(peer)
+
+    def last_heard(self, peer: int) -> float:
+        """When (this clock) anything last arrived from ``peer``; 0.0 if nothing has."""
+        return self._last_seen.get(peer, 0.0)
+
+    def peer_states(self) -> dict[int, tuple[str, str, float]]:
+        """Each peer's last reported (state, what, seconds), by rank (for debug dumps)."""
+        return dict(self._state)
+
+    def check(self, step: int, *, disconnected: Mapping[int, float] = {}, events_read_at: float = 0.0) -> LostPeer | None:
+        """The first peer (by rank) that is lost while this rank is in ``step``, or None.
+
+        ``disconnected``: peer -> when (same clock) its control connection
+        closed and has not come back; ``events_read_at``: when the connection
+        events were last read (a disconnect counts once a read at least
+        ``reconnect_grace`` after it still showed it).
+        """
+        now = self.clock()
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                continue
+            last = self._last_seen.get(peer)
+            silent = now - max(last if last is not None else 0.0, self._listening_since)
+            state, what, busy_for = self._state.get(peer, ("idle", "", 0.0))
+            busy_for += now - (last if last is not None else now)  # time since that heartbeat
+            left = self._bye_steps.get(peer)
+            gone = disconnected.get(peer)
+            if left is not None:
+                if step < left:
+                    continue  # it finished this step and closed: nothing is missing from it
+                reason = (
+                    f"it closed its Pipeline after {left} step(s) while this rank is in step {step}: "
+                    "it stopped early (an error outside a step?) and will not take part"
+                )
+            elif gone is not None and events_read_at - gone > self.reconnect_grace:
+                reason = (
+                    f"its control connection closed {now - gone:.1f} s ago and did not come back: "
+                    "the process exited or was killed"
+                )
+            elif silent > self.heartbeat_timeout:
+                reason = (
+                    f"no heartbeat for {silent:.1f} s (timeout {self.heartbeat_timeout:g} s): the rank died, "
+                    "was stopped, or its host is unreachable"
+                )
+            elif state == "busy" and busy_for > self.stall_timeout:
+                reason = (
+                    f"it has been running {what} for {busy_for:.1f} s (stall timeout {self.stall_timeout:g} s): "
+                    "an endless loop or a hang in user code?"
+                )
+            else:
+                continue
+            return LostPeer(peer, reason)
+        return None

@@ -1,0 +1,90 @@
+"""PeerLiveness's lost-peer decision, driven by a fake clock (no processes, no sockets, no waiting)."""
+
+from __future__ import annotations
+
+from pipeloom.runtime.liveness import RECONNECT_GRACE, LostPeer, PeerLiveness
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def make(world: int = 3, rank: int = 0, hb: float = 10.0, stall: float = 30.0) -> tuple[PeerLiveness, FakeClock]:
+    clock = FakeClock()
+    return PeerLiveness(rank=rank, world_size=world, heartbeat_timeout=hb, stall_timeout=stall, clock=clock), clock
+
+
+def test_silence_is_counted_from_the_step_start_and_the_last_message() -> None:
+    live, clock = make()
+    clock.advance(50)  # long before the step: not held against anyone
+    live.start_step()
+    clock.advance(9.9)
+    assert live.check(0) is None
+    live.seen(2)  # rank 2 talks, rank 1 stays silent
+    clock.advance(0.2)
+    lost = live.check(0)
+    assert isinstance(lost, LostPeer) and lost.peer == 1
+    assert lost.reason.startswith("no heartbeat for 10.1 s (timeout 10 s)")
+    live.seen(1)
+    assert live.check(0) is None
+    assert live.last_heard(1) == clock.now and live.last_heard(0) == 0.0
+
+
+def test_a_peer_busy_too_long_in_one_action_is_stalled() -> None:
+    live, clock = make(world=2, hb=10, stall=5)
+    live.start_step()
+    live.seen(1)
+    live.heartbeat(1, "busy", "1F3", 4.0)  # busy 4 s when it said so
+    clock.advance(0.5)
+    assert live.check(0) is None
+    clock.advance(0.6)  # 4 + 1.1 > 5
+    lost = live.check(0)
+    assert lost == LostPeer(1, lost.reason) and "running 1F3 for 5.1 s (stall timeout 5 s)" in lost.reason
+    live.seen(1)
+    live.heartbeat(1, "waiting", "0F4", 100.0)  # waiting, however long, is no stall
+    assert live.check(0) is None
+
+
+def test_bye_after_the_step_is_no_failure_bye_before_it_is() -> None:
+    live, clock = make(world=2)
+    live.start_step()
+    live.bye(1, steps=3)
+    assert live.left(1) == 3 and live.peer_states()[1] == ("idle", "", 0.0)
+    clock.advance(1000)  # silent ever since: it left after finishing step 2
+    assert live.check(2) is None
+    lost = live.check(3)
+    assert lost is not None and lost.peer == 1 and "closed its Pipeline after 3 step(s) while this rank is in step 3" in lost.reason
+
+
+def test_a_closed_connection_counts_once_a_later_read_still_shows_it() -> None:
+    live, clock = make(world=2)
+    live.start_step()
+    live.seen(1)
+    closed_at = clock.now
+    clock.advance(RECONNECT_GRACE / 2)
+    assert live.check(0, disconnected={1: closed_at}, events_read_at=clock.now) is None  # within the grace
+    clock.advance(RECONNECT_GRACE)
+    # the last read of the connection events is old: not yet
+    assert live.check(0, disconnected={1: closed_at}, events_read_at=closed_at + RECONNECT_GRACE / 2) is None
+    lost = live.check(0, disconnected={1: closed_at}, events_read_at=clock.now)
+    assert lost is not None and lost.peer == 1 and "control connection closed 0.5 s ago" in lost.reason
+
+
+def test_first_lost_peer_by_rank_and_never_itself() -> None:
+    live, clock = make(world=4, rank=1, hb=1.0)
+    live.start_step()
+    clock.advance(2)
+    lost = live.check(0)
+    assert lost is not None and lost.peer == 0
+    live.seen(0)
+    lost = live.check(0)
+    assert lost is not None and lost.peer == 2
+    assert live.check_interval == 0.25
+    assert make(hb=60)[0].check_interval == 1.0
