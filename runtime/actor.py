@@ -49,6 +49,7 @@ from ..schedules import Action, ActionType, Dataflow, Schedule, consumer_stage, 
 from ..transport.control import ControlPlane
 from ..transport.tensor import TensorPlane, TransferSpec
 from .errors import PeerLostError, PipelineError, RemoteRankError, StageError
+from .liveness import PeerLiveness
 from .options import RuntimeOptions
 from .stage import StageExecutor
 from .trace import TraceRecorder, clock_ns
@@ -61,10 +62,6 @@ _F, _B, _I, _W, _OVL = ActionType.F, ActionType.B, ActionType.I, ActionType.W, A
 #: data-parallel events, run through the ``collectives`` object (runtime/data_parallel.py)
 _DP = frozenset({ActionType.UNSHARD, ActionType.RESHARD, ActionType.REDUCE_GRAD})
 
-
-#: seconds a peer's closed control connection must stay closed (seen by a later read of the
-#: connection events, taken every heartbeat interval) before the peer counts as gone
-_RECONNECT_GRACE = 0.3
 
 #: every actor alive in this process (for debug dumps)
 _LIVE: weakref.WeakSet[RankActor] = weakref.WeakSet()
@@ -132,11 +129,10 @@ class RankActor:
         self.options = options = RuntimeOptions() if options is None else options
         self.heartbeat_timeout = options.heartbeat_timeout
         self.stall_timeout = options.stall_timeout
-        self._peer_state: dict[int, tuple[str, str, float]] = {}
-        #: peers whose Pipeline closed, and how many steps each had completed
-        self._bye_steps: dict[int, int] = {}
-        self._last_seen: dict[int, float] = {}
-        self._listening_since = time.monotonic()
+        #: heartbeats, byes and the lost-peer decision (runtime/liveness.py)
+        self.liveness = PeerLiveness(
+            rank=rank, world_size=control.world_size, heartbeat_timeout=options.heartbeat_timeout, stall_timeout=options.stall_timeout,
+        )
         self.schedule = schedule
         self.stages = stages
         self.tensors = tensor_plane
@@ -218,7 +214,7 @@ class RankActor:
             t = self.tensors
             lines.append(f"  transfers sent per peer: {dict(t._send_seq)}, announced to us per peer: {dict(t._recv_seq)}, "
                          f"sends in flight: {len(t._inflight_sends)}")
-            peers = ", ".join(f"rank {p} {st[0]}{' ' + st[1] if st[1] else ''}" for p, st in sorted(self._peer_state.items()))
+            peers = ", ".join(f"rank {p} {st[0]}{' ' + st[1] if st[1] else ''}" for p, st in sorted(self.liveness.peer_states().items()))
             lines.append(f"  peers' last reported state: {peers or 'none yet'}")
         except Exception as exc:  # racing with the loop: show what we have
             lines.append(f"  (state changed while reading: {exc!r})")
@@ -235,13 +231,12 @@ class RankActor:
     def _on_message(self, msg: dict[str, Any]) -> None:
         kind = msg["type"]
         src = msg["src"]
-        self._last_seen[src] = time.monotonic()
+        self.liveness.seen(src)
         if kind == "heartbeat":
-            self._peer_state[src] = (msg["state"], msg["what"], msg["for_s"])
+            self.liveness.heartbeat(src, msg["state"], msg["what"], msg["for_s"])
             return
         if kind == "bye":
-            self._bye_steps[src] = msg["steps"]
-            self._peer_state[src] = ("idle", "", 0.0)
+            self.liveness.bye(src, msg["steps"])
             self._wake.set()  # a waiting rank re-checks whether it still needs the peer
             return
         if kind == "xfer":
@@ -383,7 +378,7 @@ class RankActor:
                 self.control.drain()  # a 'bye' from it may be waiting unread
             except Exception:  # noqa: BLE001 - only a better message is at stake
                 pass
-            left = self._bye_steps.get(dst)
+            left = self.liveness.left(dst)
             if left is None and dst not in self.control.disconnected:
                 raise
             # the peer is gone: say so (and which), rather than a transport error
@@ -519,8 +514,8 @@ class RankActor:
         if self._remote_error is not None:
             raise self._remote_error
         self.control.step = step
-        self._listening_since = time.monotonic()
-        self._liveness_interval = min(1.0, self.heartbeat_timeout / 4)
+        self.liveness.start_step()
+        self._liveness_interval = self.liveness.check_interval
         pending = self._pending = list(self.train_actions if train else self.eval_actions)
         self._send_totals = self._sends_per_peer[train]
         self._sent_count = {}
@@ -672,43 +667,10 @@ class RankActor:
         self._check_liveness([], step)
 
     def _check_liveness(self, pending: list[Action], step: int) -> None:
-        """Raise PeerLostError if a peer has been silent longer than the heartbeat timeout."""
-        now = time.monotonic()
-        for peer in range(len(self.control._endpoints)):
-            if peer == self.rank:
-                continue
-            seen = max(self._last_seen.get(peer, 0.0), self._listening_since)
-            silent = now - seen
-            state, what, busy_for = self._peer_state.get(peer, ("idle", "", 0.0))
-            busy_for += now - self._last_seen.get(peer, now)  # time since that heartbeat
-            left = self._bye_steps.get(peer)
-            gone = self.control.disconnected.get(peer)
-            if left is not None:
-                if step < left:
-                    continue  # it finished this step and closed: nothing is missing from it
-                message = (
-                    f"it closed its Pipeline after {left} step(s) while this rank is in step {step}: "
-                    "it stopped early (an error outside a step?) and will not take part"
-                )
-            elif gone is not None and self.control.monitors_read_at - gone > _RECONNECT_GRACE:
-                # (a read of the connection events after the grace still showed it closed)
-                message = (
-                    f"its control connection closed {now - gone:.1f} s ago and did not come back: "
-                    "the process exited or was killed"
-                )
-            elif silent > self.heartbeat_timeout:
-                message = (
-                    f"no heartbeat for {silent:.1f} s (timeout {self.heartbeat_timeout:g} s): the rank died, "
-                    "was stopped, or its host is unreachable"
-                )
-            elif state == "busy" and busy_for > self.stall_timeout:
-                message = (
-                    f"it has been running {what} for {busy_for:.1f} s (stall timeout {self.stall_timeout:g} s): "
-                    "an endless loop or a hang in user code?"
-                )
-            else:
-                continue
-            err = PeerLostError(message, rank=self.rank, peer=peer)
+        """Raise PeerLostError if a peer is lost (see runtime/liveness.py for the decision)."""
+        lost = self.liveness.check(step, disconnected=self.control.disconnected, events_read_at=self.control.monitors_read_at)
+        if lost is not None:
+            err = PeerLostError(lost.reason, rank=self.rank, peer=lost.peer)
             self._remote_error = err
             self.broadcast_abort(err, None, step)
             # from None: raised while handling the wait's TimeoutError, which is no part of the story

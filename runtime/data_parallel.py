@@ -779,8 +779,8 @@ class StageCollectives:
     def _lost(self, what: str, err: BaseException) -> PeerLostError:
         """Name the peer most likely gone: the data-parallel peer heard from least recently."""
         actor = self._actor
-        seen = getattr(actor, "_last_seen", {}) if actor is not None else {}
-        peer = min(self.peers, key=lambda p: seen.get(p, 0.0)) if self.peers else self.rank
+        liveness = getattr(actor, "liveness", None)
+        peer = min(self.peers, key=liveness.last_heard) if self.peers and liveness is not None else (self.peers or [self.rank])[0]
         return PeerLostError(f"{what} over the data-parallel group (ranks {self.group_ranks}) failed: {err}", rank=self.rank, peer=peer)
 
     async def drain(self, check: Callable[[], None], interval: float) -> None:
