@@ -43,6 +43,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..schedules.dataflow import producer_stage
 from .trace_model import Span, TraceModel, _leaves
 
 __all__ = [
@@ -560,7 +561,7 @@ def critical_path(model: TraceModel, step: int, *, attributor: Attributor | None
             src = x.event.get("peer")
             send = sends_by_key.get((src, a.rank, x.event.get("seq"))) if isinstance(src, int) else None
             kind = str(x.event.get("kind", "F"))
-            pstage = (x.stage - 1) if kind == "F" else (x.stage + 1)
+            pstage = producer_stage(kind, x.stage) if kind in ("F", "B") else None
             producer = None
             if isinstance(src, int) and x.mb is not None:
                 for ptype in (("F",) if kind == "F" else ("I", "B")):
