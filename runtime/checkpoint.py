@@ -456,6 +456,7 @@ def load_checkpoint(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
+    wait_checkpoints()  # an asynchronous save still writing uses the same group
     p = Path(path)
     if _NAME.match(p.name) or (p / ".metadata").exists():
         if not is_complete(p):

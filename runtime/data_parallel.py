@@ -236,7 +236,8 @@ def wrap_fsdp(module: nn.Module, mesh: Any, policy: Any, fsdp_kwargs: Mapping[st
     """Apply ``fully_shard`` to a stage as ``policy`` says; a stage that already holds FSDP units is left as is.
 
     ``policy``: ``"stage"`` (one unit, the whole stage), ``"blocks"`` (each
-    direct child that has parameters is a unit, and the stage itself one more
+    direct child that has parameters is a unit, or each entry of a child
+    ``ModuleList``/``ModuleDict``, and the stage itself one more
     for its remaining parameters, as torchtitan wraps a model: every
     parameter is then a DTensor, which optimizers' fused/foreach paths
     require on GPUs), or a callable ``module -> bool`` asked for every
@@ -258,8 +259,12 @@ def wrap_fsdp(module: nn.Module, mesh: Any, policy: Any, fsdp_kwargs: Mapping[st
         return fully_shard(module, **kw)  # type: ignore[return-value]  # an FSDPModule is the same nn.Module
     if policy == "blocks":
         for child in module.children():
-            if any(p.requires_grad for p in child.parameters()):
-                fully_shard(child, **kw)
+            # a ModuleList/ModuleDict has no forward of its own (fully_shard refuses it): its
+            # entries are the blocks (``layers.3`` of a split_by_fqn stage), as torchtitan wraps them
+            blocks = list(child.children()) if isinstance(child, (nn.ModuleList, nn.ModuleDict)) else [child]
+            for block in blocks:
+                if any(p.requires_grad for p in block.parameters()):
+                    fully_shard(block, **kw)
         return fully_shard(module, **kw)  # type: ignore[return-value]
     if callable(policy):
         for m in _post_order(module):

@@ -193,8 +193,8 @@ class Pipeline:
             (parameters the optimizer sees are then DTensor shards).
         mesh: a 2-D DeviceMesh with dims ``("pp", "dp")`` to use instead of building one.
         fsdp_wrap: what ``fully_shard`` wraps: ``"stage"`` (one unit), ``"blocks"`` (each child
-            of the stage that has parameters, and the stage itself for the rest, as torchtitan
-            does), or a callable ``module -> bool`` (parameters of modules it does not pick stay
+            of the stage that has parameters, each entry of a child ModuleList/ModuleDict such as
+            a split model's ``layers``, and the stage itself for the rest, as torchtitan does), or a callable ``module -> bool`` (parameters of modules it does not pick stay
             replicated and are all-reduced; give the optimizer ``foreach=False`` then, since
             torch's foreach kernels reject plain tensors beside DTensors on GPUs).  Stages that
             already hold FSDP units are used as given.

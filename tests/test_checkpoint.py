@@ -53,6 +53,9 @@ def _cases4(tmp: Path) -> list[dict[str, Any]]:
         dict(BASE, id="load-ddp-interleaved", schedule="Interleaved1F1B", data_parallel=2, load=ck, steps=1),
         # an asynchronous save while training goes on (PP=2 x DP=2); loaded by the 2-rank pool
         dict(BASE, id="save-async-ddp", schedule="1F1B", data_parallel=2, steps=3, save={"path": ck_async, "at": 2, "async": True}),
+        # ...loaded into FSDP shards: PP=2 x FSDP=2, every parameter a DTensor (fsdp_wrap="blocks"), ZBVZeroBubble
+        dict(BASE, id="load-async-fsdp", schedule="ZBVZeroBubble", data_parallel=2, fsdp=True, fsdp_wrap="blocks",
+             load=ck_async, steps=1),
         # clipping by the inf-norm at PP=4
         dict(BASE, id="clip-inf-pp4", schedule="1F1B", steps=2, norm_type=math.inf, clip=0.02),
         # accumulation: steps under no_sync, then one that reduces
@@ -140,6 +143,7 @@ def _check_steps(cid: str, results: list[dict[str, Any]], first: int = 0) -> Non
 
 def test_saved_under_pp2_fsdp2_training_matches_the_unsplit_model(pools: Any) -> None:
     _check_steps("save-fsdp", pools[0]["save-fsdp"])
+    assert all(float(r["norm"]) > BASE["clip"] for r in reference(_case("save-fsdp"), 3))  # clipping was active
 
 
 @pytest.mark.parametrize("cid", ["load-pp4", "load-ddp-interleaved", "load-pp2"])
@@ -171,15 +175,20 @@ def test_a_checkpoint_loads_under_another_layout(pools: Any, cid: str) -> None:
         torch.testing.assert_close(params[n], p, **TOL, msg=f"{cid} {n}")
 
 
-def test_an_async_save_holds_the_state_of_its_step(pools: Any) -> None:
+@pytest.mark.parametrize("cid", ["load-async-pp2", "load-async-fsdp"])
+def test_an_async_save_holds_the_state_of_its_step(pools: Any, cid: str) -> None:
     results, _ = pools
     _check_steps("save-async-ddp", results["save-async-ddp"])
     ref = reference(_case("save-async-ddp"), 3)
-    got = results["load-async-pp2"]
+    got = results[cid]
     loaded = _merged(got, "loaded_params")
     for n, p in ref[1]["params"].items():  # step 2's parameters, though training went on to step 3 meanwhile
         torch.testing.assert_close(loaded[n], p, **TOL)
     assert got[0]["steps"][0]["loss_all"] == pytest.approx(ref[2]["loss"], rel=1e-12)
+    # the optimizer state came along too: the step after the load is the unsplit model's third
+    params = _merged(got, "params")
+    for n, p in ref[2]["params"].items():
+        torch.testing.assert_close(params[n], p, **TOL, msg=f"{cid} {n}")
 
 
 @pytest.mark.parametrize("cid", ["clip-inf-pp4", "clip-pp2", "noclip-pp2"])
