@@ -4,31 +4,69 @@ A stage keeps, per microbatch, what its backward needs: the input leaves
 (received or handed-over activations, detached so the graph ends at the stage
 boundary) and the outputs (or, on the last stage, the loss).
 
-The zero-bubble split.  I computes the gradients for the stage's inputs so the
+The zero-bubble split.  I computes the gradients of the stage's inputs so the
 previous stage can go on; W computes the parameter gradients later, filling a
-bubble.  W must not redo I's work: a second backward from the stage outputs
-would run the whole activation-gradient chain again.  So during the forward of
-a split stage, a hook captures the output of every module that owns
-parameters directly (each Linear, LayerNorm, Embedding...).  I asks autograd
-for the gradients of the stage inputs *and* of those captured outputs (one
-pass, graph retained); W then runs, per module, a backward from its captured
-output and gradient to its own parameters only, which is just the local
-weight-gradient work (``x^T g`` for a Linear).  Parameters used outside any
-module that owns them (a bare ``nn.Parameter`` used in a parent's forward)
-fall back to a backward from the stage outputs restricted to them.  Gradients
-are exactly those of a full backward, up to summation order.
+bubble.  W must give exactly what a full backward gives, for *any* autograd
+graph (a module applied twice, recurrence, weights tied inside one stage,
+parametrizations, custom Functions, in-place ops, checkpointing), and must not
+redo I's work.
+
+Alternatives considered.  Capturing each parameter-owning module's output in a
+forward hook and running W as a backward from it to the module's own
+parameters (this project's first version) is cheap but wrong as soon as a
+parameter is used twice: the backward from the second use's output reaches the
+parameter through the first use too, counting it twice.  Re-running a backward
+from the stage outputs restricted to the parameters is exact but repeats the
+whole activation-gradient chain.  What we do works on the autograd graph
+itself, as torch's own pipelining does, and it is exact by construction:
+
+* The *input closure* is every graph node that depends on a stage input: the
+  nodes I must run.  The *weight side* of a leaf (a parameter, or any other
+  leaf that requires grad) is what depends on it without depending on an
+  input; its nodes never feed back into the input closure.
+* The *boundary* nodes are the nodes of the input closure with an edge into a
+  weight side (``addmm`` for a Linear: activation edge and weight edge).  I
+  records the gradient arriving at each boundary node (a node pre-hook) while
+  computing the input gradients; autograd computes only the activation-side
+  outputs there, because only the inputs were asked for.
+* W replays, per group of leaves that share boundary nodes, a backward from
+  those boundary nodes (with their recorded gradients) to the leaves.  When a
+  group has several boundary nodes, one may reach another through the
+  activation chain (a parameter used twice): a pre-hook pins each boundary
+  node's gradient to the recorded one, and a post-hook drops its
+  activation-side outputs, so nothing is counted twice and the chain between
+  them runs on undefined gradients (no arithmetic).
+* Gradients reach the leaves through their own AccumulateGrad nodes, so
+  ``.grad`` accumulation, hooks and frozen/unfrozen parameters behave as in a
+  full backward; the trainable set is whatever requires grad at that forward.
+
+A graph that cannot be split (a ``torch.compile``d region, whose backward is a
+single opaque node that cannot run twice; a reentrant checkpoint, which refuses
+``autograd.grad``) is detected at I: the stage then runs
+a full backward at I and W does nothing, with a one-time warning.  Gradients
+stay exact; only the overlap is lost.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 __all__ = ["StageExecutor", "as_tensor_tuple"]
+
+#: autograd node types whose backward cannot be split: a compiled region's single opaque
+#: node (cannot run twice with donated buffers) and reentrant checkpointing (refuses
+#: ``autograd.grad`` and runs its own full backward inside)
+_UNSPLITTABLE = {
+    "CompiledFunctionBackward": "a torch.compile region",
+    "CheckpointFunctionBackward": "a reentrant checkpoint (use_reentrant=True)",
+}
 
 
 def as_tensor_tuple(value: Any, *, what: str) -> tuple[torch.Tensor, ...]:
@@ -43,14 +81,141 @@ def as_tensor_tuple(value: Any, *, what: str) -> tuple[torch.Tensor, ...]:
 
 
 @dataclass
+class _WeightGroup:
+    """One W backward: seeds (edges with their gradients) to a set of leaves."""
+
+    edges: list[GradientEdge]
+    grads: list[torch.Tensor]
+    leaves: list[torch.Tensor]
+    #: (boundary node, its recorded gradients, which of its edges are activation side), when
+    #: the group has several boundary nodes (one may reach another through the activation chain)
+    pinned: list[tuple[Node, tuple[torch.Tensor | None, ...], tuple[bool, ...]]]
+
+
+@dataclass
 class _Saved:
     inputs: tuple[torch.Tensor, ...]
     outputs: tuple[torch.Tensor, ...] = ()
     loss: torch.Tensor | None = None
-    #: (module, its output) for every parameter-owning module, when the stage splits I/W
-    captured: list[tuple[nn.Module, torch.Tensor]] = field(default_factory=list)
-    #: what W still has to do: (root tensors, their gradients, parameters) per backward call
-    weight_work: list[tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] | None = None
+    #: what W still has to do, set by I (empty when I already did everything)
+    weight_work: list[_WeightGroup] | None = None
+
+
+def _grad_node(t: torch.Tensor) -> Node | None:
+    """The node a gradient for ``t`` enters: its grad_fn, or its AccumulateGrad for a leaf."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if t.requires_grad:
+        return t.view_as(t).grad_fn.next_functions[0][0]  # the leaf's (cached) AccumulateGrad
+    return None
+
+
+def _plan_weight_work(
+    roots: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+) -> tuple[dict[Node, tuple[bool, ...]], list[tuple[list[Node], list[Node], list[Node]]], str | None]:
+    """Walk the graph once: boundary nodes, and per leaf group (boundary nodes, root seeds, leaves).
+
+    Returns ``(activation_side, groups, unsplittable)``: for each boundary node, which
+    of its edges lead into the input closure; per group, its boundary nodes, the
+    root nodes on its weight side, and its leaves' AccumulateGrad nodes;
+    ``unsplittable`` names what prevents a split, or is None.
+    """
+    root_nodes = [n for n in map(_grad_node, roots) if n is not None]
+    consumers: dict[Node, list[Node]] = {}
+    leaves: list[Node] = []
+    seen: set[Node] = set(root_nodes)
+    stack = list(seen)
+    unsplittable: str | None = None
+    while stack:
+        n = stack.pop()
+        name = type(n).__name__
+        if name in _UNSPLITTABLE:
+            unsplittable = _UNSPLITTABLE[name]
+        elif name == "AccumulateGrad":
+            leaves.append(n)
+        for fn, _ in n.next_functions:
+            if fn is None:
+                continue
+            c = consumers.get(fn)
+            if c is None:
+                consumers[fn] = [n]
+            else:
+                c.append(n)
+            if fn not in seen:
+                seen.add(fn)
+                stack.append(fn)
+    if unsplittable is not None:
+        return {}, [], unsplittable
+    input_nodes = {n for n in map(_grad_node, inputs) if n is not None and n in seen}
+    closure = set(input_nodes)
+    stack = list(input_nodes)
+    while stack:
+        for c in consumers.get(stack.pop(), ()):
+            if c not in closure:
+                closure.add(c)
+                stack.append(c)
+    roots_set = set(root_nodes)
+    # Per leaf: the boundary nodes and root nodes its weight side reaches.  Leaves
+    # sharing a boundary node form one group (one W backward).
+    group_of: dict[Node, int] = {}
+    groups: list[tuple[set[Node], set[Node], list[Node]] | None] = []
+    for leaf in leaves:
+        if leaf in input_nodes:
+            continue
+        boundary: set[Node] = set()
+        root_seeds: set[Node] = set()
+        side = {leaf}
+        stack = [leaf]
+        while stack:
+            n = stack.pop()
+            if n in roots_set:
+                root_seeds.add(n)
+            for c in consumers.get(n, ()):
+                if c in closure:
+                    boundary.add(c)
+                elif c not in side:
+                    side.add(c)
+                    stack.append(c)
+        merged = {group_of[b] for b in boundary if b in group_of}
+        if merged:
+            gi = min(merged)
+            g = groups[gi]
+            assert g is not None
+            for other in merged - {gi}:
+                og = groups[other]
+                assert og is not None
+                g[0].update(og[0])
+                g[1].update(og[1])
+                g[2].extend(og[2])
+                groups[other] = None
+            g[0].update(boundary)
+            g[1].update(root_seeds)
+            g[2].append(leaf)
+        else:
+            gi = len(groups)
+            groups.append((boundary, root_seeds, [leaf]))
+        for b in groups[gi][0]:  # type: ignore[index]
+            group_of[b] = gi
+    # Groups seeded from the stage outputs themselves (weight sides that reach an output
+    # without meeting the input closure, e.g. every leaf of a first stage) become one
+    # group: separate backwards from the same outputs would each walk the whole chain.
+    from_roots: tuple[set[Node], set[Node], list[Node]] = (set(), set(), [])
+    out = []
+    for g in groups:
+        if g is None:
+            continue
+        if g[1]:
+            from_roots[0].update(g[0])
+            from_roots[1].update(g[1])
+            from_roots[2].extend(g[2])
+        else:
+            out.append((list(g[0]), [], g[2]))
+    if from_roots[2]:
+        out.append((list(from_roots[0]), list(from_roots[1]), from_roots[2]))
+    activation_side = {
+        b: tuple(fn is not None and fn in closure for fn, _ in b.next_functions) for bs, _, _ in out for b in bs
+    }
+    return activation_side, out, None
 
 
 class StageExecutor:
@@ -68,27 +233,32 @@ class StageExecutor:
         dynamic_params: bool = False,
     ) -> None:
         self.index = index
-        #: parameters are swapped while running (FSDP registers unsharded ones), so the
-        #: I/W split looks them up at each I instead of keeping those seen at construction
-        self.dynamic_params = dynamic_params
         self.module = module
         self.is_last = is_last
         self.loss_fn = loss_fn
         self.grad_scale = grad_scale
+        #: whether this stage runs I and W (the graph walk at I finds the leaves, so
+        #: swapped FSDP parameters and a changed trainable set need nothing special)
+        self.split_backward = split_backward
+        del dynamic_params  # kept for callers; the leaves are found in the graph at each I
         self._saved: dict[int, _Saved] = {}
-        self._params = [p for p in module.parameters() if p.requires_grad]
-        self._capture: list[tuple[nn.Module, torch.Tensor]] | None = None
-        self._owned: dict[nn.Module, list[torch.Tensor]] = {}
+        self._warned_unsplittable = False
+        # Activation checkpointing: a module whose forward runs again during I is being
+        # recomputed.  Its parameters' gradients are then taken in I's own backward
+        # (one graph task, one recomputation) instead of in W, which would recompute
+        # the region a second time.  Learned at the first I; sticky.
+        self._in_backward = False
+        self._recomputed: set[nn.Module] = set()
+        self._at_i: set[int] = set()
         if split_backward:
             for m in module.modules():
-                own: list[torch.Tensor] = [p for p in m.parameters(recurse=False) if p.requires_grad]
-                if own:
-                    self._owned[m] = own
-                    m.register_forward_hook(self._capture_hook)
+                if any(True for _ in m.parameters(recurse=False)):
+                    m.register_forward_pre_hook(self._note_recompute)
 
-    def _capture_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._capture is not None:
-            self._capture.append((module, output))
+    def _note_recompute(self, module: nn.Module, args: Any) -> None:
+        if self._in_backward and module not in self._recomputed:
+            self._recomputed.add(module)
+            self._at_i.update(id(p) for p in module.parameters(recurse=False))
 
     def forward(
         self,
@@ -101,11 +271,7 @@ class StageExecutor:
     ) -> tuple[tuple[torch.Tensor, ...], Any, torch.Tensor | None]:
         """Run the module; return (outputs for the next stage, raw output, loss or None)."""
         if train:
-            self._capture = [] if self._owned else None
-            try:
-                out = self.module(*inputs, **kwargs)
-            finally:
-                captured, self._capture = self._capture or [], None
+            out = self.module(*inputs, **kwargs)
         else:
             with torch.no_grad():
                 out = self.module(*inputs, **kwargs)
@@ -118,11 +284,11 @@ class StageExecutor:
             if train:
                 if loss is None:
                     raise ValueError("training needs loss_fn and a target on the last stage")
-                self._saved[mb] = _Saved(tuple(inputs), loss=loss, captured=captured)
+                self._saved[mb] = _Saved(tuple(inputs), loss=loss)
             return (), out, loss
         outputs = as_tensor_tuple(out, what=f"the output of stage {self.index}")
         if train:
-            self._saved[mb] = _Saved(tuple(inputs), outputs=outputs, captured=captured)
+            self._saved[mb] = _Saved(tuple(inputs), outputs=outputs)
         return outputs, out, None
 
     def _roots(self, saved: _Saved, grad_outputs: Sequence[torch.Tensor | None] | None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
@@ -156,42 +322,103 @@ class StageExecutor:
         return self._input_grads(saved)
 
     def backward_input(self, mb: int, grad_outputs: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
-        """I: input gradients now; the parameter-gradient work is prepared for W."""
+        """I: input gradients now; the weight-gradient work is recorded for W (see the module docstring)."""
         saved = self._saved[mb]
         roots, grads = self._roots(saved, grad_outputs)
         want_inputs = [t for t in saved.inputs if t.requires_grad]
-        # Captured module outputs that carry a gradient path to their own parameters.
-        captured = [(m, o) for m, o in saved.captured if isinstance(o, torch.Tensor) and o.requires_grad]
-        owned = self._owned
-        params = self._params
-        if self.dynamic_params:
-            owned = {m: [p for p in m.parameters(recurse=False) if p.requires_grad] for m in owned}
-            params = [p for p in self.module.parameters() if p.requires_grad]
-        covered = {id(p) for m, _ in captured for p in owned[m]}
-        fallback: list[torch.Tensor] = [p for p in params if id(p) not in covered]
-        targets = want_inputs + [o for _, o in captured]
-        got: Sequence[torch.Tensor | None]
-        if roots and targets:
-            got = torch.autograd.grad(roots, targets, grads, retain_graph=True, allow_unused=True)
-        else:
-            got = (None,) * len(targets)
-        it = iter(got[: len(want_inputs)])
-        input_grads = [next(it) if t.requires_grad else None for t in saved.inputs]
-        work: list[tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = []  # (roots, grads, params)
-        for (m, o), g in zip(captured, got[len(want_inputs) :]):
-            if g is not None:
-                work.append(([o], [g], owned[m]))
-        if fallback and roots:
-            work.append((roots, grads if grads is not None else [torch.ones_like(r) for r in roots], fallback))
+        if not roots:
+            saved.weight_work = []
+            return [None] * len(saved.inputs)
+        if grads is None:
+            grads = [torch.ones_like(r) for r in roots]
+        activation_side, groups, unsplittable = _plan_weight_work(roots, want_inputs)
+        if unsplittable is not None:
+            if not self._warned_unsplittable:
+                self._warned_unsplittable = True
+                warnings.warn(
+                    f"stage {self.index}: its autograd graph holds {unsplittable}, whose backward "
+                    "cannot be split into I and W; this stage runs a full backward at I and W does nothing. "
+                    "Gradients are exact; only the zero-bubble overlap is lost for this stage.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            torch.autograd.backward(roots, grads)
+            saved.weight_work = []
+            return self._input_grads(saved)
+        now: list[torch.Tensor] = []  # leaves whose gradient is taken in I (recomputed regions)
+        if self._at_i:
+            deferred = []
+            for grp in groups:
+                leaves = [n.variable for n in grp[2]]
+                if any(id(v) in self._at_i for v in leaves):
+                    now.extend(leaves)
+                else:
+                    deferred.append(grp)
+            groups = deferred
+        recorded: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+        handles = []
+        self._in_backward = True
+        try:
+            for bnodes, _, _ in groups:
+                for node in bnodes:
+                    handles.append(node.register_prehook(lambda g, node=node: recorded.__setitem__(node, g)))
+            if now:
+                torch.autograd.backward(roots, grads, retain_graph=True, inputs=want_inputs + now)
+                input_grads = self._input_grads(saved)
+            else:
+                got: Sequence[torch.Tensor | None] = ()
+                if want_inputs:
+                    got = torch.autograd.grad(roots, want_inputs, grads, retain_graph=True, allow_unused=True)
+                it = iter(got)
+                input_grads = [next(it) if t.requires_grad else None for t in saved.inputs]
+        finally:
+            self._in_backward = False
+            for h in handles:
+                h.remove()
+        root_grad = {get_gradient_edge(r).node: (r, g) for r, g in zip(roots, grads)}
+        work: list[_WeightGroup] = []
+        for bnodes, root_seeds, leaves in groups:
+            edges: list[GradientEdge] = []
+            seed_grads: list[torch.Tensor] = []
+            pinned = []
+            for node in bnodes:
+                rec = recorded.get(node)
+                if rec is None:
+                    continue
+                for i, g in enumerate(rec):
+                    if g is not None:
+                        edges.append(GradientEdge(node, i))
+                        seed_grads.append(g)
+                if len(bnodes) > 1:
+                    pinned.append((node, rec, activation_side[node]))
+            for node in root_seeds:
+                for r, g in (v for k, v in root_grad.items() if k is node):
+                    edges.append(get_gradient_edge(r))
+                    seed_grads.append(g)
+            if edges:
+                tensors = [n.variable for n in leaves]
+                work.append(_WeightGroup(edges, seed_grads, tensors, pinned))
         saved.weight_work = work
-        saved.captured = []
+        # Only the recorded boundary gradients and the weight sides are needed from now on:
+        # drop the outputs so the activation part of the graph above the boundary can go.
+        saved.outputs, saved.loss = (), None
         return input_grads
 
     def backward_weight(self, mb: int) -> None:
-        """W: the parameter gradients, from what I captured (local weight-gradient work only)."""
+        """W: the weight gradients, from the boundary gradients I recorded."""
         saved = self._saved.pop(mb)
         if saved.weight_work is None:
             raise RuntimeError(f"stage {self.index}: W for microbatch {mb} before its I")
         last = len(saved.weight_work) - 1
-        for i, (roots, grads, params) in enumerate(saved.weight_work):
-            torch.autograd.backward(roots, grads, retain_graph=i < last, inputs=params)
+        for i, grp in enumerate(saved.weight_work):
+            handles = []
+            try:
+                for node, rec, act in grp.pinned:
+                    # Pin the gradient to what I recorded, and keep the activation side
+                    # quiet: another boundary node of this group may be reached through it.
+                    handles.append(node.register_prehook(lambda g, rec=rec: rec))
+                    handles.append(node.register_hook(lambda gi, go, act=act: tuple(None if a else g for g, a in zip(gi, act))))
+                torch.autograd.backward(grp.edges, grp.grads, retain_graph=i < last, inputs=grp.leaves)
+            finally:
+                for h in handles:
+                    h.remove()

@@ -73,7 +73,28 @@ def _special_cases_2() -> list[dict[str, Any]]:
         dict(id="deterministic-i1f1b", schedule="Interleaved1F1B", microbatches=4, dim=4, batch=8, steps=2, deterministic=True),
         # a schedule read from a CSV file (written below)
         dict(id="csv", schedule="InterleavedZeroBubble", csv="@csv", microbatches=4, dim=4, batch=8, steps=2),
-    ]
+    ] + _awkward_cases(2)
+
+
+# Stages that reuse parameters (a Linear twice, tied weights, recurrence, a parametrization,
+# a custom Function, in-place ops), the same under activation checkpointing, compiled stages,
+# and a trainable set that changes between steps: every split schedule (and 1F1B as control).
+AWKWARD_SCHEDULES = {2: ["1F1B", "ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV"], 4: ["ZBVZeroBubble", "DualPipeV"]}
+_FREEZE = [["lin.weight"], [], ["cell.0.weight", "cell.0.bias", "gain"]]
+
+
+def _awkward_cases(world: int) -> list[dict[str, Any]]:
+    out = []
+    for name in AWKWARD_SCHEDULES[world]:
+        n = 2 * world
+        base = dict(schedule=name, microbatches=n, dim=4, batch=2 * n, steps=2, model="awkward")
+        out.append({**base, "id": f"awkward-{name}", "eval": True})
+        if world == 2 or name == "ZBVZeroBubble":
+            out.append({**base, "id": f"awkward-ckpt-{name}", "model": "awkward-ckpt"})
+            out.append({**base, "id": f"awkward-freeze-{name}", "steps": 3, "freeze": _FREEZE})
+        if world == 2 and name != "1F1B":
+            out.append({**base, "id": f"compiled-{name}", "compile": "aot_eager", "steps": 2})
+    return out
 
 
 ORACLE_2 = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
@@ -94,7 +115,7 @@ def _oracle_cases(names: list[str], n: int) -> list[dict[str, Any]]:
 BACKEND = os.environ.get("PIPELOOM_TEST_BACKEND", "gloo")
 CASES = {
     2: _cases(2, MICROBATCHES_2) + _special_cases_2() + _oracle_cases(ORACLE_2, 4),
-    4: _cases(4, MICROBATCHES_4) + _oracle_cases(ORACLE_4, 8) + [
+    4: _cases(4, MICROBATCHES_4) + _oracle_cases(ORACLE_4, 8) + _awkward_cases(4) + [
         # one process group per ordered rank pair, as on NCCL (connected in one global order at
         # construction), incl. the loop edge 3 -> 0; last: the worker keeps the variable set
         dict(id="pair-groups-interleaved1f1b", schedule="Interleaved1F1B", microbatches=8, dim=4, batch=16, steps=2,

@@ -36,11 +36,80 @@ class Block(nn.Module):
         return y + skip if self.last else (y, skip)
 
 
-def build_stages(num_stages: int, *, dim: int, multi: bool, seed: int, dtype: torch.dtype) -> list[nn.Module]:
+class _Gain(torch.autograd.Function):
+    """A custom autograd Function that uses a parameter (its backward is user code)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).reshape(-1, x.shape[-1]).sum(0)
+
+
+class AwkwardBlock(nn.Module):
+    """A stage that reuses parameters every way real models do, inside one stage.
+
+    A Linear applied twice, two Linears with a tied weight, a cell applied
+    recurrently, a weight-norm parametrization, a custom Function using a
+    parameter, an in-place op; ``checkpointed`` runs the body under
+    non-reentrant activation checkpointing.  The zero-bubble I/W split must give
+    a full backward's gradients for all of it.
+    """
+
+    def __init__(self, dim: int, *, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.a = nn.Linear(dim, dim)
+        self.b = nn.Linear(dim, dim)
+        self.b.weight = self.a.weight
+        self.cell = nn.Sequential(nn.Linear(dim, dim), nn.Tanh())
+        self.norm = nn.utils.parametrizations.weight_norm(nn.Linear(dim, dim))
+        self.gain = nn.Parameter(1 + 0.1 * torch.randn(dim))
+        self.checkpointed = checkpointed
+
+    def _body(self, h: torch.Tensor) -> torch.Tensor:
+        y = self.lin(torch.tanh(self.lin(h)))
+        y = self.b(torch.relu(self.a(y)))
+        for _ in range(2):
+            y = self.cell(y) + y
+        y = self.norm(y)
+        y.mul_(0.5)
+        return _Gain.apply(y, self.gain)
+
+    def forward(self, h: torch.Tensor, skip: torch.Tensor | None = None, *, scale: torch.Tensor | None = None) -> Any:
+        if self.checkpointed:
+            from torch.utils.checkpoint import checkpoint
+
+            y = checkpoint(self._body, h, use_reentrant=False)
+        else:
+            y = self._body(h)
+        return y * scale if scale is not None else y
+
+
+def build_stages(num_stages: int, *, dim: int, multi: bool, seed: int, dtype: torch.dtype, model: str = "block") -> list[nn.Module]:
+    """``model``: "block" (Linear + tanh), "awkward" (AwkwardBlock) or "awkward-ckpt" (checkpointed)."""
     torch.manual_seed(seed)
+    if model.startswith("awkward"):
+        return [AwkwardBlock(dim, checkpointed=model.endswith("ckpt")).to(dtype) for _ in range(num_stages)]
     return [
         Block(dim, first=s == 0, last=s == num_stages - 1, multi=multi).to(dtype) for s in range(num_stages)
     ]
+
+
+def apply_freeze(stages: Any, cfg: dict[str, Any], step: int) -> None:
+    """``cfg["freeze"]``: per step, the parameter names (within a stage) that are frozen for that step."""
+    plan = cfg.get("freeze")
+    if not plan:
+        return
+    frozen = set(plan[step % len(plan)])
+    items = stages.items() if isinstance(stages, dict) else enumerate(stages)
+    for _, m in items:
+        for n, p in m.named_parameters():
+            p.requires_grad_(n not in frozen)
 
 
 def run_reference(stages: list[nn.Module], mb_args: list[tuple], mb_kwargs: list[dict], mb_targets: list, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from data import make_step_batches
-from models import build_stages, run_reference
+from models import apply_freeze, build_stages, run_reference
 
 
 def reference_run(cfg: dict[str, Any], num_stages: int) -> list[dict[str, Any]]:
@@ -16,13 +16,15 @@ def reference_run(cfg: dict[str, Any], num_stages: int) -> list[dict[str, Any]]:
 
     n = cfg["microbatches"]
     dtype = getattr(torch, cfg.get("dtype", "float64"))
-    stages = build_stages(num_stages, dim=cfg["dim"], multi=cfg.get("multi", False), seed=cfg.get("seed", 0), dtype=dtype)
+    stages = build_stages(num_stages, dim=cfg["dim"], multi=cfg.get("multi", False), seed=cfg.get("seed", 0), dtype=dtype,
+                          model=cfg.get("model", "block"))
     opt = torch.optim.SGD([p for s in stages for p in s.parameters()], lr=cfg.get("lr", 0.1))
     steps = []
     for step in range(cfg.get("steps", 1)):
         b = make_step_batches(cfg, step)
         for s in stages:
             s.zero_grad(set_to_none=True)
+        apply_freeze(stages, cfg, step)
         if "x_mbs" in b:
             args, kws, tg = [(x,) for x in b["x_mbs"]], [{}] * n, b["y_mbs"]
         else:
@@ -30,7 +32,8 @@ def reference_run(cfg: dict[str, Any], num_stages: int) -> list[dict[str, Any]]:
             si = split_microbatches((b["x"],), kw, b["target"], n)
             args, kws, tg = si.args, si.kwargs, si.targets
         losses, outs = run_reference(stages, args, kws, tg, n)
-        grads = {f"s{i}.{pn}": p.grad.detach().clone() for i, m in enumerate(stages) for pn, p in m.named_parameters()}
+        grads = {f"s{i}.{pn}": p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                 for i, m in enumerate(stages) for pn, p in m.named_parameters()}
         opt.step()
         evals = None
         if cfg.get("eval"):

@@ -25,7 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from data import make_step_batches  # noqa: E402
 from harness import install_stack_dump  # noqa: E402
-from models import build_stages, loss_fn  # noqa: E402
+from models import apply_freeze, build_stages, loss_fn  # noqa: E402
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -66,8 +66,14 @@ def run_pipeloom(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
         num_stages = world * (spr or default_stages_per_rank(name))
     dtype = getattr(torch, cfg.get("dtype", "float64"))
     os.environ.update(cfg.get("env", {}))
-    all_stages = build_stages(num_stages, dim=cfg["dim"], multi=cfg.get("multi", False), seed=cfg.get("seed", 0), dtype=dtype)
+    all_stages = build_stages(num_stages, dim=cfg["dim"], multi=cfg.get("multi", False), seed=cfg.get("seed", 0), dtype=dtype,
+                              model=cfg.get("model", "block"))
     all_stages = [m.to(_device()) for m in all_stages]
+    if cfg.get("compile"):
+        # compiled in place (parameter names unchanged); aot_eager keeps the test quick and
+        # gives the same opaque CompiledFunctionBackward node that inductor gives
+        for m in all_stages:
+            m.compile(backend=cfg["compile"])
     pipe = pipeloom.Pipeline(
         lambda s: all_stages[s],
         schedule=schedule,
@@ -86,6 +92,7 @@ def run_pipeloom(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
         b = make_step_batches(cfg, step)
         for m in pipe.stages.values():
             m.zero_grad(set_to_none=True)
+        apply_freeze(pipe.stages, cfg, step)
         losses: list[torch.Tensor] = []
         if "x_mbs" in b:
             out = pipe.step(pipeloom.Microbatches(b["x_mbs"]), target=pipeloom.Microbatches(b["y_mbs"]), losses=losses)

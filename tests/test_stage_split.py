@@ -1,0 +1,307 @@
+"""The I/W split against a full backward, in one process, for awkward autograd graphs.
+
+Each case builds a stage module, runs forward + I + W through StageExecutor on
+float64 inputs, and compares every parameter gradient and every input gradient
+with a plain full backward of a deep copy of the same module on the same
+inputs.  Several microbatches are interleaved (F F I I W W) as a zero-bubble
+schedule would, so state leaking between microbatches shows up too.  The
+rank-process tests in test_runtime_gradients.py cover the same cases end to end.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pipeloom.runtime.stage import StageExecutor
+
+torch.set_default_dtype(torch.float64)
+D = 6
+
+
+class TwiceLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+class Recurrent(nn.Module):
+    def __init__(self, steps: int = 3) -> None:
+        super().__init__()
+        self.cell = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.LayerNorm(D))
+        self.steps = steps
+
+    def forward(self, x):
+        h = x
+        for _ in range(self.steps):
+            h = self.cell(h) + x
+        return h
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(D, D)
+        self.b = nn.Linear(D, D)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+class SharedTranspose(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D, D) / D)
+
+    def forward(self, x):
+        wt = self.w.t()
+        return torch.sin(x @ wt) @ wt
+
+
+class Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0)
+
+
+class CustomFn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D))
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        return Scale.apply(self.lin(Scale.apply(x, self.w)), self.w)
+
+
+class InPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(D, D)
+        self.l2 = nn.Linear(D, D)
+
+    def forward(self, x):
+        h = self.l1(x)
+        h.mul_(2.0)
+        h = torch.relu_(h)
+        out = self.l2(h)
+        out.add_(h)
+        return out
+
+
+class Parametrized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.utils.parametrizations.weight_norm(nn.Linear(D, D))
+        self.lin2 = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.lin2(self.lin(torch.tanh(self.lin(x))))
+
+
+class BareParam(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(D))
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.lin(x * self.scale) * self.scale
+
+
+class ParamOutput(nn.Module):
+    """Two outputs, one of which depends on the parameters only (a position table)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(4, D))
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        p = self.pos * 2.0
+        return self.lin(x) + p.sum(0), p
+
+
+class Checkpointed(nn.Module):
+    calls = 0
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D))
+        self.reentrant = reentrant
+
+    def _inner(self, x):
+        type(self).calls += 1
+        return self.block(x)
+
+    def forward(self, x):
+        return checkpoint(self._inner, x, use_reentrant=self.reentrant) + x
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(D, 2, batch_first=True)
+        self.norm = nn.LayerNorm(D)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.attn(h, h, h, need_weights=False)[0]
+
+
+CASES = {
+    "twice": TwiceLinear,
+    "recurrent": Recurrent,
+    "tied": Tied,
+    "shared_transpose": SharedTranspose,
+    "custom_function": CustomFn,
+    "in_place": InPlace,
+    "parametrized": Parametrized,
+    "bare_param": BareParam,
+    "param_output": ParamOutput,
+    "checkpoint": lambda: Checkpointed(False),
+    "checkpoint_reentrant": lambda: Checkpointed(True),
+    "attention": Attention,
+}
+
+
+def _inputs(case: str, n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    shape = (3, 5, D) if case == "attention" else (5, D)
+    return [torch.randn(*shape, generator=g) for _ in range(n)]
+
+
+def _run_split(module: nn.Module, xs, gys, *, position: str):
+    last = position == "last"
+    ex = StageExecutor(0, module, is_first=position == "first", is_last=last,
+                       loss_fn=(lambda out, t: ((out[0] if isinstance(out, tuple) else out) * t).sum()) if last else None, grad_scale=1.0, split_backward=True)
+    in_grads = []
+    leaves = [x.detach().requires_grad_(position != "first") for x in xs]
+    for mb, x in enumerate(leaves):
+        ex.forward(mb, (x,), {}, gys[mb][0] if last else None)
+    for mb in range(len(xs)):
+        in_grads.append(ex.backward_input(mb, None if last else gys[mb]))
+    for mb in range(len(xs)):
+        ex.backward_weight(mb)
+    assert ex.live_microbatches == 0
+    return in_grads
+
+
+def _run_full(module: nn.Module, xs, gys, *, position: str):
+    in_grads = []
+    for mb, x in enumerate(xs):
+        x = x.detach().requires_grad_(position != "first")
+        out = module(x)
+        outs = out if isinstance(out, tuple) else (out,)
+        if position == "last":
+            (outs[0] * gys[mb][0]).sum().backward()
+        else:
+            torch.autograd.backward(outs, gys[mb])
+        in_grads.append([x.grad])
+    return in_grads
+
+
+@pytest.mark.parametrize(
+    ("case", "position"),
+    # A reentrant checkpoint whose input needs no gradient has no gradient at all (torch's rule).
+    [(c, p) for c in sorted(CASES) for p in ("middle", "first", "last") if (c, p) != ("checkpoint_reentrant", "first")],
+)
+def test_split_equals_full_backward(case: str, position: str) -> None:
+    torch.manual_seed(0)
+    ref = CASES[case]()
+    mod = copy.deepcopy(ref)
+    xs = _inputs(case, 3)
+    with torch.no_grad():
+        outs = [ref(x) for x in xs]
+    g = torch.Generator().manual_seed(11)
+    gys = [tuple(torch.randn(o.shape, generator=g) for o in (out if isinstance(out, tuple) else (out,))) for out in outs]
+    if position == "last":
+        gys = [(gy[0],) for gy in gys]
+    want = _run_full(ref, xs, gys, position=position)
+    got = _run_split(mod, xs, gys, position=position)
+    for (name, p), q in zip(ref.named_parameters(), mod.parameters()):
+        assert p.grad is not None, name
+        assert q.grad is not None, f"{case}: {name} got no gradient from the I/W split"
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12, msg=lambda m: f"{case} {position} {name}: {m}")
+    if position != "first":
+        for w, gi in zip(want, got):
+            torch.testing.assert_close(gi[0], w[0], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_recomputes_no_more_than_a_full_backward(reentrant: bool) -> None:
+    """I + W recompute a checkpointed region at most once per microbatch, as one full backward does."""
+    mod = Checkpointed(reentrant)
+    xs = _inputs("checkpoint", 2)
+    Checkpointed.calls = 0
+    _run_full(copy.deepcopy(mod), xs, [(torch.ones(5, D),)] * 2, position="middle")
+    full_calls = Checkpointed.calls
+    # The executor learns at its first I which modules are recomputed: from then on,
+    # every step recomputes each checkpointed region once per microbatch.
+    ex = StageExecutor(0, mod, is_first=False, is_last=False, loss_fn=None, grad_scale=1.0, split_backward=True)
+    for step in range(3):
+        Checkpointed.calls = 0
+        leaves = [x.detach().requires_grad_() for x in xs]
+        for mb, x in enumerate(leaves):
+            ex.forward(mb, (x,), {})
+        for mb in range(len(xs)):
+            ex.backward_input(mb, (torch.ones(5, D),))
+        for mb in range(len(xs)):
+            ex.backward_weight(mb)
+        if step > 0:
+            assert Checkpointed.calls <= full_calls, (step, Checkpointed.calls, full_calls)
+
+
+def test_trainable_set_may_change_between_steps() -> None:
+    """Unfreezing and freezing parameters between steps, as fine-tuning recipes do."""
+    torch.manual_seed(0)
+    ref = Recurrent()
+    mod = copy.deepcopy(ref)
+    ex = StageExecutor(0, mod, is_first=False, is_last=False, loss_fn=None, grad_scale=1.0, split_backward=True)
+    for step, frozen in enumerate([("cell.0.weight",), (), ("cell.2.weight", "cell.2.bias")]):
+        for m in (ref, mod):
+            m.zero_grad(set_to_none=True)
+            for n, p in m.named_parameters():
+                p.requires_grad_(n not in frozen)
+        x = _inputs("recurrent", 1)[0] + step
+        gy = torch.randn(5, D, generator=torch.Generator().manual_seed(step))
+        ref(x.detach().requires_grad_()).backward(gy)
+        ex.forward(0, (x.detach().requires_grad_(),), {})
+        ex.backward_input(0, (gy,))
+        ex.backward_weight(0)
+        for (n, p), q in zip(ref.named_parameters(), mod.parameters()):
+            if n in frozen:
+                assert q.grad is None, n
+            else:
+                torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_compiled_stage_falls_back_to_full_backward_with_a_warning() -> None:
+    torch.manual_seed(0)
+    ref = TwiceLinear()
+    mod = copy.deepcopy(ref)
+    compiled = torch.compile(mod, backend="aot_eager")
+    xs = _inputs("twice", 2)
+    gys = [(torch.randn(5, D),) for _ in xs]
+    _run_full(ref, xs, gys, position="middle")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run_split(compiled, xs, gys, position="middle")
+    assert sum("cannot be split" in str(w.message) for w in caught) == 1
+    for p, q in zip(ref.parameters(), mod.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12)
