@@ -20,8 +20,16 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeloom.runtime.stage import StageExecutor
 
-torch.set_default_dtype(torch.float64)
 D = 6
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    """float64 for these tests only (a global default would leak into other test modules)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
 
 
 class TwiceLinear(nn.Module):
