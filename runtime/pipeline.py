@@ -286,7 +286,6 @@ class Pipeline:
             if not isinstance(module, nn.Module):
                 raise PipelineConfigError(f"rank {self.rank}: stage_fn({s}) returned {type(module).__name__}, not an nn.Module")
             module.to(self.device)
-            sharded = False
             if lay is not None:
                 from .data_parallel import sync_module_states, wrap_fsdp
 
@@ -294,12 +293,8 @@ class Pipeline:
                     sync_module_states(module, lay.dp_group, src=lay.row[0])
                 if fsdp:
                     module = wrap_fsdp(module, lay.dp_mesh, fsdp_wrap, fsdp_kwargs)
-                from ._fsdp_private import fsdp_modules
-
-                sharded = bool(fsdp_modules(module))
             self._executors[s] = StageExecutor(
                 s, module, is_last=s == last, loss_fn=loss_fn, grad_scale=grad_scale, split_backward=s in split,
-                dynamic_params=sharded,
             )
         #: whether data-parallel collectives overlap compute (False: each blocks the dispatcher until done)
         self.overlap_collectives = opts.overlap_collectives

@@ -230,7 +230,6 @@ class StageExecutor:
         loss_fn: Callable[..., torch.Tensor] | None,
         grad_scale: float,
         split_backward: bool = False,
-        dynamic_params: bool = False,
     ) -> None:
         self.index = index
         self.module = module
@@ -240,7 +239,6 @@ class StageExecutor:
         #: whether this stage runs I and W (the graph walk at I finds the leaves, so
         #: swapped FSDP parameters and a changed trainable set need nothing special)
         self.split_backward = split_backward
-        del dynamic_params  # kept for callers; the leaves are found in the graph at each I
         self._saved: dict[int, _Saved] = {}
         self._warned_unsplittable = False
         # Activation checkpointing: a module whose forward runs again during I is being
