@@ -166,3 +166,48 @@ def test_names_must_identify_parameters(tmp_path: Path) -> None:
         pipeloom.load_checkpoint(tmp_path, p, make_optimizer(_params(p), {}), stage_prefix=True)
     with pytest.raises(pipeloom.PipelineConfigError, match="step must be"):
         pipeloom.save_checkpoint(tmp_path, clash, step=-1, stage_prefix=True)
+
+
+# ---------------------------------------------------------------- clipping and the step loss, one rank
+
+
+def _grad_pipe(seed: int = 0) -> Any:
+    pipe = _pipe(2, seed)
+    h = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    for s in sorted(pipe.stages):
+        h = pipe.stages[s](h)
+    (100 * h.pow(2).mean()).backward()
+    pipe.parameters = lambda: _params(pipe)
+    pipe.device = torch.device("cpu")
+    return pipe
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.5, float("inf")])
+def test_clip_on_one_rank_is_torchs(norm_type: float) -> None:
+    from pipeloom.runtime.training import clip_grad_norm_
+
+    mine, theirs = _grad_pipe(), _grad_pipe()
+    total = clip_grad_norm_(mine, 0.5, norm_type)
+    want = torch.nn.utils.clip_grad_norm_(_params(theirs), 0.5, norm_type)
+    assert float(total) == pytest.approx(float(want), rel=1e-12) and float(want) > 0.5
+    for a, b in zip(_params(mine), _params(theirs)):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=0)
+
+
+def test_clip_and_loss_refuse_bad_arguments() -> None:
+    from pipeloom.runtime.training import clip_grad_norm_, reduce_step_loss
+
+    pipe = _grad_pipe()
+    with pytest.raises(pipeloom.PipelineConfigError, match="norm_type"):
+        clip_grad_norm_(pipe, 1.0, -2)
+    pipe.stages[0].layers[0].lin.weight.grad[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="non-finite"):
+        clip_grad_norm_(pipe, 1.0, error_if_nonfinite=True)
+    with pytest.raises(pipeloom.PipelineConfigError, match="reduce_to"):
+        reduce_step_loss(pipe, {}, reduce_to="rank0")
+    with pytest.raises(pipeloom.PipelineConfigError, match="not a rank"):
+        reduce_step_loss(pipe, {}, reduce_to=3)
+    with pytest.raises(pipeloom.PipelineConfigError, match="no rank has a loss"):
+        reduce_step_loss(pipe, {}, reduce_to="all")
+    losses = {0: torch.tensor(1.0), 1: torch.tensor(2.0), 2: torch.tensor(4.5)}
+    assert reduce_step_loss(pipe, losses) == pytest.approx(2.5) == reduce_step_loss(pipe, losses, reduce_to=0)
