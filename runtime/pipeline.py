@@ -408,7 +408,16 @@ class Pipeline:
         return self._actor.statistics
 
     def parameters(self) -> list[nn.Parameter]:
-        return [p for m in self.stages.values() for p in m.parameters()]
+        """This rank's parameters, each once (two local stages may share one: a weight tied
+        between the first and last stage of a V schedule, which both live on rank 0)."""
+        seen: set[int] = set()
+        out = []
+        for m in self.stages.values():
+            for p in m.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
 
     def step(self, *args: Any, target: Any = None, losses: list[Any] | None = None, **kwargs: Any) -> Any:
         """Run one training step (forward and backward of every microbatch); blocking."""

@@ -94,6 +94,9 @@ def _awkward_cases(world: int) -> list[dict[str, Any]]:
             out.append({**base, "id": f"awkward-freeze-{name}", "steps": 3, "freeze": _FREEZE})
         if world == 2 and name != "1F1B":
             out.append({**base, "id": f"compiled-{name}", "compile": "aot_eager", "steps": 2})
+        if world == 2 and name in ("ZBVZeroBubble", "DualPipeV"):
+            # a weight tied between the first and last stage, both on rank 0 (optimizer steps it once)
+            out.append({**base, "id": f"tied-ends-{name}", "model": "tied-ends", "steps": 3})
     return out
 
 

@@ -91,13 +91,17 @@ class AwkwardBlock(nn.Module):
 
 
 def build_stages(num_stages: int, *, dim: int, multi: bool, seed: int, dtype: torch.dtype, model: str = "block") -> list[nn.Module]:
-    """``model``: "block" (Linear + tanh), "awkward" (AwkwardBlock) or "awkward-ckpt" (checkpointed)."""
+    """``model``: "block" (Linear + tanh), "tied-ends" (blocks, the first and last sharing a weight),
+    "awkward" (AwkwardBlock) or "awkward-ckpt" (checkpointed)."""
     torch.manual_seed(seed)
     if model.startswith("awkward"):
         return [AwkwardBlock(dim, checkpointed=model.endswith("ckpt")).to(dtype) for _ in range(num_stages)]
-    return [
-        Block(dim, first=s == 0, last=s == num_stages - 1, multi=multi).to(dtype) for s in range(num_stages)
-    ]
+    stages = [Block(dim, first=s == 0, last=s == num_stages - 1, multi=multi).to(dtype) for s in range(num_stages)]
+    if model == "tied-ends":
+        # the first and the last stage share a weight, as a tied embedding and LM head do;
+        # V schedules place both on rank 0
+        stages[-1].lin.weight = stages[0].lin.weight
+    return stages
 
 
 def apply_freeze(stages: Any, cfg: dict[str, Any], step: int) -> None:

@@ -18,7 +18,8 @@ def reference_run(cfg: dict[str, Any], num_stages: int) -> list[dict[str, Any]]:
     dtype = getattr(torch, cfg.get("dtype", "float64"))
     stages = build_stages(num_stages, dim=cfg["dim"], multi=cfg.get("multi", False), seed=cfg.get("seed", 0), dtype=dtype,
                           model=cfg.get("model", "block"))
-    opt = torch.optim.SGD([p for s in stages for p in s.parameters()], lr=cfg.get("lr", 0.1))
+    params = list({id(p): p for s in stages for p in s.parameters()}.values())  # a tied weight once
+    opt = torch.optim.SGD(params, lr=cfg.get("lr", 0.1))
     steps = []
     for step in range(cfg.get("steps", 1)):
         b = make_step_batches(cfg, step)
