@@ -164,11 +164,15 @@ def test_chrome_export_of_a_real_run(streamed: tuple[Path, subprocess.CompletedP
     assert Counter((e["pid"], e["name"]) for e in compute) == Counter(
         (a.rank, "PP:" + a.name) for lst in model.actions.values() for a in lst
     )
-    names = {(e["pid"], e["name"]) for e in evs if e["ph"] == "X"}
+    names = {(e["pid"], e["name"]) for e in evs if e["ph"] in ("X", "b")}
     assert (0, "PP:0F0") in names and (1, "PP:1F0") in names
     # stage 0 (rank 0) sends its forward of microbatch 0 to stage 1 (rank 1): named from the producer
     assert (0, "PP:0SEND_F0") in names and (1, "PP:1RECV_F0") in names
     assert (1, "PP:2SEND_F0") in names and (0, "PP:3RECV_F0") in names
+    # receives are async slices: no overflow rows of "comm recv" however many overlap
+    assert not any(e["ph"] == "M" and e["name"] == "thread_name" and e["args"]["name"].startswith("comm recv (") for e in evs)
+    n_recv = sum(1 for lst in model.transfers.values() for t in lst if t.kind == "recv")
+    assert sum(1 for e in evs if e["ph"] == "b") == sum(1 for e in evs if e["ph"] == "e") == n_recv
     procs = {e["pid"]: e["args"]["name"] for e in evs if e["ph"] == "M" and e["name"] == "process_name"}
     assert procs == {0: "rank 0", 1: "rank 1"}
     threads = {(e["pid"], e["args"]["name"]) for e in evs if e["ph"] == "M" and e["name"] == "thread_name"}
@@ -181,6 +185,12 @@ def test_chrome_export_of_a_real_run(streamed: tuple[Path, subprocess.CompletedP
         f = ends[i]
         assert f["bp"] == "e" and s["pid"] != f["pid"] and s["ts"] <= f["ts"]
     assert any(e["ph"] == "C" for e in evs)
+    # per-rank files for HTA
+    assert main(["trace", "export", str(d / "run.jsonl"), "--chrome", str(out), "--per-rank"]) == 0
+    for r in (0, 1):
+        one = json.loads((tmp_path / f"chrome.rank{r}.json").read_text())
+        assert one["distributedInfo"]["rank"] == r and one["distributedInfo"]["world_size"] == 2
+        assert one["traceEvents"] and all(e.get("pid") == r for e in one["traceEvents"])
 
 
 def _tiny_trace() -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -242,16 +252,22 @@ def test_summary_numbers_by_hand(tmp_path: Path, capsys: pytest.CaptureFixture[s
 def test_chrome_export_by_hand() -> None:
     header, events = _tiny_trace()
     doc = chrome_trace(TraceModel(header, events))
-    x = {(e["pid"], e["name"]): e for e in doc["traceEvents"] if e["ph"] == "X" and e["args"]["step"] == 0}
+    x = {(e["pid"], e["name"]): e for e in doc["traceEvents"] if e["ph"] == "X" and e.get("cat") != "critical_path" and e["args"]["step"] == 0}
     f0 = x[(0, "PP:0F0")]
     assert f0["ts"] == 0.0 and f0["dur"] == pytest.approx(0.02) and f0["args"]["stage"] == 0
-    send, recv = x[(0, "PP:0SEND_F0")], x[(1, "PP:1RECV_F0")]
-    assert send["args"]["bytes"] == 64 and send["args"]["peer"] == 1 and recv["args"]["peer"] == 0
+    send, consumer = x[(0, "PP:0SEND_F0")], x[(1, "PP:1F0")]
+    # a receive is an async slice (b/e), never an overflow row
+    b, e_ = ([e for e in doc["traceEvents"] if e["ph"] == ph and e.get("name") == "PP:1RECV_F0"] for ph in ("b", "e"))
+    assert len(b) == len(e_) == 1 and b[0]["id"] == e_[0]["id"] and b[0]["pid"] == 1
+    assert b[0]["ts"] == pytest.approx(0.016) and e_[0]["ts"] == pytest.approx(0.024) and b[0]["args"]["peer"] == 0
+    assert send["args"]["bytes"] == 64 and send["args"]["peer"] == 1
     flows = [e for e in doc["traceEvents"] if e["ph"] in ("s", "f")]
     assert sorted(e["ph"] for e in flows) == ["f", "s"] and flows[0]["id"] == flows[1]["id"]
     s, f = sorted(flows, key=lambda e: e["ph"], reverse=True)
     assert s["tid"] == send["tid"] and send["ts"] <= s["ts"] <= send["ts"] + send["dur"]
-    assert f["tid"] == recv["tid"] and recv["ts"] <= f["ts"] <= recv["ts"] + recv["dur"]
+    # the arrow ends on the action that consumed the data
+    assert f["tid"] == consumer["tid"] and consumer["ts"] <= f["ts"] <= consumer["ts"] + consumer["dur"]
+    assert f["args"]["landed_us"] == pytest.approx(0.024)
     assert [e["args"] for e in doc["traceEvents"] if e["ph"] == "C"] == [{"live_mb": 1}]
 
 

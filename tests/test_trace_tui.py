@@ -249,10 +249,43 @@ async def test_attach_shows_a_live_batch(tmp_path: Path) -> None:
             pub.send(b"\x00garbage")
             await pilot.pause(0.2)
             assert app.buffer.rejected >= 1 and len(app.state.model.events) == len(evs)
+            pub.close()  # the launcher's collector goes away when the job ends
+            deadline = time.monotonic() + 10
+            while app.live.status != "ended" and time.monotonic() < deadline:
+                await pilot.pause(0.1)
+            assert "job ended" in app.render_timeline(150).plain
             await pilot.press("q")
     finally:
         pub.close()
         ctx.term()
+
+
+async def test_attach_says_when_the_collector_is_unreachable() -> None:
+    from pipeloom.tools.trace_tui import LiveSource
+
+    with __import__("socket").socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nobody listens here once closed
+    app = TraceApp(TraceBuffer(), live=LiveSource(f"tcp://127.0.0.1:{port}"), poll_interval=0.05)
+    async with app.run_test(size=(120, 30)) as pilot:
+        deadline = time.monotonic() + 10
+        while app.live.status != "unreachable" and time.monotonic() < deadline:
+            await pilot.pause(0.1)
+        assert f"collector unreachable at tcp://127.0.0.1:{port}" in app.render_timeline(120).plain
+        assert "no events yet" in _text(app, "#summary")
+        await pilot.press("q")
+
+
+def test_pan_home_end_keep_the_step_in_sync() -> None:
+    m = _model()
+    st = ViewState(m)
+    assert st.step == 0
+    st.end()  # the view shows step 1 whole (10 ms wide, at the end)
+    assert st.step == 1 and st.selected is not None and st.selected.step == 1
+    st.home()
+    assert st.step == 0 and st.selected.step == 0
+    st.pan(2.0)  # 20 ms later: step 1
+    assert st.step == 1 and st.selected.step == 1
 
 
 def test_attach_needs_an_address(tmp_path: Path) -> None:
@@ -296,7 +329,7 @@ async def test_critical_path_key_and_help_screen() -> None:
         assert "step 0 = 10.000 ms: compute 6.000 ms + transfers 0 ns + runtime 0 ns + waiting on rank 1 4.000 ms" in _text(app, "#summary")
         text = app.render_timeline(150)
         assert "critical path" in text.plain
-        assert any(str(span.style) == CRITICAL_STYLE for span in text.spans)
+        assert any(str(span.style).endswith(CRITICAL_STYLE) for span in text.spans)
         await pilot.press("c")
         assert app.critical_spans() == set()
 
@@ -309,3 +342,28 @@ async def test_critical_path_key_and_help_screen() -> None:
         await pilot.pause()
         assert not isinstance(app.screen, HelpScreen)
         await pilot.press("q")
+
+
+def test_every_category_is_distinct_in_16_colours() -> None:
+    from rich.color import ColorSystem
+    from rich.style import Style
+
+    from pipeloom.tools.trace_tui import STYLES, STYLES_16
+
+    def colours(styles: dict[str, tuple[str, str]]) -> dict[str, tuple[int | None, int | None]]:
+        out = {}
+        for cat, (style, _) in styles.items():
+            st = Style.parse(style)
+            bg = st.bgcolor.downgrade(ColorSystem.STANDARD).number if st.bgcolor else None
+            fg = st.color.downgrade(ColorSystem.STANDARD).number if st.color else None
+            out[cat] = (bg, fg) if cat != "wait" else (None, fg)
+        return out
+
+    c256 = colours(STYLES)
+    assert c256["B"] == c256["I"]  # what TERM=xterm showed before: both bright cyan
+    c16 = colours(STYLES_16)
+    blocks = [c16[k][0] for k in STYLES_16 if k != "wait"]
+    assert len(set(blocks)) == len(blocks), c16
+    app = TraceApp(_model(), palette="16")
+    assert app.palette_styles is STYLES_16
+    assert TraceApp(_model(), palette="256").palette_styles is STYLES

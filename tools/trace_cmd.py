@@ -58,6 +58,8 @@ def add_parser(subparsers: Any) -> None:
     export = sub.add_parser("export", help="write Chrome trace JSON (Perfetto, chrome://tracing)")
     export.add_argument("files", nargs="+", metavar="FILE")
     export.add_argument("--chrome", required=True, metavar="OUT.json", help="where to write the Chrome trace")
+    export.add_argument("--per-rank", action="store_true",
+                        help="also write OUT.rankR.json per rank, with distributedInfo (what HTA loads)")
     export.set_defaults(func=_guarded(_cmd_export))
 
     from .trace_analysis import DEFINITIONS
@@ -174,9 +176,18 @@ def _cmd_export(args: argparse.Namespace) -> int:
     doc = chrome_trace(model)
     with open(args.chrome, "w") as f:
         json.dump(doc, f, separators=(",", ":"))
-    n = sum(1 for e in doc["traceEvents"] if e.get("ph") == "X")
+    n = sum(1 for e in doc["traceEvents"] if e.get("ph") in ("X", "b"))
     print(f"wrote {args.chrome}: {n} slices, {len(model.ranks)} ranks (open in https://ui.perfetto.dev or chrome://tracing)",
           file=sys.stderr)
+    if args.per_rank:
+        from .trace_export import per_rank_traces
+
+        base = args.chrome[:-5] if args.chrome.endswith(".json") else args.chrome
+        for r, d in per_rank_traces(model, doc).items():
+            path = f"{base}.rank{r}.json"
+            with open(path, "w") as f:
+                json.dump(d, f, separators=(",", ":"))
+            print(f"wrote {path}: rank {r} with distributedInfo", file=sys.stderr)
     return 0
 
 

@@ -8,16 +8,21 @@ gains nothing at these sizes).  The layout follows what torch's pipelining
 profiler shows, so the two can be compared side by side:
 
 * one process per rank (``pid`` = rank, named ``rank R``);
-* named tracks (``tid``): ``steps``, ``compute``, ``fsdp``, ``comm send``,
-  ``comm recv``, ``waits``.  Slices on one track must nest, and receives from
-  several peers (or a receive announced while the previous one still lands)
-  overlap, so overlapping slices go to extra rows named ``comm recv (2)``...;
+* named tracks (``tid``): ``steps``, ``critical path``, ``compute``,
+  ``fsdp``, ``comm send``, ``comm recv``, ``waits``.  Slices on one track must
+  nest; receives from several peers (or a receive announced while the previous
+  one still lands) overlap, so receives are *async* slices (``"ph": "b"`` /
+  ``"e"``, one id each) and never need extra rows; other overlapping slices go
+  to extra rows named ``comm send (2)``...;
 * complete events (``"ph": "X"``) named as torch names them: ``PP:1F3``,
   ``PP:1SEND_F3`` (named from the producing stage), ``PP:2RECV_F3`` (the
   consuming stage); ``args`` carry stage, microbatch, step, bytes, peer, seq;
 * a flow arrow (``"ph": "s"`` / ``"f"``, ``"bp": "e"``, one id per pair) from
-  each send to the receive it matches on (source rank, destination rank,
-  seq), starting where the send starts and ending where the data landed;
+  each send (matched to its receive on source rank, destination rank, seq) to
+  the action that consumed the data, starting where the send starts and
+  ending where the consumer starts (``args.landed_us``: when the data landed);
+* ``--per-rank``: one file per rank with ``distributedInfo`` (rank, world
+  size), the layout Holistic Trace Analysis loads;
 * memory events as counters (``"ph": "C"``): live microbatches, and CUDA
   allocated/peak bytes where recorded;
 * each step's **critical path** (see :mod:`pipeloom.tools.trace_analysis`) on
@@ -52,7 +57,7 @@ from .trace_model import Span, TraceModel, trace_api
 if TYPE_CHECKING:
     from pipeloom.schedules import Costs, Schedule, SimulationResult
 
-__all__ = ["chrome_trace", "simulation_trace", "SIMULATION_UNIT_NS"]
+__all__ = ["chrome_trace", "per_rank_traces", "simulation_trace", "SIMULATION_UNIT_NS"]
 
 SIMULATION_UNIT_NS = 1_000_000
 """Default scale of simulated time: one cost unit is one millisecond."""
@@ -126,6 +131,15 @@ def chrome_trace(model: TraceModel) -> dict[str, Any]:
     tid_of: dict[int, tuple[int, int]] = {}  # id(span) -> (pid, tid)
     spans = [sp for d in (model.actions, model.transfers, model.waits) for lst in d.values() for sp in lst]
     spans.sort(key=lambda sp: (sp.start, -sp.end))
+    for n_recv, sp in enumerate(x for x in spans if x.kind == "recv"):
+        # receives overlap (several peers, announced while another lands): async slices, one id each
+        e = sp.event
+        common = {"cat": "comm recv", "name": f"PP:{sp.name}", "id": n_recv, "pid": sp.rank, "tid": tracks.named(sp.rank, "comm recv")}
+        out.append({"ph": "b", "ts": us(sp.start), **common,
+                    "args": {"step": sp.step, "stage": sp.stage, "mb": sp.mb, "kind": e.get("kind"), "peer": e.get("peer"),
+                             "seq": e.get("seq"), "bytes": e.get("bytes")}})
+        out.append({"ph": "e", "ts": us(sp.end), **common})
+    spans = [sp for sp in spans if sp.kind != "recv"]
     for sp in spans:
         tid = tracks.place(sp.rank, _track(sp), sp.start, sp.end)
         tid_of[id(sp)] = (sp.rank, tid)
@@ -144,15 +158,20 @@ def chrome_trace(model: TraceModel) -> dict[str, Any]:
             args.update(stage=sp.stage, mb=sp.mb, kind=e.get("kind"), peer=e.get("peer"), seq=e.get("seq"), bytes=e.get("bytes"))
         out.append({"ph": "X", "name": name, "cat": cat, "pid": sp.rank, "tid": tid, "ts": us(sp.start),
                     "dur": round(us(sp.end) - us(sp.start), 3), "args": args})
+    consumers = _consumers(model)
     for n, (send, recv) in enumerate(model.transfer_pairs()):
         spid, stid = tid_of[id(send)]
-        rpid, rtid = tid_of[id(recv)]
-        # Strictly inside the slices, so each end binds to its own slice.
+        consumer = consumers.get((recv.rank, recv.step, str(recv.event.get("kind", "F")), recv.stage, recv.mb))
+        if consumer is None:
+            continue
+        rpid, rtid = tid_of[id(consumer)]
+        # The arrow starts strictly inside the send and ends on the action that consumed the data
+        # (a receive is an async slice, which flow events cannot bind to).
         s_ts = us(send.start) + (0.0005 if send.duration > 1 else 0.0)
-        f_ts = us(recv.end) - (0.0005 if recv.duration > 1 else 0.0)
+        f_ts = us(consumer.start) + (0.0005 if consumer.duration > 1 else 0.0)
         common = {"name": "transfer", "cat": "flow", "id": n}
         out.append({"ph": "s", "pid": spid, "tid": stid, "ts": round(s_ts, 4), **common})
-        out.append({"ph": "f", "bp": "e", "pid": rpid, "tid": rtid, "ts": round(f_ts, 4), **common})
+        out.append({"ph": "f", "bp": "e", "pid": rpid, "tid": rtid, "ts": round(f_ts, 4), "args": {"landed_us": us(recv.end)}, **common})
     for r, evs in model.memory.items():
         for ev in evs:
             if not isinstance(ev.get("t"), int):
@@ -165,6 +184,36 @@ def chrome_trace(model: TraceModel) -> dict[str, Any]:
     other = {k: v for k, v in model.header.items() if isinstance(v, (str, int, float, bool))}
     other["trace_start_ns"] = t0
     return {"traceEvents": tracks.meta + out, "displayTimeUnit": "ms", "otherData": other}
+
+
+def _consumers(model: TraceModel) -> dict[tuple[int, int, str, Any, Any], Span]:
+    """(rank, step, kind, consuming stage, mb) -> the action that consumed that transfer."""
+    from .trace_analysis import _input_keys
+
+    out: dict[tuple[int, int, str, Any, Any], Span] = {}
+    for r, lst in model.actions.items():
+        for a in lst:
+            for kind, stage, mb in _input_keys(a):
+                out.setdefault((r, a.step, kind, stage, mb), a)
+    return out
+
+
+def per_rank_traces(model: TraceModel, doc: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """``doc`` (:func:`chrome_trace`'s) split into one document per rank, each with ``distributedInfo``.
+
+    Holistic Trace Analysis (HTA) reads a folder of per-rank files and takes
+    each one's rank from ``distributedInfo``; flow arrows between ranks do not
+    survive the split (each file keeps its own half).
+    """
+    world = model.header.get("world_size") or len(model.ranks)
+    out: dict[int, dict[str, Any]] = {}
+    for r in model.ranks:
+        evs = [e for e in doc["traceEvents"] if e.get("pid") == r]
+        out[r] = {"traceEvents": evs, "displayTimeUnit": doc.get("displayTimeUnit", "ms"),
+                  "otherData": doc.get("otherData", {}),
+                  "distributedInfo": {"rank": r, "world_size": world, "backend": "pipeloom",
+                                      "pp_rank": r, "pp_world_size": world}}
+    return out
 
 
 def _explain(model: TraceModel, out: list[dict[str, Any]], tracks: _Tracks, us: Any) -> None:

@@ -280,6 +280,14 @@ class TraceModel:
     def window(self, step: int) -> tuple[int, int]:
         return self.windows.get(step, (self.t0, self.t_end))
 
+    def complete_steps(self) -> list[int]:
+        """Steps every rank has finished (has a ``step`` event for): a live view follows the newest of these,
+        not a step only some ranks' events of have arrived."""
+        ranks = [r for r in self.ranks if r not in self.missing_ranks]
+        if not self.step_spans:
+            return list(self.steps)
+        return [s for s in self.steps if all(s in self.step_spans.get(r, {}) for r in ranks)]
+
     @property
     def train_steps(self) -> list[int]:
         """The steps that are not eval steps."""
@@ -795,7 +803,7 @@ class ViewState:
         self.step: int | None = None
         self.view_start, self.view_end = model.t0, max(model.t_end, model.t0 + MIN_WIDTH_NS)
         if model.steps:
-            self._go_step(model.steps[-1] if follow else model.steps[0])
+            self._go_step((model.complete_steps() or model.steps)[-1] if follow else model.steps[0])
 
     # -- what is selected
 
@@ -839,14 +847,35 @@ class ViewState:
         """Move the range by ``fraction`` of its width (negative: earlier)."""
         self.follow = False
         self._clamp(self.view_start + fraction * self.width, self.width)
+        self._sync_step()
 
     def home(self) -> None:
         self.follow = False
         self._clamp(self.model.t0, self.width)
+        self._sync_step()
 
     def end(self) -> None:
         self.follow = False
         self._clamp(self.model.t_end - self.width, self.width)
+        self._sync_step()
+
+    def _sync_step(self) -> None:
+        """After the view moved: the current step is the one under the view's centre; a selection
+        that left the view moves to the rank's action nearest the centre (so the panes follow the view)."""
+        centre = (self.view_start + self.view_end) / 2
+        s = self.model.step_at(centre)
+        if s is None:
+            return
+        self.step = s
+        sel = self.selected
+        if sel is not None and sel.end >= self.view_start and sel.start <= self.view_end:
+            if sel.step == s:
+                return
+        r = self.rank
+        lst = self.model.actions.get(r, []) if r is not None else []
+        in_step = [k for k, a in enumerate(lst) if a.step == s]
+        if in_step:
+            self.index = min(in_step, key=lambda k: abs((lst[k].start + lst[k].end) / 2 - centre))
 
     def fit(self) -> None:
         """Show the current step whole (or the whole trace without steps)."""
@@ -945,8 +974,9 @@ class ViewState:
         else:
             self.rank_pos = min(self.rank_pos, max(len(model.ranks) - 1, 0))
         if self.follow and model.steps:
-            if self.step != model.steps[-1] or sel is None:
-                self._go_step(model.steps[-1])
+            target = model.complete_steps()[-1:] or model.steps[:1]
+            if self.step != target[0] or sel is None:
+                self._go_step(target[0])
             else:
                 self.fit()
             return

@@ -49,7 +49,7 @@ from .trace_model import (
     summarize,
 )
 
-__all__ = ["TraceApp", "LiveSource", "STYLES", "HelpScreen"]
+__all__ = ["TraceApp", "LiveSource", "STYLES", "STYLES_16", "HelpScreen"]
 
 #: Block styles per category: two shades, alternating between neighbouring blocks of one kind.
 STYLES: dict[str, tuple[str, str]] = {
@@ -63,9 +63,22 @@ STYLES: dict[str, tuple[str, str]] = {
     "REDUCE_GRAD": ("black on #ff8787", "black on #df6767"),
     "wait": ("grey42", "grey42"),
 }
+#: The same for 16-colour terminals (``TERM=xterm``): the 256-colour shades above collapse there
+#: (B and I both to bright cyan), so each category gets its own ANSI colour.
+STYLES_16: dict[str, tuple[str, str]] = {
+    "F": ("black on green", "black on bright_green"),
+    "B": ("bright_white on blue", "bright_white on bright_blue"),
+    "I": ("black on cyan", "black on bright_cyan"),
+    "W": ("bright_white on magenta", "bright_white on bright_magenta"),
+    "OVERLAP_F_B": ("black on yellow", "black on bright_yellow"),
+    "comm": ("black on white", "black on bright_white"),
+    "FSDP": ("bright_white on bright_black", "white on bright_black"),
+    "REDUCE_GRAD": ("bright_white on red", "bright_white on bright_red"),
+    "wait": ("bright_black", "bright_black"),
+}
 SELECTED_STYLE = "bold white on #d70000"
-CRITICAL_STYLE = "bold black on #ffffff"
-"""An action on the critical path (key c)."""
+CRITICAL_STYLE = "bold underline reverse"
+"""Added to an action's own style on the critical path (key c): visible in any palette."""
 _LABEL = 8  # width of the "rank 12 " column
 
 
@@ -94,18 +107,60 @@ class LiveSource:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 200)
+        self._mon = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
         self._sock.connect(address)
+        self.status = "connecting"
+        """``connecting``, ``connected``, ``ended`` (the collector closed: the job ended) or ``unreachable``."""
+        self._was_connected = False
+        self._last_data: float | None = None
+
+    def _watch(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        zmq = self._zmq
+        while True:
+            try:
+                ev = recv_monitor_message(self._mon, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return
+            kind = ev.get("event")
+            if kind == zmq.EVENT_CONNECTED:
+                self.status, self._was_connected = "connected", True
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self.status = "ended"
+            elif kind == zmq.EVENT_CONNECT_RETRIED and not self._was_connected:
+                self.status = "unreachable"
+
+    def status_text(self) -> str:
+        """What the viewer's header says about the feed."""
+        import time
+
+        if self.status == "ended":
+            return f"job ended (collector at {self.address} closed): showing what arrived"
+        if self.status == "unreachable":
+            return f"collector unreachable at {self.address} (retrying)"
+        if self.status == "connecting":
+            return f"connecting to {self.address}"
+        quiet = "" if self._last_data is None else f", last data {time.monotonic() - self._last_data:.0f} s ago"
+        return f"live {self.address}{quiet}"
 
     def poll(self, limit: int = 200) -> list[Any]:
         """Decoded messages received since the last call (not validated yet; undecodable ones are skipped)."""
+        import time
+
         import msgpack
 
+        self._watch()
         out = []
         for _ in range(limit):
             try:
                 raw = self._sock.recv(self._zmq.NOBLOCK)
             except self._zmq.Again:
                 break
+            self._last_data = time.monotonic()
             try:
                 out.append(msgpack.unpackb(raw, raw=False, strict_map_key=True))
             except Exception:  # garbage on the socket: the buffer counts rejects, this counts as one
@@ -113,6 +168,11 @@ class LiveSource:
         return out
 
     def close(self) -> None:
+        try:
+            self._sock.disable_monitor()
+        except Exception:  # noqa: BLE001 - closing anyway
+            pass
+        self._mon.close()
         self._sock.close()
         self._ctx.term()
 
@@ -185,8 +245,10 @@ class TraceApp(App[None]):
         Binding("q", "quit", "quit"),
     ]
 
-    def __init__(self, model: TraceModel | TraceBuffer, *, live: LiveSource | None = None, poll_interval: float = 0.25) -> None:
+    def __init__(self, model: TraceModel | TraceBuffer, *, live: LiveSource | None = None, poll_interval: float = 0.25,
+                 palette: str | None = None) -> None:
         super().__init__()
+        self._palette = palette
         if isinstance(model, TraceBuffer):
             self.buffer = model
             model = model.model()
@@ -198,6 +260,7 @@ class TraceApp(App[None]):
         self.detail_text = ""
         self.summary_text = ""
         self.show_critical = False
+        self._live_status = ""
         self._summaries: dict[tuple[int, int | None], Any] = {}
         self._mounted = False
 
@@ -235,6 +298,9 @@ class TraceApp(App[None]):
         if new:
             self.state.update(self.buffer.model())
             self.refresh_panes()
+        elif self._mounted and self.live.status != self._live_status:
+            self.query_one(Timeline).refresh()
+        self._live_status = self.live.status
         return new
 
     # -- actions (one per key)
@@ -304,6 +370,17 @@ class TraceApp(App[None]):
             got = self._summaries[key] = summarize(self.state.model, step=step, top=5)
         return got
 
+    @property
+    def palette_styles(self) -> dict[str, tuple[str, str]]:
+        """The palette: ``palette="16"`` or a terminal of 16 colours (``TERM=xterm``) gets :data:`STYLES_16`."""
+        if self._palette is None:
+            import os
+
+            system = getattr(self.console, "color_system", None)
+            term = os.environ.get("TERM", "")
+            self._palette = "16" if system in ("standard", "windows") or (term in ("xterm", "linux", "vt100", "screen") and not os.environ.get("COLORTERM")) else "256"
+        return STYLES_16 if self._palette == "16" else STYLES
+
     def critical_spans(self) -> set[int]:
         """ids of the actions on the current step's critical path (empty unless shown)."""
         st = self.state
@@ -358,7 +435,7 @@ class TraceApp(App[None]):
                 j = i
                 while j < width and cells[j] is None and back[j] is not None:
                     j += 1
-                text.append("░" * (j - i), STYLES["wait"][0])
+                text.append("░" * (j - i), self.palette_styles["wait"][0])
                 i = j
                 continue
             j = i
@@ -367,12 +444,12 @@ class TraceApp(App[None]):
             sp = spans[idx]
             cat = category(sp)
             shade[cat] = shade.get(cat, 1) ^ 1
+            styles = self.palette_styles
+            style = styles.get(cat, styles["F"])[shade[cat]]
             if sp is selected:
-                style = SELECTED_STYLE
+                style = SELECTED_STYLE if styles is STYLES else "bold bright_white on bright_red"
             elif critical and id(sp) in critical:
-                style = CRITICAL_STYLE
-            else:
-                style = STYLES.get(cat, STYLES["F"])[shade[cat]]
+                style = f"{style} {CRITICAL_STYLE}"
             label = (sp.name if len(sp.name) <= j - i else _short(sp)[: j - i]).ljust(j - i)
             text.append(label, style)
             i = j
@@ -389,7 +466,7 @@ class TraceApp(App[None]):
             f"view {format_ns(st.view_start - m.t0)} .. {format_ns(st.view_end - m.t0)} ({format_ns(st.width)})"
         )
         if self.live is not None:
-            head += f"  live {self.live.address}" + ("  [following]" if st.follow else "")
+            head += f"  {self.live.status_text()}" + ("  [following]" if st.follow else "")
         out.append(head + "\n", "bold")
         # axis: a tick every ~16 cells, labelled with the time from the trace start
         axis = [" "] * width
@@ -417,7 +494,7 @@ class TraceApp(App[None]):
             out.append("\n")
         legend = Text(" " * _LABEL)
         for cat in CATEGORIES:
-            legend.append(f" {cat} ", STYLES[cat][0] if cat != "wait" else "grey42 reverse")
+            legend.append(f" {cat} ", self.palette_styles[cat][0] if cat != "wait" else f"{self.palette_styles['wait'][0]} reverse")
             legend.append(" ")
         if crit:
             legend.append(" critical path ", CRITICAL_STYLE)
