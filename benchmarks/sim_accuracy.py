@@ -111,7 +111,7 @@ def main() -> None:
         os.makedirs(out, exist_ok=True)
         cmd = [sys.executable, "-m", "pipeloom.tools.cli", "launch", "--nproc-per-node", "2", str(Path(__file__).resolve()),
                "--steps", str(args.steps), "--dim", str(args.dim), "--batch", str(args.batch),
-               "--microbatches", str(args.microbatches), "--names", args.names, "--out", out, "--tag", args.tag]
+               "--microbatches", str(args.microbatches), "--names", args.names, "--out", out, f"--tag={args.tag}"]
         if args.stages_per_rank:
             cmd += ["--stages-per-rank", str(args.stages_per_rank)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELOOM_")}

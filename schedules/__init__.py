@@ -28,6 +28,7 @@ from .schedule import (
     loop_mapping,
     v_mapping,
 )
+from .policy_sim import POLICIES, policy_ceiling, simulate_policy
 from .simulate import Costs, SimulationResult, TimedEvent, simulate
 from .validate import InvalidScheduleError, ScheduleProblem, check, validate
 
@@ -69,6 +70,9 @@ __all__ = [
     "placement_style",
     "producer_stage",
     "simulate",
+    "simulate_policy",
+    "policy_ceiling",
+    "POLICIES",
     "transfer_kind",
     "v_mapping",
     "validate",

@@ -228,7 +228,7 @@ def test_tune_ranks_configurations_from_a_run(runs: Path, capsys: pytest.Capture
     # scaling: half the microbatches, twice the compute per action (the runtime time per action stays)
     rc = costs_from_trace(load_trace(path))
     a4, a2 = _action_costs(rc, 2, 1, 4), _action_costs(rc, 2, 1, 2)
-    o = rc.overhead_per_action_ns[0]
+    o = rc.runtime_per_action_ns[0]  # does not scale; compute and the send (payload) do
     assert a2[(0, "F", None)] - o == pytest.approx(2 * (a4[(0, "F", None)] - o))
     r = tune(rc, schedules=["1F1B"], microbatches=[4], stages_per_rank=[1], activation_memory=1000)
     assert r.recorded is not None and r.candidates[0].peak_activation_bytes == 1000 * r.candidates[0].peak_live

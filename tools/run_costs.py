@@ -66,6 +66,10 @@ class RunCosts:
     peak_live_mb: dict[int, int] = field(default_factory=dict)
     peak_bytes: dict[int, int] = field(default_factory=dict)
     """rank -> CUDA peak allocated (GPU runs only)."""
+    runtime_per_action_ns: dict[int, float] = field(default_factory=dict)
+    """rank -> the same without the sends (what does not depend on how much an action sends)."""
+    send_per_transfer_ns: dict[int, float] = field(default_factory=dict)
+    """rank -> mean blocking time of one send (of ``costs.activation_bytes`` on average)."""
 
     @property
     def stages_per_rank(self) -> int:
@@ -115,10 +119,16 @@ def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None) -> Ru
         raise ValueError("the trace has no F/B/I/W actions to measure")
     compute = {k: sum(v) / len(v) for k, v in durations.items()}
     overhead: dict[int, float] = {}
+    runtime: dict[int, float] = {}
+    per_send: dict[int, float] = {}
+    n_sends = {r: sum(1 for t in model.transfers.get(r, []) if t.kind == "send" and t.step in chosen) for r in model.ranks}
     for att in summary.attribution:
         n = n_actions.get(att.rank, 0)
-        extra = att.runtime_ns + att.sends_ns + att.by_cause().get("wakeup", 0) + att.by_cause().get("sends", 0)
-        overhead[att.rank] = extra / n if n else 0.0
+        sends = att.sends_ns + att.by_cause().get("sends", 0)
+        rt = att.runtime_ns + att.by_cause().get("wakeup", 0)
+        overhead[att.rank] = (rt + sends) / n if n else 0.0
+        runtime[att.rank] = rt / n if n else 0.0
+        per_send[att.rank] = sends / n_sends[att.rank] if n_sends.get(att.rank) else 0.0
     place = list(model.header.get("stage_to_rank") or [])
     action_costs: dict[tuple[int, str, int | None], float] = {}
     for (stage, typ), mean in compute.items():
@@ -181,6 +191,8 @@ def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None) -> Ru
         action_costs=action_costs,
         compute_ns=compute,
         overhead_per_action_ns=overhead,
+        runtime_per_action_ns=runtime,
+        send_per_transfer_ns=per_send,
         schedule=model.header.get("schedule"),
         num_microbatches=model.header.get("num_microbatches"),
         world_size=int(world) if isinstance(world, int) else len(model.ranks),

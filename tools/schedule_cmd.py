@@ -115,6 +115,22 @@ def add_parser(subparsers: Any) -> None:
         help="per-stage, per-type mean costs and transfer times measured on a recorded run (times in ns; "
         "see `pipeloom trace compare` to set the plan against the run)",
     )
+    simulate_p.add_argument(
+        "--policy",
+        default=None,
+        metavar="P1,P2",
+        help="simulate dispatch policies instead of the list alone: static (the list order), dynamic (today's "
+        "dispatcher), critical (longest remaining path first, W as filler), on uneven work (see --lengths, --jitter, "
+        "--slow); NAME may be 'all' (every named schedule). Prints each policy's mean step time and its gain over static",
+    )
+    simulate_p.add_argument("--lengths", default="0.25:1", metavar="LO:HI",
+                            help="with --policy: microbatch lengths uniform in LO..HI of the longest (compute follows "
+                            "length; 'fixed' for equal lengths; default 0.25:1)")
+    simulate_p.add_argument("--jitter", type=float, default=0.0, metavar="SIGMA",
+                            help="with --policy: every action's cost times 1 + SIGMA * N(0,1) (default 0)")
+    simulate_p.add_argument("--slow", default=None, metavar="R:X", help="with --policy: rank R's costs times X (R:X,R:X...)")
+    simulate_p.add_argument("--trials", type=_positive_int, default=20, metavar="N", help="with --policy: random draws averaged (default 20)")
+    simulate_p.add_argument("--seed", type=int, default=0, help="with --policy: random seed (default 0)")
     simulate_p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     simulate_p.add_argument(
         "--trace",
@@ -333,7 +349,95 @@ def _run_costs(path: str) -> Any:
         raise _UsageError(f"--costs-from {path}: {exc}") from None
 
 
+def _policy_args(args: argparse.Namespace) -> tuple[list[str], tuple[float, float] | None, dict[int, float]]:
+    from pipeloom.schedules import POLICIES
+
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad or not policies:
+        raise _UsageError(f"--policy {args.policy!r}: policies are {', '.join(POLICIES)}")
+    if "static" not in policies:
+        policies.insert(0, "static")
+    lengths: tuple[float, float] | None = None
+    if args.lengths.lower() != "fixed":
+        try:
+            lo, hi = (float(x) for x in args.lengths.split(":"))
+        except ValueError:
+            raise _UsageError(f"--lengths {args.lengths!r}: expected LO:HI (e.g. 0.25:1) or 'fixed'") from None
+        if not 0 < lo <= hi:
+            raise _UsageError(f"--lengths {args.lengths!r}: needs 0 < LO <= HI")
+        lengths = (lo, hi)
+    slow: dict[int, float] = {}
+    for item in (args.slow or "").split(","):
+        if not item.strip():
+            continue
+        try:
+            r, x = item.split(":")
+            slow[int(r)] = float(x)
+        except ValueError:
+            raise _UsageError(f"--slow {args.slow!r}: expected RANK:FACTOR[,RANK:FACTOR...]") from None
+    if args.jitter < 0:
+        raise _UsageError("--jitter must be >= 0")
+    return policies, lengths, slow
+
+
+def _cmd_policy(args: argparse.Namespace) -> int:
+    from pipeloom.schedules import default_stages_per_rank, policy_ceiling
+
+    policies, lengths, slow = _policy_args(args)
+    if args.ranks is None or args.microbatches is None:
+        raise _UsageError("--policy needs a NAME (or 'all') with --ranks and --microbatches")
+    names = list(SCHEDULE_NAMES) if args.target.lower() == "all" else [canonical_name(args.target)]
+    costs = args.costs if args.costs is not None else Costs()
+    rows = []
+    for name in names:
+        try:
+            sched = generate(name, num_ranks=args.ranks, num_microbatches=args.microbatches,
+                             stages_per_rank=args.stages_per_rank or default_stages_per_rank(name))
+        except ScheduleConfigError as exc:
+            if len(names) == 1:
+                raise
+            rows.append({"schedule": name, "skipped": str(exc)})
+            continue
+        means = policy_ceiling(sched, costs, policies=policies, trials=args.trials, seed=args.seed, length_range=lengths,
+                               jitter=args.jitter, slow=slow)
+        rows.append({"schedule": name, "mean_step": means,
+                     "gain_over_static": {p: means["static"] / v - 1 if v else 0.0 for p, v in means.items() if p != "static"}})
+    if args.json:
+        print(json.dumps({"policies": policies, "lengths": lengths, "jitter": args.jitter, "slow": slow, "trials": args.trials,
+                          "costs": asdict(costs), "schedules": rows}, indent=2))
+        return 0
+    work = "fixed lengths" if lengths is None else f"lengths uniform in {lengths[0]:g}..{lengths[1]:g} of the longest"
+    extra = (f", jitter {args.jitter:g}" if args.jitter else "") + (f", slow {slow}" if slow else "")
+    print(f"policies on uneven work ({work}{extra}; mean step time over {args.trials} draws; gain = static / policy - 1):")
+    cols = [*policies, "best", "bound"]
+    table = [("schedule", *cols)]
+    for r in rows:
+        if "skipped" in r:
+            table.append((r["schedule"], *(["-"] * len(cols))))
+            continue
+        cells = []
+        for p in cols:
+            v = r["mean_step"][p]
+            cells.append(_num(round(v, 3)) if p == "static" else f"{_num(round(v, 3))} ({r['gain_over_static'][p]:+.1%})")
+        table.append((r["schedule"], *cells))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+    print("best: each draw's best policy; bound: no dispatch order can beat it (per rank: the earliest any of its "
+          "actions can start + all its work + the shortest chain after it; or the longest chain), the ceiling of any "
+          "reordering (not necessarily reachable)")
+    skipped = [r for r in rows if "skipped" in r]
+    for r in skipped:
+        print(f"{r['schedule']}: skipped ({r['skipped']})")
+    return 0
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    if args.policy is not None:
+        if args.target is None:
+            raise _UsageError("--policy needs a NAME (or 'all')")
+        return _cmd_policy(args)
     run = None
     if args.costs_from is not None:
         if args.costs is not None:

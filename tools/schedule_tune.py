@@ -18,11 +18,16 @@ ranks, same global batch):
   the model's total compute is split evenly into ``p * v`` stages;
 * **types**: a schedule that splits the backward (I, W) where the run had
   only B gets ``I = W = B / 2``, and the other way ``B = I + W``;
-* **runtime time per action** (the dispatcher, sends, waking up; measured
-  per rank) does not scale: it is added to every action as measured -- which
-  is why more microbatches or stages stop paying on a CPU or with small stages;
+* **runtime time per action** (the dispatcher, waking up; measured per rank)
+  does not scale: it is added to every action as measured -- which is why
+  more microbatches or stages stop paying on a CPU or with small stages;
+* **sends**: an action whose output goes to another rank (in the
+  candidate's placement) also pays one send's blocking time, scaled with the
+  payload;
 * **transfers** take ``latency + bytes / bandwidth`` with the activation
-  scaled like the microbatch;
+  scaled like the microbatch (a run with one payload size gives no
+  latency/bandwidth split: the whole time is taken as proportional to the
+  bytes);
 * **activation memory** at peak is the simulated peak of live
   microbatch-stages times the memory of one, scaled by ``m0 / m`` and
   ``v0 / v`` (a smaller stage holds fewer layers' activations); the memory of
@@ -126,25 +131,42 @@ def _type_costs(compute: dict[tuple[int, str], float], stage: int) -> dict[str, 
     return c
 
 
-def _action_costs(run: RunCosts, p: int, v: int, m: int) -> dict[tuple[int, str, int | None], float]:
+def _crosses(place: Sequence[int], s: int, t: str) -> bool:
+    """Whether the output of ``t`` on stage ``s`` is sent to another rank."""
+    if t == "F":
+        return s + 1 < len(place) and place[s + 1] != place[s]
+    if t in ("B", "I"):
+        return s > 0 and place[s - 1] != place[s]
+    return False
+
+
+def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | None = None) -> dict[tuple[int, str, int | None], float]:
+    """Per-stage action costs of a candidate: compute scaled by microbatch size, plus the rank's runtime
+    time per action, plus one send's blocking time (scaled by the payload) where the output crosses ranks."""
     m0 = run.num_microbatches or m
     scale = m0 / m
     v0 = run.stages_per_rank
     place0 = run.stage_to_rank
-    overhead = sum(run.overhead_per_action_ns.values()) / max(len(run.overhead_per_action_ns), 1)
+    runtime = run.runtime_per_action_ns or run.overhead_per_action_ns
+    mean_rt = sum(runtime.values()) / max(len(runtime), 1)
+    sends = run.send_per_transfer_ns
+    mean_send = sum(sends.values()) / max(len(sends), 1) if sends else 0.0
     stages0 = sorted({s for s, _ in run.compute_ns})
+    place = list(place) if place is not None else [s % p for s in range(p * v)]
     out: dict[tuple[int, str, int | None], float] = {}
-    if v == v0 and p == run.world_size:
+    if v == v0 and p == run.world_size and len(place) == len(place0):
         for s in stages0:
-            o = run.overhead_per_action_ns.get(place0[s], overhead) if s < len(place0) else overhead
+            r = place0[s] if s < len(place0) else None
+            o = runtime.get(r, mean_rt) if r is not None else mean_rt
+            snd = sends.get(r, mean_send) if r is not None else mean_send
             for t, c in _type_costs(run.compute_ns, s).items():
-                out[(s, t, None)] = c * scale + o
+                out[(s, t, None)] = c * scale + o + (snd * scale if _crosses(place, s, t) else 0.0)
         return out
     total = {t: sum(_type_costs(run.compute_ns, s)[t] for s in stages0) for t in ("F", "B", "I", "W")}
     n = p * v
     for s in range(n):
         for t, c in total.items():
-            out[(s, t, None)] = c / n * scale + overhead
+            out[(s, t, None)] = c / n * scale + mean_rt + (mean_send * scale if _crosses(place, s, t) else 0.0)
     return out
 
 
@@ -177,10 +199,14 @@ def tune(
                     skipped.append(f"{name} m={m} v={v}: {exc}")
                     continue
                 scale = m0 / m
-                costs = replace(run.costs, activation_bytes=int(run.costs.activation_bytes * scale))
+                costs = run.costs
+                if costs.bandwidth is None and costs.activation_bytes:
+                    # one payload size measured: let the transfer time follow the payload
+                    costs = replace(costs, bandwidth=costs.activation_bytes / max(costs.send_latency, 1e-9), send_latency=0.0)
+                costs = replace(costs, activation_bytes=max(1, int(costs.activation_bytes * scale)))
                 try:
                     low = lower(sched, comms=True, recv_placement="early", costs=costs)
-                    res = simulate(low, costs, action_costs=_action_costs(run, p, v, m))
+                    res = simulate(low, costs, action_costs=_action_costs(run, p, v, m, sched.stage_to_rank))
                 except ScheduleError as exc:
                     skipped.append(f"{name} m={m} v={v}: {exc}")
                     continue

@@ -1,0 +1,358 @@
+"""Simulate a dispatch *policy*, not only a list: how much could reordering gain on uneven work?
+
+The problem (issue 19): pipeloom dispatches by readiness so that uneven work
+-- microbatches of different lengths, a slow or jittery rank -- does not
+leave a rank idle behind a blocked list entry.  Measured, it has not paid
+yet.  Before changing the runtime's policy, measure the room: simulate the
+same step under several policies with the same per-action costs, and report
+how much the best one gains over the static order.  That is the ceiling a
+better runtime policy can chase.
+
+The model is :func:`pipeloom.schedules.simulate`'s compute-only one (a
+transfer takes ``costs.transfer`` after its producer ends; a hand-over on one
+rank is free), run as an event simulation where a rank that becomes free
+*chooses* among its pending actions:
+
+* ``static``: the list's next action, when it is ready (pipeloom's
+  ``deterministic=True``; equals :func:`simulate` on the compute-only list);
+* ``dynamic``: today's dispatcher -- the first ready action in list order,
+  forwards only in list order among themselves, a forward only while the
+  rank's live microbatches are under the static order's peak;
+* ``critical``: the same guarantees (forwards in list order, the same memory
+  cap), but among ready actions the one with the longest remaining path to
+  the end of the step (mean costs), and W (weight gradients, which nothing
+  else waits for within the step) only when nothing else is ready.
+
+Costs vary per microbatch (``lengths``: a multiplier per microbatch, e.g.
+sequence lengths drawn from a distribution, compute proportional to length)
+and per action by rank jitter (``jitter``: multiplier ``1 + sigma * N(0, 1)``
+drawn per action, at least 0.1), with ``slow`` multipliers per rank.  Every
+policy of a trial sees the same draws.
+
+Only compute actions are scheduled (F, B, I, W, OVERLAP_F_B); sends,
+receives, FSDP and REDUCE_GRAD are left out of this model.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .action import Action, ActionType
+from .schedule import Schedule, ScheduleError
+from .simulate import Costs
+
+__all__ = ["POLICIES", "PolicyResult", "draw_costs", "simulate_policy", "policy_ceiling"]
+
+POLICIES = ("static", "dynamic", "critical")
+
+_F, _B, _I, _W = ActionType.F, ActionType.B, ActionType.I, ActionType.W
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    policy: str
+    makespan: float
+    busy: Mapping[int, float]
+    peak_live: Mapping[int, int]
+    reordered: int
+    """Actions run ahead of an earlier-listed pending one."""
+
+
+def draw_costs(
+    schedule: Schedule,
+    costs: Costs,
+    *,
+    lengths: Sequence[float] | None = None,
+    jitter: float = 0.0,
+    slow: Mapping[int, float] | None = None,
+    rng: random.Random | None = None,
+) -> dict[tuple[int, str, int], float]:
+    """One trial's duration of every compute leaf ``(stage, type, microbatch)``."""
+    rng = rng or random.Random(0)
+    slow = slow or {}
+    base = {"F": costs.F, "B": costs.B, "I": costs.I, "W": costs.W}
+    out: dict[tuple[int, str, int], float] = {}
+    for rank, acts in sorted(schedule.actions.items()):
+        for a in acts:
+            for leaf in a.leaves():
+                t = leaf.type.value
+                if t not in base or leaf.microbatch is None:
+                    continue
+                m = leaf.microbatch
+                d = base[t] * (lengths[m] if lengths is not None else 1.0) * slow.get(rank, 1.0)
+                if jitter:
+                    d *= max(0.1, 1.0 + jitter * rng.gauss(0.0, 1.0))
+                out[(leaf.stage, t, m)] = d
+    return out
+
+
+def _compute_lists(schedule: Schedule) -> dict[int, list[Action]]:
+    return {r: [a for a in acts if a.sub_actions or a.type in (_F, _B, _I, _W)] for r, acts in schedule.actions.items()}
+
+
+def _static_peak(acts: Sequence[Action]) -> int:
+    live = peak = 0
+    for a in acts:
+        for leaf in a.leaves():
+            if leaf.type is _F:
+                live += 1
+                peak = max(peak, live)
+            elif leaf.type is _B or leaf.type is _W:
+                live -= 1
+    return max(peak, 1)
+
+
+def _bottom_levels(schedule: Schedule, dur: Mapping[tuple[int, str, int], float], xfer: float) -> dict[tuple[int, str, int], float]:
+    """Longest path from the start of each leaf to the end of the step (dependency edges only)."""
+    S = schedule.num_stages
+    place = schedule.stage_to_rank
+    memo: dict[tuple[int, str, int], float] = {}
+    keys = set(dur)
+
+    def succ(k: tuple[int, str, int]) -> list[tuple[tuple[int, str, int], float]]:
+        s, t, m = k
+        out = []
+        if t == "F":
+            if s + 1 < S:
+                out.append(((s + 1, "F", m), xfer if place[s + 1] != place[s] else 0.0))
+            else:
+                out += [((s, "B", m), 0.0), ((s, "I", m), 0.0)]
+        elif t in ("B", "I"):
+            if s > 0:
+                g = xfer if place[s - 1] != place[s] else 0.0
+                out += [((s - 1, "B", m), g), ((s - 1, "I", m), g)]
+            if t == "I":
+                out.append(((s, "W", m), 0.0))
+        return [(x, c) for x, c in out if x in keys]
+
+    def level(k: tuple[int, str, int]) -> float:
+        v = memo.get(k)
+        if v is None:
+            v = dur[k] + max((c + level(x) for x, c in succ(k)), default=0.0)
+            memo[k] = v
+        return v
+
+    import sys
+
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, 10 * len(keys) + 100))
+    try:
+        for k in keys:
+            level(k)
+    finally:
+        sys.setrecursionlimit(old)
+    return memo
+
+
+def _lower_bound(schedule: Schedule, lists: Mapping[int, Sequence[Action]], dur: Mapping[tuple[int, str, int], float],
+                 bottom: Mapping[tuple[int, str, int], float], xfer: float) -> float:
+    """A makespan no dispatch order can beat: per rank, the earliest any of its actions can start, plus
+    all its work, plus the shortest chain that must follow its last action; and the longest chain."""
+    S = schedule.num_stages
+    place = schedule.stage_to_rank
+    top: dict[tuple[int, str, int], float] = {}
+
+    def preds(k: tuple[int, str, int]) -> list[tuple[tuple[int, str, int], float]]:
+        s, t, m = k
+        if t == "F":
+            out = [((s - 1, "F", m), xfer if place[s - 1] != place[s] else 0.0)] if s > 0 else []
+        elif t in ("B", "I"):
+            out = [((s, "F", m), 0.0)]
+            if s < S - 1:
+                g = xfer if place[s + 1] != place[s] else 0.0
+                out += [((s + 1, "B", m), g), ((s + 1, "I", m), g)]
+        else:
+            out = [((s, "I", m), 0.0)]
+        return [(x, c) for x, c in out if x in dur]
+
+    for k in sorted(dur, key=lambda k: (0 if k[1] == "F" else 1, k[0] if k[1] == "F" else -k[0], k[1] == "W")):
+        top[k] = max((top[p] + dur[p] + c for p, c in preds(k) if p in top), default=0.0)
+    best = max(bottom.values(), default=0.0)
+    for r, acts in lists.items():
+        keys = [(x.stage, x.type.value, x.microbatch) for a in acts for x in a.leaves()]
+        if not keys:
+            continue
+        work = sum(max(dur[(x.stage, x.type.value, x.microbatch)] for x in a.leaves()) for a in acts)  # type: ignore[index]
+        head = min(top[k] for k in keys)  # type: ignore[index]
+        tail = min(bottom[k] - dur[k] for k in keys)  # type: ignore[index]
+        best = max(best, head + work + tail)
+    return best
+
+
+def simulate_policy(
+    schedule: Schedule,
+    policy: str,
+    durations: Mapping[tuple[int, str, int], float],
+    *,
+    transfer: float = 0.0,
+    priority: Mapping[tuple[int, str, int], float] | None = None,
+) -> PolicyResult:
+    """One step of ``schedule`` under ``policy`` with the given leaf ``durations`` (see the module docstring)."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; one of {', '.join(POLICIES)}")
+    place = schedule.stage_to_rank
+    S = len(place)
+    lists = _compute_lists(schedule)
+    pending = {r: list(v) for r, v in lists.items()}
+    cap = {r: _static_peak(v) for r, v in lists.items()}
+    live = dict.fromkeys(lists, 0)
+    peak = dict.fromkeys(lists, 0)
+    busy = dict.fromkeys(lists, 0.0)
+    avail: dict[tuple[str, int, int], float] = {}  # ("F"|"G"|"I", stage, mb) -> when usable on the consumer's rank
+    if policy == "critical" and priority is None:
+        priority = _bottom_levels(schedule, durations, transfer)
+    reordered = 0
+    makespan = 0.0
+
+    def need(rank: int, leaf: Action) -> list[tuple[str, int, int]]:
+        s, t, m = leaf.stage, leaf.type, leaf.microbatch
+        assert m is not None
+        if t is _F:
+            return [("F", s - 1, m)] if s > 0 else []
+        if t is _B or t is _I:
+            return [("Fd", s, m)] + ([("G", s + 1, m)] if s < S - 1 else [])
+        return [("I", s, m)]
+
+    def ready_at(rank: int, a: Action) -> float | None:
+        """When every input of ``a`` is usable (None: one is not produced yet)."""
+        t = 0.0
+        for leaf in a.leaves():
+            for key in need(rank, leaf):
+                v = avail.get(key)
+                if v is None:
+                    return None
+                t = max(t, v)
+        return t
+
+    def dur_of(a: Action) -> float:
+        ds = []
+        for leaf in a.leaves():
+            k = (leaf.stage, leaf.type.value, leaf.microbatch)
+            if k not in durations:
+                raise ScheduleError(f"no duration for {leaf} (rank {place[leaf.stage]})")
+            ds.append(durations[k])
+        return max(ds) if len(ds) > 1 else ds[0]  # OVERLAP_F_B: perfect overlap
+
+    def is_fwd(a: Action) -> bool:
+        return a.type is _F or bool(a.sub_actions and any(x.type is _F for x in a.sub_actions))
+
+    def pick(rank: int, now: float) -> tuple[int, float | None]:
+        """Index of the action to start at ``now`` (-1: none), and the earliest future time worth re-checking."""
+        acts = pending[rank]
+        nxt: float | None = None
+        best, best_key = -1, None
+        seen_fwd = False
+        for i, a in enumerate(acts):
+            fwd = is_fwd(a)
+            # static: only the list's next action (its order implies the memory bound)
+            eligible = i == 0 if policy == "static" else not (fwd and seen_fwd) and not (fwd and live[rank] >= cap[rank])
+            if eligible:
+                t = ready_at(rank, a)
+                if t is not None and t <= now:
+                    if policy != "critical":
+                        return i, None
+                    lv = max(priority.get((x.stage, x.type.value, x.microbatch), 0.0) for x in a.leaves())  # type: ignore[union-attr]
+                    key = (a.type is not _W, lv, -i)
+                    if best_key is None or key > best_key:
+                        best, best_key = i, key
+                elif t is not None:
+                    nxt = t if nxt is None else min(nxt, t)
+            if policy == "static":
+                break
+            seen_fwd = seen_fwd or fwd
+        return best, nxt
+
+    waiting: set[int] = set()
+    heap: list[tuple[float, int]] = [(0.0, r) for r in sorted(lists)]
+    heapq.heapify(heap)
+    free_at = dict.fromkeys(lists, 0.0)
+    while heap:
+        now, rank = heapq.heappop(heap)
+        if now < free_at[rank] or not pending[rank]:
+            continue
+        i, nxt = pick(rank, now)
+        if i < 0:
+            if nxt is not None:
+                heapq.heappush(heap, (nxt, rank))
+            else:
+                waiting.add(rank)
+            continue
+        a = pending[rank].pop(i)
+        if i:
+            reordered += 1
+        d = dur_of(a)
+        end = now + d
+        busy[rank] += d
+        free_at[rank] = end
+        makespan = max(makespan, end)
+        for leaf in a.leaves():
+            s, t, m = leaf.stage, leaf.type, leaf.microbatch
+            assert m is not None
+            if t is _F:
+                live[rank] += 1
+                peak[rank] = max(peak[rank], live[rank])
+                avail[("Fd", s, m)] = end
+                if s + 1 < S:
+                    avail[("F", s, m)] = end + (transfer if place[s + 1] != rank else 0.0)
+            else:
+                if t is _B or t is _I:
+                    if s > 0:
+                        avail[("G", s, m)] = end + (transfer if place[s - 1] != rank else 0.0)
+                    if t is _I:
+                        avail[("I", s, m)] = end
+                if t is _B or t is _W:
+                    live[rank] -= 1
+        heapq.heappush(heap, (end, rank))
+        for w in list(waiting):  # something new was produced: let blocked ranks look again
+            waiting.discard(w)
+            heapq.heappush(heap, (max(free_at[w], now), w))
+    stuck = [r for r, p in pending.items() if p]
+    if stuck:
+        raise ScheduleError(f"policy {policy!r} cannot finish schedule {schedule.name!r}: ranks {stuck} stuck at "
+                            + ", ".join(f"{pending[r][0]}" for r in stuck))
+    return PolicyResult(policy, makespan, busy, peak, reordered)
+
+
+def policy_ceiling(
+    schedule: Schedule,
+    costs: Costs,
+    *,
+    policies: Sequence[str] = POLICIES,
+    trials: int = 20,
+    seed: int = 0,
+    length_range: tuple[float, float] | None = (0.25, 1.0),
+    jitter: float = 0.0,
+    slow: Mapping[int, float] | None = None,
+) -> dict[str, float]:
+    """Mean makespan per policy over ``trials`` draws (lengths uniform in ``length_range`` x max, jitter, slow ranks).
+
+    Two more entries: ``best``, the mean of each trial's best policy; and
+    ``bound``, the mean of a lower bound no order can beat (the busiest
+    rank's work, or the longest dependency chain, whichever is longer) --
+    the ceiling of any reordering, not necessarily reachable.
+    """
+    rng = random.Random(seed)
+    lists = _compute_lists(schedule)
+    totals = dict.fromkeys([*policies, "best", "bound"], 0.0)
+    for _ in range(trials):
+        lengths = None
+        if length_range is not None:
+            lo, hi = length_range
+            raw = [rng.uniform(lo, hi) for _ in range(schedule.num_microbatches)]
+            mean = sum(raw) / len(raw)
+            lengths = [x / mean for x in raw]  # same total work as uniform lengths
+        durs = draw_costs(schedule, costs, lengths=lengths, jitter=jitter, slow=slow, rng=rng)
+        prio = _bottom_levels(schedule, durs, costs.transfer)
+        got = [simulate_policy(schedule, p, durs, transfer=costs.transfer, priority=prio).makespan for p in policies]
+        for p, v in zip(policies, got):
+            totals[p] += v
+        totals["best"] += min(got)
+        totals["bound"] += _lower_bound(schedule, lists, durs, prio, costs.transfer)
+    return {p: v / trials for p, v in totals.items()}
+
+
+del math

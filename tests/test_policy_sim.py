@@ -1,0 +1,50 @@
+"""The policy simulator (issue 19's "measure the room first"): static equals the list simulator,
+the dynamic policies keep the runtime's guarantees, and the bound is a bound."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from pipeloom.schedules import SCHEDULE_NAMES, Costs, generate, policy_ceiling, simulate, simulate_policy
+from pipeloom.schedules.policy_sim import _compute_lists, _static_peak, draw_costs
+from pipeloom.tools.cli import main
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_static_policy_is_the_list_simulator_and_dynamic_keeps_the_cap(name: str) -> None:
+    sched = generate(name, num_ranks=4, num_microbatches=8)
+    costs = Costs(F=1, B=2, I=1, W=1, send_latency=0.1)
+    lengths = [0.4 + 0.15 * m for m in range(8)]
+    durs = draw_costs(sched, costs, lengths=lengths, jitter=0.2, slow={1: 1.3}, rng=random.Random(7))
+    ref = simulate(sched, costs, action_costs={(s, t, m): v for (s, t, m), v in durs.items()})
+    static = simulate_policy(sched, "static", durs, transfer=costs.transfer)
+    assert static.makespan == pytest.approx(ref.makespan) and static.reordered == 0
+    lists = _compute_lists(sched)
+    for policy in ("dynamic", "critical"):
+        res = simulate_policy(sched, policy, durs, transfer=costs.transfer)
+        for r, acts in lists.items():
+            assert res.peak_live[r] <= _static_peak(acts), (policy, r)  # never more live activations than the list
+            assert res.busy[r] == pytest.approx(static.busy[r])  # the same work, reordered
+    means = policy_ceiling(sched, costs, trials=3, jitter=0.1)
+    assert means["bound"] <= min(means[p] for p in ("static", "dynamic", "critical")) + 1e-9
+    assert means["best"] == pytest.approx(min(means["best"], means["static"]))
+
+
+def test_policy_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["schedule", "simulate", "all", "-p", "2", "-m", "4", "--policy", "dynamic,critical", "--trials", "2",
+                 "--jitter", "0.1", "--slow", "1:1.5"]) == 0
+    out = capsys.readouterr().out
+    assert "ZBVZeroBubble" in out and "bound" in out and "gain = static / policy - 1" in out
+    assert main(["schedule", "simulate", "1F1B", "-p", "2", "-m", "4", "--policy", "dynamic", "--trials", "2",
+                 "--lengths", "fixed", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    row = doc["schedules"][0]
+    assert row["schedule"] == "1F1B" and set(row["mean_step"]) == {"static", "dynamic", "best", "bound"}
+    # fixed lengths, no jitter: 1F1B's list is already what the dispatcher does
+    assert row["mean_step"]["dynamic"] == pytest.approx(row["mean_step"]["static"])
+    assert main(["schedule", "simulate", "1F1B", "-p", "2", "-m", "4", "--policy", "fastest"]) == 2
+    assert "policies are static, dynamic, critical" in capsys.readouterr().err
+    assert main(["schedule", "simulate", "1F1B", "-p", "2", "-m", "4", "--policy", "dynamic", "--lengths", "1:0"]) == 2
