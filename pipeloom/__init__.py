@@ -28,6 +28,7 @@ _RUNTIME_NAMES = (
     "load_checkpoint",
     "save_checkpoint",
     "split_by_fqn",
+    "split_by_tracing",
     "stage_fn_from_pipe",
     "wait_checkpoints",
 )

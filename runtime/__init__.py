@@ -7,7 +7,8 @@ from .checkpoint import CheckpointInfo, PendingCheckpoint, latest_checkpoint, lo
 from .errors import PeerLostError, PipelineConfigError, PipelineError, RemoteRankError, StageError
 from .options import RuntimeOptions
 from .pipeline import Microbatches, Pipeline, split_microbatches
-from .split import split_by_fqn, stage_fn_from_pipe
+from .split import split_by_fqn
+from .traced_split import split_by_tracing, stage_fn_from_pipe
 
 __all__ = [
     "ActorStatistics",
@@ -27,6 +28,7 @@ __all__ = [
     "save_checkpoint",
     "split_microbatches",
     "split_by_fqn",
+    "split_by_tracing",
     "stage_fn_from_pipe",
     "wait_checkpoints",
 ]

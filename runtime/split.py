@@ -1,52 +1,84 @@
-"""Cutting a model into pipeline stages: by module names, or from torch's tracer.
+"""Cutting a model into pipeline stages by module names (torchtitan's way).
 
-``Pipeline`` wants ``stage_fn(stage_index) -> nn.Module``.  Two ways to get one
-from a whole model:
-
-* :func:`split_by_fqn` (torchtitan's way).  Each stage is a copy of the whole
-  model with everything it does not own removed; it keeps the model's class,
-  so its ``forward`` is the model's own, and its parameter names (state-dict
-  keys) are the full model's: ``layers.3.attn.wq.weight`` is called that on
-  whichever stage holds it, so checkpoints, optimizer states and gradient
-  comparisons line up with the unsplit model without any renaming.
-* :func:`stage_fn_from_pipe`, for a model already split by torch's tracer
-  (``torch.distributed.pipelining.pipeline``): stage *i* is the traced
-  submodule ``pipe.get_stage_module(i)``.
+``Pipeline`` wants ``stage_fn(stage_index) -> nn.Module``.  :func:`split_by_fqn`
+builds one from a whole model: each stage is a copy of the model with
+everything it does not own removed.  It keeps the model's class, so its
+``forward`` is the model's own, and its parameter names (state-dict keys) are
+the full model's: ``layers.3.attn.wq.weight`` is called that on whichever
+stage holds it, so checkpoints, optimizer states and gradient comparisons line
+up with the unsplit model without any renaming.  (Models split by torch's
+tracer are taken by :func:`stage_fn_from_pipe`, in ``traced_split.py``.)
 
 Why name-based splitting and not tracing by default: tracing needs a model
-that ``torch.export`` accepts and example inputs of the exact shapes, and its
-stage modules are graph modules whose parameter names differ from the model's.
+that ``torch.export`` accepts (no KV-cache objects in the output, no
+data-dependent control flow) and example inputs of the exact shapes.
 Name-based splitting needs neither, at the price of a contract on the model:
 
-**The model's forward must tolerate missing modules.**  On a stage, a module
-that another stage owns is ``None`` (an attribute of an ordinary module) or
-absent (an entry of an ``nn.ModuleList``, ``nn.ModuleDict`` or
-``nn.Sequential``; a container with no entry on the stage is empty, not
-``None``), and the forward must then take the previous stage's output in
-place of what that module would have produced, e.g.::
+**The model's forward must tolerate the modules it does not own.**  On a
+stage, a module that another stage owns is replaced by a *placeholder*, and
+an entry of an ``nn.ModuleList``, ``nn.ModuleDict`` or ``nn.Sequential`` that
+another stage owns is absent (a container with no entry on the stage is
+empty).  Two placeholders, chosen by ``placeholder=``:
 
-    def forward(self, x):
-        h = self.embed(x) if self.embed is not None else x   # tokens or hidden states
-        for layer in self.layers:                            # only this stage's layers
-            h = layer(h)
-        h = self.norm(h) if self.norm is not None else h
-        return self.head(h) if self.head is not None else h
+* ``None`` (torchtitan's contract): the forward tests for it and takes the
+  previous stage's output in place of what the module would have produced::
+
+      def forward(self, x):
+          h = self.embed(x) if self.embed is not None else x   # tokens or hidden states
+          for layer in self.layers:                            # only this stage's layers
+              h = layer(h)
+          h = self.norm(h) if self.norm is not None else h
+          return self.head(h) if self.head is not None else h
+
+* ``"identity"``: a :class:`PassThrough` module that returns its first
+  positional argument (or, called with keywords only, its first tensor
+  keyword argument), so a forward written for the whole model runs unchanged:
+  on a middle stage of a Hugging Face decoder the embedding returns the
+  hidden states it is given, the final norm and the LM head hand them on.
+  This is what transformers' own ``PipelineIdentityLayer`` and torchtitan's
+  Hugging Face backend do.  It needs a forward in which every non-owned
+  module maps "the hidden states" to "the hidden states" (true of decoders
+  with ``base_model_pp_plan``; not of a model that adds a position embedding
+  to the token embedding, like GPT-2).
+
+The default, ``"auto"``, is ``"identity"`` for a ``transformers`` model and
+``None`` otherwise (a torchtitan-style ``init_weights()`` reads
+``self.embed.weight`` after an ``is not None`` check, which a pass-through
+would break).
 
 Iterating a split ``ModuleList``/``ModuleDict`` yields the kept entries in
 their original order, and indexing one with an original index or key finds
-the entry (a clear ``KeyError`` if another stage owns it).  torchtitan's
-models follow this contract.
+the entry (a clear ``KeyError`` if another stage owns it).
+
+**Modules without parameters are shared.**  A module holding only buffers
+(rotary embeddings, position tables) or nothing at all (an activation) that
+no stage names is kept, copied, by *every* stage: it is state or code that
+any stage's forward may call, not a weight to train, and dropping it was the
+classic failure (``rotary_emb`` set to None on every stage).  Such a module
+may also be named by several stages; then only those keep it.  Buffers that
+sit directly on a module split across stages (a RoPE table on the root) stay
+on every stage too.  A module holding buffers that no stage keeps (dropped
+with ``allow_unassigned=True``, or a buffer-only entry of a split container
+that no stage names) is dropped with a ``UserWarning`` naming it.
+
+**Outputs are reduced to tensors.**  What crosses a stage boundary must be a
+tensor or a tuple of tensors.  A stage whose forward returns a mapping (a
+Hugging Face ``ModelOutput`` included) or a dataclass hands on one tensor:
+``output_field`` if given, else the first field holding a tensor, in the
+mapping's order or the dataclass's field order.  ``ModelOutput`` leaves out
+fields that are None, so a causal LM called without ``labels`` hands on its
+``logits`` (on a middle stage: the hidden states the pass-through head
+returned), a base model its ``last_hidden_state``; this is the rule behind
+Hugging Face's own ``outputs[0]``.  Tensors, tuples and lists pass unchanged.
 
 Other rules, each checked up front with an error naming the stage and the name:
 
-* every name must be a module, parameter or buffer of the model; no name may
-  be kept by two stages (nor one inside another stage's module); a parameter
-  shared by modules of two stages (tied weights) is refused, because each
-  stage would train its own copy;
+* every name must be a module, parameter or buffer of the model; no name
+  holding parameters may be kept by two stages (nor one inside another
+  stage's module); a parameter shared by modules of two stages (tied
+  weights) is refused, because each stage would train its own copy;
 * every parameter must belong to some stage (``allow_unassigned=True`` drops
-  the ones no stage names);
-* buffers that sit directly on a module split across stages (a RoPE table on
-  the root, say) stay on every stage: they are state, not trained weights.
+  the ones no stage names).
 
 Models on the meta device.  Build the model under ``torch.device("meta")`` to
 split a model that does not fit one process: each stage is materialised with
@@ -61,15 +93,20 @@ real-device model built from the same seed would have.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from .errors import PipelineConfigError
+from .traced_split import stage_fn_from_pipe
 
-__all__ = ["split_by_fqn", "stage_fn_from_pipe"]
+__all__ = ["PassThrough", "reduce_output", "split_by_fqn", "stage_fn_from_pipe"]
+
+Placeholder = Literal["auto", "identity"] | None
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -100,6 +137,71 @@ class _SplitModuleList(nn.ModuleList):
         nxt = max((int(k) for k in self._modules), default=-1) + 1
         self.add_module(str(nxt), module)
         return self
+
+
+class PassThrough(nn.Module):
+    """Stands in for a module another stage owns: returns what it is given.
+
+    Called with positional arguments it returns the first; called with
+    keywords only, the first tensor among them.  It holds nothing, so a
+    stage's state dict has no key for the module it replaces.
+    """
+
+    def __init__(self, replaces: str = "", owner: str = "another stage") -> None:
+        super().__init__()
+        self.replaces = replaces
+        self.owner = owner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            return args[0]
+        for value in kwargs.values():
+            if isinstance(value, torch.Tensor):
+                return value
+        raise TypeError(
+            f"{self.replaces or 'a module'} is not on this pipeline stage ({self.owner} owns it), and its "
+            f"pass-through placeholder was called without a tensor to hand on (keywords: {', '.join(kwargs) or 'none'})"
+        )
+
+    def extra_repr(self) -> str:
+        return f"replaces {self.replaces!r}, owned by {self.owner}" if self.replaces else ""
+
+
+def reduce_output(value: Any, field: str | None = None) -> Any:
+    """The tensor a stage hands on, from what its forward returned.
+
+    Tensors, tuples and lists are returned unchanged.  From a mapping (a
+    Hugging Face ``ModelOutput`` included) or a dataclass: ``field`` if
+    given, else the first field holding a tensor (mapping order, or the
+    dataclass's field order; ``ModelOutput`` omits fields that are None).
+    Anything else is returned unchanged (the runtime then names its type).
+    """
+    if isinstance(value, (torch.Tensor, tuple, list)) and field is None:
+        return value
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
+    elif field is not None:
+        raise TypeError(f"output_field={field!r} was given, but the stage returned a {type(value).__name__}, which has no fields")
+    else:
+        return value
+    if field is not None:
+        for name, v in items:
+            if name == field:
+                if not isinstance(v, torch.Tensor):
+                    raise TypeError(f"field {field!r} of the stage's {type(value).__name__} is {type(v).__name__}, not a tensor")
+                return v
+        raise TypeError(
+            f"the stage's {type(value).__name__} has no field {field!r} (fields set: {', '.join(n for n, _ in items) or 'none'})"
+        )
+    for _, v in items:
+        if isinstance(v, torch.Tensor):
+            return v
+    raise TypeError(
+        f"the stage returned a {type(value).__name__} with no tensor field "
+        f"(fields set: {', '.join(n for n, _ in items) or 'none'}); nothing to hand to the next stage"
+    )
 
 
 def _check_fqns(stage_fqns: object) -> list[list[str]]:
@@ -170,11 +272,29 @@ def _is_prefix(path: str, keep: frozenset[str]) -> bool:
     return any(k.startswith(pre) for k in keep)
 
 
+def _holds_params(model: nn.Module, fqn: str) -> bool:
+    """``fqn`` (already resolved) is a parameter, or a module holding one."""
+    *path, last = fqn.split(".")
+    node = model
+    for part in path:
+        node = node._modules[part]  # type: ignore[assignment]
+    child = node._modules.get(last)
+    if child is not None:
+        return any(True for _ in child.parameters())
+    return node._parameters.get(last) is not None
+
+
 def _check_ownership(model: nn.Module, stages: list[list[str]], allow_unassigned: bool) -> None:
-    """No name in two stages; no parameter (tied or not) in two stages; none in no stage."""
+    """No name in two stages; no parameter (tied or not) in two stages; none in no stage.
+
+    Names holding no parameters (buffer-only or stateless modules, buffers)
+    may be kept by several stages: each keeps a copy.
+    """
     owner: dict[str, int] = {}
     for s, names in enumerate(stages):
         for n in names:
+            if not _holds_params(model, n):
+                continue
             for other, t in owner.items():
                 if t != s and (n == other or n.startswith(other + ".") or other.startswith(n + ".")):
                     inner, outer = (n, other) if len(n) >= len(other) else (other, n)
@@ -210,16 +330,46 @@ def _check_ownership(model: nn.Module, stages: list[list[str]], allow_unassigned
         )
 
 
-def _prune(module: nn.Module, prefix: str, keep: frozenset[str]) -> None:
+def _holds_no_parameters(module: nn.Module) -> bool:
+    """No parameters anywhere inside (buffer-only, like rotary embeddings, or stateless)."""
+    return not any(True for _ in module.parameters())
+
+
+def _fate(child: nn.Module | None, path: str, in_container: bool, keep: frozenset[str], named: frozenset[str]) -> str:
+    """What a stage does with ``child`` at ``path``: 'keep', 'split' (keep part of it) or 'drop'.
+
+    ``keep`` is the stage's names, ``named`` every stage's.  A module without
+    parameters that no stage names is kept by every stage (shared state), but
+    not as a container entry: a container runs its entries in turn, so a
+    stage would run it twice.
+    """
+    if _kept(path, keep):
+        return "keep"
+    if child is not None and _is_prefix(path, keep):
+        return "split"
+    if (
+        child is not None
+        and not in_container
+        and not _kept(path, named)
+        and not _is_prefix(path, named)
+        and _holds_no_parameters(child)
+    ):
+        return "keep"
+    return "drop"
+
+
+def _prune(module: nn.Module, prefix: str, keep: frozenset[str], named: frozenset[str], placeholder: Placeholder, owners: dict[str, int]) -> None:
     """Remove in place everything under ``module`` that this stage does not keep."""
     container = isinstance(module, _CONTAINERS)
     for name in list(module._modules):
         child = module._modules[name]
         path = prefix + name
-        if _kept(path, keep):
+        fate = _fate(child, path, container, keep, named)
+        if fate == "keep":
             continue
-        if child is not None and _is_prefix(path, keep):
-            _prune(child, path + ".", keep)
+        if fate == "split":
+            assert child is not None
+            _prune(child, path + ".", keep, named, placeholder, owners)
             if type(child) is nn.ModuleList:
                 split = _SplitModuleList()
                 split._modules.update(child._modules)
@@ -230,12 +380,58 @@ def _prune(module: nn.Module, prefix: str, keep: frozenset[str]) -> None:
         elif isinstance(child, _CONTAINERS):
             # An empty container, not None: ``for layer in self.layers`` just runs no layer.
             module._modules[name] = _SplitModuleList() if isinstance(child, nn.ModuleList) else type(child)()
+        elif placeholder == "identity" and child is not None:
+            owner = owners.get(path)
+            module._modules[name] = PassThrough(path, "no stage" if owner is None else f"stage {owner}")
         else:
             module._modules[name] = None
     for name in list(module._parameters):
         if not _kept(prefix + name, keep):
             module._parameters[name] = None
     # Buffers on a split module stay: they are state every stage may need.
+
+
+def _owners(stages: list[list[str]]) -> dict[str, int]:
+    """Each name (and every module above it) -> the stage that owns it, for placeholders' messages."""
+    out: dict[str, int] = {}
+    for s, names in enumerate(stages):
+        for n in names:
+            out.setdefault(n, s)
+    return out
+
+
+def _dropped_buffers(model: nn.Module, stages: list[list[str]], named: frozenset[str]) -> list[str]:
+    """Modules holding buffers that no stage keeps (each described with its buffers)."""
+    kept_somewhere: set[str] = set()
+    dropped: dict[str, nn.Module] = {}
+
+    def walk(module: nn.Module, prefix: str, keep: frozenset[str]) -> None:
+        container = isinstance(module, _CONTAINERS)
+        for name, child in module._modules.items():
+            if child is None:
+                continue
+            path = prefix + name
+            fate = _fate(child, path, container, keep, named)
+            if fate == "split":
+                walk(child, path + ".", keep)
+            elif fate == "keep":
+                kept_somewhere.add(path)
+            elif any(True for _ in child.buffers()):
+                dropped[path] = child
+
+    for names in stages:
+        walk(model, "", frozenset(names))
+    out = []
+    for path, module in dropped.items():
+        if path in kept_somewhere or any(_kept(path, frozenset([k])) for k in kept_somewhere):
+            continue
+        bufs = [n for n, _ in module.named_buffers()]
+        out.append(f"{path!r} ({type(module).__name__} with buffers {', '.join(bufs[:4])}{'...' if len(bufs) > 4 else ''})")
+    return out
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    return any(c.__module__.split(".")[0] == "transformers" for c in type(model).__mro__)
 
 
 def _has_meta(module: nn.Module) -> bool:
@@ -275,6 +471,19 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
+class _OutputReducer:
+    """Forward hook: a stage's mapping/dataclass output becomes the tensor it hands on."""
+
+    def __init__(self, field: str | None, index: int) -> None:
+        self.field, self.index = field, index
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        try:
+            return reduce_output(output, self.field)
+        except TypeError as exc:
+            raise TypeError(f"stage {self.index}: {exc}") from None
+
+
 class _FqnStageFn:
     """The ``stage_fn`` that :func:`split_by_fqn` returns; ``num_stages`` tells how many it builds."""
 
@@ -284,6 +493,8 @@ class _FqnStageFn:
         factory: Callable[[], nn.Module] | None,
         stages: list[list[str]],
         device: torch.device | None,
+        placeholder: Placeholder,
+        output_field: str | None,
     ) -> None:
         self._template: nn.Module | None = model
         self._factory = factory
@@ -291,6 +502,11 @@ class _FqnStageFn:
         self.stage_fqns: tuple[tuple[str, ...], ...] = tuple(tuple(n) for n in stages)
         self.num_stages = len(stages)
         self._device = device
+        #: what stands in for a module another stage owns: None or "identity" (resolved from "auto")
+        self.placeholder: Placeholder = placeholder
+        self.output_field = output_field
+        self._named = frozenset(n for names in stages for n in names)
+        self._owners = _owners(stages)
 
     def __call__(self, index: int) -> nn.Module:
         if isinstance(index, bool) or not isinstance(index, int):
@@ -310,9 +526,10 @@ class _FqnStageFn:
             stage = self._factory()
             if not isinstance(stage, nn.Module):
                 raise PipelineConfigError(f"the model factory returned {type(stage).__name__}, not an nn.Module")
-        _prune(stage, "", frozenset(self.stage_fqns[index]))
+        _prune(stage, "", frozenset(self.stage_fqns[index]), self._named, self.placeholder, self._owners)
         if _has_meta(stage):
             _materialise(stage, index, self._device or _default_device())
+        stage.register_forward_hook(_OutputReducer(self.output_field, index))
         return stage
 
     def __repr__(self) -> str:
@@ -325,6 +542,8 @@ def split_by_fqn(
     *,
     device: torch.device | str | None = None,
     allow_unassigned: bool = False,
+    placeholder: Placeholder = "auto",
+    output_field: str | None = None,
 ) -> Callable[[int], nn.Module]:
     """A ``stage_fn`` whose stage *i* keeps only the modules named in ``stage_fqns[i]``.
 
@@ -340,20 +559,35 @@ def split_by_fqn(
         stage_fqns: per stage, the fully-qualified names of what it keeps
             (modules, or parameters/buffers directly on a split module), e.g.
             ``[["embed", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "head"]]``.
+            Modules without parameters that no stage names are kept by every
+            stage (see the module docstring).
         device: where a model on the meta device is materialised (default:
             the current CUDA device if any, else CPU).  Models on a real
             device stay where they are (``Pipeline`` moves stages itself).
         allow_unassigned: drop parameters that no stage names instead of
             raising.
+        placeholder: what replaces a module another stage owns: ``None``
+            (the forward checks ``is not None``, torchtitan's contract),
+            ``"identity"`` (a :class:`PassThrough` returning its first
+            argument, so an unmodified forward runs), or ``"auto"``:
+            ``"identity"`` for a ``transformers`` model, else ``None``.
+            Entries of ModuleList/ModuleDict/Sequential are always removed.
+        output_field: the field a stage hands on when its forward returns a
+            mapping or dataclass (a ``ModelOutput``); default: the first
+            field holding a tensor.
 
     Returns:
-        ``stage_fn(i) -> nn.Module``, with attributes ``num_stages`` and
-        ``stage_fqns``.  Asking for a stage beyond ``len(stage_fqns)`` raises.
+        ``stage_fn(i) -> nn.Module``, with attributes ``num_stages``,
+        ``stage_fqns`` and ``placeholder`` (as resolved).  Asking for a stage
+        beyond ``len(stage_fqns)`` raises.
 
     Raises:
         PipelineConfigError: an unknown name (naming it and its stage), a name
             kept by two stages, tied parameters across stages, or parameters
             that no stage holds.  Checked here, before any stage is built.
+
+    Warns:
+        UserWarning: a module holding buffers that no stage keeps.
 
     See the module docstring for the contract the model's forward must keep.
     """
@@ -368,43 +602,22 @@ def split_by_fqn(
         raise PipelineConfigError(
             f"split_by_fqn needs an nn.Module or a function that builds one, got {type(model_or_factory).__name__}"
         )
+    if placeholder not in ("auto", "identity", None):
+        raise PipelineConfigError(f"placeholder must be 'auto', 'identity' or None, got {placeholder!r}")
+    if placeholder == "auto":
+        placeholder = "identity" if _is_transformers_model(model) else None
     stages = _check_fqns(stage_fqns)
     for s, names in enumerate(stages):
         for n in names:
             _resolve(model, n, s)
     _check_ownership(model, stages, allow_unassigned)
-    return _FqnStageFn(model, factory, stages, None if device is None else torch.device(device))
-
-
-def stage_fn_from_pipe(pipe: Any) -> Callable[[int], nn.Module]:
-    """A ``stage_fn`` over a model split by torch's tracer.
-
-    ``pipe`` is what ``torch.distributed.pipelining.pipeline(module,
-    mb_args=..., split_spec=...)`` returns; stage *i* is
-    ``pipe.get_stage_module(i)``, the traced submodule itself (not a copy:
-    torch's ``Pipe`` holds each stage's parameters once).  Parameter names are
-    those of the traced graph module, not the original model's.
-    """
-    get = getattr(pipe, "get_stage_module", None)
-    num_stages = getattr(pipe, "num_stages", None)
-    if not callable(get) or not isinstance(num_stages, int):
-        raise PipelineConfigError(
-            f"stage_fn_from_pipe needs a torch.distributed.pipelining Pipe (with num_stages and "
-            f"get_stage_module), got {type(pipe).__name__}"
+    lost = _dropped_buffers(model, stages, frozenset(n for names in stages for n in names))
+    if lost:
+        warnings.warn(
+            f"split_by_fqn: no stage keeps {', '.join(lost)}; a stage whose forward uses "
+            "them will fail. Name each on the stages that run it (modules without parameters "
+            "may be named by several stages).",
+            UserWarning,
+            stacklevel=2,
         )
-
-    def stage_fn(index: int) -> nn.Module:
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise TypeError(f"stage index must be an int, got {type(index).__name__}")
-        if not 0 <= index < num_stages:
-            raise PipelineConfigError(
-                f"stage {index} was asked for, but the traced pipe has {num_stages} stages "
-                f"(0..{num_stages - 1}); the schedule's stage count must equal pipe.num_stages"
-            )
-        module = get(index)
-        if not isinstance(module, nn.Module):
-            raise PipelineConfigError(f"pipe.get_stage_module({index}) returned {type(module).__name__}, not an nn.Module")
-        return module
-
-    stage_fn.num_stages = num_stages  # type: ignore[attr-defined]
-    return stage_fn
+    return _FqnStageFn(model, factory, stages, None if device is None else torch.device(device), placeholder, output_field)

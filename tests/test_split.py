@@ -12,7 +12,9 @@ gives the full model's gradients.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import warnings
 import sys
 from pathlib import Path
 
@@ -22,9 +24,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent / "ranks"))
 from harness import spawn_ranks  # noqa: E402
-from split_worker import TinyLM, build_model, lm_loss, make_batch  # noqa: E402
+from split_worker import SkipNet, TinyLM, build_model, build_skipnet, lm_loss, make_batch, make_skip_batch, traced_skipnet  # noqa: E402
 
-from pipeloom import PipelineConfigError, split_by_fqn, stage_fn_from_pipe  # noqa: E402
+from pipeloom import PipelineConfigError, split_by_fqn, split_by_tracing, stage_fn_from_pipe  # noqa: E402
+from pipeloom.runtime.split import PassThrough  # noqa: E402
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 
@@ -247,6 +250,118 @@ def test_stage_index_beyond_the_split_is_an_error() -> None:
         stage_fn(-1)
 
 
+class _Rotary(nn.Module):
+    """Buffers only, like a rotary embedding: a table every stage's layers read."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.linspace(0.5, 1.5, dim, dtype=torch.float64))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.table.expand_as(h)
+
+
+@dataclasses.dataclass
+class _Out:
+    loss: torch.Tensor | None
+    hidden: torch.Tensor
+    aux: torch.Tensor
+
+
+class _Unaware(nn.Module):
+    """A forward written for the whole model (no None checks), returning a dataclass."""
+
+    def __init__(self, dim: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, dim)
+        self.rot = _Rotary(dim)
+        self.act = nn.GELU()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(4))
+        self.head = nn.Linear(dim, 11)
+
+    def forward(self, x: torch.Tensor) -> _Out:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = self.act(layer(h * self.rot(h)))
+        return _Out(loss=None, hidden=self.head(h), aux=h.sum())
+
+
+def test_identity_placeholders_run_an_unmodified_forward() -> None:
+    torch.manual_seed(0)
+    model = _Unaware().double()
+    x = torch.randint(0, 11, (3, 5))
+    fqns = [["embed", "layers.0"], ["layers.1", "layers.2"], ["layers.3", "head"]]
+    stage_fn = split_by_fqn(model, fqns, placeholder="identity")
+    stages = [stage_fn(i) for i in range(3)]
+    s1 = stages[1]
+    assert isinstance(s1.embed, PassThrough) and "stage 0" in repr(s1.embed)
+    assert isinstance(s1.head, PassThrough) and "stage 2" in repr(s1.head)
+    # Modules without parameters that nobody names are on every stage, copies.
+    assert all(isinstance(s.rot, _Rotary) and isinstance(s.act, nn.GELU) for s in stages)
+    assert stages[0].rot.table is not stages[1].rot.table
+    # The dataclass output is reduced to its first tensor field (loss is None): hidden.
+    out = _chain(stages, x)
+    assert isinstance(out, torch.Tensor)
+    ref = model(x).hidden
+    torch.testing.assert_close(out, ref, **TOL)
+    ref.sum().backward()
+    out.sum().backward()
+    got = _grads(stages)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, **TOL)
+    # output_field picks another field; a missing one is named.
+    picked = split_by_fqn(model, fqns, placeholder="identity", output_field="aux")(2)
+    assert picked(torch.randn(3, 5, 6, dtype=torch.float64)).dim() == 0
+    with pytest.raises(TypeError, match=r"stage 2: the stage's _Out has no field 'nope' \(fields set: loss, hidden, aux\)"):
+        split_by_fqn(model, fqns, placeholder="identity", output_field="nope")(2)(torch.randn(3, 5, 6, dtype=torch.float64))
+
+
+def test_placeholder_default_is_none_for_plain_models_and_validated() -> None:
+    stage_fn = split_by_fqn(_Unaware(), [["embed", "layers.0", "layers.1"], ["layers.2", "layers.3", "head"]])
+    assert stage_fn.placeholder is None and stage_fn(1).embed is None  # type: ignore[attr-defined]
+    with pytest.raises(PipelineConfigError, match="placeholder must be 'auto', 'identity' or None"):
+        split_by_fqn(_Unaware(), [["embed", "layers", "head"]], placeholder="skip")  # type: ignore[arg-type]
+
+
+def test_passthrough_hands_on_keywords_or_says_why_not() -> None:
+    p = PassThrough("model.norm", "stage 3")
+    t = torch.ones(2)
+    assert p(t, 5) is t and p(hidden_states=t, flag=True) is t
+    with pytest.raises(TypeError, match=r"model.norm is not on this pipeline stage \(stage 3 owns it\)"):
+        p(flag=True)
+
+
+def test_buffer_only_modules_may_be_named_by_several_stages() -> None:
+    model = _Unaware()
+    stage_fn = split_by_fqn(model, [["embed", "rot", "layers.0", "layers.1"], ["rot", "layers.2", "layers.3", "head"]])
+    assert stage_fn(0).rot is not None and stage_fn(1).rot is not None
+    # Named by stage 0 only: stage 1 drops it (the user's choice), no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert split_by_fqn(model, [["embed", "rot", "layers.0", "layers.1"], ["layers.2", "layers.3", "head"]])(1).rot is None
+    # A module with parameters still belongs to one stage.
+    with pytest.raises(PipelineConfigError, match="'layers.0' is kept by stage 0 and by stage 1"):
+        split_by_fqn(model, [["embed", "layers.0", "layers.1"], ["layers.0", "layers.2", "layers.3", "head"]])
+
+
+def test_dropping_a_module_with_buffers_warns() -> None:
+    class WithNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.bn = nn.BatchNorm1d(3)  # parameters and running-stat buffers
+            self.seq = nn.Sequential(nn.Linear(3, 3), _Rotary(3), nn.Linear(3, 3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - not run
+            return x
+
+    with pytest.warns(UserWarning, match=r"no stage keeps 'bn' \(BatchNorm1d with buffers running_mean"):
+        split_by_fqn(WithNorm(), [["lin"], ["seq"]], allow_unassigned=True)
+    # A buffer-only entry of a split container that no stage names: dropped everywhere, named.
+    with pytest.warns(UserWarning, match=r"no stage keeps 'seq.1' \(_Rotary with buffers table\)"):
+        split_by_fqn(WithNorm(), [["lin", "bn", "seq.0"], ["seq.2"]])
+
+
 # ---------------------------------------------------------------- torch's tracer
 
 
@@ -278,6 +393,68 @@ def test_stage_fn_from_pipe_chains_to_the_traced_model() -> None:
         stage_fn(3)
 
 
+def test_traced_skip_edges_are_routed_with_their_gradients() -> None:
+    """SkipNet cut in 4: h0 and gate from stage 0 are read by stages 1..3, carried through 1 and 2."""
+    stage_fn = traced_skipnet(2)
+    edges = stage_fn.skip_edges  # type: ignore[attr-defined]
+    assert len(edges) == 4, edges
+    for through in (1, 2):
+        for name in ("'tanh'", "'sigmoid'"):  # h0 and the gate, by their names in the traced graph
+            assert any(e.startswith(name) and f"of stage 0) carried through stage {through} (read up to stage 3)" in e for e in edges), edges
+    stages = [stage_fn(i) for i in range(4)]
+    assert [n for n, _ in stages[0].named_parameters()] == ["inp.weight", "inp.bias"]  # the model's own names
+    model = build_skipnet()
+    x, y = make_skip_batch(batch=2)
+    ref = model(x)
+    nn.functional.cross_entropy(ref, y).backward()
+    # As the runtime runs them: each stage's inputs are leaves; gradients flow back stage by stage.
+    ins, outs = [], []
+    h: tuple = (x,)
+    for st in stages:
+        leaves = tuple(t.detach().requires_grad_(t.requires_grad) for t in h)
+        out = st(*leaves)
+        ins.append(leaves)
+        outs.append(out if isinstance(out, tuple) else (out,))
+        h = outs[-1]
+    torch.testing.assert_close(outs[-1][0], ref, **TOL)
+    grads: tuple = (None,)
+    for i in reversed(range(4)):
+        if i == 3:
+            nn.functional.cross_entropy(outs[3][0], y).backward()
+        else:
+            pairs = [(o, g) for o, g in zip(outs[i], grads) if g is not None and o.requires_grad]
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        grads = tuple(t.grad if t.requires_grad else None for t in ins[i])
+    got = {n: p.grad for st in stages for n, p in st.named_parameters()}
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, **TOL, msg=lambda m, n=n: f"{n}: {m}")
+    # Called again, stage_fn does not stack a second set of routing hooks.
+    assert len(stage_fn(1)._forward_hooks) == 1
+
+
+def test_failed_trace_names_the_cause() -> None:
+    from torch.distributed.pipelining import SplitPoint
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            if h.sum() > 0:  # data-dependent control flow: export cannot capture it
+                h = -h
+            return self.b(h)
+
+    model = Branchy()
+    with pytest.raises(PipelineConfigError, match=r"pipeline\(\)\) failed on Branchy: .*\nFix: the forward branches on tensor values") as info:
+        split_by_tracing(model, example_args=(torch.randn(2, 3),), split_spec={"b": SplitPoint.BEGINNING})
+    assert info.value.__cause__ is not None
+    assert "forward" not in model.b.__dict__  # torch's patch of the split point is undone
+    with pytest.raises(PipelineConfigError, match="split_spec names 'c'"):
+        split_by_tracing(model, example_args=(torch.randn(2, 3),), split_spec={"c": SplitPoint.BEGINNING})
+
+
 def test_stage_fn_from_pipe_rejects_other_objects() -> None:
     with pytest.raises(PipelineConfigError, match="needs a torch.distributed.pipelining Pipe"):
         stage_fn_from_pipe(_MLP())
@@ -289,11 +466,15 @@ RANK_CASES = [
     dict(id="1F1B", schedule="1F1B", microbatches=4, fqns=SPLITS["two"]),
     dict(id="ZBV", schedule="ZBVZeroBubble", microbatches=4, fqns=SPLITS["four-uneven"]),
 ]
+TRACED_CASES = [  # SkipNet through torch's tracer: 4 stages with skip edges on 2 ranks
+    dict(id="traced-ZBV", schedule="ZBVZeroBubble", microbatches=4, traced=True),
+    dict(id="traced-Interleaved1F1B", schedule="Interleaved1F1B", microbatches=4, traced=True),
+]
 
 
 async def test_pipeline_over_split_stages_matches_full_model(tmp_path: Path) -> None:
     job = tmp_path / "job.json"
-    job.write_text(json.dumps({"out": str(tmp_path), "cases": RANK_CASES}))
+    job.write_text(json.dumps({"out": str(tmp_path), "cases": RANK_CASES + TRACED_CASES}))
     worker = Path(__file__).parent / "ranks" / "split_worker.py"
     codes, _, errs = await spawn_ranks(2, [str(worker), str(job)], timeout=60)
     assert codes == [0, 0], "\n".join(f"--- rank {r} ---\n{e[-3000:]}" for r, e in enumerate(errs))
@@ -316,3 +497,16 @@ async def test_pipeline_over_split_stages_matches_full_model(tmp_path: Path) -> 
             torch.testing.assert_close(got[name], p.grad, **TOL, msg=lambda m, k=name: f"{case['id']} {k}: {m}")
         last = ranks[1] if case["schedule"] == "1F1B" else ranks[0]  # ZBV: rank 0 holds the last stage
         torch.testing.assert_close(torch.stack(last["losses"]), torch.stack(ref_losses), **TOL)
+
+    skip = build_skipnet()
+    x, y = make_skip_batch()
+    for case in TRACED_CASES:
+        skip.zero_grad(set_to_none=True)
+        n = case["microbatches"]
+        for xm, ym in zip(x.tensor_split(n), y.tensor_split(n)):
+            (nn.functional.cross_entropy(skip(xm), ym) / n).backward()
+        ranks = [torch.load(tmp_path / f"{case['id']}-rank{r}.pt") for r in range(2)]
+        got = {**ranks[0]["grads"], **ranks[1]["grads"]}
+        assert got.keys() == {n for n, _ in skip.named_parameters()}, case["id"]
+        for name, p in skip.named_parameters():
+            torch.testing.assert_close(got[name], p.grad, **TOL, msg=lambda m, k=name: f"{case['id']} {k}: {m}")

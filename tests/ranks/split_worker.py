@@ -1,7 +1,8 @@
 """One rank of the split_by_fqn integration test, and the model it splits.
 
 Started by ``tests/test_split.py`` through ``harness.spawn_ranks`` with a JSON
-job ``{"out": DIR, "cases": [{"id", "schedule", "microbatches", "fqns"}...]}``.
+job ``{"out": DIR, "cases": [{"id", "schedule", "microbatches", "fqns"}...]}``
+(a case with ``"traced": true`` instead traces ``SkipNet`` with torch's tracer).
 Every case builds the same seeded float64 ``TinyLM``, splits it with
 ``pipeloom.split_by_fqn``, runs one ``Pipeline.step`` and saves, per rank,
 each local parameter's gradient under its *full-model* name (split stages keep
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TinyLM", "make_batch", "lm_loss", "main"]
+__all__ = ["SkipNet", "TinyLM", "build_skipnet", "make_batch", "make_skip_batch", "lm_loss", "main", "traced_skipnet"]
 
 
 class TinyBlock(nn.Module):
@@ -64,6 +65,53 @@ class TinyLM(nn.Module):
         return self.head(h) if self.head is not None else h
 
 
+class SkipNet(nn.Module):
+    """A model whose traced 4-stage split has skip edges.
+
+    Stage 0 computes ``h0`` (needs gradients) and a ``gate`` from the input
+    (does not); every later block reads both, so stages 2 and 3 need values
+    from stage 0 that stage 1 (and 2) must carry.
+    """
+
+    def __init__(self, dim: int = 8, blocks: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, dim)
+        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(blocks))
+        self.out = nn.Linear(dim, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h0 = torch.tanh(self.inp(x))
+        gate = torch.sigmoid(x.sum(-1, keepdim=True))
+        h = h0
+        for blk in self.blocks:
+            h = torch.tanh(blk(h)) * gate + h0
+        return self.out(h)
+
+
+SKIP_SPLIT = {"blocks.0": "BEGINNING", "blocks.1": "BEGINNING", "blocks.2": "BEGINNING"}
+
+
+def build_skipnet(seed: int = 0) -> SkipNet:
+    torch.manual_seed(seed)
+    return SkipNet().double()
+
+
+def make_skip_batch(batch: int = 8, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (batch,), generator=g)
+
+
+def traced_skipnet(microbatch_rows: int) -> Any:
+    """``split_by_tracing`` over ``SkipNet`` at ``SKIP_SPLIT``, traced with a microbatch of that many rows."""
+    from torch.distributed.pipelining import SplitPoint
+
+    import pipeloom
+
+    x, _ = make_skip_batch(batch=microbatch_rows)
+    spec = {k: getattr(SplitPoint, v) for k, v in SKIP_SPLIT.items()}
+    return pipeloom.split_by_tracing(build_skipnet(), example_args=(x,), split_spec=spec)
+
+
 def build_model(seed: int = 0, dtype: torch.dtype = torch.float64, **kw: Any) -> TinyLM:
     torch.manual_seed(seed)
     return TinyLM(**kw).to(dtype)
@@ -89,10 +137,16 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    x, y = make_batch()
     for case in job["cases"]:
-        stage_fn = pipeloom.split_by_fqn(build_model(), case["fqns"])
-        pipe = pipeloom.Pipeline(stage_fn, schedule=case["schedule"], num_microbatches=case["microbatches"], loss_fn=lm_loss)
+        if case.get("traced"):  # SkipNet through torch's tracer, skip edges routed
+            x, y = make_skip_batch()
+            stage_fn = traced_skipnet(x.shape[0] // case["microbatches"])
+            loss_fn: Any = F.cross_entropy
+        else:
+            x, y = make_batch()
+            stage_fn = pipeloom.split_by_fqn(build_model(), case["fqns"])
+            loss_fn = lm_loss
+        pipe = pipeloom.Pipeline(stage_fn, schedule=case["schedule"], num_microbatches=case["microbatches"], loss_fn=loss_fn)
         losses: list[torch.Tensor] = []
         pipe.step(x, target=y, losses=losses)
         result = {
