@@ -1,0 +1,234 @@
+"""pipeloom.hf: Hugging Face causal LMs pipelined through their own forward.
+
+Real ``transformers`` models (Llama, Qwen2, Mistral), random-initialised from
+tiny configs in float64, nothing downloaded.  In one process: the stages a
+split gives, chained, equal the unsplit model (logits and gradients, with a
+padding mask), keep Hugging Face's parameter names (a full state dict loads
+into every stage), and bad splits are refused.  On real gloo ranks: one
+``Pipeline.step`` gives the unsplit model's gradients and losses for every
+schedule on 2 ranks (Llama), a subset on 4 ranks, and Qwen2/Mistral.
+Torch's tracer on Llama: the failed capture names DynamicCache and its fix,
+and the traced split's skip edges (mask, cos, sin) are routed.
+
+``transformers`` is the ``hf`` extra (``.ci/run`` installs it); the module
+is skipped only where it is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).parent / "ranks"))
+from harness import spawn_ranks  # noqa: E402
+from hf_worker import build_hf_model, make_hf_batch  # noqa: E402
+
+from pipeloom import PipelineConfigError  # noqa: E402
+from pipeloom.hf import causal_lm_loss, stage_fn_for_causal_lm, stage_names_for_causal_lm  # noqa: E402
+from pipeloom.schedules import SCHEDULE_NAMES  # noqa: E402
+
+TOL = dict(rtol=1e-9, atol=1e-12)
+
+
+def _chain(stages: list[torch.nn.Module], ids: torch.Tensor, **kw: torch.Tensor) -> torch.Tensor:
+    h = ids
+    for st in stages:
+        h = st(h, **kw)
+    return h
+
+
+@pytest.mark.parametrize(("family", "num_stages"), [("llama", 2), ("llama", 8), ("qwen2", 4), ("mistral", 3)])
+def test_stages_compose_to_the_hf_model(family: str, num_stages: int) -> None:
+    model = build_hf_model(family)
+    stage_fn, loss_fn = stage_fn_for_causal_lm(model, num_stages=num_stages)
+    stages = [stage_fn(i) for i in range(num_stages)]
+    ids, labels, mask = make_hf_batch(padding=True)
+
+    ref = model(ids, attention_mask=mask, use_cache=False).logits
+    causal_lm_loss(ref, labels).backward()
+    out = _chain(stages, ids, attention_mask=mask)
+    loss_fn(out, labels).backward()
+
+    assert isinstance(out, torch.Tensor)
+    torch.testing.assert_close(out, ref, **TOL)
+    got = {n: p.grad for st in stages for n, p in st.named_parameters()}
+    assert got.keys() == {n for n, _ in model.named_parameters()}
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, **TOL, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_split_layout_names_and_state_dict() -> None:
+    model = build_hf_model("llama")  # 6 layers
+    names = stage_names_for_causal_lm(model, num_stages=4)
+    assert names == [
+        ["model.embed_tokens", "model.layers.0"],
+        ["model.layers.1", "model.layers.2"],
+        ["model.layers.3", "model.layers.4"],
+        ["model.layers.5", "model.norm", "lm_head"],
+    ]
+    assert stage_names_for_causal_lm(model, layer_splits=[0, 6, 0])[1] == [f"model.layers.{i}" for i in range(6)]
+    stage_fn, _ = stage_fn_for_causal_lm(model, num_stages=4)
+    full = model.state_dict()
+    for i in range(4):
+        st = stage_fn(i)
+        # Hugging Face's names: the full state dict loads by name, strictly.
+        st.load_state_dict({k: full[k] for k in st.state_dict()}, strict=True)
+        assert "model.rotary_emb.inv_freq" in dict(st.named_buffers())  # buffer-only: copied to every stage
+    middle = stage_fn(1)
+    assert type(middle).__name__ == "LlamaForCausalLM"
+    assert [n for n, _ in middle.model.layers.named_children()] == ["1", "2"]
+    assert "PassThrough" in repr(middle.lm_head) and "stage 3" in repr(middle.lm_head)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(num_stages=9), r"stage 7 of 9 would hold no decoder layer.*at most 8 stages"),
+        (dict(layer_splits=[3, 2]), r"summing to the model's 6 decoder layers"),
+        (dict(num_stages=3, layer_splits=[3, 3]), r"num_stages=3 but layer_splits has 2"),
+        (dict(), r"give num_stages"),
+    ],
+)
+def test_bad_splits_are_refused(kwargs: dict, match: str) -> None:
+    with pytest.raises(PipelineConfigError, match=match):
+        stage_fn_for_causal_lm(build_hf_model("llama"), **kwargs)
+
+
+def test_tied_embeddings_across_stages_are_refused_with_the_fix() -> None:
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(cfg)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with pytest.raises(PipelineConfigError, match="tie_word_embeddings=False"):
+        stage_fn_for_causal_lm(model, num_stages=2)
+    stage_fn_for_causal_lm(model, num_stages=1)  # one stage holds both: fine
+
+
+def test_labels_go_to_the_loss_not_the_stages() -> None:
+    stage_fn, _ = stage_fn_for_causal_lm(build_hf_model("llama"), num_stages=2)
+    ids, labels, _ = make_hf_batch()
+    with pytest.raises(PipelineConfigError, match="target=labels"):
+        stage_fn(0)(ids, labels=labels)
+
+
+def test_causal_lm_loss_shifts_and_ignores_padding() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 7, dtype=torch.float64, generator=g)
+    labels = torch.tensor([[1, 2, 3, 4, 5], [-100, -100, 6, 0, 1]])
+    want = torch.nn.functional.cross_entropy(
+        torch.cat([logits[0, :4], logits[1, 1:4]]), torch.tensor([2, 3, 4, 5, 6, 0, 1])
+    )
+    got = causal_lm_loss(logits, labels)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match=r"logits \(batch, seq, vocab\)"):
+        causal_lm_loss(logits[0], labels)
+
+
+# ---------------------------------------------------------------- torch's tracer on an HF model
+
+
+def test_tracing_hf_names_the_cache_and_routes_skip_edges() -> None:
+    from torch.distributed.pipelining import SplitPoint
+
+    from pipeloom import split_by_tracing
+
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("torch's pipeline() cannot split a transformers 4.x Llama (AttributeError in its splitter)")
+    model = build_hf_model("llama", layers=4)
+    ids, _, _ = make_hf_batch(batch=2)
+    spec = {f"model.layers.{i}": SplitPoint.BEGINNING for i in (1, 2, 3)}
+    with pytest.raises(PipelineConfigError, match=r"DynamicCache(.|\n)*Fix: .*use_cache=False") as info:
+        split_by_tracing(model, example_args=(ids,), split_spec=spec)
+    assert "cannot capture your model" in str(info.value.__cause__)  # torch's own error, chained
+    stage_fn = split_by_tracing(model, example_args=(ids,), example_kwargs={"use_cache": False}, split_spec=spec)
+    # Stage 0 computes the causal mask and cos/sin; stages 1..3 read them: carried through 1 and 2.
+    assert len(stage_fn.skip_edges) == 6 and all("of stage 0) carried through stage" in e for e in stage_fn.skip_edges)
+    stages = [stage_fn(i) for i in range(4)]
+    h: tuple = (ids,)
+    for st in stages:
+        out = st(*h)
+        h = out if isinstance(out, tuple) else (out,)
+    torch.testing.assert_close(h[0], model(ids, use_cache=False).logits, **TOL)
+    assert [n for n, _ in stages[2].named_parameters()][0] == "model.layers.2.input_layernorm.weight"
+
+
+# ---------------------------------------------------------------- real ranks
+
+CASES_2 = [dict(id=f"llama-{s}", family="llama", schedule=s, microbatches=4) for s in SCHEDULE_NAMES] + [
+    dict(id="qwen2-ZBV", family="qwen2", schedule="ZBVZeroBubble", microbatches=4),
+    dict(id="mistral-Interleaved1F1B", family="mistral", schedule="Interleaved1F1B", microbatches=4, padding=True),
+]
+CASES_4 = [
+    dict(id="llama-1F1B", family="llama", schedule="1F1B", microbatches=8),
+    dict(id="llama-ZBVZeroBubble", family="llama", schedule="ZBVZeroBubble", microbatches=8, padding=True),
+    dict(id="llama-DualPipeV", family="llama", schedule="DualPipeV", microbatches=8),
+    dict(id="qwen2-InterleavedZeroBubble", family="qwen2", schedule="InterleavedZeroBubble", microbatches=8),
+]
+
+
+def _reference(case: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    model = build_hf_model(case["family"])
+    ids, labels, mask = make_hf_batch(padding=case.get("padding", False))
+    n = case["microbatches"]
+    losses = []
+    masks = mask.tensor_split(n) if mask is not None else [None] * n
+    for xm, ym, am in zip(ids.tensor_split(n), labels.tensor_split(n), masks):
+        loss = causal_lm_loss(model(xm, attention_mask=am, use_cache=False).logits, ym)
+        (loss / n).backward()
+        losses.append(loss.detach())
+    return {k: p.grad for k, p in model.named_parameters()}, torch.stack(losses)
+
+
+@pytest.mark.parametrize(("world", "cases"), [(2, CASES_2), (4, CASES_4)], ids=["2-ranks", "4-ranks"])
+async def test_pipeline_over_hf_model_matches_unsplit(tmp_path: Path, world: int, cases: list[dict]) -> None:
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"out": str(tmp_path), "cases": cases}))
+    worker = Path(__file__).parent / "ranks" / "hf_worker.py"
+    codes, _, errs = await spawn_ranks(world, [str(worker), str(job)], timeout=240)
+    assert codes == [0] * world, "\n".join(f"--- rank {r} ---\n{e[-3000:]}" for r, e in enumerate(errs))
+    for case in cases:
+        want, want_losses = _reference(case)
+        ranks = [torch.load(tmp_path / f"{case['id']}-rank{r}.pt") for r in range(world)]
+        got: dict[str, torch.Tensor] = {}
+        for r in ranks:
+            assert got.keys().isdisjoint(r["params"]), case["id"]
+            got.update(r["grads"])
+        assert got.keys() == want.keys(), case["id"]
+        for name, g in want.items():
+            torch.testing.assert_close(got[name], g, **TOL, msg=lambda m, k=name: f"{case['id']} {k}: {m}")
+        (last,) = [r for r in ranks if r["last"]]
+        torch.testing.assert_close(torch.stack(last["losses"]), want_losses, **TOL)
+
+
+# ---------------------------------------------------------------- the example
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_hf.py"
+
+
+def test_train_hf_example_trains_and_reloads_into_a_fresh_hf_model(tmp_path: Path) -> None:
+    import re
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeloom.tools.cli", "launch", "--nproc-per-node", "2", str(EXAMPLE),
+         "--schedule", "ZBVZeroBubble", "--steps", "30", "--save", str(tmp_path)],
+        cwd=EXAMPLE.parents[1], capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    found = re.search(r"final: first_loss=(?P<first>[0-9.]+) last_loss=(?P<last>[0-9.]+)", proc.stdout)
+    assert found, proc.stdout[-3000:]
+    assert float(found["last"]) < float(found["first"]) - 0.5, found.group(0)
+    reloaded = re.search(r"reloaded: (?P<n>\d+) tensors into a fresh LlamaForCausalLM; its held-out loss (?P<loss>[0-9.]+)", proc.stdout)
+    assert reloaded, proc.stdout[-3000:]
+    assert float(reloaded["loss"]) < float(found["first"]) - 0.5  # the trained weights, not a fresh init
