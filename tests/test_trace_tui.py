@@ -367,3 +367,25 @@ def test_every_category_is_distinct_in_16_colours() -> None:
     app = TraceApp(_model(), palette="16")
     assert app.palette_styles is STYLES_16
     assert TraceApp(_model(), palette="256").palette_styles is STYLES
+
+
+async def test_plan_lane_under_each_rank(tmp_path: Path) -> None:
+    from pipeloom.tools.cli import main
+    from pipeloom.tools.trace_model import load_trace
+
+    plan = tmp_path / "plan.jsonl"
+    # the plan of the hand-built run: 1F1B on 2 ranks, 2 microbatches, F=1 ms, B=2 ms (time unit 1 ms)
+    assert main(["schedule", "simulate", "1F1B", "-p", "2", "-m", "2", "--costs", "F=1,B=2", "--trace", str(plan)]) == 0
+    m = _model()
+    app = TraceApp(m, plan=load_trace(plan))
+    async with app.run_test(size=(200, 40)) as pilot:
+        lane = app.plan_lane(0)
+        assert [a.name for a in lane] == ["0F0", "0F1", "0B0", "0B1"]
+        assert lane[0].start == m.window(0)[0]  # aligned with the step shown
+        lines = app.render_timeline(200).plain.split("\n")
+        plan_rows = [ln for ln in lines if ln.startswith("  plan")]
+        assert len(plan_rows) == 2 and "0F0" in plan_rows[0] and "1F0" in plan_rows[1]
+        await pilot.press("right_square_bracket")
+        assert app.plan_lane(0)[0].start == m.window(1)[0]  # follows the current step
+        await pilot.press("q")
+    assert main(["trace", "view", str(plan), "--plan", str(plan)]) == 2

@@ -48,6 +48,8 @@ def add_parser(subparsers: Any) -> None:
 
     view = sub.add_parser("view", help="interactive timeline of a trace (q quits)")
     view.add_argument("files", nargs="+", metavar="FILE", help="a trace, or the per-rank files of one job")
+    view.add_argument("--plan", metavar="PLAN.jsonl", default=None,
+                      help="a simulated plan (schedule simulate --costs-from RUN --trace PLAN) drawn under each rank's lanes")
     view.set_defaults(func=_guarded(_cmd_view))
 
     attach = sub.add_parser("attach", help="the timeline of a running job, live")
@@ -133,7 +135,15 @@ def _load(files: list[str], *, warn: bool = True) -> Any:
 def _cmd_view(args: argparse.Namespace) -> int:
     from .trace_tui import TraceApp
 
-    TraceApp(_load(args.files)).run()
+    model = _load(args.files)
+    plan = None
+    if args.plan is not None:
+        plan = _load([args.plan], warn=False)
+        if plan.source != "simulation":
+            raise _UserError(f"--plan {args.plan}: a recorded run, not a simulated plan")
+        if model.source == "simulation":
+            raise _UserError(f"{', '.join(args.files)}: a simulated plan; --plan goes with a recorded run")
+    TraceApp(model, plan=plan).run()
     return 0
 
 

@@ -8,21 +8,27 @@ fraction of a second and the tests of these numbers run in milliseconds.
 
 Definitions (the numbers mean nothing without them)
 ---------------------------------------------------
-* A step's **window** is the job's time for that step: from the earliest
-  ``step`` start to the latest ``step`` end over all ranks (for traces
-  without ``step`` events, the span of that step's events).  Every rank is
-  measured against the same window, so a rank that finishes early shows the
-  rest of the step as bubble -- as in the textbook bubble fraction and in
+* A step's **window** is the job's time for that step: from the first
+  rank's ``step`` start to the last rank's ``step`` end, cut where the next
+  step's window begins, so windows never overlap (for traces without
+  ``step`` events, the span of that step's events).  Every rank is measured
+  against the same window, so a rank that finishes early shows the rest of
+  the step as bubble -- as in the textbook bubble fraction and in
   :func:`pipeloom.schedules.simulate`.
 * **busy** is the time a rank's compute lane is occupied: the summed
-  durations of its ``action`` events, except ``UNSHARD`` (an all-gather on
-  its own lane, as in the simulator).  Sends happen inside the action that
-  produced them; receives complete in the background; neither adds to busy.
+  durations of its ``action`` events inside the window, except ``UNSHARD``
+  (an all-gather on its own lane, as in the simulator).  Sends are made
+  right *after* the action that produced the data (their blocking time is
+  outside the action's span); receives complete in the background; neither
+  adds to busy.
 * **idle** = window - busy; **busy %** = busy / window; **bubble %** =
-  idle / window.  **waiting** is the part of idle the dispatcher spent
-  asleep with nothing ready (``wait`` events); the rest of idle is the
-  runtime's own time between actions.
+  idle / window.  **waiting** is the part the dispatcher spent asleep with
+  nothing ready (``wait`` events).  The full split of the window -- actions
+  by type, waits by cause and peer, sends, runtime, previous step, outside
+  -- is :mod:`pipeloom.tools.trace_analysis`'s attribution, which adds up
+  to the window exactly.
 * The **step time** is the window's length.
+* Eval steps (``"eval": true``) are left out of summaries unless asked for.
 
 Why a separate view state: what is selected and which time range is shown is
 the part of the UI that can be wrong in ways a screenshot does not reveal

@@ -246,9 +246,12 @@ class TraceApp(App[None]):
     ]
 
     def __init__(self, model: TraceModel | TraceBuffer, *, live: LiveSource | None = None, poll_interval: float = 0.25,
-                 palette: str | None = None) -> None:
+                 palette: str | None = None, plan: TraceModel | None = None) -> None:
         super().__init__()
         self._palette = palette
+        self.plan = plan
+        """A simulated plan (``schedule simulate --trace``) drawn under each rank's lanes, aligned to the current step."""
+        self._plan_cache: dict[tuple[int | None, int], list[Span]] = {}
         if isinstance(model, TraceBuffer):
             self.buffer = model
             model = model.model()
@@ -381,6 +384,24 @@ class TraceApp(App[None]):
             self._palette = "16" if system in ("standard", "windows") or (term in ("xterm", "linux", "vt100", "screen") and not os.environ.get("COLORTERM")) else "256"
         return STYLES_16 if self._palette == "16" else STYLES
 
+    def plan_lane(self, rank: int) -> list[Span]:
+        """The plan's actions of ``rank``, shifted so that the plan's step starts where the current step does."""
+        import dataclasses
+
+        plan = self.plan
+        st = self.state
+        if plan is None or not plan.steps:
+            return []
+        key = (st.step, rank)
+        got = self._plan_cache.get(key)
+        if got is None:
+            lo = st.model.window(st.step)[0] if st.step is not None else st.model.t0
+            shift = lo - plan.window(plan.steps[0])[0]
+            got = [dataclasses.replace(a, start=a.start + shift, end=a.end + shift) for a in plan.actions_of(rank, plan.steps[0])
+                   if a.duration > 0]  # zero-cost plan actions (REDUCE_GRAD without data parallelism) draw nothing
+            self._plan_cache[key] = got
+        return got
+
     def critical_spans(self) -> set[int]:
         """ids of the actions on the current step's critical path (empty unless shown)."""
         st = self.state
@@ -492,6 +513,11 @@ class TraceApp(App[None]):
             out.append("\n" + " " * _LABEL)
             out.append_text(self._row(comm, None, width, None))
             out.append("\n")
+            if self.plan is not None:
+                planned = [a for a in self.plan_lane(r) if a.end >= lo and a.start < hi]
+                out.append("  plan".ljust(_LABEL), "grey50")
+                out.append_text(self._row(planned, None, width, None))
+                out.append("\n")
         legend = Text(" " * _LABEL)
         for cat in CATEGORIES:
             legend.append(f" {cat} ", self.palette_styles[cat][0] if cat != "wait" else f"{self.palette_styles['wait'][0]} reverse")
