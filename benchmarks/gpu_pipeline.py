@@ -15,6 +15,22 @@ And a variable-length case (sequence length per microbatch drawn from
 (``pipeloom.Microbatches``), torch must pad every microbatch to 1024 (static
 receive buffers); tokens per second counts real tokens only.
 
+A second model family, ``--model gpt`` (``--size s`` or ``l``): a GPT whose
+first stage holds a token embedding and whose last stage holds the final
+RMSNorm and a 32k-vocabulary head (so the end stages are heavier than the
+middle ones), RMSNorm + SwiGLU blocks, cross-entropy on token ids, and many
+small microbatches (``s``: 8 layers, hidden 1024, 32 microbatches of 1
+sequence; ``l``: 16 layers, hidden 2048, 16 microbatches of 2 sequences;
+sequence 1024 both).  Each row also reports the schedule's bubble ceiling
+(1F1B/GPipe: m/(m+p-1) of the compute floor) and ``vs_ceiling``.
+
+``--profile N`` runs N more steps of each engine under ``torch.profiler``
+(CUDA activity) and attributes every gap in the rank's compute (all non-NCCL
+kernels, any stream): *host* (the next kernel's launch call began after the
+GPU ran dry: the host was late), *launch* (the rest of such a gap: launch to
+kernel start), *dependency* (the kernel was already queued: it waited on a
+stream wait; *transfer* when an NCCL kernel ended inside the gap).
+
 torch gets a fair configuration: ``PipelineStage(input_args=..., output_args=...)``
 (static shapes), which avoids its runtime shape inference — the suspect in
 GPipe/1F1B hanging with dynamic inference on 2 GPUs.
@@ -70,6 +86,73 @@ def _model(args: argparse.Namespace, num_stages: int, stage: int, device: Any = 
     return nn.Sequential(*[Block(args.hidden, args.heads) for _ in range(per)]).to(device=device, dtype=dtype or torch.bfloat16)
 
 
+_GPT_SIZES = {
+    # name: (layers, hidden, heads, microbatches, sequences per microbatch)
+    "s": (8, 1024, 8, 32, 1),
+    "l": (16, 2048, 16, 16, 2),
+}
+
+
+def _gpt_model(args: argparse.Namespace, num_stages: int, stage: int, device: Any = "cuda", dtype: Any = None) -> Any:
+    """Stage ``stage`` of the GPT: embedding on the first stage, RMSNorm + vocabulary head on the last."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    class Block(nn.Module):
+        def __init__(self, h: int, heads: int) -> None:
+            super().__init__()
+            self.heads = heads
+            ffn = 256 * ((8 * h // 3 + 255) // 256)
+            self.n1 = nn.RMSNorm(h)
+            self.qkv = nn.Linear(h, 3 * h, bias=False)
+            self.proj = nn.Linear(h, h, bias=False)
+            self.n2 = nn.RMSNorm(h)
+            self.w13 = nn.Linear(h, 2 * ffn, bias=False)
+            self.w2 = nn.Linear(ffn, h, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, h = x.shape
+            q, k, v = self.qkv(self.n1(x)).view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, h)
+            x = x + self.proj(a)
+            g, u = self.w13(self.n2(x)).chunk(2, dim=-1)
+            return x + self.w2(F.silu(g) * u)
+
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(args.vocab, args.hidden) if stage == 0 else None
+            self.blocks = nn.ModuleList(Block(args.hidden, args.heads) for _ in range(args.layers // num_stages))
+            last = stage == num_stages - 1
+            self.norm = nn.RMSNorm(args.hidden) if last else None
+            self.head = nn.Linear(args.hidden, args.vocab, bias=False) if last else None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.embed is not None:
+                x = self.embed(x)
+            for blk in self.blocks:
+                x = blk(x)
+            if self.head is not None:
+                x = self.head(self.norm(x))
+            return x
+
+    torch.manual_seed(2000 + stage)
+    return Stage().to(device=device, dtype=dtype or torch.bfloat16)
+
+
+def _gpt_loss(out: Any, target: Any) -> Any:
+    import torch.nn.functional as F
+
+    return F.cross_entropy(out.float().flatten(0, -2), target.flatten())
+
+
+def _ceiling(name: str, m: int, world: int) -> float:
+    """The schedule's bubble ceiling as a fraction of the compute floor (1F1B/GPipe: m/(m+p-1));
+    for the multi-stage schedules the same formula over ranks (an upper bound they may beat)."""
+    return m / (m + world - 1)
+
+
 def _loss(out: Any, target: Any) -> Any:
     import torch.nn.functional as F
 
@@ -114,13 +197,21 @@ def _floor(mods: dict[int, Any], args: argparse.Namespace, seqs: list[int], last
     """Forward+backward of this rank's stages for every microbatch, no communication."""
     import torch
 
+    gpt = args.model == "gpt"
+
     def once() -> None:
         for t in seqs:
             for s, m in sorted(mods.items()):
-                x = torch.randn(args.mbsize, t, args.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=s != 0)
+                if gpt and s == 0:
+                    x = torch.randint(0, args.vocab, (args.mbsize, t), device="cuda")
+                else:
+                    x = torch.randn(args.mbsize, t, args.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=s != 0)
                 out = m(x)
                 if s == last:
-                    _loss(out, torch.zeros_like(out)).backward()
+                    if gpt:
+                        _gpt_loss(out, torch.zeros(out.shape[:-1], dtype=torch.long, device="cuda")).backward()
+                    else:
+                        _loss(out, torch.zeros_like(out)).backward()
                 else:
                     out.backward(torch.ones_like(out))
 
@@ -138,7 +229,52 @@ def _floor(mods: dict[int, Any], args: argparse.Namespace, seqs: list[int], last
     return statistics.median(ts)
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+def _gaps(trace_path: str) -> dict[str, Any]:
+    """Attribute the gaps between this rank's compute kernels in a profiler trace (see the docstring)."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    launches: dict[int, float] = {}
+    kernels = []
+    for e in events:
+        cat = e.get("cat")
+        if cat == "cuda_runtime" or cat == "cuda_driver":
+            c = e.get("args", {}).get("correlation")
+            if c is not None and "aunch" in e.get("name", ""):
+                launches[c] = float(e["ts"])
+        elif cat == "kernel":
+            kernels.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("name", ""), e.get("args", {})))
+    nccl = sorted((k[0], k[1]) for k in kernels if "nccl" in k[2].lower())
+    comp = sorted((k[0], k[1], k[3].get("correlation"), k[3].get("stream")) for k in kernels if "nccl" not in k[2].lower())
+    out = {"host_us": 0.0, "launch_us": 0.0, "transfer_us": 0.0, "dependency_us": 0.0, "busy_us": 0.0,
+           "span_us": 0.0, "gaps": 0, "streams": sorted({str(k[3]) for k in comp})}
+    if not comp:
+        return out
+    out["span_us"] = comp[-1][1] - comp[0][0]
+    end = comp[0][0]
+    import bisect
+
+    nccl_ends = sorted(e for _, e in nccl)
+    for st, en, corr, _ in comp:
+        if st > end + 1.0:  # a gap over 1 us
+            gap = st - end
+            out["gaps"] += 1
+            launch = launches.get(corr)
+            if launch is not None and launch > end:
+                host = min(launch - end, gap)
+                out["host_us"] += host
+                out["launch_us"] += gap - host
+            else:
+                i = bisect.bisect_left(nccl_ends, end)
+                if i < len(nccl_ends) and nccl_ends[i] <= st + 1.0:
+                    out["transfer_us"] += gap
+                else:
+                    out["dependency_us"] += gap
+        out["busy_us"] += max(0.0, en - max(st, end))
+        end = max(end, en)
+    return out
+
+
+def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
     import torch
     import torch.distributed as dist
 
@@ -146,31 +282,67 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from pipeloom.schedules import default_stages_per_rank
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    name = args.schedule
+    gpt = args.model == "gpt"
     spr = default_stages_per_rank(name)
     num_stages = world * spr
     mine = _stages_of(name, rank, world, spr)
-    mods = {s: _model(args, num_stages, s) for s in mine}
+    build = _gpt_model if gpt else _model
+    loss_fn = _gpt_loss if gpt else _loss
+    mods = {s: build(args, num_stages, s) for s in mine}
     n, mb = args.microbatches, args.mbsize
     g = torch.Generator().manual_seed(7)
     if args.varlen:
         seqs = [int(v) for v in torch.randint(256, args.seq + 1, (n,), generator=g)]
     else:
         seqs = [args.seq] * n
-    xs = [torch.randn(mb, t, args.hidden, generator=g).to("cuda", torch.bfloat16) for t in seqs]
-    ys = [torch.randn(mb, t, args.hidden, generator=g).to("cuda", torch.bfloat16) for t in seqs]
+    if gpt:
+        xs = [torch.randint(0, args.vocab, (mb, t), generator=g).to("cuda") for t in seqs]
+        ys = [torch.randint(0, args.vocab, (mb, t), generator=g).to("cuda") for t in seqs]
+    else:
+        xs = [torch.randn(mb, t, args.hidden, generator=g).to("cuda", torch.bfloat16) for t in seqs]
+        ys = [torch.randn(mb, t, args.hidden, generator=g).to("cuda", torch.bfloat16) for t in seqs]
     tokens = mb * sum(seqs)
     results = []
     floor = _reduce_max(_floor(mods, args, seqs, num_stages - 1))
+    ceiling = _ceiling(name, n, world)
+    model_name = f"gpt-{args.size}" if gpt else "transformer"
+
+    def profile(engine: str, fn: Any) -> dict[str, Any] | None:
+        if not args.profile:
+            return None
+        from torch.profiler import ProfilerActivity, profile as tprofile
+
+        torch.cuda.synchronize()
+        dist.barrier()
+        with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.profile):
+                fn()
+            torch.cuda.synchronize()
+        path = f"/tmp/prof-{engine}-{name}-{model_name}-r{rank}.json"
+        prof.export_chrome_trace(path)
+        gaps = _gaps(path)
+        if args.profile_dir and rank in (0, world - 1):
+            import gzip
+            import shutil
+
+            os.makedirs(args.profile_dir, exist_ok=True)
+            with open(path, "rb") as src, gzip.open(os.path.join(args.profile_dir, os.path.basename(path) + ".gz"), "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        os.remove(path)
+        # every rank's attribution, gathered to rank 0
+        allg: list[Any] = [None] * world
+        dist.all_gather_object(allg, gaps)
+        return {"profile_steps": args.profile, "gaps_by_rank": allg}
 
     def record(engine: str, times: list[float], peak: int, extra: dict[str, Any] | None = None) -> None:
         step = _reduce_max(statistics.median(times))
         peak_max = _reduce_max(float(peak))
         row = {
-            "engine": engine, "schedule": name, "varlen": args.varlen, "step_ms": step * 1e3, "floor_ms": floor * 1e3,
-            "efficiency": floor / step, "peak_gib": peak_max / 2**30, "tokens_per_s": tokens / step,
+            "engine": engine, "schedule": name, "model": model_name, "microbatches": n, "varlen": args.varlen,
+            "step_ms": step * 1e3, "floor_ms": floor * 1e3, "efficiency": floor / step, "ceiling": ceiling,
+            "vs_ceiling": floor / step / ceiling, "peak_gib": peak_max / 2**30, "tokens_per_s": tokens / step,
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-            "gpus": world, "label": args.label,
+            "gpus": world, "label": args.label, "code": args.code,
             "env": {k: v for k, v in os.environ.items() if k.startswith("PIPELOOM_")},
             **(extra or {}),
         }
@@ -182,14 +354,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     f.write(json.dumps(row) + "\n")
 
     def run_pipeloom() -> None:
-        pipe = pipeloom.Pipeline(lambda s: mods[s], schedule=name, num_microbatches=n, loss_fn=_loss)
+        pipe = pipeloom.Pipeline(lambda s: mods[s], schedule=name, num_microbatches=n, loss_fn=loss_fn)
         if args.varlen:
             x_in, y_in = pipeloom.Microbatches(xs), pipeloom.Microbatches(ys)
         else:
             x_in, y_in = torch.cat(xs), torch.cat(ys)
-        times, peak = _timed(lambda: pipe.step(x_in, target=y_in), args.steps, args.warmup)
+        fn = lambda: pipe.step(x_in, target=y_in)  # noqa: E731
+        times, peak = _timed(fn, args.steps, args.warmup)
+        prof = profile("pipeloom", fn)
         st = pipe.statistics
-        record("pipeloom", times, peak, {"out_of_order": st.out_of_order if st else None, "order": args.engines})
+        record("pipeloom", times, peak, {"out_of_order": st.out_of_order if st else None, "order": args.engines, **(prof or {})})
         pipe.close()
         for m in mods.values():
             m.zero_grad(set_to_none=True)
@@ -201,14 +375,18 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
         t_pad = max(seqs) if not args.varlen else args.seq
-        def ex(grad: bool) -> Any:
-            # requires_grad as the real tensors have it: torch >= 2.13 sends no gradient back otherwise
-            return torch.empty(mb, t_pad, args.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
 
-        stages = [PipelineStage(mods[s], s, num_stages, torch.device("cuda"), input_args=(ex(s != 0),), output_args=(ex(True),))
+        def ex(s: int, out: bool) -> Any:
+            # requires_grad as the real tensors have it: torch >= 2.13 sends no gradient back otherwise
+            if gpt and s == 0 and not out:
+                return torch.zeros(mb, t_pad, dtype=torch.long, device="cuda")
+            width = args.vocab if (gpt and out and s == num_stages - 1) else args.hidden
+            return torch.empty(mb, t_pad, width, device="cuda", dtype=torch.bfloat16, requires_grad=out or s != 0)
+
+        stages = [PipelineStage(mods[s], s, num_stages, torch.device("cuda"), input_args=(ex(s, False),), output_args=(ex(s, True),))
                   for s in mine]
         cls = get_schedule_class(name)
-        sched = cls(stages[0] if issubclass(cls, PipelineScheduleSingle) else stages, n, loss_fn=_loss)
+        sched = cls(stages[0] if issubclass(cls, PipelineScheduleSingle) else stages, n, loss_fn=loss_fn)
         if args.varlen:  # torch needs one shape: pad every microbatch to the longest possible
             pad = lambda ts: torch.cat([torch.nn.functional.pad(t, (0, 0, 0, t_pad - t.shape[1])) for t in ts])  # noqa: E731
             x_t, y_t = pad(xs), pad(ys)
@@ -220,7 +398,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             sched.step(*((x_t,) if first else ()), target=y_t if last else None)
 
         times, peak = _timed(tstep, args.steps, args.warmup)
-        record("torch", times, peak, {"order": args.engines})
+        prof = profile("torch", tstep)
+        record("torch", times, peak, {"order": args.engines, **(prof or {})})
         for m in mods.values():
             m.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
@@ -228,6 +407,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     # in the order given, so order effects (clocks, allocator state) can be checked
     for engine in args.engines.split(","):
         {"pipeloom": run_pipeloom, "torch": run_torch}[engine.strip()]()
+    del mods
+    torch.cuda.empty_cache()
     return results
 
 
@@ -235,23 +416,39 @@ def table(path: str) -> str:
     rows = [json.loads(l) for l in open(path) if l.strip()]
     by: dict[tuple[Any, ...], dict[str, Any]] = {}
     for r in rows:
-        case = ("varlen" if r["varlen"] else "fixed") + (f" {r['label']}" if r.get("label") else "")
+        case = (r.get("model", "transformer") + " " + ("varlen" if r["varlen"] else "fixed")
+                + (f" {r['label']}" if r.get("label") else "") + (f" [{r['code']}]" if r.get("code") else ""))
         by.setdefault((r.get("gpus", 2), r["schedule"], case), {})[r["engine"]] = r
-    out = ["| GPUs | schedule | case | torch ms | pipeloom ms | ratio | torch eff | pipeloom eff | torch GiB | pipeloom GiB | torch tok/s | pipeloom tok/s |",
+    out = ["| GPUs | schedule | case | torch ms | pipeloom ms | ratio | torch eff | pipeloom eff | ceiling | pipeloom/ceiling | torch GiB | pipeloom GiB |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (gpus, sched, case), e in by.items():
         t, p = e.get("torch"), e.get("pipeloom")
         f = lambda r, k, fmt: (fmt % r[k]) if r else "—"  # noqa: E731
         ratio = f"{p['step_ms'] / t['step_ms']:.3f}" if t and p else "—"
         out.append(f"| {gpus} | {sched} | {case} | {f(t,'step_ms','%.1f')} | {f(p,'step_ms','%.1f')} | {ratio} | "
-                   f"{f(t,'efficiency','%.3f')} | {f(p,'efficiency','%.3f')} | {f(t,'peak_gib','%.2f')} | {f(p,'peak_gib','%.2f')} | "
-                   f"{f(t,'tokens_per_s','%.0f')} | {f(p,'tokens_per_s','%.0f')} |")
+                   f"{f(t,'efficiency','%.3f')} | {f(p,'efficiency','%.3f')} | {f(p or t,'ceiling','%.3f') if (p or t) and 'ceiling' in (p or t) else '—'} | "
+                   f"{f(p,'vs_ceiling','%.3f') if p and 'vs_ceiling' in p else '—'} | {f(t,'peak_gib','%.2f')} | {f(p,'peak_gib','%.2f')} |")
+    prof = [r for r in rows if r.get("gaps_by_rank")]
+    if prof:
+        out += ["", "| GPUs | schedule | model | engine | rank | span ms | busy ms | host ms | launch ms | transfer ms | dependency ms | gaps |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in prof:
+            for i, gp in enumerate(r["gaps_by_rank"]):
+                out.append(f"| {r['gpus']} | {r['schedule']} | {r.get('model', '')}{' [' + r['code'] + ']' if r.get('code') else ''} | "
+                           f"{r['engine']} | {i} | {gp['span_us'] / 1e3:.1f} | {gp['busy_us'] / 1e3:.1f} | {gp['host_us'] / 1e3:.2f} | "
+                           f"{gp['launch_us'] / 1e3:.2f} | {gp['transfer_us'] / 1e3:.2f} | {gp['dependency_us'] / 1e3:.2f} | {gp['gaps']} |")
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--schedule", default="1F1B")
+    ap.add_argument("--schedule", default="1F1B", help="a schedule, or several separated by commas (run one after the other)")
+    ap.add_argument("--model", default="transformer", choices=("transformer", "gpt"))
+    ap.add_argument("--size", default="l", choices=sorted(_GPT_SIZES), help="GPT size (sets layers, hidden, heads, microbatches)")
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--profile", type=int, default=0, help="profile this many more steps per engine and attribute compute gaps")
+    ap.add_argument("--profile-dir", default=None, help="keep the gzipped traces of the first and last rank here")
+    ap.add_argument("--code", default="", help="a tag for the code under test (e.g. main@abc1234)")
     ap.add_argument("--engines", default="pipeloom,torch")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=2048)
@@ -266,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="append result rows (JSON Lines) here")
     ap.add_argument("--table", default=None, help="print the table of a results file and exit")
     args = ap.parse_args(argv)
+    if args.model == "gpt":
+        args.layers, args.hidden, args.heads, args.microbatches, args.mbsize = _GPT_SIZES[args.size]
     if args.table:
         print(table(args.table))
         return 0
@@ -276,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     try:
-        run(args)
+        for name in args.schedule.split(","):
+            run(args, name.strip())
     finally:
         dist.destroy_process_group()
     return 0

@@ -9,6 +9,10 @@
 #              and, with >= 4 GPUs, the PP x DP / PP x FSDP rank pool of tests/test_data_parallel.py
 #   bench2     benchmarks/gpu_pipeline.py on GPUs 0,1 for every schedule (+ varlen, + variants)
 #   bench4     benchmarks/gpu_pipeline.py on 4 GPUs for every schedule
+#   gpt2       benchmarks/gpu_pipeline.py --model gpt on GPUs 0,1: sizes l and s (GPT_SIZES), schedules GPT_SCHEDULES
+#              in one process per size, 1F1B profiled (--profile 3, traces of both engines under $OUT/prof),
+#              DualPipeV with OVERLAP_F_B on one stream as a variant; CODE tags the rows
+#   gpt4       the same on 4 GPUs, size l, no profile
 #   fsdp       benchmarks/gpu_fsdp.py, 2 pipeline ranks x 2 FSDP ranks
 #   straggler  benchmarks/straggler.py on 4 GPUs
 # Environment: SCHEDULES, BENCH_ARGS, BENCH_TIMEOUT, VARIANTS (see bench2).
@@ -29,7 +33,7 @@ T=${BENCH_TIMEOUT:-120}
 bench() {  # bench NPROC LABEL EXTRA_ARGS... (env for the run comes from the caller)
   local n=$1 label=$2; shift 2
   (cd /tmp && timeout "$T" torchrun --nproc-per-node "$n" "$REPO/benchmarks/gpu_pipeline.py" --json "$OUT/gpu.jsonl" \
-     --label "$label" ${BENCH_ARGS:-} "$@" 2>&1 | grep -v "^\[W\|Warning\|warn" | tail -3)
+     --label "$label" ${BENCH_ARGS:-} "$@" 2>&1 | grep -v "^\[W\|Warning\|warn" | cut -c1-400 | tail -${BENCH_TAIL:-3})
 }
 
 for part in "$@"; do
@@ -51,6 +55,23 @@ for part in "$@"; do
     for v in ${VARIANTS:-}; do
       IFS=: read -r label envset sched <<< "$v"
       echo "== 2 GPUs $sched $label"; (export CUDA_VISIBLE_DEVICES=0,1 "$envset"; bench 2 "$label" --schedule "$sched")
+    done
+    ;;
+  gpt2|gpt4)
+    n=2; vis=0,1; [ "$part" = gpt4 ] && { n=4; vis=0,1,2,3; }
+    gs=${GPT_SCHEDULES:-GPipe,Interleaved1F1B,ZBVZeroBubble,DualPipeV}
+    for size in ${GPT_SIZES:-l s}; do
+      if [ "$part" = gpt2 ] && [ "$size" = l ]; then
+        echo "== $n GPUs gpt-$size 1F1B profiled"
+        CUDA_VISIBLE_DEVICES=$vis bench $n "" --model gpt --size $size --schedule 1F1B --profile 3 --profile-dir "$OUT/prof" --code "${CODE:-}"
+      else
+        echo "== $n GPUs gpt-$size 1F1B"; CUDA_VISIBLE_DEVICES=$vis bench $n "" --model gpt --size $size --schedule 1F1B --code "${CODE:-}"
+      fi
+      echo "== $n GPUs gpt-$size $gs"; CUDA_VISIBLE_DEVICES=$vis bench $n "" --model gpt --size $size --schedule "$gs" --code "${CODE:-}"
+      if [ "$size" = l ]; then
+        echo "== $n GPUs gpt-$size DualPipeV one stream"
+        (export CUDA_VISIBLE_DEVICES=$vis PIPELOOM_OVERLAP_STREAMS=0; bench $n one-stream --model gpt --size $size --schedule DualPipeV --engines pipeloom --code "${CODE:-}")
+      fi
     done
     ;;
   bench4)
