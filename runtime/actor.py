@@ -16,16 +16,14 @@ Invariants:
   more activation memory than the schedule promises.
 - ``deterministic=True`` runs exactly the list order (for debugging and
   bit-exact comparison with torch).
-- GPUs: running an action only launches kernels, and waiting for a receive to
-  *complete* before launching its consumer leaves the GPU idle for the launch
-  latency.  So while the GPU's queue of launched actions is nearly empty, an
-  action whose receive is *posted* (announced) but not complete may be
-  launched too, with the compute stream ordered after the receive.  That is
-  deadlock-free: a receive is only posted after its producer was launched on
-  the peer, so every stream wait is on work already in some queue.
-- OVERLAP_F_B on GPUs runs its forward and its backward on two CUDA streams
-  (see :meth:`RankActor._run_overlap`), ordered by stream waits, so their
-  kernels can run concurrently; on CPU the halves run one after the other.
+- GPUs: running an action only launches kernels.  An action is *committed*
+  as soon as its inputs are committed (a local producer launched, or a
+  transfer announced by its sender with the receive posted), and stream waits
+  on CUDA events enforce the data dependencies; the dispatcher reorders only
+  what it has not committed, and commits while the device time queued is
+  under a horizon.  Each local stage has its own compute stream, so the
+  halves of an OVERLAP_F_B (two stages) run concurrently.  The policy lives
+  in ``runtime/device.py`` (CPU: run when arrived).
 - Failures: an exception in an action is wrapped with rank, step, stage,
   microbatch and action, broadcast to every peer as an ``abort`` message, and
   raised; a peer's abort is raised here as :class:`RemoteRankError`.
@@ -38,7 +36,6 @@ import logging
 import time
 import traceback
 import weakref
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +45,7 @@ import torch
 from ..schedules import Action, ActionType, Dataflow, Schedule, consumer_stage, producer_stage
 from ..transport.control import ControlPlane
 from ..transport.tensor import TensorPlane, TransferSpec
+from .device import make_policy
 from .errors import PeerLostError, PipelineError, RemoteRankError, StageError
 from .liveness import PeerLiveness
 from .options import RuntimeOptions
@@ -172,25 +170,24 @@ class RankActor:
         self._i_done: set[tuple[int, int]] = set()
         self.statistics: ActorStatistics | None = None
         self.trace = trace
-        # GPU: receives posted but not complete (buffers, works), consumed early, and launched work
+        # How actions reach the device (runtime/device.py): CPU runs when ready; GPUs commit
+        # ahead on committed inputs, one stream per stage (one shared stream with data
+        # parallelism, whose collectives are launched on the current stream).
         self._cuda = device.type == "cuda"
+        self.dev = make_policy(
+            device,
+            stages,
+            stage_streams=collectives is None and options.overlap_streams,
+            horizon_ms=options.gpu_commit_ms,
+        )
+        self._commit_ahead = self.dev.commit_ahead
+        #: GPU: receives posted (committed), not yet consumed: buffers, Works, spec
         self._posted: dict[tuple[int, str, int, int], tuple[list[torch.Tensor | None], list[Any], Any]] = {}
-        self._consumed: set[tuple[int, str, int, int]] = set()
-        self._gpu_events: deque[Any] = deque()
-        self._speculate = False
-        #: launch actions on posted (incomplete) inputs while at most this many launched actions are queued
-        self._lookahead = options.gpu_lookahead
-        # OVERLAP_F_B on two streams (options.overlap_streams=False runs the halves in sequence)
-        self._side: Any = None
-        if self._cuda and options.overlap_streams:
-            if any(a.type is _OVL for a in self.train_actions):
-                self._side = torch.cuda.Stream(device=device)
-        #: (stage, mb) whose forward ran on the side stream (autograd runs its backward there too)
-        self._fwd_on_side: set[tuple[int, int]] = set()
-        #: while running half of an OVERLAP_F_B on the side stream: inputs taken are recorded on it
-        self._record_on: Any = None
-        #: payloads produced by the action being run, handed over once its compute is done
-        self._outbox: list[tuple[int, str, int, int, Sequence[torch.Tensor | None]]] = []
+        #: GPU: local hand-offs between stage streams: the producer's event
+        self._handoff: dict[tuple[int, str, int, int], Any] = {}
+        #: payloads produced by the action being run (producing stage, step, kind, to stage, mb,
+        #: tensors), handed over once its compute is done
+        self._outbox: list[tuple[int, int, str, int, int, Sequence[torch.Tensor | None]]] = []
         #: the actions of the step in progress not yet run (for debug_state)
         self._pending: list[Action] = []
         _LIVE.add(self)
@@ -210,7 +207,7 @@ class RankActor:
                     lines.append(f"  waiting for {d}")
             lines.append(f"  inputs arrived: {sorted(self._inbox)[:8]}")
             if self._posted:
-                lines.append(f"  receives posted, not complete: {sorted(self._posted)[:8]}")
+                lines.append(f"  receives posted (committed on the GPU), not consumed: {sorted(self._posted)[:8]}")
             t = self.tensors
             lines.append(f"  transfers sent per peer: {dict(t._send_seq)}, announced to us per peer: {dict(t._recv_seq)}, "
                          f"sends in flight: {len(t._inflight_sends)}")
@@ -250,11 +247,18 @@ class RankActor:
             posted = clock_ns() if self.trace is not None else 0
             seq = msg["seq"]
 
+            if self._commit_ahead:
+                # GPU: the receive is committed once posted; its consumer's stream waits on it
+                with self.dev.posting():
+                    buffers, works = self.tensors.recv(src, spec, None, seq=seq, fast=msg["fast"], last=msg["last"])
+                self._posted[key] = (buffers, works, spec)
+                if self.trace is not None:
+                    nbytes = sum(b.numel() * b.element_size() for b in buffers if b is not None)
+                    self.trace.transfer("recv", key[0], src, key[2], key[3], key[1], seq, nbytes, posted, clock_ns())
+                self._wake.set()
+                return
+
             def arrived(buffers: list[torch.Tensor | None], err: BaseException | None, key: tuple[int, str, int, int] = key) -> None:
-                if key in self._consumed:  # already taken by a GPU consumer (stream-ordered)
-                    self._consumed.discard(key)
-                    return
-                self._posted.pop(key, None)
                 if err is not None:
                     self._fail_remote(
                         PeerLostError(
@@ -274,9 +278,7 @@ class RankActor:
                     self.trace.transfer("recv", key[0], src, key[2], key[3], key[1], seq, nbytes, posted, clock_ns())
                 self._wake.set()
 
-            buffers, works = self.tensors.recv(src, spec, arrived, seq=msg["seq"], fast=msg["fast"], last=msg["last"])
-            if self._cuda and works:
-                self._posted[key] = (buffers, works, spec)
+            self.tensors.recv(src, spec, arrived, seq=seq, fast=msg["fast"], last=msg["last"])
         elif kind == "abort":
             self._fail_remote(
                 RemoteRankError(
@@ -298,38 +300,25 @@ class RankActor:
 
     # ------------------------------------------------------------ readiness
     def _have(self, key: tuple[int, str, int, int]) -> bool:
-        return key in self._inbox or (self._speculate and key in self._posted)
+        return key in self._inbox or key in self._posted
 
-    def _take(self, key: tuple[int, str, int, int]) -> list[torch.Tensor | None]:
-        """An input: arrived, or (GPU) posted, with the current stream ordered after its receive."""
+    def _take(self, key: tuple[int, str, int, int], stage: int) -> list[torch.Tensor | None]:
+        """An input of ``stage``: arrived, or (GPU) committed, with the stage's stream ordered after it."""
         got = self._inbox.pop(key, None)
         if got is not None:
-            return self._recorded(got) if self._record_on is not None else got
+            if self._handoff:
+                token = self._handoff.pop(key, None)
+                if token is not None:
+                    self.dev.take_handed(token, stage, got)
+            return got
         buffers, works, spec = self._posted.pop(key)
-        for w in works:
-            w.wait()  # NCCL: the current stream waits; the host does not
-        self._consumed.add(key)
+        self.dev.consume(stage, buffers, works)
         if key[1] == "F":
             for b, sp in zip(buffers, spec.tensors):
                 if b is not None and sp is not None and sp[2]:
                     b.requires_grad_(True)
-        return self._recorded(buffers)
-
-    def _recorded(self, buffers: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        # Used on the side stream but allocated on the main one: the allocator must not
-        # hand the memory out again before the side stream's kernels reading it are done.
-        side = self._record_on
-        if side is not None:
-            for b in buffers:
-                if b is not None and b.is_cuda:
-                    b.record_stream(side)
         return buffers
 
-    def _gpu_queue_depth(self) -> int:
-        q = self._gpu_events
-        while q and q[0].query():
-            q.popleft()
-        return len(q)
     def _ready(self, a: Action, step: int, live: int, train: bool) -> bool:
         c = self.collectives
         if c is not None and not c.ready(a):  # DP events; computes of a stage not yet unsharded
@@ -353,15 +342,18 @@ class RankActor:
         return True
 
     # ------------------------------------------------------------ execution
-    def _emit(self, step: int, kind: str, to_stage: int, mb: int, tensors: Sequence[torch.Tensor | None]) -> None:
-        """Hand a payload to stage ``to_stage``: locally, or announced and sent."""
+    def _emit(self, from_stage: int, step: int, kind: str, to_stage: int, mb: int, tensors: Sequence[torch.Tensor | None]) -> None:
+        """Hand a payload of stage ``from_stage`` to stage ``to_stage``: locally, or announced and sent."""
         dst = self.stage_to_rank[to_stage]
         if dst == self.rank:
             if kind == "F":
                 local = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in tensors]
             else:
                 local = list(tensors)
-            self._inbox[(step, kind, to_stage, mb)] = local
+            key = (step, kind, to_stage, mb)
+            self._inbox[key] = local
+            if self._commit_ahead:
+                self._handoff[key] = self.dev.handed(from_stage)
             return
         spec = TransferSpec.of(tensors)
         seq = self.tensors.next_send_seq(dst)
@@ -372,7 +364,8 @@ class RankActor:
         self.control.send(dst, "xfer", seq=seq, step=step, stage=to_stage, mb=mb, kind=kind, tensors=spec.to_wire(),
                           fast=fast, last=last)
         try:
-            nbytes = self.tensors.send(dst, tensors, seq, fast, predicted)
+            with self.dev.on_stage(from_stage):  # NCCL orders the send after the producer's stream
+                nbytes = self.tensors.send(dst, tensors, seq, fast, predicted)
         except RuntimeError as exc:
             try:
                 self.control.drain()  # a 'bye' from it may be waiting unread
@@ -395,26 +388,26 @@ class RankActor:
     def _run(self, a: Action, step: int, inputs: StepInputs, train: bool, results: dict[int, Any], losses: dict[int, torch.Tensor]) -> None:
         t = a.type
         if t is _OVL:
-            if self._side is not None and train:
-                self._run_overlap(a, step, inputs, results, losses)
-                return
+            # the halves are two stages: on GPUs two streams, so their kernels may overlap
             for leaf in a.sub_actions:
                 self._run(leaf, step, inputs, train, results, losses)
             return
         if t in _DP:
             self.collectives.run(a, step)
             return
+        with self.dev.on_stage(a.stage):
+            self._compute(a, step, inputs, train, results, losses)
+
+    def _compute(self, a: Action, step: int, inputs: StepInputs, train: bool, results: dict[int, Any], losses: dict[int, torch.Tensor]) -> None:
+        t = a.type
         stage = self.stages[a.stage]
         mb = a.microbatch
         assert mb is not None
-        if t is not _F and self._record_on is None and self._fwd_on_side and (a.stage, mb) in self._fwd_on_side:
-            self._run_after_side_forward(a, step, inputs, results, losses)
-            return
         if t is _F:
             if a.stage == 0:
                 args = inputs.args[mb]
             else:
-                args = tuple(self._take((step, "F", a.stage, mb)))
+                args = tuple(self._take((step, "F", a.stage, mb), a.stage))
             target = inputs.targets[mb] if (inputs.targets is not None and a.stage == self.last_stage) else None
             outputs, raw, loss = stage.forward(mb, args, inputs.kwargs[mb], target, train=train)
             if a.stage == self.last_stage:
@@ -422,89 +415,24 @@ class RankActor:
                 if loss is not None:
                     losses[mb] = loss.detach()
             else:
-                self._outbox.append((step, "F", consumer_stage("F", a.stage), mb, outputs))
+                self._outbox.append((a.stage, step, "F", consumer_stage("F", a.stage), mb, outputs))
             if train:
                 self._fwd_done.add((a.stage, mb))
             return
         if t is _B or t is _I:
-            grads = None if a.stage == self.last_stage else self._take((step, "B", a.stage, mb))
+            grads = None if a.stage == self.last_stage else self._take((step, "B", a.stage, mb), a.stage)
             if t is _B:
                 in_grads = stage.backward(mb, grads)
             else:
                 in_grads = stage.backward_input(mb, grads)
                 self._i_done.add((a.stage, mb))
             if a.stage > 0:
-                self._outbox.append((step, "B", consumer_stage("B", a.stage), mb, in_grads))
+                self._outbox.append((a.stage, step, "B", consumer_stage("B", a.stage), mb, in_grads))
             return
         if t is _W:
             stage.backward_weight(mb)
             return
         raise AssertionError(f"unexpected action {a}")
-
-    def _run_overlap(self, a: Action, step: int, inputs: StepInputs, results: dict[int, Any], losses: dict[int, torch.Tensor]) -> None:
-        """OVERLAP_F_B on two CUDA streams: the backward's kernels and the forward's, concurrently.
-
-        Autograd runs a backward op on the stream its forward op ran on, so
-        the backward half goes where its microbatch's forward ran, and the
-        forward half on the *other* stream (recorded, so this microbatch's
-        backward later lands there too).  Both streams first wait for
-        everything launched on the main stream; afterwards the main stream
-        waits for the side one, so sends, later actions and the optimizer
-        see both halves done.  Tensors crossing streams are recorded with the
-        caching allocator (``record_stream``), so memory freed by one stream
-        is not reused by the other while still being read.
-        """
-        f, b = a.sub_actions
-        main = torch.cuda.current_stream(self.device)
-        side = self._side
-        side.wait_stream(main)
-        b_key = (b.stage, b.microbatch)
-        b_side = b_key in self._fwd_on_side
-        f_stream = main if b_side else side
-        mark = len(self._outbox)
-        try:
-            # The backward first: its autograd call orders its streams after the *current*
-            # stream, which must not yet hold this forward's kernels.
-            self._record_on = side if b_side else None
-            with torch.cuda.stream(side if b_side else main):
-                self._run(b, step, inputs, True, results, losses)
-            self._record_on = side if f_stream is side else None
-            with torch.cuda.stream(f_stream):
-                self._run(f, step, inputs, True, results, losses)
-        finally:
-            self._record_on = None
-        if b.type is not _I:  # (after an I, its W still runs on the forward's stream)
-            self._fwd_on_side.discard(b_key)
-        if f_stream is side:
-            self._fwd_on_side.add((f.stage, f.microbatch))
-        main.wait_stream(side)
-        self._record_outputs(mark, main)
-        for d in (results, losses):
-            v = d.get(f.microbatch)
-            if isinstance(v, torch.Tensor) and v.is_cuda:
-                v.record_stream(main)
-
-    def _record_outputs(self, mark: int, main: Any) -> None:
-        """What the side stream produced since ``mark`` and others read later (sends, local hand-offs)."""
-        for item in self._outbox[mark:]:
-            for t in item[4]:
-                if t is not None and t.is_cuda:
-                    t.record_stream(main)
-
-    def _run_after_side_forward(self, a: Action, step: int, inputs: StepInputs, results: dict[int, Any], losses: dict[int, torch.Tensor]) -> None:
-        """B, I or W of a microbatch whose forward ran on the side stream (its kernels run there too)."""
-        main = torch.cuda.current_stream(self.device)
-        side = self._side
-        mark = len(self._outbox)
-        self._record_on = side
-        try:
-            self._run(a, step, inputs, True, results, losses)
-        finally:
-            self._record_on = None
-        main.wait_stream(side)
-        self._record_outputs(mark, main)
-        if a.type is not _I:
-            self._fwd_on_side.discard((a.stage, a.microbatch))
 
     async def run_step(self, inputs: StepInputs, *, train: bool = True) -> tuple[dict[int, Any], dict[int, torch.Tensor]]:
         """Run this rank's actions for one step; return (outputs, losses) by microbatch."""
@@ -524,7 +452,10 @@ class RankActor:
             coll.begin_step(self.train_actions if train else self.eval_actions)
         self._fwd_done = set()
         self._i_done = set()
-        self._fwd_on_side.clear()
+        # (not cleared: a faster peer's transfers of the next step may be posted already)
+        dev = self.dev
+        commit_ahead = self._commit_ahead
+        dev.begin_step()
         results: dict[int, Any] = {}
         losses: dict[int, torch.Tensor] = {}
         live = 0
@@ -539,12 +470,12 @@ class RankActor:
         while pending:
             if self._remote_error is not None:
                 raise self._annotate_wait(self._remote_error, pending, step)
-            if self._cuda:
-                # Feed a nearly idle GPU with posted (not yet complete) inputs.
-                self._speculate = bool(self._posted) and self._gpu_queue_depth() <= self._lookahead
+            # GPU: commit only while the device time queued is under the horizon, so what is
+            # not committed yet can still be reordered around a late peer.
+            hold = dev.wait_ms() if commit_ahead else 0.0
             pick = -1
             seen_forward = False
-            for i, a in enumerate(pending):
+            for i, a in enumerate(pending if not hold else ()):
                 # Forwards run in list order among themselves (only the first
                 # pending one is eligible): with the live-microbatch cap, a
                 # forward taken early could use up the memory that an earlier
@@ -557,14 +488,15 @@ class RankActor:
                     break
                 seen_forward = seen_forward or is_fwd
             if pick < 0:
-                waits += 1
+                if not hold:
+                    waits += 1
                 wake.clear()
                 t0 = time.perf_counter()
                 self.state = ("waiting", str(pending[0]), time.monotonic())
                 w0 = clock_ns() if trace is not None else 0
                 waiting_for = self.describe_wait(pending, step, train) if trace is not None else None
-                # On a GPU with posted receives, re-check soon: the queue may drain.
-                timeout = 2e-4 if (self._cuda and self._posted and self._gpu_events) else self._liveness_interval
+                # Held by the commit horizon: re-check when about that much device time has run.
+                timeout = max(hold * 1e-3, 2e-4) if hold else self._liveness_interval
                 try:
                     await asyncio.wait_for(wake.wait(), timeout)
                 except asyncio.TimeoutError:
@@ -581,6 +513,9 @@ class RankActor:
                 out_of_order += 1
             self.state = ("busy", str(a), time.monotonic())
             a0 = clock_ns() if trace is not None else 0
+            leaves = a.leaves()
+            tkey = (a.type, leaves[0].stage)
+            token = dev.start(tkey) if commit_ahead else None
             try:
                 self._run(a, step, inputs, train, results, losses)
                 if coll is not None:
@@ -589,12 +524,10 @@ class RankActor:
                 raise
             except Exception as exc:
                 raise self._abort(exc, a, step) from exc
-            if self._cuda:
-                ev = torch.cuda.Event()
-                ev.record()
-                self._gpu_events.append(ev)
+            if commit_ahead:
+                dev.launched(tkey, [x.stage for x in leaves], token)
             if trace is not None:
-                leaf = a.leaves()[0]
+                leaf = leaves[0]
                 trace.action(step, str(a), a.type.value, leaf.stage, leaf.microbatch, a0, clock_ns(),
                              [str(x) for x in a.sub_actions] if a.sub_actions else None)
             # Hand the outputs on after the compute (its trace span ends before the sends).
@@ -608,7 +541,7 @@ class RankActor:
                 raise self._abort(exc, a, step) from exc
             ran += 1
             if train:
-                for leaf in a.leaves():
+                for leaf in leaves:
                     if leaf.type is _F:
                         live += 1
                     elif leaf.type is _B or leaf.type is _W:
@@ -627,9 +560,13 @@ class RankActor:
         if self.tensors.pending_sends:
             self.state = ("waiting", "sends to complete", time.monotonic())
             d0 = clock_ns() if trace is not None else 0
-            await asyncio.to_thread(self.tensors.drain_sends)
+            if self._cuda:
+                self.tensors.drain_sends()  # NCCL: orders the caller's stream, never blocks the host
+            else:
+                await asyncio.to_thread(self.tensors.drain_sends)
             if trace is not None:
                 trace.wait(step, d0, clock_ns(), ["sends to complete"])
+        dev.end_step()
         self.state = ("idle", "", time.monotonic())
         if trace is not None:
             if self.device.type == "cuda":

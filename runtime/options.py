@@ -85,14 +85,18 @@ class RuntimeOptions:
     """NCCL only: cap on the CTAs (thread blocks) each pair group's communicator uses; None:
     NCCL's default.  Environment: ``PIPELOOM_P2P_MAX_CTAS``."""
 
-    gpu_lookahead: int = 1
-    """GPUs: launch an action on a posted (not yet complete) input while at most this many
-    launched actions are queued on the GPU (an action count; default 1).
-    Environment: ``PIPELOOM_GPU_LOOKAHEAD``."""
+    gpu_commit_ms: float = 10.0
+    """GPUs: how far ahead the dispatcher commits actions whose inputs are committed (a local
+    producer launched, or a transfer announced and its receive posted), in milliseconds of
+    device time queued and not yet run (each action's GPU time is learned from CUDA events in
+    the first steps; see ``runtime/device.py``).  Larger: the GPU queue is less likely to run
+    dry; smaller: more actions stay uncommitted, free to be reordered around a late peer.
+    0 commits only into an empty queue.  Environment: ``PIPELOOM_GPU_COMMIT_MS``."""
 
     overlap_streams: bool = True
-    """GPUs: run OVERLAP_F_B's forward and backward on two concurrent CUDA streams (True) or
-    one after the other on one stream (False).  Environment: ``PIPELOOM_OVERLAP_STREAMS=0``."""
+    """GPUs: one compute stream per local stage (True), so OVERLAP_F_B's forward and backward
+    halves (two stages) run concurrently, or every stage on the caller's stream (False).
+    Data parallelism always uses the caller's stream.  Environment: ``PIPELOOM_OVERLAP_STREAMS=0``."""
 
     overlap_collectives: bool = True
     """Data parallelism: run UNSHARD's all-gather and REDUCE_GRAD's reductions as events that
@@ -112,8 +116,8 @@ class RuntimeOptions:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 problems.append(f"{name} must be a positive number of seconds (got {v!r})")
-        if isinstance(self.gpu_lookahead, bool) or not isinstance(self.gpu_lookahead, int) or self.gpu_lookahead < 0:
-            problems.append(f"gpu_lookahead must be an int >= 0 (got {self.gpu_lookahead!r})")
+        if isinstance(self.gpu_commit_ms, bool) or not isinstance(self.gpu_commit_ms, (int, float)) or not self.gpu_commit_ms >= 0:
+            problems.append(f"gpu_commit_ms must be a number of milliseconds >= 0 (got {self.gpu_commit_ms!r})")
         if self.p2p_max_ctas is not None and (
             isinstance(self.p2p_max_ctas, bool) or not isinstance(self.p2p_max_ctas, int) or self.p2p_max_ctas < 1
         ):
@@ -161,6 +165,13 @@ def _seconds(raw: str) -> float:
         raise ValueError("expected a number of seconds") from None
 
 
+def _ms(raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError("expected a number of milliseconds") from None
+
+
 def _int(raw: str) -> int:
     try:
         return int(raw)
@@ -177,7 +188,7 @@ ENV_VARS: dict[str, tuple[str, Any]] = {
     "PIPELOOM_TRACE_ENDPOINT": ("trace_endpoint", str),
     "PIPELOOM_PAIR_GROUPS": ("pair_groups", _flag),
     "PIPELOOM_P2P_MAX_CTAS": ("p2p_max_ctas", _int),
-    "PIPELOOM_GPU_LOOKAHEAD": ("gpu_lookahead", _int),
+    "PIPELOOM_GPU_COMMIT_MS": ("gpu_commit_ms", _ms),
     "PIPELOOM_OVERLAP_STREAMS": ("overlap_streams", _flag),
     "PIPELOOM_OVERLAP_COLLECTIVES": ("overlap_collectives", _flag),
     "PIPELOOM_FSDP_REDUCE": ("fsdp_reduce", str),

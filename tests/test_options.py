@@ -14,7 +14,7 @@ def test_defaults_match_the_documented_ones() -> None:
     o = RuntimeOptions()
     assert (o.heartbeat_timeout, o.stall_timeout, o.heartbeat_interval) == (10.0, 30.0, 0.5)
     assert o.backend is None and o.trace is None and o.trace_endpoint is None
-    assert o.gpu_lookahead == 1 and o.overlap_streams and o.overlap_collectives
+    assert o.gpu_commit_ms == 10.0 and o.overlap_streams and o.overlap_collectives
     assert o.fsdp_reduce == "auto" and not o.pair_groups and o.p2p_max_ctas is None and not o.deterministic
 
 
@@ -42,7 +42,7 @@ def test_from_env_maps_every_variable() -> None:
         "PIPELOOM_TRACE_ENDPOINT": "tcp://127.0.0.1:5555",
         "PIPELOOM_PAIR_GROUPS": "1",
         "PIPELOOM_P2P_MAX_CTAS": "4",
-        "PIPELOOM_GPU_LOOKAHEAD": "3",
+        "PIPELOOM_GPU_COMMIT_MS": "3",
         "PIPELOOM_OVERLAP_STREAMS": "0",
         "PIPELOOM_OVERLAP_COLLECTIVES": "off",
         "PIPELOOM_FSDP_REDUCE": "fsdp",
@@ -52,7 +52,7 @@ def test_from_env_maps_every_variable() -> None:
     o = RuntimeOptions.from_env(env)
     assert o == RuntimeOptions(
         backend="gloo", heartbeat_timeout=7.5, stall_timeout=12.0, trace="/tmp/t.json",
-        trace_endpoint="tcp://127.0.0.1:5555", pair_groups=True, p2p_max_ctas=4, gpu_lookahead=3,
+        trace_endpoint="tcp://127.0.0.1:5555", pair_groups=True, p2p_max_ctas=4, gpu_commit_ms=3.0,
         overlap_streams=False, overlap_collectives=False, fsdp_reduce="fsdp",
     )
 
@@ -68,7 +68,8 @@ def test_from_env_empty_and_overrides() -> None:
     "var,value,needle",
     [
         ("PIPELOOM_STALL_TIMEOUT", "soon", "PIPELOOM_STALL_TIMEOUT='soon': expected a number of seconds"),
-        ("PIPELOOM_GPU_LOOKAHEAD", "1.5", "PIPELOOM_GPU_LOOKAHEAD='1.5': expected an integer"),
+        ("PIPELOOM_GPU_COMMIT_MS", "soon", "PIPELOOM_GPU_COMMIT_MS='soon': expected a number of milliseconds"),
+        ("PIPELOOM_P2P_MAX_CTAS", "1.5", "PIPELOOM_P2P_MAX_CTAS='1.5': expected an integer"),
         ("PIPELOOM_OVERLAP_STREAMS", "maybe", "PIPELOOM_OVERLAP_STREAMS='maybe': expected one of"),
         ("PIPELOOM_BACKEND", "mpi", "backend must be 'gloo', 'nccl' or None (got 'mpi')"),
         ("PIPELOOM_HEARTBEAT_TIMEOUT", "-1", "heartbeat_timeout must be a positive number of seconds (got -1.0)"),
@@ -83,9 +84,9 @@ def test_bad_values_are_named(var: str, value: str, needle: str) -> None:
 
 def test_bad_fields_are_all_reported() -> None:
     with pytest.raises(ValueError) as info:
-        RuntimeOptions(stall_timeout=0, gpu_lookahead=-1, p2p_max_ctas=0)
+        RuntimeOptions(stall_timeout=0, gpu_commit_ms=-1, p2p_max_ctas=0)
     msg = str(info.value)
-    assert "stall_timeout" in msg and "gpu_lookahead" in msg and "p2p_max_ctas" in msg
+    assert "stall_timeout" in msg and "gpu_commit_ms" in msg and "p2p_max_ctas" in msg
 
 
 def test_precedence_kwargs_over_options_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -95,7 +96,7 @@ def test_precedence_kwargs_over_options_over_environment(monkeypatch: pytest.Mon
     o = resolve_options(None, heartbeat_timeout=None, stall_timeout=40.0)
     assert (o.heartbeat_timeout, o.stall_timeout) == (3.0, 40.0)
     # options given: the environment is not read
-    o = resolve_options(RuntimeOptions(gpu_lookahead=2), stall_timeout=None, overlap_collectives=False)
-    assert (o.heartbeat_timeout, o.stall_timeout, o.gpu_lookahead, o.overlap_collectives) == (10.0, 30.0, 2, False)
+    o = resolve_options(RuntimeOptions(gpu_commit_ms=2.0), stall_timeout=None, overlap_collectives=False)
+    assert (o.heartbeat_timeout, o.stall_timeout, o.gpu_commit_ms, o.overlap_collectives) == (10.0, 30.0, 2.0, False)
     with pytest.raises(TypeError, match="options must be a RuntimeOptions, not dict"):
         resolve_options({"stall_timeout": 1})  # type: ignore[arg-type]

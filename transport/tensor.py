@@ -40,10 +40,12 @@ B can wait for B's receive, queued behind B's own send to A: a deadlock that
 dynamic order would make likely.  Each *ordered* pair of ranks therefore gets
 its own two-rank process group (created eagerly, in the same order on every
 rank), so traffic A->B never queues behind B->A.  (2) ``wait()`` on an NCCL
-``Work`` only makes the calling thread's current stream wait; the host learns
-completion from ``is_completed()`` (a CUDA event query), which the waiter
-thread polls, so the dispatcher sees a receive as ready only when its data
-is actually there and never blocks the host on it.
+``Work`` only makes the calling thread's current stream wait.  The GPU actor
+commits a receive's consumer as soon as the receive is posted (see
+``runtime/device.py``): the consumer's stream waits on the Work, no host
+thread polls it, and the Works are only kept until they complete.  (Given a
+completion callback, a waiter thread polls ``is_completed()``, a CUDA event
+query, and reports on the loop.)
 """
 
 from __future__ import annotations
@@ -294,6 +296,8 @@ class TensorPlane:
         self._recv_seq: dict[int, int] = {}
         self._waiters: dict[int, WorkWaiter] = {}
         self._inflight_sends: deque[tuple[Any, Sequence[torch.Tensor]]] = deque()
+        #: NCCL receives committed to a consumer's stream (no host waiter), kept until complete
+        self._inflight_recvs: deque[Any] = deque()
         #: per peer we send to: the shapes the peer pre-posted for our next transfer
         self._sent_pred: dict[int, _Key] = {}
         #: per peer we receive from: (seq, shapes, slot) of the pre-posted receive
@@ -382,6 +386,7 @@ class TensorPlane:
         while self._inflight_sends:
             work, _ = self._inflight_sends.popleft()
             work.wait()
+        self._reap_recvs()
 
     @property
     def pending_sends(self) -> int:
@@ -402,7 +407,7 @@ class TensorPlane:
         self,
         peer: int,
         spec: TransferSpec,
-        done: Callable[[list[torch.Tensor | None], BaseException | None], None],
+        done: Callable[[list[torch.Tensor | None], BaseException | None], None] | None,
         *,
         seq: int = 0,
         fast: bool = False,
@@ -413,11 +418,16 @@ class TensorPlane:
         Buffers come from the announced spec (or, ``fast``, are the ones
         pre-posted for this sequence number).  Returns the buffers and, on
         NCCL, their ``Work`` objects, so a GPU consumer may order its stream
-        after them (``work.wait()``) before they complete.
+        after them (``work.wait()``) before they complete.  On NCCL ``done``
+        may be None: the receive is then *committed* (nobody waits for it on
+        the host; its consumer's stream waits on the Works), which saves the
+        waiter thread's polling and a thread hop per transfer.
         """
         loop = asyncio.get_running_loop()
         if self._poll:
             return self._recv_nccl(loop, peer, spec, done)
+        if done is None:
+            raise ValueError("a gloo receive needs a completion callback")
         pre = self._prepost.pop(peer, None)
         if pre is not None and pre[0] != seq:
             raise RuntimeError(f"rank {self.rank}: receive pre-posted for transfer {pre[0]} from rank {peer}, got transfer {seq}")
@@ -503,16 +513,22 @@ class TensorPlane:
         loop: asyncio.AbstractEventLoop,
         peer: int,
         spec: TransferSpec,
-        done: Callable[[list[torch.Tensor | None], BaseException | None], None],
+        done: Callable[[list[torch.Tensor | None], BaseException | None], None] | None,
     ) -> tuple[list[torch.Tensor | None], list[Any]]:
-        # Posted here, on the loop's thread and current stream, so a consumer
-        # can be stream-ordered after these Works before they complete.
+        # Posted here, on the loop's thread, with the caller's current stream (the actor makes
+        # that its transfer stream: NCCL orders its stream after the current one, which must
+        # not hold queued compute).  The consumer orders its own stream after these Works.
         buffers = self._alloc(_key(spec))
         group = self.pair_groups.get((peer, self.rank))
         works = []
         for b in buffers:
             if b is not None:
                 works.append(dist.irecv(b, src=peer, group=group))
+        if done is None:
+            # committed: nobody waits on the host; the Works are kept until they complete
+            self._inflight_recvs.extend(works)
+            self._reap_recvs()
+            return buffers, works
 
         def complete(err: BaseException | None) -> None:
             try:
@@ -525,6 +541,11 @@ class TensorPlane:
         else:
             self._waiter(peer).submit(works, complete)
         return buffers, works
+
+    def _reap_recvs(self) -> None:
+        q = self._inflight_recvs
+        while q and q[0].is_completed():
+            q.popleft()
 
     def close(self, join_timeout: float = 1.0) -> None:
         for w in self._waiters.values():

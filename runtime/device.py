@@ -1,0 +1,270 @@
+"""How an action is committed to the device: run now (CPU) or commit ahead on CUDA streams (GPU).
+
+Problem.  On a CPU an action *is* its work: running it when its inputs have
+arrived is the only sensible rule.  On a GPU running an action only enqueues
+kernels.  Launching an action only when its input has *arrived* leaves the
+GPU idle at every cross-rank dependency for the time the host needs to learn
+of the arrival and launch the consumer, and a slow host path shows up
+directly in the step time (measured: 7-14% slower than torch's static list
+order on 2 GPUs for 1F1B, GPipe, Interleaved1F1B on a GPT with many small
+microbatches).  torch enqueues everything in list order and lets stream waits
+enforce the data dependencies, so its GPU queue never drains; but it cannot
+reorder around a peer that is late.
+
+Alternatives.  (a) Launch when arrived, plus a small fixed lookahead on
+posted inputs (the first engine): a posted receive ahead of ready work on the
+one compute stream blocks that work, and the receive itself could not start
+before the compute queued ahead of its posting drained (NCCL orders its
+stream after the *current* stream at posting).  (b) Walk the list like torch:
+no dynamic order at all.  (c) Decide on the host by events, but *commit* an
+action as soon as its inputs are *committed* - a local producer enqueued, or
+a remote transfer announced by its sender (who enqueued its producer and its
+send before announcing) with the receive posted - and let CUDA events and
+stream waits enforce the data dependencies.  Reordering happens only among
+actions not yet committed, so a peer that has not even enqueued its producer
+still lets ready work go first.  That is (c), this module.
+
+Deadlock freedom.  Every stream wait is on work already enqueued somewhere
+(a local producer launched before, or a send the peer posted before it
+announced it), so the waits follow real time and cannot form a cycle; NCCL's
+pairing order is untouched (receives are still posted in the sender's
+per-peer sequence, by the tensor plane).
+
+Streams by role.  One fixed compute stream per local stage: every compute of
+a stage runs there, so its forward, its backward and the gradient
+accumulation (autograd runs AccumulateGrad on the stream where the node was
+created: the stage's first forward) stay on one stream, and the halves of an
+OVERLAP_F_B (always two different stages) really run concurrently.  Receives
+are posted with a separate transfer stream current, so NCCL's stream waits on
+nothing queued for compute and the data can land while compute runs; the
+consumer's stream waits on the receive's Work and the buffer is recorded on
+it (``record_stream``).  A local hand-off between two stages' streams is an
+event.  At a step's start every stage stream waits on the caller's stream
+(inputs, the optimizer's last update); at its end the caller's stream waits on
+every stage stream (losses, gradients).  With data parallelism (collectives
+launched on the current stream) or ``stage_streams=False`` every stage uses
+the caller's stream.
+
+Commit depth.  How far ahead to commit is measured in *device time*: each
+action's GPU time is learned from CUDA events (per action type and stage,
+over the first steps), and the dispatcher commits while the work queued and
+not yet finished is below ``horizon_ms``.  Enough to hide the host's launch
+latency, small enough that an action not committed yet can still be reordered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["DevicePolicy", "HostPolicy", "CudaPolicy", "make_policy"]
+
+
+class DevicePolicy:
+    """The interface the actor uses; the CPU policy (run now, nothing queued)."""
+
+    #: commit actions on committed (posted, not arrived) inputs
+    commit_ahead = False
+
+    def begin_step(self) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
+
+    def on_stage(self, stage: int) -> contextlib.AbstractContextManager[Any]:
+        """The context every compute of ``stage`` runs in (its stream on GPUs)."""
+        return contextlib.nullcontext()
+
+    def posting(self) -> contextlib.AbstractContextManager[Any]:
+        """The context receives are posted in."""
+        return contextlib.nullcontext()
+
+    def start(self, key: tuple[Any, int]) -> Any:
+        """Before an action's launch; returns a token for :meth:`launched`."""
+        return None
+
+    def launched(self, key: tuple[Any, int], stages: Sequence[int], token: Any) -> None:
+        """After an action's launch on the streams of ``stages``."""
+
+    def wait_ms(self) -> float:
+        """0 when another action may be committed now; else about how long (ms) until one may."""
+        return 0.0
+
+    def consume(self, stage: int, buffers: Sequence[torch.Tensor | None], works: Sequence[Any]) -> None:
+        """Order ``stage``'s stream after a posted receive whose buffers it is about to read."""
+
+    def handed(self, from_stage: int) -> Any:
+        """A local hand-off from ``from_stage``'s stream: a token for :meth:`take_handed`."""
+        return None
+
+    def take_handed(self, token: Any, stage: int, tensors: Sequence[torch.Tensor | None]) -> None:
+        pass
+
+    def describe(self) -> str:
+        return "run when ready (CPU)"
+
+
+class HostPolicy(DevicePolicy):
+    """CPU / gloo: an action runs when its inputs have arrived."""
+
+
+class _Timing:
+    """Per (type, stage) GPU time in ms, learned from events over the first steps."""
+
+    __slots__ = ("est", "pending")
+
+    def __init__(self) -> None:
+        self.est: dict[tuple[Any, int], float] = {}
+        self.pending: list[tuple[tuple[Any, int], Any, Any]] = []
+
+    def harvest(self) -> None:
+        keep = []
+        for key, s, e in self.pending:
+            if e.query():
+                ms = s.elapsed_time(e)
+                old = self.est.get(key)
+                self.est[key] = ms if old is None else min(old, ms)  # the least: compute without stalls
+            else:
+                keep.append((key, s, e))
+        self.pending = keep
+
+
+class CudaPolicy(DevicePolicy):
+    """GPUs: commit ahead on stream-ordered inputs, one compute stream per stage (see the module docstring)."""
+
+    commit_ahead = True
+
+    def __init__(
+        self,
+        device: torch.device,
+        stages: Iterable[int],
+        *,
+        stage_streams: bool = True,
+        horizon_ms: float = 10.0,
+        learn_steps: int = 2,
+        default_ms: float = 1.0,
+    ) -> None:
+        self.device = device
+        self.horizon_ms = horizon_ms
+        self.learn_steps = learn_steps
+        self.default_ms = default_ms
+        stages = sorted(stages)
+        #: stage -> its stream; None: the caller's current stream
+        self.streams: dict[int, Any] = {s: (torch.cuda.Stream(device=device) if stage_streams else None) for s in stages}
+        self._distinct = [s for s in dict.fromkeys(self.streams.values()) if s is not None]
+        self._xfer = torch.cuda.Stream(device=device)
+        self._caller: Any = None
+        self._steps = 0
+        self._timing = _Timing()
+        #: (estimated ms, end events) of every committed action not known finished
+        self._queue: deque[tuple[float, list[Any]]] = deque()
+        self._queued_ms = 0.0
+
+    # -- step boundaries ----------------------------------------------------
+    def begin_step(self) -> None:
+        self._caller = torch.cuda.current_stream(self.device)
+        for s in self._distinct:
+            s.wait_stream(self._caller)
+
+    def end_step(self) -> None:
+        caller = self._caller or torch.cuda.current_stream(self.device)
+        for s in self._distinct:
+            caller.wait_stream(s)
+        self._steps += 1
+        if self._timing.pending:
+            self._timing.harvest()
+
+    # -- streams --------------------------------------------------------------
+    def stream(self, stage: int) -> Any:
+        s = self.streams.get(stage)
+        return s if s is not None else torch.cuda.current_stream(self.device)
+
+    def on_stage(self, stage: int) -> contextlib.AbstractContextManager[Any]:
+        s = self.streams.get(stage)
+        return torch.cuda.stream(s) if s is not None else contextlib.nullcontext()
+
+    def posting(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(self._xfer)
+
+    def consume(self, stage: int, buffers: Sequence[torch.Tensor | None], works: Sequence[Any]) -> None:
+        s = self.stream(stage)
+        with torch.cuda.stream(s):
+            for w in works:
+                w.wait()  # NCCL: this stream waits for the receive; the host does not
+        for b in buffers:
+            if b is not None:
+                b.record_stream(s)  # allocated on the transfer stream, read (and freed) here
+
+    def handed(self, from_stage: int) -> Any:
+        s = self.stream(from_stage)
+        ev = torch.cuda.Event()
+        ev.record(s)
+        return (s, ev)
+
+    def take_handed(self, token: Any, stage: int, tensors: Sequence[torch.Tensor | None]) -> None:
+        if token is None:
+            return
+        src, ev = token
+        dst = self.stream(stage)
+        if dst == src:
+            return
+        dst.wait_event(ev)
+        for t in tensors:
+            if t is not None and t.is_cuda:
+                t.record_stream(dst)
+
+    # -- commit depth ---------------------------------------------------------
+    def start(self, key: tuple[Any, int]) -> Any:
+        if self._steps < self.learn_steps:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(self.stream(key[1]))
+            return ev
+        return None
+
+    def launched(self, key: tuple[Any, int], stages: Sequence[int], token: Any) -> None:
+        s = self.stream(stages[0])
+        if token is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(s)
+            self._timing.pending.append((key, token, end))
+        else:
+            end = torch.cuda.Event()
+            end.record(s)
+        ends = [end]
+        for st in stages[1:]:  # the other half of an OVERLAP_F_B, on its own stream
+            other = self.stream(st)
+            if other != s:
+                ev = torch.cuda.Event()
+                ev.record(other)
+                ends.append(ev)
+        est = self._timing.est.get(key, self.default_ms)
+        self._queue.append((est, ends))
+        self._queued_ms += est
+
+    def queued_ms(self) -> float:
+        """Estimated device time (ms) of the committed actions not known to have finished."""
+        q = self._queue
+        while q and all(e.query() for e in q[0][1]):
+            self._queued_ms -= q.popleft()[0]
+        if not q:
+            self._queued_ms = 0.0
+        return self._queued_ms
+
+    def wait_ms(self) -> float:
+        over = self.queued_ms() - self.horizon_ms
+        return over if over > 0 else 0.0
+
+    def describe(self) -> str:
+        per = "one stream per stage" if self._distinct else "the caller's stream"
+        return f"commit ahead on CUDA ({per}, horizon {self.horizon_ms:g} ms of queued device time)"
+
+
+def make_policy(device: torch.device, stages: Iterable[int], *, stage_streams: bool, horizon_ms: float) -> DevicePolicy:
+    if device.type != "cuda":
+        return HostPolicy()
+    return CudaPolicy(device, stages, stage_streams=stage_streams, horizon_ms=horizon_ms)
