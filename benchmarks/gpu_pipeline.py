@@ -308,15 +308,18 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
     model_name = f"gpt-{args.size}" if gpt else "transformer"
 
     def profile(engine: str, fn: Any) -> dict[str, Any] | None:
-        if not args.profile:
+        if not args.profile or name not in args.profile_schedules.split(","):
             return None
-        from torch.profiler import ProfilerActivity, profile as tprofile
+        from torch.profiler import ProfilerActivity, profile as tprofile, schedule as pschedule
 
         torch.cuda.synchronize()
         dist.barrier()
-        with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.profile):
+        # CUDA activity only (kernels and the runtime's launch calls): CPU-op recording would
+        # slow the host, which is what is being measured; one warm-up step for CUPTI's start
+        with tprofile(activities=[ProfilerActivity.CUDA], schedule=pschedule(wait=0, warmup=1, active=args.profile)) as prof:
+            for _ in range(args.profile + 1):
                 fn()
+                prof.step()
             torch.cuda.synchronize()
         path = f"/tmp/prof-{engine}-{name}-{model_name}-r{rank}.json"
         prof.export_chrome_trace(path)
@@ -448,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--profile", type=int, default=0, help="profile this many more steps per engine and attribute compute gaps")
     ap.add_argument("--profile-dir", default=None, help="keep the gzipped traces of the first and last rank here")
+    ap.add_argument("--profile-schedules", default="1F1B", help="which schedules --profile applies to (comma-separated)")
     ap.add_argument("--code", default="", help="a tag for the code under test (e.g. main@abc1234)")
     ap.add_argument("--engines", default="pipeloom,torch")
     ap.add_argument("--layers", type=int, default=16)

@@ -10,8 +10,9 @@
 #   bench2     benchmarks/gpu_pipeline.py on GPUs 0,1 for every schedule (+ varlen, + variants)
 #   bench4     benchmarks/gpu_pipeline.py on 4 GPUs for every schedule
 #   gpt2       benchmarks/gpu_pipeline.py --model gpt on GPUs 0,1: sizes l and s (GPT_SIZES), schedules GPT_SCHEDULES
-#              in one process per size, 1F1B profiled (--profile 3, traces of both engines under $OUT/prof),
-#              DualPipeV with OVERLAP_F_B on one stream as a variant; CODE tags the rows
+#              in one process per size, 1F1B of size l profiled (--profile 3, traces of ranks 0 and last of both
+#              engines under $OUT/prof-$CODE; NO_PROFILE=1 skips), DualPipeV with every stage on one stream as
+#              a variant (NO_VARIANT=1 skips); CODE tags the rows
 #   gpt4       the same on 4 GPUs, size l, no profile
 #   fsdp       benchmarks/gpu_fsdp.py, 2 pipeline ranks x 2 FSDP ranks
 #   straggler  benchmarks/straggler.py on 4 GPUs
@@ -59,16 +60,15 @@ for part in "$@"; do
     ;;
   gpt2|gpt4)
     n=2; vis=0,1; [ "$part" = gpt4 ] && { n=4; vis=0,1,2,3; }
-    gs=${GPT_SCHEDULES:-GPipe,Interleaved1F1B,ZBVZeroBubble,DualPipeV}
+    gs=${GPT_SCHEDULES:-1F1B,GPipe,Interleaved1F1B,ZBVZeroBubble,DualPipeV}
     for size in ${GPT_SIZES:-l s}; do
-      if [ "$part" = gpt2 ] && [ "$size" = l ]; then
-        echo "== $n GPUs gpt-$size 1F1B profiled"
-        CUDA_VISIBLE_DEVICES=$vis bench $n "" --model gpt --size $size --schedule 1F1B --profile 3 --profile-dir "$OUT/prof" --code "${CODE:-}"
-      else
-        echo "== $n GPUs gpt-$size 1F1B"; CUDA_VISIBLE_DEVICES=$vis bench $n "" --model gpt --size $size --schedule 1F1B --code "${CODE:-}"
+      prof=""
+      if [ "$part" = gpt2 ] && [ "$size" = l ] && [ -z "${NO_PROFILE:-}" ]; then
+        prof="--profile 3"; [ -z "${NO_TRACES:-}" ] && prof="$prof --profile-dir $OUT/prof-${CODE:-x}"
       fi
-      echo "== $n GPUs gpt-$size $gs"; CUDA_VISIBLE_DEVICES=$vis bench $n "" --model gpt --size $size --schedule "$gs" --code "${CODE:-}"
-      if [ "$size" = l ]; then
+      echo "== $n GPUs gpt-$size $gs"
+      CUDA_VISIBLE_DEVICES=$vis bench $n "" --model gpt --size $size --schedule "$gs" $prof --code "${CODE:-}"
+      if [ "$size" = l ] && [ -z "${NO_VARIANT:-}" ]; then
         echo "== $n GPUs gpt-$size DualPipeV one stream"
         (export CUDA_VISIBLE_DEVICES=$vis PIPELOOM_OVERLAP_STREAMS=0; bench $n one-stream --model gpt --size $size --schedule DualPipeV --engines pipeloom --code "${CODE:-}")
       fi
