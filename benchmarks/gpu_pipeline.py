@@ -226,7 +226,7 @@ def _floor(mods: dict[int, Any], args: argparse.Namespace, seqs: list[int], last
         ts.append(time.perf_counter() - t0)
     for m in mods.values():
         m.zero_grad(set_to_none=True)
-    return statistics.median(ts)
+    return min(ts)  # the floor: the least of the runs (the GPU's speed drifts on shared hosts)
 
 
 def _gaps(trace_path: str) -> dict[str, Any]:
@@ -316,13 +316,14 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         dist.barrier()
         # CUDA activity only (kernels and the runtime's launch calls): CPU-op recording would
         # slow the host, which is what is being measured; one warm-up step for CUPTI's start
-        with tprofile(activities=[ProfilerActivity.CUDA], schedule=pschedule(wait=0, warmup=1, active=args.profile)) as prof:
-            for _ in range(args.profile + 1):
-                fn()
-                prof.step()
-            torch.cuda.synchronize()
         path = f"/tmp/prof-{engine}-{name}-{model_name}-r{rank}.json"
-        prof.export_chrome_trace(path)
+        with tprofile(activities=[ProfilerActivity.CUDA], schedule=pschedule(wait=0, warmup=1, active=args.profile),
+                      on_trace_ready=lambda p: p.export_chrome_trace(path)) as prof:
+            for i in range(args.profile + 1):
+                fn()
+                if i in (0, args.profile):  # (no synchronisation between the profiled steps)
+                    torch.cuda.synchronize()
+                prof.step()
         gaps = _gaps(path)
         if args.profile_dir and rank in (0, world - 1):
             import gzip
@@ -356,23 +357,21 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
                 with open(args.json, "a") as f:
                     f.write(json.dumps(row) + "\n")
 
-    def run_pipeloom() -> None:
+    def build_pipeloom() -> tuple[Any, Any, Any]:
         pipe = pipeloom.Pipeline(lambda s: mods[s], schedule=name, num_microbatches=n, loss_fn=loss_fn)
         if args.varlen:
             x_in, y_in = pipeloom.Microbatches(xs), pipeloom.Microbatches(ys)
         else:
             x_in, y_in = torch.cat(xs), torch.cat(ys)
         fn = lambda: pipe.step(x_in, target=y_in)  # noqa: E731
-        times, peak = _timed(fn, args.steps, args.warmup)
-        prof = profile("pipeloom", fn)
-        st = pipe.statistics
-        record("pipeloom", times, peak, {"out_of_order": st.out_of_order if st else None, "order": args.engines, **(prof or {})})
-        pipe.close()
-        for m in mods.values():
-            m.zero_grad(set_to_none=True)
-        torch.cuda.empty_cache()
 
-    def run_torch() -> None:
+        def extra() -> dict[str, Any]:
+            st = pipe.statistics
+            return {"out_of_order": st.out_of_order if st else None}
+
+        return fn, pipe.close, extra
+
+    def build_torch() -> tuple[Any, Any, Any]:
         """torch.distributed.pipelining, static shapes."""
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
@@ -400,16 +399,50 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         def tstep() -> None:
             sched.step(*((x_t,) if first else ()), target=y_t if last else None)
 
-        times, peak = _timed(tstep, args.steps, args.warmup)
-        prof = profile("torch", tstep)
-        record("torch", times, peak, {"order": args.engines, **(prof or {})})
+        return tstep, None, lambda: {}
+
+    builders = {"pipeloom": build_pipeloom, "torch": build_torch}
+    engines = [e.strip() for e in args.engines.split(",")]
+    if args.alternate:
+        # Both engines alive, blocks of steps alternating between them, so a drift in the
+        # GPU's or host's speed hits both alike; peak memory per engine is taken over its
+        # own blocks (the other engine's few persistent buffers included).
+        built = {e: builders[e]() for e in engines}
+        for e in engines:
+            for _ in range(args.warmup):
+                built[e][0]()
+        times: dict[str, list[float]] = {e: [] for e in engines}
+        peaks: dict[str, int] = {e: 0 for e in engines}
+        per = max(1, args.steps // args.alternate)
+        for _ in range(args.alternate):
+            for e in engines:
+                t, pk = _timed(built[e][0], per, 0)
+                times[e] += t
+                peaks[e] = max(peaks[e], pk)
+        floor_start = floor
+        floor = min(floor, _reduce_max(_floor(mods, args, seqs, num_stages - 1)))  # (record() reads it)
+        for e in engines:
+            fn, close, extra = built[e]
+            prof = profile(e, fn)
+            record(e, times[e], peaks[e], {"order": args.engines, "alternate": args.alternate, "floor_ms_start": floor_start * 1e3,
+                                           **extra(), **(prof or {})})
+            if close is not None:
+                close()
         for m in mods.values():
             m.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
-
-    # in the order given, so order effects (clocks, allocator state) can be checked
-    for engine in args.engines.split(","):
-        {"pipeloom": run_pipeloom, "torch": run_torch}[engine.strip()]()
+    else:
+        # in the order given, so order effects (clocks, allocator state) can be checked
+        for e in engines:
+            fn, close, extra = builders[e]()
+            t, pk = _timed(fn, args.steps, args.warmup)
+            prof = profile(e, fn)
+            record(e, t, pk, {"order": args.engines, **extra(), **(prof or {})})
+            if close is not None:
+                close()
+            for m in mods.values():
+                m.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
     del mods
     torch.cuda.empty_cache()
     return results
@@ -463,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--varlen", action="store_true")
+    ap.add_argument("--alternate", type=int, default=0,
+                    help="rounds: keep both engines alive and alternate blocks of steps/ROUNDS steps between them")
     ap.add_argument("--label", default="", help="a tag for this row's variant (e.g. the PIPELOOM_* settings tried)")
     ap.add_argument("--json", default=None, help="append result rows (JSON Lines) here")
     ap.add_argument("--table", default=None, help="print the table of a results file and exit")
