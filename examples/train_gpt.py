@@ -317,8 +317,11 @@ def parse_args(argv: Sequence[str] | None, world: int) -> argparse.Namespace:
                    help="steps between checkpoints (0: only at the end); needs --ckpt-dir")
     p.add_argument("--keep-last", type=positive, default=3, help="complete checkpoints kept in --ckpt-dir")
     p.add_argument("--resume", action="store_true",
-                   help="continue from the latest complete checkpoint in --ckpt-dir (a fresh start if there is none)")
+                   help="continue from the latest complete checkpoint in --ckpt-dir (a fresh start if there is none); "
+                   "implied with --ckpt-dir when the launcher restarted the job (TORCHELASTIC_RESTART_COUNT > 0)")
     args = p.parse_args(argv)
+    if args.ckpt_dir and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        args.resume = True  # a restarted job continues; it never starts over on top of its checkpoints
     if (args.resume or args.ckpt_every) and not args.ckpt_dir:
         p.error("--resume and --ckpt-every need --ckpt-dir")
 

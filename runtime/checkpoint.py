@@ -206,6 +206,25 @@ def _check_global_names(view: _View, group: Any, rank: int) -> None:
             seen.setdefault(key, (s, r))
 
 
+def _agree(group: Any, mine: Any) -> list[Any]:
+    """Every rank's ``mine`` (all ranks call this together), so that all of them take the same decision.
+
+    A check that fails on one rank only must stop every rank: the others
+    would otherwise wait in DCP's next collective for a rank that has gone.
+    """
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return everyone
+
+
+def _raise_any(errors: list[str | None], kind: type[Exception] = PipelineConfigError) -> None:
+    bad = [(r, e) for r, e in enumerate(errors) if e]
+    if bad:
+        first = bad[0][1]
+        more = f" (and {len(bad) - 1} other rank(s): ranks {[r for r, _ in bad[1:]]})" if len(bad) > 1 else ""
+        raise kind(f"{first}{more}")
+
+
 # ---------------------------------------------------------------- groups, state
 
 
@@ -369,7 +388,20 @@ def save_checkpoint(
     wait_checkpoints()  # one save in flight at a time, in order
     group = _ckpt_group()
     rank = dist.get_rank()
-    view = _build_view(pipe.stages, stage_prefix=stage_prefix, rank=rank)
+    r = Path(root).resolve()
+    error = None
+    try:
+        view = _build_view(pipe.stages, stage_prefix=stage_prefix, rank=rank)
+    except PipelineConfigError as exc:
+        error = str(exc)
+    everyone = _agree(group, (str(r), error))
+    _raise_any([e for _, e in everyone])
+    roots = {root_of for root_of, _ in everyone}
+    if len(roots) > 1:
+        raise PipelineConfigError(
+            f"rank {rank}: the ranks passed different checkpoint directories ({sorted(roots)}): every rank must "
+            "pass the same directory, one they all see (a shared file system across nodes)"
+        )
     _check_global_names(view, group, rank)
     optims = _optims(optimizer)
     msd, osd = _state_dicts(view, optims)
@@ -383,7 +415,6 @@ def save_checkpoint(
     }
     if osd is not None:
         state["optim"] = osd
-    r = Path(root)
     partial, final = _partial_dir(r, step), _final_dir(r, step)
     if rank == 0:
         r.mkdir(parents=True, exist_ok=True)
@@ -457,32 +488,53 @@ def load_checkpoint(
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     wait_checkpoints()  # an asynchronous save still writing uses the same group
-    p = Path(path)
-    if _NAME.match(p.name) or (p / ".metadata").exists():
-        if not is_complete(p):
-            raise FileNotFoundError(f"{p} is not a complete checkpoint (no {MARKER} marker or no DCP metadata)")
-        ckpt = p
-    else:
-        found = latest_checkpoint(p)
-        if found is None:
-            return None
-        ckpt = found
     group = _ckpt_group()
     rank = dist.get_rank()
-    view = _build_view(pipe.stages, stage_prefix=stage_prefix, rank=rank)
-    optims = _optims(optimizer)
-    reader = dcp.FileSystemReader(str(ckpt))
-    saved_keys = reader.read_metadata().state_dict_metadata
-    if optims and not any(k.startswith("optim.") for k in saved_keys):
-        raise PipelineConfigError(f"{ckpt} holds no optimizer state (it was saved with optimizer=None)")
-    msd, osd = _state_dicts(view, optims)
-    missing = sorted(k for k in msd if f"model.{k}" not in saved_keys)
-    if missing:
-        shown = ", ".join(missing[:6]) + ("..." if len(missing) > 6 else "")
+    p = Path(path).resolve()
+    # Which checkpoint: every rank looks, rank 0's answer counts, and a rank that sees another
+    # (a directory not shared, a different path) stops every rank rather than loading something else.
+    seen: str | None = None
+    error = None
+    if _NAME.match(p.name) or (p / ".metadata").exists():
+        if is_complete(p):
+            seen = str(p)
+        else:
+            error = f"{p} is not a complete checkpoint (no {MARKER} marker or no DCP metadata)"
+    else:
+        found = latest_checkpoint(p)
+        seen = None if found is None else str(found)
+    everyone = _agree(group, (seen, error))
+    _raise_any([e for _, e in everyone], FileNotFoundError)
+    chosen = everyone[0][0]
+    differ = [r for r, (theirs, _) in enumerate(everyone) if theirs != chosen]
+    if differ:
         raise PipelineConfigError(
-            f"rank {rank}: {ckpt} holds no {shown} ({len(missing)} of this rank's tensors); "
-            "was it saved from the same model (and the same stage_prefix)?"
+            f"rank {rank}: rank 0 would load {chosen or 'nothing'} but ranks {differ} see "
+            f"{[everyone[r][0] or 'nothing' for r in differ]}: every rank must pass the same directory, "
+            "one they all see (a shared file system across nodes)"
         )
+    if chosen is None:
+        return None
+    ckpt = Path(chosen)
+    error = None
+    try:
+        view = _build_view(pipe.stages, stage_prefix=stage_prefix, rank=rank)
+        optims = _optims(optimizer)
+        reader = dcp.FileSystemReader(str(ckpt))
+        saved_keys = reader.read_metadata().state_dict_metadata
+        if optims and not any(k.startswith("optim.") for k in saved_keys):
+            raise PipelineConfigError(f"{ckpt} holds no optimizer state (it was saved with optimizer=None)")
+        msd, osd = _state_dicts(view, optims)
+        missing = sorted(k for k in msd if f"model.{k}" not in saved_keys)
+        if missing:
+            shown = ", ".join(missing[:6]) + ("..." if len(missing) > 6 else "")
+            raise PipelineConfigError(
+                f"rank {rank}: {ckpt} holds no {shown} ({len(missing)} of this rank's tensors); "
+                "was it saved from the same model (and the same stage_prefix)?"
+            )
+    except PipelineConfigError as exc:
+        error = str(exc)
+    _raise_any(_agree(group, error))
     state: dict[str, Any] = {"model": msd, "pipeloom": {"step": 0, "extra": b""}}
     if osd is not None:
         state["optim"] = osd

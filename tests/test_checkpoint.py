@@ -70,6 +70,8 @@ def _cases2(tmp: Path) -> list[dict[str, Any]]:
         dict(BASE, id="load-async-pp2", schedule="ZBVZeroBubble", load=str(tmp / "ckpt-async"), steps=1),
         dict(BASE, id="clip-pp2", schedule="ZBVZeroBubble", steps=2, clip=0.03),
         dict(BASE, id="noclip-pp2", schedule="1F1B", steps=1, clip=100.0),  # a norm below max_norm: nothing scaled
+        # ranks that pass different directories are refused together, none left waiting
+        dict(BASE, id="per-rank-dirs", schedule="1F1B", per_rank_dirs=str(tmp / "mine"), load_from_rank0=str(tmp / "ckpt")),
         # the crash test's job, uninterrupted (the same code as under the launcher, in this pool's processes)
         dict(id="resume-clean", resume_clean=str(tmp / "clean"), steps=6),
     ]
@@ -189,6 +191,17 @@ def test_an_async_save_holds_the_state_of_its_step(pools: Any, cid: str) -> None
     params = _merged(got, "params")
     for n, p in ref[2]["params"].items():
         torch.testing.assert_close(params[n], p, **TOL, msg=f"{cid} {n}")
+
+
+def test_ranks_that_disagree_on_the_directory_are_all_refused(pools: Any) -> None:
+    results, tmp = pools
+    save_errors = [r["errors"][0] for r in results["per-rank-dirs"]]
+    load_errors = [r["errors"][1] for r in results["per-rank-dirs"]]
+    for e in save_errors:
+        assert e and "the ranks passed different checkpoint directories" in e, e
+    for e in load_errors:  # rank 0 would load the step-2 checkpoint; rank 1 sees none in its own directory
+        assert e and "rank 0 would load" in e and "step-00000002" in e and "ranks [1] see ['nothing']" in e, e
+    assert not any((tmp / "mine").rglob("*.distcp"))  # nothing was written
 
 
 @pytest.mark.parametrize("cid", ["clip-inf-pp4", "clip-pp2", "noclip-pp2"])

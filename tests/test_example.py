@@ -58,7 +58,7 @@ def test_example_refuses_a_microbatch_count_the_schedule_rejects() -> None:
     assert "DualPipeV needs num_microbatches >= 2 x num_ranks" in proc.stderr, proc.stderr[-3000:]
 
 
-def test_example_checks_its_checkpoint_flags(capsys: pytest.CaptureFixture[str]) -> None:
+def test_example_checks_its_checkpoint_flags(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     sys.path.insert(0, str(EXAMPLE.parent))
     try:
         import train_gpt
@@ -72,3 +72,7 @@ def test_example_checks_its_checkpoint_flags(capsys: pytest.CaptureFixture[str])
         assert exc.value.code == 2 and message in capsys.readouterr().err
     args = train_gpt.parse_args(["--ckpt-dir", "d", "--resume", "--clip", "0"], world=2)
     assert args.resume and args.clip == 0 and args.ckpt_every == 0 and args.keep_last == 3
+    assert not train_gpt.parse_args(["--ckpt-dir", "d"], world=2).resume
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # restarted by the launcher: it resumes
+    assert train_gpt.parse_args(["--ckpt-dir", "d"], world=2).resume
+    assert not train_gpt.parse_args([], world=2).resume

@@ -60,6 +60,20 @@ def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
     )
     opt = make_optimizer(pipe.parameters(), cfg)
     res: dict[str, Any] = {"steps": [], "stages": sorted(pipe.stages)}
+    if cfg.get("per_rank_dirs"):
+        # each rank passes its own directory: refused on every rank (none may wait for the others)
+        rank = dist.get_rank()
+        mine = os.path.join(cfg["per_rank_dirs"], f"r{rank}")
+        res["errors"] = []
+        for call in (lambda: pipeloom.save_checkpoint(mine, pipe, opt, step=1),
+                     lambda: pipeloom.load_checkpoint(cfg["load_from_rank0"] if rank == 0 else mine, pipe, opt)):
+            try:
+                call()
+                res["errors"].append(None)
+            except (pipeloom.PipelineConfigError, FileNotFoundError) as exc:
+                res["errors"].append(f"{type(exc).__name__}: {exc}")
+        pipe.close()
+        return res
     first = 0
     if cfg.get("load"):
         info = pipeloom.load_checkpoint(cfg["load"], pipe, opt)
