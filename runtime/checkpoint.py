@@ -330,6 +330,20 @@ def wait_checkpoints() -> None:
         _PENDING.pop(0).wait()
 
 
+def warn_pending() -> None:
+    """Warn if an asynchronous save is still being written (``Pipeline.close`` calls it; it does not wait:
+    after a failure the save may never finish)."""
+    left = [p for p in _PENDING if not p.done()]
+    if left:
+        import warnings
+
+        warnings.warn(
+            f"asynchronous checkpoint(s) of step {', '.join(str(p.step) for p in left)} still being written while the "
+            "pipeline closes: call pipeloom.wait_checkpoints() before close(), or they may never complete",
+            RuntimeWarning, stacklevel=3,
+        )
+
+
 def _finalize(partial: Path, final: Path, step: int, meta: dict[str, Any], keep_last: int | None) -> None:
     """Rank 0, after every rank's data and DCP's metadata are written: marker, then one atomic rename."""
     with open(partial / MARKER, "w") as f:

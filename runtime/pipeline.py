@@ -472,6 +472,11 @@ class Pipeline:
         """
         from .training import clip_grad_norm_
 
+        if self._collectives is not None and not self._collectives.sync:
+            raise PipelineConfigError(
+                f"rank {self.rank}: clip_grad_norm_ inside no_sync(): the gradients are not reduced over the "
+                "replicas yet; clip after the step that leaves no_sync()"
+            )
         return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
 
     def last_loss(self, reduce_to: str | int = "all") -> float | None:
@@ -491,6 +496,9 @@ class Pipeline:
             return
         self._closed = True
         atexit.unregister(self._close_at_exit)
+        from .checkpoint import warn_pending
+
+        warn_pending()  # an asynchronous save still writing needs the process group
         if self._trace_sink is not None:
             self._trace_sink.close()
         self._control.stop()  # unregisters the socket's reader from the loop

@@ -230,6 +230,7 @@ def test_no_sync_accumulates_without_reducing(pools: Any, cid: str) -> None:
     for n, p in model.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, **TOL, msg=f"{cid} {n}")
     assert results[0]["steps"][-1]["loss_all"] == pytest.approx(total, rel=1e-12)  # the last step's loss
+    assert all("clip_grad_norm_ inside no_sync()" in r["clip_in_no_sync"] for r in results)
     if not cfg.get("fsdp"):
         # inside no_sync the two replicas of a stage held different (their own, unreduced) gradients
         by_row: dict[int, list[dict[str, torch.Tensor]]] = {}

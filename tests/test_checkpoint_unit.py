@@ -211,3 +211,20 @@ def test_clip_and_loss_refuse_bad_arguments() -> None:
         reduce_step_loss(pipe, {}, reduce_to="all")
     losses = {0: torch.tensor(1.0), 1: torch.tensor(2.0), 2: torch.tensor(4.5)}
     assert reduce_step_loss(pipe, losses) == pytest.approx(2.5) == reduce_step_loss(pipe, losses, reduce_to=0)
+
+
+def test_closing_with_a_save_in_flight_warns(tmp_path: Path) -> None:
+    from concurrent.futures import Future
+
+    from pipeloom.runtime import checkpoint as ck
+
+    writing: Future[Any] = Future()
+    pending = ck.PendingCheckpoint(tmp_path / "step-00000005", 5, writing)
+    ck._PENDING.append(pending)
+    try:
+        with pytest.warns(RuntimeWarning, match="checkpoint.*of step 5 still being written"):
+            ck.warn_pending()
+    finally:
+        writing.set_result(pending.path)
+        pipeloom.wait_checkpoints()
+    assert not ck._PENDING

@@ -89,6 +89,11 @@ def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
         with pipe.no_sync():
             for i in range(k):
                 _step(pipe, cfg, i)
+            try:
+                pipe.clip_grad_norm_(1.0)
+                res["clip_in_no_sync"] = None
+            except pipeloom.PipelineConfigError as exc:
+                res["clip_in_no_sync"] = str(exc)
                 if not cfg.get("fsdp"):  # replicas' gradients, not reduced (FSDP keeps them unsharded, not on .grad)
                     res["steps"].append({"local": _grads(pipe)})
         _step(pipe, cfg, k)
