@@ -31,7 +31,7 @@ How a stage is called: stage 0 with the token ids (``input_ids``), every
 later stage with the previous stage's hidden states as ``inputs_embeds``;
 every stage with ``use_cache=False`` and the step's keyword inputs (an
 ``attention_mask`` with padding reaches every stage, so each builds the same
-mask).  A stage hands on the first tensor of its ``ModelOutput``: ``logits``,
+mask).  Every stage returns the ``logits`` field of its ``ModelOutput``,
 which on all but the last stage holds the hidden states (the LM head there
 is a pass-through).
 
@@ -265,5 +265,5 @@ def stage_fn_for_causal_lm(
                 "and they would sit on the first and the last stage, each training its own copy; build it with "
                 "tie_word_embeddings=False, or untie: model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())"
             )
-    split = split_by_fqn(model, names, device=device, placeholder="identity")
+    split = split_by_fqn(model, names, device=device, placeholder="identity", output_field="logits")
     return _CausalLMStageFn(split), causal_lm_loss

@@ -70,6 +70,9 @@ fields that are None, so a causal LM called without ``labels`` hands on its
 ``logits`` (on a middle stage: the hidden states the pass-through head
 returned), a base model its ``last_hidden_state``; this is the rule behind
 Hugging Face's own ``outputs[0]``.  Tensors, tuples and lists pass unchanged.
+The last stage's output is not sent anywhere: it reaches ``loss_fn`` as the
+forward returned it (so a loss can read every field, an auxiliary loss
+included), unless ``output_field`` is given, which applies to every stage.
 
 Other rules, each checked up front with an error naming the stage and the name:
 
@@ -529,7 +532,8 @@ class _FqnStageFn:
         _prune(stage, "", frozenset(self.stage_fqns[index]), self._named, self.placeholder, self._owners)
         if _has_meta(stage):
             _materialise(stage, index, self._device or _default_device())
-        stage.register_forward_hook(_OutputReducer(self.output_field, index))
+        if self.output_field is not None or index < self.num_stages - 1:
+            stage.register_forward_hook(_OutputReducer(self.output_field, index))
         return stage
 
     def __repr__(self) -> str:
@@ -572,9 +576,10 @@ def split_by_fqn(
             argument, so an unmodified forward runs), or ``"auto"``:
             ``"identity"`` for a ``transformers`` model, else ``None``.
             Entries of ModuleList/ModuleDict/Sequential are always removed.
-        output_field: the field a stage hands on when its forward returns a
-            mapping or dataclass (a ``ModelOutput``); default: the first
-            field holding a tensor.
+        output_field: the field every stage, the last included, hands on
+            when its forward returns a mapping or dataclass (a
+            ``ModelOutput``); default: the first field holding a tensor on
+            every stage but the last, whose output reaches ``loss_fn`` as is.
 
     Returns:
         ``stage_fn(i) -> nn.Module``, with attributes ``num_stages``,

@@ -86,10 +86,9 @@ def _describe(v: _Value) -> str:
 class _Router:
     """Forward pre-hook and hook of one routed stage (registered on the traced submodule itself)."""
 
-    def __init__(self, route: _Route, names: list[str]) -> None:
+    def __init__(self, route: _Route) -> None:
         self.route = route
-        self.names = names  # the submodule's own argument names, for messages
-        self._carry: list[list[Any]] = []
+        self._carry: list[list[Any]] = []  # incoming values between pre and post (a stack: calls nest only by error)
 
     def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         r = self.route
@@ -251,8 +250,7 @@ def stage_fn_from_pipe(pipe: Any) -> Callable[[int], nn.Module]:
         if routes is not None:
             for handle in getattr(module, "_pipeloom_route_hooks", ()):
                 handle.remove()  # built again (a second stage_fn over the same pipe): one set of hooks
-            names = [n.name for n in module.graph.nodes if n.op == "placeholder"] if hasattr(module, "graph") else []
-            router = _Router(routes[index], names)
+            router = _Router(routes[index])
             module._pipeloom_route_hooks = (  # type: ignore[assignment]
                 module.register_forward_pre_hook(router.pre, with_kwargs=True),
                 module.register_forward_hook(router.post),

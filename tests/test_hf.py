@@ -86,6 +86,35 @@ def test_split_layout_names_and_state_dict() -> None:
     assert "PassThrough" in repr(middle.lm_head) and "stage 3" in repr(middle.lm_head)
 
 
+def test_plain_split_by_fqn_runs_an_hf_model() -> None:
+    """The issue's first try, now working: split_by_fqn alone, no adapter."""
+    from pipeloom import split_by_fqn
+
+    model = build_hf_model("qwen2")
+    stage_fn = split_by_fqn(model, stage_names_for_causal_lm(model, num_stages=3))
+    assert stage_fn.placeholder == "identity"  # type: ignore[attr-defined]  # "auto" on a transformers model
+    ids, _, _ = make_hf_batch()
+    out = _chain([stage_fn(i) for i in range(3)], ids)  # later stages get hidden states as input_ids
+    # Stages 0 and 1 handed on their ModelOutput's first tensor; the last returns its ModelOutput.
+    torch.testing.assert_close(out.logits, model(ids, use_cache=False).logits, **TOL)
+
+
+def test_meta_device_hf_model_is_materialised_by_its_init_weights() -> None:
+    import transformers
+
+    cfg = build_hf_model("llama").config
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    stage_fn, _ = stage_fn_for_causal_lm(model, num_stages=2, device="cpu")
+    s0, s1 = stage_fn(0), stage_fn(1)
+    assert not any(t.is_meta for st in (s0, s1) for t in (*st.parameters(), *st.buffers()))
+    # Hugging Face's init_weights recomputes the rotary table (a non-persistent buffer).
+    want = transformers.LlamaForCausalLM(cfg).model.rotary_emb.inv_freq
+    torch.testing.assert_close(s1.model.rotary_emb.inv_freq, want)
+    ids, _, _ = make_hf_batch()
+    assert torch.isfinite(s1(s0(ids))).all()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

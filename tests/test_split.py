@@ -299,10 +299,12 @@ def test_identity_placeholders_run_an_unmodified_forward() -> None:
     # Modules without parameters that nobody names are on every stage, copies.
     assert all(isinstance(s.rot, _Rotary) and isinstance(s.act, nn.GELU) for s in stages)
     assert stages[0].rot.table is not stages[1].rot.table
-    # The dataclass output is reduced to its first tensor field (loss is None): hidden.
-    out = _chain(stages, x)
-    assert isinstance(out, torch.Tensor)
-    ref = model(x).hidden
+    # Stages 0 and 1 hand on the first tensor field of their dataclass (loss is None): hidden.
+    # The last stage's output reaches the loss as the forward returned it.
+    assert isinstance(stages[1](stages[0](x)), torch.Tensor)
+    last = _chain(stages, x)
+    assert isinstance(last, _Out)
+    out, ref = last.hidden, model(x).hidden
     torch.testing.assert_close(out, ref, **TOL)
     ref.sum().backward()
     out.sum().backward()
