@@ -42,6 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .action import Action, ActionType
+from .dataflow import Dataflow, consumer_stage, producer_stage
 from .schedule import Schedule, ScheduleError
 from .simulate import Costs
 
@@ -117,14 +118,16 @@ def _bottom_levels(schedule: Schedule, dur: Mapping[tuple[int, str, int], float]
         s, t, m = k
         out = []
         if t == "F":
-            if s + 1 < S:
-                out.append(((s + 1, "F", m), xfer if place[s + 1] != place[s] else 0.0))
+            c = consumer_stage("F", s, S)
+            if c is not None:
+                out.append(((c, "F", m), xfer if place[c] != place[s] else 0.0))
             else:
                 out += [((s, "B", m), 0.0), ((s, "I", m), 0.0)]
         elif t in ("B", "I"):
-            if s > 0:
-                g = xfer if place[s - 1] != place[s] else 0.0
-                out += [((s - 1, "B", m), g), ((s - 1, "I", m), g)]
+            c = consumer_stage("B", s, S)
+            if c is not None:
+                g = xfer if place[c] != place[s] else 0.0
+                out += [((c, "B", m), g), ((c, "I", m), g)]
             if t == "I":
                 out.append(((s, "W", m), 0.0))
         return [(x, c) for x, c in out if x in keys]
@@ -159,12 +162,14 @@ def _lower_bound(schedule: Schedule, lists: Mapping[int, Sequence[Action]], dur:
     def preds(k: tuple[int, str, int]) -> list[tuple[tuple[int, str, int], float]]:
         s, t, m = k
         if t == "F":
-            out = [((s - 1, "F", m), xfer if place[s - 1] != place[s] else 0.0)] if s > 0 else []
+            p = producer_stage("F", s, S)
+            out = [((p, "F", m), xfer if place[p] != place[s] else 0.0)] if p is not None else []
         elif t in ("B", "I"):
             out = [((s, "F", m), 0.0)]
-            if s < S - 1:
-                g = xfer if place[s + 1] != place[s] else 0.0
-                out += [((s + 1, "B", m), g), ((s + 1, "I", m), g)]
+            p = producer_stage("B", s, S)
+            if p is not None:
+                g = xfer if place[p] != place[s] else 0.0
+                out += [((p, "B", m), g), ((p, "I", m), g)]
         else:
             out = [((s, "I", m), 0.0)]
         return [(x, c) for x, c in out if x in dur]
@@ -195,6 +200,7 @@ def simulate_policy(
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; one of {', '.join(POLICIES)}")
     place = schedule.stage_to_rank
+    flow = Dataflow(place)
     S = len(place)
     lists = _compute_lists(schedule)
     pending = {r: list(v) for r, v in lists.items()}
@@ -212,9 +218,11 @@ def simulate_policy(
         s, t, m = leaf.stage, leaf.type, leaf.microbatch
         assert m is not None
         if t is _F:
-            return [("F", s - 1, m)] if s > 0 else []
+            p = producer_stage("F", s, S)
+            return [("F", p, m)] if p is not None else []
         if t is _B or t is _I:
-            return [("Fd", s, m)] + ([("G", s + 1, m)] if s < S - 1 else [])
+            p = producer_stage("B", s, S)
+            return [("Fd", s, m)] + ([("G", p, m)] if p is not None else [])
         return [("I", s, m)]
 
     def ready_at(rank: int, a: Action) -> float | None:
@@ -296,12 +304,14 @@ def simulate_policy(
                 live[rank] += 1
                 peak[rank] = max(peak[rank], live[rank])
                 avail[("Fd", s, m)] = end
-                if s + 1 < S:
-                    avail[("F", s, m)] = end + (transfer if place[s + 1] != rank else 0.0)
+                dst = flow.activation_to[s]
+                if dst is not None:
+                    avail[("F", s, m)] = end + (transfer if dst != rank else 0.0)
             else:
                 if t is _B or t is _I:
-                    if s > 0:
-                        avail[("G", s, m)] = end + (transfer if place[s - 1] != rank else 0.0)
+                    dst = flow.gradient_to[s]
+                    if dst is not None:
+                        avail[("G", s, m)] = end + (transfer if dst != rank else 0.0)
                     if t is _I:
                         avail[("I", s, m)] = end
                 if t is _B or t is _W:

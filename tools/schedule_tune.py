@@ -54,6 +54,7 @@ from pipeloom.schedules import (
     simulate,
 )
 
+from ..schedules.dataflow import consumer_stage
 from .run_costs import RunCosts
 
 __all__ = ["Candidate", "TuneResult", "tune", "format_tune", "parse_size"]
@@ -133,11 +134,10 @@ def _type_costs(compute: dict[tuple[int, str], float], stage: int) -> dict[str, 
 
 def _crosses(place: Sequence[int], s: int, t: str) -> bool:
     """Whether the output of ``t`` on stage ``s`` is sent to another rank."""
-    if t == "F":
-        return s + 1 < len(place) and place[s + 1] != place[s]
-    if t in ("B", "I"):
-        return s > 0 and place[s - 1] != place[s]
-    return False
+    if t not in ("F", "B", "I"):
+        return False
+    c = consumer_stage("F" if t == "F" else "B", s, len(place))
+    return c is not None and place[c] != place[s]
 
 
 def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | None = None) -> dict[tuple[int, str, int | None], float]:
