@@ -161,12 +161,14 @@ async def test_stopped_rank_is_detected_by_heartbeats(tmp_path: Path) -> None:
                 await asyncio.sleep(0.05)
                 with open(f"/proc/{procs[1].pid}/stat") as f:
                     if f.read().split(")")[1].split()[0] == "T":
-                        t_stop = time.monotonic()
+                        t_stop = time.time()
             await procs[0].wait()
-            detected = time.monotonic() - t_stop
         r0 = _records(tmp_path, 2)[0]
         assert r0["type"] == "PeerLostError" and r0["peer"] == 1, r0
         assert "no heartbeat" in r0["message"]
+        # from the stop to rank 0's error (its record's wall clock), not to its exit: tearing a
+        # process down on a loaded machine took seconds and says nothing about detection
+        detected = r0["t"] - t_stop
         assert detected < 2 + 4, detected
     finally:
         for p in procs:
