@@ -36,7 +36,6 @@ receives, FSDP and REDUCE_GRAD are left out of this model.
 from __future__ import annotations
 
 import heapq
-import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -364,5 +363,3 @@ def policy_ceiling(
         totals["bound"] += _lower_bound(schedule, lists, durs, prio, costs.transfer)
     return {p: v / trials for p, v in totals.items()}
 
-
-del math

@@ -102,7 +102,6 @@ def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None) -> Ru
     steps = list(summary.steps)
     chosen = set(steps)
     durations: dict[tuple[int, str], list[int]] = {}
-    pairs: dict[tuple[int, str], list[int]] = {}  # OVERLAP_F_B: (stage of F, ...)
     ovl: list[tuple[str, str, int]] = []
     n_actions: dict[int, int] = {}
     for r, lst in model.actions.items():
@@ -114,7 +113,6 @@ def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None) -> Ru
                 durations.setdefault((a.stage, a.type), []).append(a.duration)
             elif a.type == "OVERLAP_F_B" and isinstance(a.event.get("sub"), list) and len(a.event["sub"]) == 2:
                 ovl.append((str(a.event["sub"][0]), str(a.event["sub"][1]), a.duration))
-    del pairs
     if not durations and not ovl:
         raise ValueError("the trace has no F/B/I/W actions to measure")
     compute = {k: sum(v) / len(v) for k, v in durations.items()}

@@ -47,7 +47,6 @@ from typing import Any
 
 from pipeloom.schedules import (
     SCHEDULE_NAMES,
-    Costs,
     ScheduleError,
     generate,
     lower,
@@ -260,5 +259,3 @@ def format_tune(r: TuneResult, *, top: int = 5, source: str = "") -> str:
         lines.append(f"skipped {len(r.skipped)} configurations the schedules reject, e.g. {r.skipped[0]}")
     return "\n".join(lines)
 
-
-del Costs

@@ -226,6 +226,7 @@ class _Painter:
         self.max_len = max((iv[1] - iv[0] for iv in ivs), default=0)
         self.step_spans = model.step_spans.get(rank, {})
         self.step_order = sorted(self.step_spans.items(), key=lambda kv: kv[1][0])
+        self._step_starts = [sp[0] for _, sp in self.step_order]
 
     def _events_in(self, lo: int, hi: int) -> list[tuple[int, int, int, tuple[Any, ...]]]:
         i = bisect.bisect_left(self.starts, lo - self.max_len)
@@ -257,7 +258,10 @@ class _Painter:
                 continue
             # outside the rank's step: still in another (earlier) one, or in none
             c = a
-            for s, (sa, sb) in self.step_order:
+            # steps of this rank that may overlap [a, b): those starting before b, latest first few
+            k = bisect.bisect_left(self._step_starts, b)
+            near = self.step_order[max(0, k - 3):k]
+            for s, (sa, sb) in near:
                 if s == step or sb <= a or sa >= b:
                     continue
                 x0, x1 = max(sa, a), min(sb, b)
@@ -383,6 +387,33 @@ class Attributor:
     def __init__(self, model: TraceModel) -> None:
         self.model = model
         self._painters: dict[int, _Painter] = {}
+        self._by_step: dict[int, list[Span]] | None = None
+        self._producers: dict[tuple[int, int, str, int, int], Span] | None = None
+        self._sends: dict[tuple[int, int, int], Span] | None = None
+
+    def producers(self) -> dict[tuple[int, int, str, int, int], Span]:
+        if self._producers is None:
+            self._producers = _producer_index(self.model)
+        return self._producers
+
+    def sends_by_key(self) -> dict[tuple[int, int, int], Span]:
+        """(sender, receiver, seq) -> the send."""
+        if self._sends is None:
+            self._sends = {}
+            for r, lst in self.model.transfers.items():
+                for x in lst:
+                    if x.kind == "send" and isinstance(x.event.get("peer"), int) and isinstance(x.event.get("seq"), int):
+                        self._sends[(r, x.event["peer"], x.event["seq"])] = x
+        return self._sends
+
+    def actions_of_step(self, step: int) -> list[Span]:
+        """Every rank's actions of ``step`` (indexed once)."""
+        if self._by_step is None:
+            self._by_step = {}
+            for lst in self.model.actions.values():
+                for a in lst:
+                    self._by_step.setdefault(a.step, []).append(a)
+        return self._by_step.get(step, [])
 
     def painter(self, rank: int) -> _Painter:
         p = self._painters.get(rank)
@@ -501,13 +532,8 @@ def critical_path(model: TraceModel, step: int, *, attributor: Attributor | None
     segs: list[PathSegment] = []
     path_actions: list[Span] = []
     t = hi
-    sends_by_key: dict[tuple[int, int, int], Span] = {}
-    for r, lst in model.transfers.items():
-        for x in lst:
-            if x.kind == "send" and isinstance(x.event.get("peer"), int) and isinstance(x.event.get("seq"), int):
-                sends_by_key[(r, x.event["peer"], x.event["seq"])] = x
-    producers = _producer_index(model)
-    place = model.header.get("stage_to_rank")
+    sends_by_key = att.sends_by_key()
+    producers = att.producers()
 
     def gap(rank: int, a: int) -> None:
         """Cover ``[a, t)`` with what ``rank`` did then."""
@@ -534,7 +560,7 @@ def critical_path(model: TraceModel, step: int, *, attributor: Attributor | None
         t = a
 
     # the action whose end (clipped to the window) is the latest
-    cands = [a for r in model.ranks for a in model.actions.get(r, []) if a.step == step and a.start < hi]
+    cands = [a for a in att.actions_of_step(step) if a.start < hi]
     if not cands:
         return CriticalPath(step, (lo, hi), (PathSegment("waiting", -1, lo, hi, "no actions"),), ())
     cur: Span | None = max(cands, key=lambda a: (min(a.end, hi), a.start))
@@ -587,7 +613,6 @@ def critical_path(model: TraceModel, step: int, *, attributor: Attributor | None
         segs.append(PathSegment("runtime", -1, lo, t, "start"))
     segs.reverse()
     path_actions.reverse()
-    del place
     merged: list[PathSegment] = []
     for seg in segs:
         if seg.duration <= 0:
