@@ -215,7 +215,20 @@ def _plan_weight_work(
     activation_side = {
         b: tuple(fn is not None and fn in closure for fn, _ in b.next_functions) for bs, _, _ in out for b in bs
     }
+    for node in [*activation_side, *(r for _, rs, _ in out for r in rs)]:
+        if not _can_seed(node):
+            return {}, [], f"a custom autograd Function ({type(node).__name__}) where W would start (torch {torch.__version__} cannot start a backward there)"
     return activation_side, out, None
+
+
+def _can_seed(node: Node) -> bool:
+    """Whether ``autograd.backward`` accepts a GradientEdge into ``node`` (it reads the node's
+    input metadata; torch before 2.13 has none for custom Python Functions)."""
+    try:
+        node._input_metadata  # noqa: B018
+    except (RuntimeError, AttributeError):
+        return False
+    return True
 
 
 class StageExecutor:
