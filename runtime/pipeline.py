@@ -34,7 +34,7 @@ from torch import nn
 
 from ..schedules import Dataflow, Schedule, ScheduleError, load_csv
 from ..transport.control import ControlPlane, choose_bind_host
-from ..transport.tensor import TensorPlane, make_pair_groups
+from ..transport.tensor import TensorPlane, abort_communicators, make_pair_groups
 from .actor import ActorStatistics, RankActor, StepInputs
 from .data_parallel import DEFAULT_BUCKET_BYTES, Layout, StageCollectives
 from .errors import PeerLostError, PipelineConfigError, RemoteRankError
@@ -251,7 +251,8 @@ class Pipeline:
         self.world_size = dist.get_world_size()
         self.num_microbatches = num_microbatches
         self.loss_fn = loss_fn
-        backend = dist.get_backend()
+        backend = self._backend = dist.get_backend()
+        self._aborted = False
         #: the pp x dp grid, or None for a pipeline without data parallelism
         self.layout: Layout | None = None
         if data_parallel != 1 or fsdp or mesh is not None:
@@ -308,7 +309,7 @@ class Pipeline:
 
         # Control plane: one endpoint per rank, exchanged over the job's group,
         # and a per-job secret that signs every message.
-        obj_group = dist.new_group(backend="gloo") if backend == "nccl" else None
+        obj_group = self._obj_group = dist.new_group(backend="gloo") if backend == "nccl" else None
         secret = [os.environ.get("PIPELOOM_JOB_SECRET") or secrets.token_hex(16)]
         if not os.environ.get("PIPELOOM_JOB_SECRET"):
             dist.broadcast_object_list(secret, src=0, group=obj_group)
@@ -503,14 +504,31 @@ class Pipeline:
             self._trace_sink.close()
         self._control.stop()  # unregisters the socket's reader from the loop
         self._control.close()
-        self._tensors.flush()  # release the receives peers pre-posted for us
-        self._tensors.close()
+        if not self._aborted:
+            self._tensors.flush()  # release the receives peers pre-posted for us
+        # After an abort the waiter threads may poll Works that never complete: do not wait for them.
+        self._tensors.close(join_timeout=0.05 if self._aborted else 1.0)
         if self._collectives is not None:
             self._collectives.close()
         if self._loop is not None and not self._loop.is_running():
             self._loop.close()
-        if self._owns_group and dist.is_initialized():
+        if self._owns_group and dist.is_initialized() and not self._aborted:
             dist.destroy_process_group()
+
+    def _abort_nccl(self) -> None:
+        """After a failed step on NCCL: abort the communicators now, so nothing waits for a lost peer.
+
+        Operations queued on them (a receive from a stopped rank, a kernel ordered after it)
+        would otherwise never complete, and ``destroy_process_group`` at exit, or any
+        device synchronisation in the user's error handling, would wait for them forever.
+        The Pipeline cannot run another step after a failure anyway (its peers are
+        stopping).  gloo's operations fail by themselves when a connection closes.
+        """
+        if self._backend != "nccl" or self._aborted:
+            return
+        self._aborted = True
+        groups = [*self._tensors.pair_groups.values(), self._obj_group]
+        abort_communicators(groups, world=self._owns_group)
 
     def _close_at_exit(self) -> None:
         try:
@@ -571,10 +589,12 @@ class Pipeline:
                 # hear the root cause now instead of finding this rank silent later.
                 self._actor.broadcast_abort(exc, None, step)
             _report_root_cause(exc, remote=True)
+            self._abort_nccl()
             raise
         except BaseException as exc:
             # Whatever failed here (an action, input splitting, merging), the
             # other ranks must hear of it now rather than wait for data.
             self._actor.broadcast_abort(exc, None, step)
             _report_root_cause(exc, remote=False)
+            self._abort_nccl()
             raise

@@ -236,3 +236,24 @@ async def test_malformed_schedule_file_is_reported_on_every_rank(tmp_path: Path)
     for r in _records(tmp_path, 2):
         assert r["type"] == "PipelineConfigError"
         assert "2Q1" in r["message"] and "column 4" in r["message"], r["message"]
+
+
+ABORT_SCRIPT = """\
+import torch.distributed as dist
+from pipeloom.transport.tensor import abort_communicators
+dist.init_process_group("gloo")
+pair = dist.new_group([0])
+print(abort_communicators([pair, None], world=False), dist.is_initialized())
+print(abort_communicators([], world=True), dist.is_initialized())
+"""
+
+
+async def test_abort_communicators_forgets_the_groups(tmp_path: Path) -> None:
+    """The NCCL teardown path's helper on a one-rank job (gloo here; NCCL in benchmarks/gpu_failures.py):
+    a group is aborted and forgotten; ``world`` aborts the default group too, so nothing is left to destroy."""
+    script = tmp_path / "abort.py"
+    script.write_text(ABORT_SCRIPT)
+    async with asyncio.timeout(60):
+        codes, outs, errs = await spawn_ranks(1, [str(script)], timeout=50)
+    assert codes == [0], errs[0][-2000:]
+    assert outs[0].split("\n")[:2] == ["['1'] True", "['world'] False"], outs[0]

@@ -16,8 +16,13 @@ launcher's job is to make that visible and bounded:
   with :func:`os.killpg`;
 * after the first failure the others get ``--grace`` seconds to stop by
   themselves (they normally do, having received the abort), then SIGTERM, then
-  SIGKILL one second later: the launcher exits within about ``grace + 1``
-  seconds of the first failure, whatever the ranks do;
+  SIGKILL one second later (a stopped process, which would not act on
+  SIGTERM, gets SIGKILL at once): the launcher exits within about ``grace + 1``
+  seconds of the first failure, whatever the ranks do.  The first failure is
+  the first unsuccessful exit *or* the first root-cause line (below),
+  whichever comes first: a rank that reported can still hang on its way out
+  (on NCCL, in a communicator that waits for a dead or stopped peer), and it
+  is killed on the same clock as the others;
 * one summary names the rank that failed first and, if it reported one, its
   root cause (stage, microbatch, action, error, traceback); ranks that stopped
   because of it are listed in one line, not with their own tracebacks;
@@ -397,8 +402,18 @@ class _Console:
 class _RankStream:
     """One pipe of one rank: splits it into lines, echoes them prefixed, logs them raw, picks out root causes."""
 
-    def __init__(self, rank: _Rank, *, is_stderr: bool, console: _Console | None, log: IO[bytes] | None, prefix: bytes) -> None:
+    def __init__(
+        self,
+        rank: _Rank,
+        *,
+        is_stderr: bool,
+        console: _Console | None,
+        log: IO[bytes] | None,
+        prefix: bytes,
+        on_cause: Callable[[_Rank], None] | None = None,
+    ) -> None:
         self._rank = rank
+        self._on_cause = on_cause
         self._is_stderr = is_stderr
         self._console = console
         self._log = log
@@ -437,6 +452,8 @@ class _RankStream:
             if cause is not None:
                 if self._rank.root_cause is None:
                     self._rank.root_cause = cause
+                    if self._on_cause is not None:
+                        self._on_cause(self._rank)
                 return
         if self._console is not None:
             echo.append(self._prefix + line if terminated else self._prefix + line + b"\n")
@@ -521,6 +538,15 @@ def _plural(ranks: Sequence[_Rank]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {numbers}"
 
 
+def _stopped(pid: int) -> bool:
+    """True if ``pid`` is stopped (SIGSTOP, SIGTSTP, a tracer); False if running or unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def _pdeathsig_hook() -> Callable[[], None] | None:
     """A ``preexec_fn`` that makes the kernel SIGKILL the rank if the launcher dies (Linux only)."""
     if not sys.platform.startswith("linux"):
@@ -569,6 +595,18 @@ class _Job:
         rank.returncode = returncode if returncode is not None else -signal.SIGKILL
         self.exit_order.append(rank)
         if rank.returncode != 0 and self.failure_at is None and self.interrupt is None:
+            self.failure_at = self._loop.time()
+        self.wake()
+
+    def on_root_cause(self, rank: _Rank) -> None:
+        """A rank reported a failure: the teardown clock starts now, exited or not.
+
+        A rank that reported can still hang on its way out (on NCCL, in a
+        communicator that waits for a stopped peer), so waiting for its exit
+        could wait forever; the grace is counted from the report.
+        """
+        assert self._loop is not None
+        if self.failure_at is None and self.interrupt is None:
             self.failure_at = self._loop.time()
         self.wake()
 
@@ -686,7 +724,8 @@ class _Job:
             prefix = f"[rank{r.rank}]: ".encode() if cfg.prefix else b""
             r.streams = {
                 1: _RankStream(r, is_stderr=False, console=self.out if shown else None, log=r.log, prefix=prefix),
-                2: _RankStream(r, is_stderr=True, console=self.err if shown else None, log=r.log, prefix=prefix),
+                2: _RankStream(r, is_stderr=True, console=self.err if shown else None, log=r.log, prefix=prefix,
+                               on_cause=self.on_root_cause),
             }
             transport, _ = await self._loop.subprocess_exec(
                 lambda r=r: _RankProtocol(self, r),  # type: ignore[misc]
@@ -743,8 +782,10 @@ class _Job:
         for r in self.ranks:
             if r.alive and r.pid is not None:
                 r.signalled = True
+                # A stopped process does not act on SIGTERM until resumed: it gets SIGKILL at once.
+                now = signal.SIGKILL if sig == signal.SIGTERM and _stopped(r.pid) else sig
                 try:
-                    os.killpg(r.pid, sig)
+                    os.killpg(r.pid, now)
                 except (ProcessLookupError, PermissionError):
                     pass
 
@@ -807,8 +848,13 @@ class _Job:
             cfg = self.config
             final = cfg.restart_count >= cfg.max_restarts or self.interrupt is not None
             what = "job failed" if final else f"attempt {cfg.restart_count} failed"
-            lines = [f"{what}: {root.outcome()}" + (" (stopped by the launcher)" if root.signalled else "")]
             cause = root.root_cause
+            if root.signalled and cause is not None and not cause.remote:
+                # It reported its failure but had not exited when the grace (counted from the report) ran out.
+                outcome = f"rank {root.rank} failed (still exiting after --grace: {root.outcome()[len(f'rank {root.rank} '):]} by the launcher)"
+            else:
+                outcome = root.outcome() + (" (stopped by the launcher)" if root.signalled else "")
+            lines = [f"{what}: {outcome}"]
             if cause is not None and not cause.remote:
                 lines.append(f"  root cause: {cause.where(root.rank)}")
                 tb = (cause.traceback or "").rstrip("\n")
@@ -863,7 +909,8 @@ exit status:
        SIGTERM at once and SIGKILL after --grace seconds (at once on a second
        signal)
 
-after a rank fails, the others get --grace seconds to exit, then SIGTERM, then
+after a rank fails (exits unsuccessfully, or reports a root cause), every rank
+gets --grace seconds to exit, then SIGTERM (SIGKILL if it is stopped), then
 SIGKILL one second later. One summary names the root-cause rank (see the
 PIPELOOM_ROOT_CAUSE protocol in pipeloom.tools.launch) and lists the ranks that
 stopped as a consequence.

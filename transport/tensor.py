@@ -64,7 +64,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["TensorPlane", "TransferSpec", "WorkWaiter", "dtype_from_name", "dtype_name", "make_pair_groups"]
+__all__ = [
+    "TensorPlane",
+    "TransferSpec",
+    "WorkWaiter",
+    "abort_communicators",
+    "dtype_from_name",
+    "dtype_name",
+    "make_pair_groups",
+]
 
 _SLOW = 1 << 30  #: tag offset of payloads sent outside a pre-posted receive
 _MAX_PARTS = 64  #: tensors per transfer that get distinct tags
@@ -215,6 +223,54 @@ def _connect(groups: dict[tuple[int, int], dist.ProcessGroup], dev: torch.device
         w.wait()
     if dev.type == "cuda":
         torch.cuda.current_stream(dev).synchronize()
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def abort_communicators(groups: Sequence[Any], *, world: bool) -> list[str]:
+    """Abort NCCL communicators after a failure, without waiting for any peer; returns what was aborted.
+
+    Why not ``destroy_process_group``: it finalizes each communicator, which
+    waits for the operations still queued on it, and a receive from a rank
+    that was SIGSTOPped or SIGKILLed never completes (seen on 2 GPUs: a rank
+    that had named its stopped peer stayed in ``destroy`` until killed).
+    ``ncclCommAbort`` stops the kernels and frees the communicator at once.
+
+    ``world``: abort every group of the job (the default group included),
+    through torch's ``_abort_process_group`` (private; in torch 2.11 and 2.13
+    it wraps the aborts in one NCCL group call, so the aborts of several
+    communicators cannot wait on each other) and forget them, so that
+    ``dist.is_initialized()`` is False after.  Otherwise only ``groups`` (the
+    ones pipeloom created) are aborted: through the same function per group,
+    or the public ``ProcessGroup.abort()`` where it is missing.  Best effort:
+    errors are logged, never raised (this runs while a failure is reported).
+    """
+    done: list[str] = []
+    c10d = dist.distributed_c10d
+    private = getattr(c10d, "_abort_process_group", None) if (2, 6) <= _torch_version() else None
+    try:
+        if world and dist.is_initialized():
+            if private is not None:
+                private(None)
+                return ["world"]
+            groups = [*groups, dist.group.WORLD]
+        for g in groups:
+            if g is None or g == getattr(c10d.GroupMember, "NON_GROUP_MEMBER", object()):
+                continue
+            try:
+                if private is not None:
+                    private(g)
+                else:
+                    g.abort()
+                done.append(str(getattr(g, "group_name", "?")))
+            except Exception:  # noqa: BLE001 - one group's failure must not spare the others
+                log.exception("aborting the NCCL communicator of group %s failed", getattr(g, "group_name", "?"))
+    except Exception:  # noqa: BLE001 - never mask the failure being reported
+        log.exception("aborting NCCL communicators failed")
+    return done
 
 
 class WorkWaiter:
