@@ -44,7 +44,7 @@ import torch
 
 from ..schedules import Action, ActionType, Dataflow, Schedule, consumer_stage, producer_stage
 from ..transport.control import ControlPlane
-from ..transport.tensor import TensorPlane, TransferSpec
+from ..transport.tensor import SendError, TensorPlane, TransferSpec
 from .device import make_policy
 from .errors import PeerLostError, PipelineError, RemoteRankError, StageError
 from .liveness import PeerLiveness
@@ -59,6 +59,11 @@ log = logging.getLogger("pipeloom.actor")
 _F, _B, _I, _W, _OVL = ActionType.F, ActionType.B, ActionType.I, ActionType.W, ActionType.OVERLAP_F_B
 #: data-parallel events, run through the ``collectives`` object (runtime/data_parallel.py)
 _DP = frozenset({ActionType.UNSHARD, ActionType.RESHARD, ActionType.REDUCE_GRAD})
+#: after a transport error on a transfer with a peer: how long to wait for the control plane to
+#: confirm that the peer is gone (its connection's close is read every heartbeat interval)
+_CONFIRM_LOST = 1.5
+#: words of a transport error that says the connection to the peer broke (gloo's messages)
+_CONNECTION_BROKE = ("Connection closed", "Connection reset", "Broken pipe", "Connection refused", "Socket closed")
 
 
 #: every actor alive in this process (for debug dumps)
@@ -367,23 +372,46 @@ class RankActor:
             with self.dev.on_stage(from_stage):  # NCCL orders the send after the producer's stream
                 nbytes = self.tensors.send(dst, tensors, seq, fast, predicted)
         except RuntimeError as exc:
-            try:
-                self.control.drain()  # a 'bye' from it may be waiting unread
-            except Exception:  # noqa: BLE001 - only a better message is at stake
-                pass
-            left = self.liveness.left(dst)
-            if left is None and dst not in self.control.disconnected:
+            err = self._lost_peer(dst, f"sending {kind} of stage {to_stage} microbatch {mb} (step {step})", exc)
+            if err is None:
                 raise
-            # the peer is gone: say so (and which), rather than a transport error
-            why = (f"it closed its Pipeline after {left} step(s) while this rank is in step {step}" if left is not None
-                   else "its control connection closed: the process exited or was killed")
-            err = PeerLostError(f"sending {kind} of stage {to_stage} microbatch {mb} (step {step}) failed: {why}",
-                                rank=self.rank, peer=dst)
             self._remote_error = err
             self.broadcast_abort(err, None, step)
             raise err from exc
         if self.trace is not None:
             self.trace.transfer("send", step, dst, to_stage, mb, kind, seq, nbytes, t0, clock_ns())
+
+    def _lost_peer(self, peer: int, what: str, exc: BaseException) -> PeerLostError | None:
+        """A transport error on a transfer with ``peer``: a PeerLostError naming it, if it is gone.
+
+        A send to a rank that was just killed fails (gloo: "Connection closed by
+        peer") before this rank's heartbeat thread has read the closed control
+        connection, so the control plane gets a short, bounded while to confirm
+        (a 'bye', or the connection's close).  An error that itself says the
+        connection broke names the peer even unconfirmed: it is the link to that
+        peer that failed, not this rank's code.  Anything else returns None (a
+        local error, e.g. a tensor the backend cannot send).
+        """
+        deadline = time.monotonic() + _CONFIRM_LOST
+        while True:
+            try:
+                self.control.drain()  # a 'bye' from it may be waiting unread
+            except Exception:  # noqa: BLE001 - only a better message is at stake
+                pass
+            left = self.liveness.left(peer)
+            gone = peer in self.control.disconnected
+            if left is not None or gone or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        if left is not None:
+            why = f"it closed its Pipeline after {left} step(s) while this rank is in step {self.step_index - 1}"
+        elif gone:
+            why = "its control connection closed: the process exited or was killed"
+        elif any(words in str(exc) for words in _CONNECTION_BROKE):
+            why = f"the connection to it broke ({str(exc).splitlines()[0][:300]})"
+        else:
+            return None
+        return PeerLostError(f"{what} failed: {why}", rank=self.rank, peer=peer)
 
     def _run(self, a: Action, step: int, inputs: StepInputs, train: bool, results: dict[int, Any], losses: dict[int, torch.Tensor]) -> None:
         t = a.type
@@ -560,10 +588,18 @@ class RankActor:
         if self.tensors.pending_sends:
             self.state = ("waiting", "sends to complete", time.monotonic())
             d0 = clock_ns() if trace is not None else 0
-            if self._cuda:
-                self.tensors.drain_sends()  # NCCL: orders the caller's stream, never blocks the host
-            else:
-                await asyncio.to_thread(self.tensors.drain_sends)
+            try:
+                if self._cuda:
+                    self.tensors.drain_sends()  # NCCL: orders the caller's stream, never blocks the host
+                else:
+                    await asyncio.to_thread(self.tensors.drain_sends)
+            except SendError as exc:
+                err = self._lost_peer(exc.peer, f"completing the sends to rank {exc.peer} (step {step})", exc)
+                if err is None:
+                    raise
+                self._remote_error = err
+                self.broadcast_abort(err, None, step)
+                raise err from exc
             if trace is not None:
                 trace.wait(step, d0, clock_ns(), ["sends to complete"])
         dev.end_step()
@@ -605,13 +641,37 @@ class RankActor:
 
     def _check_liveness(self, pending: list[Action], step: int) -> None:
         """Raise PeerLostError if a peer is lost (see runtime/liveness.py for the decision)."""
-        lost = self.liveness.check(step, disconnected=self.control.disconnected, events_read_at=self.control.monitors_read_at)
+        lost = self.liveness.check(step, disconnected=self.control.disconnected, events_read_at=self.control.monitors_read_at,
+                                   needed=self._needed_peers(pending, step))
         if lost is not None:
             err = PeerLostError(lost.reason, rank=self.rank, peer=lost.peer)
             self._remote_error = err
             self.broadcast_abort(err, None, step)
             # from None: raised while handling the wait's TimeoutError, which is no part of the story
             raise self._annotate_wait(err, pending, step) from None
+
+    def _needed_peers(self, pending: Sequence[Action], step: int) -> set[int] | None:
+        """The peers this rank still waits on for an input in this step (None: every peer).
+
+        Liveness is only this rank's business for those: a peer that has done its
+        part of the step and then died or stopped takes nothing from this rank now
+        (the ranks that still need it will name it, and their abort reaches this
+        rank; in the next step this rank needs it again and names it itself).
+        With data-parallel collectives, or with nothing pending (the end of a
+        step), every peer counts.  A receive posted but not landed still needs
+        its sender (on NCCL it never completes if the sender died).
+        """
+        if self.collectives is not None or not pending:
+            return None
+        need: set[int] = set()
+        for a in pending:
+            for leaf in a.leaves():
+                key = self.flow.input_key(leaf, step)
+                if key is not None and key not in self._inbox:
+                    src = self.stage_to_rank[producer_stage(key.kind, leaf.stage)]  # type: ignore[index]
+                    if src != self.rank:
+                        need.add(src)
+        return need
 
     def _annotate_wait(self, err: PipelineError, pending: list[Action], step: int) -> PipelineError:
         if isinstance(err, PeerLostError) and not getattr(err, "_annotated", False):

@@ -33,7 +33,7 @@ The decision, for each peer, first match wins:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 __all__ = ["PeerLiveness", "LostPeer", "RECONNECT_GRACE"]
@@ -115,17 +115,25 @@ class PeerLiveness:
         """Each peer's last reported (state, what, seconds), by rank (for debug dumps)."""
         return dict(self._state)
 
-    def check(self, step: int, *, disconnected: Mapping[int, float] = {}, events_read_at: float = 0.0) -> LostPeer | None:
+    def check(
+        self,
+        step: int,
+        *,
+        disconnected: Mapping[int, float] = {},
+        events_read_at: float = 0.0,
+        needed: Collection[int] | None = None,
+    ) -> LostPeer | None:
         """The first peer (by rank) that is lost while this rank is in ``step``, or None.
 
         ``disconnected``: peer -> when (same clock) its control connection
         closed and has not come back; ``events_read_at``: when the connection
         events were last read (a disconnect counts once a read at least
-        ``reconnect_grace`` after it still showed it).
+        ``reconnect_grace`` after it still showed it).  ``needed``: the only
+        peers to check (those this rank still waits on in the step; None: all).
         """
         now = self.clock()
         for peer in range(self.world_size):
-            if peer == self.rank:
+            if peer == self.rank or (needed is not None and peer not in needed):
                 continue
             last = self._last_seen.get(peer)
             silent = now - max(last if last is not None else 0.0, self._listening_since)

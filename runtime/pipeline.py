@@ -22,9 +22,11 @@ import contextlib
 import json
 import os
 import secrets
+import socket
 import sys
+import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,7 @@ from ..transport.control import ControlPlane, choose_bind_host
 from ..transport.tensor import TensorPlane, abort_communicators, make_pair_groups
 from .actor import ActorStatistics, RankActor, StepInputs
 from .data_parallel import DEFAULT_BUCKET_BYTES, Layout, StageCollectives
-from .errors import PeerLostError, PipelineConfigError, RemoteRankError
+from .errors import PeerLostError, PipelineConfigError, PipelineError, RemoteRankError
 from .options import RuntimeOptions, resolve_options
 from .stage import StageExecutor
 from .trace import FileSink, StreamSink, TraceRecorder, make_header
@@ -134,6 +136,29 @@ def _init_process_group(backend: str | None) -> bool:
     else:
         dist.init_process_group(backend)
     return True
+
+
+def _dead_peers(procs: Sequence[tuple[str, int]], me: int) -> list[int]:
+    """Ranks on this host whose process has exited (or is a zombie), from the (host, pid) of every rank."""
+    host = socket.gethostname()
+    dead = []
+    for rank, (h, pid) in enumerate(procs):
+        if rank == me or h != host:
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    dead.append(rank)
+        except FileNotFoundError:
+            dead.append(rank)
+        except (OSError, IndexError):  # no /proc: ask the kernel
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                dead.append(rank)
+            except PermissionError:
+                pass
+    return dead
 
 
 def _report_root_cause(exc: BaseException, *, remote: bool) -> None:
@@ -253,6 +278,14 @@ class Pipeline:
         self.loss_fn = loss_fn
         backend = self._backend = dist.get_backend()
         self._aborted = False
+        # Control traffic (object collectives) on gloo, also on NCCL jobs.
+        obj_group = self._obj_group = dist.new_group(backend="gloo") if backend == "nccl" else None
+        # Who runs where: if a peer dies while this rank is in a construction collective,
+        # gloo only says "Connection reset"; the pids tell which rank it was.
+        procs: list[Any] = [None] * self.world_size
+        with self._construction("exchanging process ids"):
+            dist.all_gather_object(procs, (socket.gethostname(), os.getpid()), group=obj_group)
+        self._procs: list[tuple[str, int]] = procs
         #: the pp x dp grid, or None for a pipeline without data parallelism
         self.layout: Layout | None = None
         if data_parallel != 1 or fsdp or mesh is not None:
@@ -291,7 +324,8 @@ class Pipeline:
                 from .data_parallel import sync_module_states, wrap_fsdp
 
                 if lay.dp > 1:
-                    sync_module_states(module, lay.dp_group, src=lay.row[0])
+                    with self._construction(f"broadcasting stage {s}'s parameters over its replicas"):
+                        sync_module_states(module, lay.dp_group, src=lay.row[0])
                 if fsdp:
                     module = wrap_fsdp(module, lay.dp_mesh, fsdp_wrap, fsdp_kwargs)
             self._executors[s] = StageExecutor(
@@ -309,15 +343,16 @@ class Pipeline:
 
         # Control plane: one endpoint per rank, exchanged over the job's group,
         # and a per-job secret that signs every message.
-        obj_group = self._obj_group = dist.new_group(backend="gloo") if backend == "nccl" else None
         secret = [os.environ.get("PIPELOOM_JOB_SECRET") or secrets.token_hex(16)]
         if not os.environ.get("PIPELOOM_JOB_SECRET"):
-            dist.broadcast_object_list(secret, src=0, group=obj_group)
+            with self._construction("sharing the job secret"):
+                dist.broadcast_object_list(secret, src=0, group=obj_group)
         self._control = ControlPlane(
             self.rank, self.world_size, secret=secret[0].encode(), host=choose_bind_host(os.environ.get("MASTER_ADDR"))
         )
         endpoints: list[Any] = [None] * self.world_size
-        dist.all_gather_object(endpoints, self._control.endpoint, group=obj_group)
+        with self._construction("exchanging control endpoints"):
+            dist.all_gather_object(endpoints, self._control.endpoint, group=obj_group)
         self._control.connect([str(e) for e in endpoints])
         self._trace_sink, recorder = self._open_trace(opts.trace, opts.trace_endpoint, secret[0].encode())
         pair_groups = None
@@ -326,7 +361,8 @@ class Pipeline:
             links = Dataflow(self.schedule.stage_to_rank).links()  # in schedule rows
             # every replica's pipeline edges, in global ranks
             edges = {(column[a], column[b]) for column in columns for a, b in links}
-            pair_groups = make_pair_groups(edges, max_ctas=opts.p2p_max_ctas)
+            with self._construction("connecting the point-to-point groups"):
+                pair_groups = make_pair_groups(edges, max_ctas=opts.p2p_max_ctas)
         self._tensors = TensorPlane(self.rank, device=self.device, pair_groups=pair_groups)
         self._actor = RankActor(
             rank=self.rank,
@@ -354,6 +390,54 @@ class Pipeline:
         atexit.register(self._close_at_exit)
 
     # ------------------------------------------------------------ setup
+    @contextlib.contextmanager
+    def _construction(self, what: str) -> Iterator[None]:
+        """Around a collective of the constructor: a peer that died during it is named, not gloo's error.
+
+        gloo reports a peer that died mid-collective as "Connection reset by
+        peer" from the pair it was on, without a rank.  The ranks exchanged
+        (host, pid) first, so the dead one is found among those on this host
+        (a zombie counts as dead: the launcher may not have reaped it yet).
+        The error is reported as a root cause naming that rank (``remote``).
+        An error that is not about a broken connection is raised unchanged.
+        """
+        try:
+            yield
+        except RuntimeError as exc:
+            err = self._construction_error(what, exc)
+            if err is None:
+                raise
+            _report_root_cause(err, remote=True)
+            if self._backend == "nccl":
+                self._aborted = True
+                abort_communicators([g for g in (self._obj_group,) if g is not None], world=self._owns_group)
+            raise err from None  # gloo's "Connection reset" says nothing the message does not
+
+    def _construction_error(self, what: str, exc: RuntimeError) -> PipelineError | None:
+        text = str(exc)
+        procs = getattr(self, "_procs", None)
+        dead: list[int] = []
+        deadline = time.monotonic() + 1.0
+        while procs is not None:
+            dead = _dead_peers(procs, self.rank)
+            if dead or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)  # the kernel closes a dying process's sockets before it is a zombie
+        if dead:
+            host, pid = procs[dead[0]]
+            also = f" (also gone: ranks {', '.join(map(str, dead[1:]))})" if len(dead) > 1 else ""
+            return PeerLostError(
+                f"{what} while building the Pipeline failed: its process (pid {pid} on {host}) is gone{also}",
+                rank=self.rank, peer=dead[0],
+            )
+        if any(w in text for w in ("Connection reset", "Connection closed", "Broken pipe", "Connection refused")):
+            where = "none of the ranks on this host is gone" if procs is not None else "ranks had not exchanged pids yet"
+            return PipelineError(
+                f"rank {self.rank}: {what} while building the Pipeline failed: a peer's connection broke ({where}; "
+                f"a rank on another host?): {text.splitlines()[0][:300]}"
+            )
+        return None
+
     def _build_schedule(self, schedule: Any, n: int, stages_per_rank: int | None) -> Schedule:
         from ..schedules import check, generate
 

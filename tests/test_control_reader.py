@@ -106,3 +106,47 @@ def test_reader_moves_to_a_new_loop() -> None:
         b.stop()
         a.close()
         b.close()
+
+
+def test_rejections_are_summarised_per_reason_and_interval() -> None:
+    """A flood of bad frames makes one line per reason per interval, not one per frame (fake clock)."""
+    import logging
+
+    from pipeloom.transport.control import RejectionLog
+    from pipeloom.transport.messages import MessageError
+
+    now = [100.0]
+    lines: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("test.rejections")
+    logger.propagate = False
+    logger.addHandler(Capture())
+    rl = RejectionLog(3, interval=5.0, clock=lambda: now[0], logger=logger)
+    for i in range(20_000):
+        rl.rejected(MessageError("bad signature: the sender does not hold this job's secret"))
+        if i % 1000 == 0:
+            rl.rejected(MessageError(f"frame of {i % 7} bytes is too short to carry a signature"))
+    assert lines == [
+        "rank 3: rejected a control message: bad signature: the sender does not hold this job's secret "
+        "(more like it are counted, one line per 5 s)",
+        "rank 3: rejected a control message: frame of 0 bytes is too short to carry a signature "
+        "(more like it are counted, one line per 5 s)",
+    ]
+    now[0] += 5.0
+    rl.flush()
+    assert lines[2:] == [
+        "rank 3: rejected 19999 more control messages in the last 5.0 s: bad signature",
+        "rank 3: rejected 19 more control messages in the last 5.0 s: frame of N bytes is too short to carry a signature",
+    ]
+    now[0] += 5.0
+    rl.flush()  # a quiet interval: nothing to say, and the next one is logged in full again
+    assert len(lines) == 4
+    rl.rejected(MessageError("bad signature: x"))
+    assert lines[-1].startswith("rank 3: rejected a control message: bad signature: x")
+    rl.rejected(MessageError("bad signature: x"))
+    rl.flush(force=True)
+    assert lines[-1] == "rank 3: rejected 1 more control message in the last 0.0 s: bad signature"

@@ -209,8 +209,10 @@ def test_stalled_rank_is_detected_and_named(tmp_path: Path, jobs: list[Job], mod
     assert code == 1, err[-3000:]
     job.assert_no_survivor()
     assert r0["type"] == "PeerLostError" and r0["peer"] == 1, r0
-    # checked every min(1, heartbeat_timeout / 4) s while waiting, plus slack for a loaded machine
-    assert timeout <= detected <= timeout + 1.5
+    # checked every min(1, heartbeat_timeout / 4) s while waiting, plus slack for a loaded machine; the
+    # silence counts from rank 1's last message, which on a loaded machine can precede the fault by up
+    # to a second (a heartbeat every 0.5 s, from a thread that competes for the GIL)
+    assert timeout - 1.0 <= detected <= timeout + 1.5
     summary = _summary(err)
     lines = summary.splitlines()
     assert lines[0].startswith("pipeloom launch: job failed: rank 1 was killed by SIG") and "(stopped by the launcher)" in lines[0], summary
@@ -320,6 +322,9 @@ def test_wrongly_signed_messages_are_rejected_and_training_completes(tmp_path: P
     assert all(r["rejected"] >= n for r, n in zip(recs, sent)), (recs, sent)
     for r in range(WORLD):
         assert f"[rank{r}]: rank {r}: rejected a control message: bad signature" in err, err[-3000:]
+        # summarised, not one line per frame: the first in full, the rest counted in one line
+        assert err.count(f"[rank{r}]: rank {r}: rejected a control message") == 1, err[-3000:]
+        assert f"[rank{r}]: rank {r}: rejected {sent[r] - 1} more control messages in the last " in err, err[-3000:]
     assert recs[1]["losses"] == pytest.approx(_reference_losses(), rel=1e-5)
 
 

@@ -551,3 +551,172 @@ def test_max_restarts_exhausted_fails_the_job(tmp_path: Path, reaper: Reaper) ->
     assert "restarting every rank (restart 1 of --max-restarts 1)" in err
     assert err.count("job failed: rank 1 was killed by SIGKILL") == 1 and "restart 2" not in err
     assert _by_rank(out)[1] == ["restart=0 of 1 resumes at step 0", "restart=1 of 1 resumes at step 3"]
+
+
+# ---------------------------------------------------------------- torchrun parity
+
+
+def test_torchrun_flags_that_do_not_apply_are_accepted_with_a_note(tmp_path: Path, reaper: Reaper) -> None:
+    script = _script(tmp_path, "env.py", 'print("ROLE", os.environ["ROLE_NAME"], os.environ["TORCHELASTIC_RUN_ID"], os.environ.get("TORCHELASTIC_ERROR_FILE", "")[-11:])\n')
+    code, out, err, _ = reaper.run(
+        "--nproc-per-node", "2", "--start-method", "spawn", "--virtual-local-rank", "--shutdown-timeout", "30",
+        "--role", "trainer", "--run-path", "--monitor-interval", "0.2", "--rdzv-id", "myjob", script, tmp_path,
+    )
+    assert code == 0, err
+    for flag in ("--start-method", "--virtual-local-rank", "--shutdown-timeout"):
+        assert err.count(f"pipeloom launch: note: {flag} does not apply to pipeloom launch and is ignored: ") == 1, err
+    lines = _by_rank(out)
+    for rank in (0, 1):
+        assert lines[rank] == [f"ROLE trainer myjob error{rank}.json"], lines  # --run-path ran the script too
+
+
+def test_redirects_and_tee_choose_console_or_log(tmp_path: Path, reaper: Reaper) -> None:
+    script = _script(tmp_path, "streams.py", 'print("out", RANK, flush=True)\nprint("err", RANK, file=sys.stderr, flush=True)\n')
+    logs = tmp_path / "logs"
+    code, out, err, _ = reaper.run("--nproc-per-node", "2", "-r", "0:1,1:3", "--log-dir", logs, script, tmp_path)
+    assert code == 0, err
+    assert "[rank0]: out 0" not in out and "[rank0]: err 0" in err  # rank 0: stdout to the log only
+    assert "rank1" not in out and "[rank1]:" not in err  # rank 1: both streams to the log only
+    for rank in (0, 1):
+        text = (logs / f"rank{rank}.log").read_text()
+        assert f"out {rank}\n" in text and f"err {rank}\n" in text
+    code, out, err, _ = reaper.run("--nproc-per-node", "1", "-r", "3", "-t", "1", script, tmp_path)
+    assert code == 0 and "[rank0]: out 0" in out and "[rank0]: err 0" not in err, (out, err)  # tee wins for stdout
+    assert "note: -r/-t without --log-dir: the rank logs go to " in err
+
+
+RECORD_SCRIPT = """\
+from torch.distributed.elastic.multiprocessing.errors import record
+
+@record
+def main():
+    raise ValueError("recorded boom")
+
+main()
+"""
+
+
+def test_torch_record_error_file_is_the_root_cause(tmp_path: Path, reaper: Reaper) -> None:
+    """A script that uses torch's ``@record`` (no pipeloom): its TORCHELASTIC_ERROR_FILE gives the summary."""
+    script = _script(tmp_path, "record.py", RECORD_SCRIPT)
+    code, _, err, _ = reaper.run("--nproc-per-node", "1", script, tmp_path, timeout=60)
+    assert code == 1, err
+    summary = err[err.index("pipeloom launch: job failed: rank 0 exited with code 1"):]
+    assert "\n  root cause: rank 0\n  Traceback (most recent call last):\n" in summary, summary
+    assert 'raise ValueError("recorded boom")' in summary and summary.rstrip().endswith("ValueError: recorded boom")
+
+
+async def _run_rdzv_nodes(tmp_path: Path, script: Path, nproc: int, *, timeout: float, extra: tuple[str, ...] = (),
+                          env: dict[str, str] | None = None) -> list[tuple[int, str, str]]:
+    port = _free_port()
+    procs = []
+    try:
+        async with asyncio.timeout(timeout):
+            for _ in range(2):
+                procs.append(
+                    await asyncio.create_subprocess_exec(
+                        *LAUNCH, "--nnodes", "2", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+                        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job7", "--grace", "0.5",
+                        "--monitor-interval", "0.2", *extra, str(script), str(tmp_path),
+                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+                    )
+                )  # fmt: skip
+            results = await asyncio.gather(*(p.communicate() for p in procs))
+            return [(p.returncode or 0, o.decode(), e.decode()) for p, (o, e) in zip(procs, results)]
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+                await p.wait()
+
+
+RDZV_GLOO_SCRIPT = GLOO_SCRIPT.replace(
+    'print(f"sum=', 'print(os.environ["TORCHELASTIC_RUN_ID"], os.environ["GROUP_RANK"], os.environ["LOCAL_RANK"], f"sum='
+)
+
+
+async def test_two_launchers_meet_through_c10d_rendezvous(tmp_path: Path, reaper: Reaper) -> None:
+    script = _script(tmp_path, "gloo.py", RDZV_GLOO_SCRIPT)
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    env.pop("PIPELOOM_JOB_SECRET", None)
+    results = await _run_rdzv_nodes(tmp_path, script, 2, timeout=90, env=env)
+    seen = {}
+    for code, out, err in results:
+        assert code == 0, err
+        assert "without PIPELOOM_JOB_SECRET" not in err  # node 0 shares one through the rendezvous
+        for rank, lines in _by_rank(out).items():
+            run_id, group, local, rest = lines[0].split(" ", 3)
+            assert (run_id, rest) == ("job7", "sum=10.0 world=4"), lines
+            seen[rank] = (int(group), int(local))
+    # node ranks come from the rendezvous; global ranks are contiguous per node
+    assert sorted(seen) == [0, 1, 2, 3] and all(seen[r] == (r // 2, r % 2) for r in range(4)), seen
+
+
+RDZV_FAIL_SCRIPT = """\
+if os.environ["GROUP_RANK"] == "1":
+    time.sleep(0.5)
+    sys.exit(7)
+time.sleep(60)  # node 0's rank would wait forever: only the rendezvous tells its launcher
+"""
+
+
+async def test_a_failure_on_one_c10d_node_ends_the_other(tmp_path: Path, reaper: Reaper) -> None:
+    script = _script(tmp_path, "fail.py", RDZV_FAIL_SCRIPT)
+    t0 = time.monotonic()
+    results = await _run_rdzv_nodes(tmp_path, script, 1, timeout=60)
+    took = time.monotonic() - t0
+    print(f"\nc10d: both launchers ended {took:.1f} s after starting")
+    by_node = {}
+    for code, out, err in results:
+        node = 0 if "node 0 of 2" in err else 1
+        by_node[node] = (code, err)
+    assert by_node[1][0] == 1 and "job failed: rank 1 exited with code 7" in by_node[1][1], by_node[1][1]
+    code, err = by_node[0]
+    assert code == 1, err
+    assert "pipeloom launch: job failed on another node: node 1: job failed: rank 1 exited with code 7\n" in err, err
+    assert "also stopped: rank 0 (consequence; the launcher terminated rank 0)" in err, err
+    assert not _wait_dead(_pids(tmp_path), timeout=1.0)
+
+
+async def test_c10d_nodes_restart_together(tmp_path: Path, reaper: Reaper) -> None:
+    script = _script(tmp_path, "restart.py", """\
+restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+print("attempt", restart, "rank", RANK, flush=True)
+if os.environ["GROUP_RANK"] == "1" and restart == 0:
+    time.sleep(0.5)
+    sys.exit(7)
+time.sleep(0.5 if restart else 60)
+""")
+    results = await _run_rdzv_nodes(tmp_path, script, 1, timeout=90, extra=("--max-restarts", "1"))
+    for code, out, err in results:
+        assert code == 0, err
+        assert "restarting every rank (restart 1 of --max-restarts 1)" in err and "rendezvous round 2: " in err, err
+        rank = int(out.split("rank ")[1].split()[0])
+        assert out.splitlines() == [f"[rank{rank}]: attempt 0 rank {rank}", f"[rank{rank}]: attempt 1 rank {rank}"], out
+
+
+STATIC_FAIL_SCRIPT = str(Path(__file__).parent / "ranks" / "launch_worker.py")
+
+
+async def test_a_failure_on_one_static_node_ends_the_other(tmp_path: Path, reaper: Reaper) -> None:
+    """Two launchers of one rank each (``--node-rank``), real pipeloom ranks: rank 1 raises, both end."""
+    port = _free_port()
+    env = {**os.environ, "PIPELOOM_JOB_SECRET": "feedc0de" * 4}
+    procs = []
+    try:
+        async with asyncio.timeout(90):
+            for node in range(2):
+                procs.append(await asyncio.create_subprocess_exec(
+                    *LAUNCH, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-port", str(port),
+                    "--grace", "1", STATIC_FAIL_SCRIPT, "raise", str(tmp_path),
+                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env))
+            results = [(await p.communicate())[1].decode() for p in procs]
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+                await p.wait()
+    assert [p.returncode for p in procs] == [1, 1], results
+    assert "job failed: rank 1 " in results[1] and "root cause: rank 1, stage" in results[1], results[1][-2000:]
+    assert "it reports that rank 1 failed" in results[0], results[0][-2000:]
+    assert not _wait_dead(_pids(tmp_path), timeout=1.0)

@@ -257,3 +257,107 @@ async def test_abort_communicators_forgets_the_groups(tmp_path: Path) -> None:
         codes, outs, errs = await spawn_ranks(1, [str(script)], timeout=50)
     assert codes == [0], errs[0][-2000:]
     assert outs[0].split("\n")[:2] == ["['1'] True", "['world'] False"], outs[0]
+
+
+SEND_TO_KILLED = """\
+import json, os, signal, time, torch, pipeloom
+from torch import nn
+rank = int(os.environ["RANK"])
+
+class Stage(nn.Linear):
+    def forward(self, x):
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # its first forward: rank 0 is still sending the others
+        time.sleep(0.3)
+        return super().forward(x)
+
+torch.manual_seed(0)
+pipe = pipeloom.Pipeline(lambda s: Stage(4, 4), schedule="GPipe", num_microbatches=4,
+                         loss_fn=nn.functional.mse_loss, heartbeat_timeout=60)
+try:
+    pipe.step(torch.randn(8, 4), target=torch.randn(8, 4))
+except Exception as exc:
+    print(json.dumps({"type": type(exc).__name__, "peer": getattr(exc, "peer", None), "message": str(exc)}), flush=True)
+    raise
+"""
+
+
+async def test_a_send_to_a_killed_rank_names_it(tmp_path: Path) -> None:
+    # rank 0 sends its next activation to rank 1 within 0.3 s of rank 1's SIGKILL, before its
+    # heartbeat thread has read the closed control connection: still "lost rank 1", not rank 0's
+    # own StageError about a gloo connection
+    script = tmp_path / "send.py"
+    script.write_text(SEND_TO_KILLED)
+    codes, outs, errs = await spawn_ranks(2, [str(script)], timeout=60)
+    assert codes == [1, -signal.SIGKILL], errs[0][-2000:]
+    rec = json.loads(outs[0].strip().splitlines()[-1])
+    assert rec["type"] == "PeerLostError" and rec["peer"] == 1, rec
+    assert rec["message"].startswith("rank 0: lost rank 1: sending F of stage 1 microbatch"), rec
+    assert "StageError" not in errs[0]
+
+
+FINISHED_THEN_KILLED = """\
+import os, signal, time, torch, pipeloom
+from torch import nn
+rank = int(os.environ["RANK"])
+
+class Slow(nn.Linear):
+    calls = 0
+
+    def forward(self, x):
+        y = super().forward(x)
+        self.calls += 1
+        if rank == 1 and self.calls == 4:  # the last microbatch's backward on rank 1 takes 4 s
+            y.register_hook(lambda g: (time.sleep(4.0), g)[1])
+        return y
+
+torch.manual_seed(0)
+pipe = pipeloom.Pipeline(lambda s: Slow(4, 4), schedule="1F1B", num_microbatches=4,
+                         loss_fn=nn.functional.mse_loss, heartbeat_timeout=1.5, stall_timeout=10)
+pipe.step(torch.randn(8, 4), target=torch.randn(8, 4))
+if rank == 3:  # its step is done (sends completed): killed before it could close its Pipeline
+    os.kill(os.getpid(), signal.SIGKILL)
+pipe.close()
+print("done", rank, flush=True)
+"""
+
+
+async def test_a_rank_killed_after_its_step_does_not_abort_ranks_that_need_nothing_from_it(tmp_path: Path) -> None:
+    # 4 ranks, 1F1B: rank 3 (last stage) finishes its step and is SIGKILLed, with no 'bye'; rank 0 still
+    # waits 4 s for rank 1's last gradient, longer than both the closed-connection grace and the heartbeat
+    # timeout: rank 0 needs nothing more from rank 3 in this step, so ranks 0-2 finish it
+    script = tmp_path / "killed.py"
+    script.write_text(FINISHED_THEN_KILLED)
+    codes, outs, errs = await spawn_ranks(4, [str(script)], timeout=90)
+    assert codes == [0, 0, 0, -signal.SIGKILL], "\n".join(e[-1500:] for e in errs)
+    assert all(f"done {r}" in outs[r] for r in range(3))
+
+
+KILLED_IN_CONSTRUCTION = """\
+import os, signal, time, torch, pipeloom
+from torch import nn
+rank = int(os.environ["RANK"])
+
+def stage_fn(s):
+    if rank == 1:  # rank 0 is already in the constructor's next collective, waiting for it
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return nn.Linear(4, 4)
+
+pipeloom.Pipeline(stage_fn, schedule="1F1B", num_microbatches=2, loss_fn=nn.functional.mse_loss)
+"""
+
+
+async def test_a_rank_killed_during_construction_is_named_by_the_survivor(tmp_path: Path) -> None:
+    script = tmp_path / "construct.py"
+    script.write_text(KILLED_IN_CONSTRUCTION)
+    codes, _, errs = await spawn_ranks(2, [str(script)], timeout=60, env={"PIPELOOM_LAUNCHER": "1"})
+    assert codes == [1, -signal.SIGKILL], errs[0][-2000:]
+    causes = [json.loads(line.split(" ", 1)[1]) for line in errs[0].splitlines() if line.startswith("PIPELOOM_ROOT_CAUSE ")]
+    assert len(causes) == 1, errs[0][-2000:]
+    cause = causes[0]
+    assert cause["remote"] is True and cause["failed_rank"] == 1, cause
+    assert cause["error"].startswith("rank 0: lost rank 1: ") and "while building the Pipeline failed: its process (pid " in cause["error"], cause
+    last = errs[0].strip().splitlines()[-1]
+    assert "pipeloom.runtime.errors.PeerLostError: rank 0: lost rank 1: " in last, last
+    assert "RuntimeError" not in errs[0], errs[0][-2000:]  # not gloo's raw error from the collective

@@ -52,12 +52,16 @@ Environment of every rank
 What torchrun sets, so that a script runs the same under either launcher:
 ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``
 (node rank), ``GROUP_WORLD_SIZE``, ``ROLE_RANK``, ``ROLE_WORLD_SIZE``,
-``ROLE_NAME``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``
-and ``TORCHELASTIC_MAX_RESTARTS`` (0), and ``OMP_NUM_THREADS=1`` when several
-ranks share the node and it is not set already.  ``TORCHELASTIC_RUN_ID`` and
-``TORCHELASTIC_USE_AGENT_STORE`` are *not* set: there is no agent store, and
-the rank-0 process creates the TCP store as with plain ``env://``.  Then
-pipeloom's own, none of which a script may *require*:
+``ROLE_NAME`` (``--role``), ``MASTER_ADDR``, ``MASTER_PORT``,
+``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_MAX_RESTARTS``,
+``TORCHELASTIC_RUN_ID`` (``--rdzv-id``, default ``none``),
+``TORCHELASTIC_ERROR_FILE`` (one per rank and attempt: torch's ``@record``
+writes the exception there, and the launcher reads it for the summary when the
+rank wrote no root-cause line), and ``OMP_NUM_THREADS=1`` when several ranks
+share the node and it is not set already.  ``TORCHELASTIC_USE_AGENT_STORE`` is
+*not* set: there is no agent store, and the rank-0 process creates the TCP
+store as with plain ``env://``.  Then pipeloom's own, none of which a script
+may *require*:
 
 * ``PIPELOOM_LAUNCHER=1``;
 * ``PIPELOOM_JOB_SECRET``: random hex shared by all ranks of the job (taken
@@ -138,6 +142,17 @@ linger).  With ``--log-dir``, attempt K > 0 writes ``rank{R}.restart{K}.log``.
 With several nodes and a static ``--master-addr``, each launcher restarts its
 own ranks (a failure elsewhere fails them too, so they restart together).
 
+Rendezvous
+----------
+``--rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ID`` (and
+``--nnodes MIN:MAX``, ``--rdzv-conf``, ``--local-addr``) meet the other
+launchers through torch's own rendezvous (:mod:`pipeloom.tools.rendezvous`,
+which imports torch; nothing else here does): node ranks, the global ranks
+of each node, global rank 0's address and the job secret come from it, and
+the launchers watch each other through its store every ``--monitor-interval``
+seconds, so a failure (or a restart) on any node ends (or restarts) every
+node's attempt.
+
 Multi-node
 ----------
 Run one launcher per node with the same ``--nnodes``, ``--nproc-per-node``,
@@ -167,13 +182,18 @@ import ctypes
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import sys
+import tempfile
+import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
+
+from .rendezvous import RendezvousConfig, parse_nnodes, parse_rdzv_conf
 
 __all__ = [
     "EXIT_OK",
@@ -258,13 +278,36 @@ class LaunchConfig:
     """Which attempt this is (0: the first); ranks see it as ``TORCHELASTIC_RESTART_COUNT``."""
     fresh_port_per_restart: bool = False
     """The launcher chose ``master_port`` itself: take a new free port at each restart (the old one may linger)."""
+    rdzv: RendezvousConfig | None = None
+    """Meet the other nodes through torch's rendezvous (``--rdzv-backend c10d``); None: static ``--node-rank``."""
+    run_id: str = "none"
+    """``TORCHELASTIC_RUN_ID`` of the ranks (``--rdzv-id``; torchrun's default is ``none``)."""
+    rank_offset: int | None = None
+    """Global rank of local rank 0, when a rendezvous assigned it (None: ``node_rank * nproc_per_node``)."""
+    total_world_size: int | None = None
+    """Ranks in the job, when a rendezvous assigned it (None: ``nnodes * nproc_per_node``)."""
+    role: str = "default"
+    """``ROLE_NAME`` of the ranks (torchrun's ``--role``)."""
+    quiet_streams: Mapping[int, int] = field(default_factory=dict)
+    """Local rank -> streams (1 stdout, 2 stderr, 3 both) not echoed to the console (``--redirects``)."""
+    error_dir: Path | None = None
+    """Where each rank's ``TORCHELASTIC_ERROR_FILE`` goes (``error{R}.json``); None: no error files."""
+    monitor_interval: float = 0.5
+    """Seconds between checks of the other nodes' state through the rendezvous (``--monitor-interval``)."""
 
     @property
     def world_size(self) -> int:
-        return self.nnodes * self.nproc_per_node
+        return self.total_world_size if self.total_world_size is not None else self.nnodes * self.nproc_per_node
 
     def global_rank(self, local_rank: int) -> int:
-        return self.node_rank * self.nproc_per_node + local_rank
+        base = self.rank_offset if self.rank_offset is not None else self.node_rank * self.nproc_per_node
+        return base + local_rank
+
+    def error_file(self, local_rank: int) -> Path | None:
+        """The ``TORCHELASTIC_ERROR_FILE`` of a rank in this attempt."""
+        if self.error_dir is None:
+            return None
+        return self.error_dir / f"attempt{self.restart_count}" / f"error{self.global_rank(local_rank)}.json"
 
 
 def rank_environment(config: LaunchConfig, local_rank: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -282,13 +325,19 @@ def rank_environment(config: LaunchConfig, local_rank: int, base: Mapping[str, s
         GROUP_WORLD_SIZE=str(config.nnodes),
         ROLE_RANK=str(rank),
         ROLE_WORLD_SIZE=str(config.world_size),
-        ROLE_NAME="default",
+        ROLE_NAME=config.role,
         MASTER_ADDR=config.master_addr,
         MASTER_PORT=str(config.master_port),
         TORCHELASTIC_RESTART_COUNT=str(config.restart_count),
         TORCHELASTIC_MAX_RESTARTS=str(config.max_restarts),
+        TORCHELASTIC_RUN_ID=config.run_id,
         PIPELOOM_LAUNCHER="1",
     )
+    error_file = config.error_file(local_rank)
+    if error_file is not None:
+        env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
+    else:
+        env.pop("TORCHELASTIC_ERROR_FILE", None)  # an outer launcher's file is not this rank's
     if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun: N ranks x all cores each would oversubscribe
     if config.trace is not None and config.trace_endpoint is None:
@@ -575,9 +624,14 @@ class _Job:
         self.config = config
         self.out = _Console(stdout)
         self.err = _Console(stderr)
-        self.ranks = [_Rank(local_rank=lr, rank=config.global_rank(lr)) for lr in range(config.nproc_per_node)]
+        self.ranks: list[_Rank] = []
         self.exit_order: list[_Rank] = []
         self.failure_at: float | None = None
+        self.remote_failure: str | None = None
+        """What another node reported (through the rendezvous) that ended this attempt."""
+        self.summary_line = ""
+        """The first line of the last attempt's failure summary (told to the other nodes)."""
+        self._rdzv: Any = None
         self.interrupt: int | None = None
         self.interrupt_count = 0
         self._spawning = 0
@@ -629,23 +683,132 @@ class _Job:
             except (NotImplementedError, RuntimeError, ValueError):  # not the main thread / not POSIX
                 pass
         collector = None
+        temp_errors: str | None = None
         try:
-            collector = self._start_collector()
+            if self.config.error_dir is None:
+                temp_errors = tempfile.mkdtemp(prefix="pipeloom-errors-")
+                self.config = replace(self.config, error_dir=Path(temp_errors))
+            if self.config.rdzv is not None:
+                rdzv = self.config.rdzv
+                self.err.say(f"rendezvous {rdzv.backend} at {rdzv.endpoint}, id {rdzv.run_id!r}, "
+                             f"{rdzv.min_nodes}{'' if rdzv.max_nodes == rdzv.min_nodes else f':{rdzv.max_nodes}'} node(s)")
+                try:
+                    self._rdzv = await self._blocking(_make_rendezvous, rdzv)
+                except Exception as exc:  # noqa: BLE001 - torch's errors, reported as a usage error
+                    self.err.say(f"error: rendezvous at {rdzv.endpoint} failed: {type(exc).__name__}: {exc}")
+                    return 128 + self.interrupt if self.interrupt is not None else EXIT_USAGE
             while True:
+                if self._rdzv is not None and not await self._join_round():
+                    return 128 + self.interrupt if self.interrupt is not None else EXIT_USAGE
+                if collector is None:
+                    collector = self._start_collector()
                 code = await self._attempt()
                 cfg = self.config
+                if self._rdzv is not None and code not in (EXIT_OK, EXIT_USAGE) and self.remote_failure is None:
+                    try:
+                        await self._blocking(self._rdzv.report_failure, f"node {cfg.node_rank}: {self.summary_line}", timeout=10.0)
+                    except _Interrupted:
+                        pass
                 if code in (EXIT_OK, EXIT_USAGE) or self.interrupt is not None or cfg.restart_count >= cfg.max_restarts:
                     return code
                 self._next_attempt()
         finally:
             if collector is not None:
                 await asyncio.to_thread(collector.close)  # drains the last batches, bounded
+            if self._rdzv is not None:
+                try:
+                    await self._blocking(self._rdzv.shutdown, timeout=12.0)
+                except _Interrupted:
+                    pass
             for sig in installed:
                 self._loop.remove_signal_handler(sig)
             self._close_attempt()
+            if temp_errors is not None:
+                shutil.rmtree(temp_errors, ignore_errors=True)
+
+    async def _blocking(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
+        """Run a blocking call (torch's rendezvous) on a daemon thread; give up on a signal or ``timeout``.
+
+        Not ``asyncio.to_thread``: its worker threads are joined at interpreter
+        exit, so a rendezvous still waiting for absent nodes would keep a
+        launcher that was told to stop alive.
+        """
+        assert self._loop is not None and self._wake is not None
+        loop = self._loop
+        fut: asyncio.Future[Any] = loop.create_future()
+
+        def body() -> None:
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(exc))
+            else:
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+
+        threading.Thread(target=body, name="pipeloom-rendezvous", daemon=True).start()
+        deadline = None if timeout is None else loop.time() + timeout
+        while not fut.done():
+            if self.interrupt is not None:
+                raise _Interrupted()
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left <= 0:
+                return None
+            self._wake.clear()
+            waiter = asyncio.ensure_future(self._wake.wait())
+            await asyncio.wait({fut, waiter}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+        return fut.result()
+
+    async def _join_round(self) -> bool:
+        """The next rendezvous round: this node's rank, the job's ranks, master and secret; False if it failed."""
+        assert self._rdzv is not None
+        cfg = self.config
+        try:
+            got = await self._blocking(self._rdzv.next_round, cfg.nproc_per_node, cfg.job_secret)
+        except _Interrupted:
+            self.err.say(f"stopped by {_signal_name(self.interrupt or signal.SIGINT)} while waiting at the rendezvous")
+            return False
+        except Exception as exc:  # noqa: BLE001 - torch's rendezvous errors (timeout, closed...)
+            self.err.say(f"error: rendezvous failed: {type(exc).__name__}: {exc}")
+            return False
+        self.config = replace(
+            cfg, node_rank=got.node_rank, nnodes=got.nnodes, rank_offset=got.rank_offset, total_world_size=got.world_size,
+            master_addr=got.master_addr, master_port=got.master_port, job_secret=got.job_secret,
+        )
+        self.remote_failure = None
+        self.err.say(f"rendezvous round {got.round}: node {got.node_rank} of {got.nnodes}, ranks "
+                     f"{got.rank_offset}..{got.rank_offset + cfg.nproc_per_node - 1} of {got.world_size}, "
+                     f"master {got.master_addr}:{got.master_port}")
+        return True
+
+    async def _watch_other_nodes(self) -> None:
+        """While the ranks run: another node's failure (or restart) ends this node's attempt too."""
+        assert self._rdzv is not None and self._loop is not None
+        rdzv = self._rdzv
+        while True:
+            await asyncio.sleep(self.config.monitor_interval)
+            if self.failure_at is not None or self.interrupt is not None:
+                return
+            try:
+                failed = await self._blocking(rdzv.failure_elsewhere, timeout=30.0)
+                waiting = 0 if failed else await self._blocking(rdzv.nodes_waiting, timeout=30.0)
+            except _Interrupted:
+                return
+            if failed or waiting:
+                what = failed or f"{waiting} node(s) waiting at the rendezvous for a new round (a node restarted)"
+                self.remote_failure = what
+                if self.failure_at is None and self.interrupt is None:
+                    self.failure_at = self._loop.time()
+                self.wake()
+                return
 
     async def _attempt(self) -> int:
         """Start this attempt's ranks, supervise them to the end, and report; returns the exit status."""
+        cfg = self.config
+        self.ranks = [_Rank(local_rank=lr, rank=cfg.global_rank(lr)) for lr in range(cfg.nproc_per_node)]
+        self.exit_order = []
+        self.failure_at = None
+        watcher = asyncio.ensure_future(self._watch_other_nodes()) if self._rdzv is not None else None
         try:
             try:
                 await self._spawn_all()
@@ -659,6 +822,8 @@ class _Job:
             await self._drain()
             return self._report()
         finally:
+            if watcher is not None:
+                watcher.cancel()
             self._close_attempt()
 
     def _close_attempt(self) -> None:
@@ -673,15 +838,10 @@ class _Job:
 
     def _next_attempt(self) -> None:
         """torchrun's restart: every rank of this node starts again, with TORCHELASTIC_RESTART_COUNT + 1."""
-        from dataclasses import replace
-
         cfg = self.config
         restart = cfg.restart_count + 1
         port = _free_port(cfg.master_addr) if cfg.fresh_port_per_restart else cfg.master_port
         self.config = replace(cfg, restart_count=restart, master_port=port)
-        self.ranks = [_Rank(local_rank=lr, rank=cfg.global_rank(lr)) for lr in range(cfg.nproc_per_node)]
-        self.exit_order = []
-        self.failure_at = None
         self.err.say(f"restarting every rank (restart {restart} of --max-restarts {cfg.max_restarts})")
 
     def _start_collector(self) -> Any:
@@ -692,8 +852,6 @@ class _Job:
         if not cfg.job_secret:
             self.err.say(f"warning: no job secret to verify trace frames with; each rank writes {cfg.trace}.rank{{R}}")
             return None
-        from dataclasses import replace
-
         from .trace_collector import TraceCollector
 
         path = cfg.trace if cfg.nnodes == 1 else f"{cfg.trace}.node{cfg.node_rank}"
@@ -721,12 +879,18 @@ class _Job:
                 name = f"rank{r.rank}.log" if cfg.restart_count == 0 else f"rank{r.rank}.restart{cfg.restart_count}.log"
                 r.log = open(cfg.log_dir / name, "wb")
             shown = cfg.console_local_ranks is None or r.local_rank in cfg.console_local_ranks
+            quiet = cfg.quiet_streams.get(r.local_rank, 0)  # --redirects: these go to the log file only
             prefix = f"[rank{r.rank}]: ".encode() if cfg.prefix else b""
             r.streams = {
-                1: _RankStream(r, is_stderr=False, console=self.out if shown else None, log=r.log, prefix=prefix),
-                2: _RankStream(r, is_stderr=True, console=self.err if shown else None, log=r.log, prefix=prefix,
-                               on_cause=self.on_root_cause),
+                1: _RankStream(r, is_stderr=False, console=self.out if shown and not quiet & 1 else None, log=r.log,
+                               prefix=prefix),
+                2: _RankStream(r, is_stderr=True, console=self.err if shown and not quiet & 2 else None, log=r.log,
+                               prefix=prefix, on_cause=self.on_root_cause),
             }
+            error_file = cfg.error_file(r.local_rank)
+            if error_file is not None:
+                error_file.parent.mkdir(parents=True, exist_ok=True)
+                error_file.unlink(missing_ok=True)
             transport, _ = await self._loop.subprocess_exec(
                 lambda r=r: _RankProtocol(self, r),  # type: ignore[misc]
                 *cfg.command,
@@ -832,6 +996,23 @@ class _Job:
                 return blamed
         return failures[0]
 
+    def _error_file_cause(self, r: _Rank) -> RootCause | None:
+        """The rank's ``TORCHELASTIC_ERROR_FILE``, as torch's ``@record`` writes it, read as a root cause."""
+        path = self.config.error_file(r.local_rank)
+        try:
+            data = json.loads(path.read_text()) if path is not None else None
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict):
+            return None
+        message = data.get("message")
+        if isinstance(message, dict):  # {"message": {"message": "T: msg", "extraInfo": {"py_callstack": ...}}}
+            extra = message.get("extraInfo") if isinstance(message.get("extraInfo"), dict) else {}
+            error, tb = _opt_str(message.get("message")), _opt_str(extra.get("py_callstack"))
+        else:  # the newer plain-string form
+            error, tb = _opt_str(message), None
+        return RootCause(rank=r.rank, error=error, traceback=tb, fields={"error_file": str(path)})
+
     def _blamed_by(self, r: _Rank) -> _Rank | None:
         cause = r.root_cause
         if cause is None or not cause.remote or cause.failed_rank is None or cause.failed_rank == r.rank:
@@ -843,11 +1024,23 @@ class _Job:
         failures += [r for r in self.ranks if r.returncode is None and r.pid is not None]  # gave up on these
         code = EXIT_OK
         own = [r for r in failures if not (r.signalled and self.interrupt is not None)]
+        cfg = self.config
+        final = cfg.restart_count >= cfg.max_restarts or self.interrupt is not None
+        what = "job failed" if final else f"attempt {cfg.restart_count} failed"
+        for r in own:
+            if r.root_cause is None:
+                r.root_cause = self._error_file_cause(r)
+        if own and self.remote_failure is not None and all(r.signalled or (r.root_cause and r.root_cause.remote) for r in own):
+            # Nothing went wrong here: another node failed (or restarted) and this one followed.
+            self.summary_line = f"{what} on another node: {self.remote_failure}"
+            self.err.say(self.summary_line)
+            terminated = [r for r in own if r.signalled]
+            note = f"; the launcher terminated {_plural(terminated)}" if terminated else ""
+            self.err.say(f"also stopped: {_plural(own)} (consequence{note})")
+            own = []
+            code = EXIT_RANK_FAILED
         if own:
             root = self._root(own)
-            cfg = self.config
-            final = cfg.restart_count >= cfg.max_restarts or self.interrupt is not None
-            what = "job failed" if final else f"attempt {cfg.restart_count} failed"
             cause = root.root_cause
             if root.signalled and cause is not None and not cause.remote:
                 # It reported its failure but had not exited when the grace (counted from the report) ran out.
@@ -855,6 +1048,7 @@ class _Job:
             else:
                 outcome = root.outcome() + (" (stopped by the launcher)" if root.signalled else "")
             lines = [f"{what}: {outcome}"]
+            self.summary_line = lines[0]
             if cause is not None and not cause.remote:
                 lines.append(f"  root cause: {cause.where(root.rank)}")
                 tb = (cause.traceback or "").rstrip("\n")
@@ -925,6 +1119,16 @@ class _UsageError(Exception):
     pass
 
 
+class _Interrupted(Exception):
+    """The launcher got a signal while a blocking rendezvous call was in flight."""
+
+
+def _make_rendezvous(config: RendezvousConfig) -> Any:
+    from .rendezvous import NodeRendezvous  # imports torch: only for a rendezvous
+
+    return NodeRendezvous(config)
+
+
 def _nonneg_float(text: str) -> float:
     try:
         value = float(text)
@@ -956,6 +1160,50 @@ def _ranks_filter(text: str) -> frozenset[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated local ranks, got {text!r}") from None
 
 
+_IGNORED_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
+    (("--start-method", "--start_method"), {}),
+    (("--event-log-handler", "--event_log_handler"), {}),
+    (("--duplicate-stdout-filters", "--duplicate_stdout_filters"), {}),
+    (("--duplicate-stderr-filters", "--duplicate_stderr_filters"), {}),
+    (("--logs-specs", "--logs_specs"), {}),
+    (("--numa-binding", "--numa_binding"), {}),
+    (("--signals-to-handle", "--signals_to_handle"), {}),
+    (("--shutdown-timeout", "--shutdown_timeout"), {}),
+    (("--virtual-local-rank", "--virtual_local_rank"), {"action": "store_const", "const": True}),
+]
+_IGNORED_WHY = {
+    "start_method": "ranks are always fresh processes (exec), as with 'spawn'",
+    "event_log_handler": "pipeloom logs no torchelastic events",
+    "duplicate_stdout_filters": "use --log-dir (every rank's whole output)",
+    "duplicate_stderr_filters": "use --log-dir (every rank's whole output)",
+    "logs_specs": "log files are DIR/rank{R}.log under --log-dir",
+    "numa_binding": "no NUMA binding; use numactl in the command if needed",
+    "signals_to_handle": "SIGINT, SIGTERM and SIGHUP are handled; ranks get SIGTERM then SIGKILL",
+    "shutdown_timeout": "--grace is the time ranks get before SIGTERM (SIGKILL 1 s later)",
+    "virtual_local_rank": "LOCAL_RANK is the real local rank; set CUDA_VISIBLE_DEVICES yourself",
+}
+
+
+def _stream_spec(text: str, nproc: int, flag: str) -> dict[int, int]:
+    """torchrun's ``-r``/``-t`` value: ``3`` (every local rank) or ``0:1,1:2`` -> {local rank: streams}."""
+    try:
+        if ":" not in text:
+            value = int(text)
+            if not 0 <= value <= 3:
+                raise ValueError
+            return {lr: value for lr in range(nproc)} if value else {}
+        out = {}
+        for item in text.split(","):
+            lr, _, value = item.partition(":")
+            if not 0 <= int(value) <= 3 or not 0 <= int(lr) < nproc:
+                raise ValueError
+            out[int(lr)] = int(value)
+        return out
+    except ValueError:
+        raise _UsageError(f"{flag}: expected 0-3 (1 stdout, 2 stderr, 3 both) or LOCAL_RANK:0-3,..., "
+                          f"local ranks 0..{nproc - 1}; got {text!r}") from None
+
+
 def add_parser(subparsers: Any) -> None:
     """Register ``launch`` on the ``pipeloom`` parser."""
     p = subparsers.add_parser(
@@ -970,8 +1218,23 @@ def add_parser(subparsers: Any) -> None:
     add = p.add_argument
     add("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default="1", metavar="N",
         help="ranks on this node: an integer, or 'auto' (CUDA devices if any, else CPU cores) (default 1)")
-    add("--nnodes", type=_int_arg, default=1, metavar="N", help="nodes in the job (default 1)")
-    add("--node-rank", "--node_rank", dest="node_rank", type=_int_arg, default=0, metavar="I", help="this node's index (default 0)")
+    add("--nnodes", default="1", metavar="N|MIN:MAX",
+        help="nodes in the job (default 1); MIN:MAX with a rendezvous backend other than static")
+    add("--node-rank", "--node_rank", dest="node_rank", type=_int_arg, default=None, metavar="I",
+        help="this node's index (default 0; static rendezvous only)")
+    add("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default="static", metavar="NAME",
+        help="static (--node-rank, --master-addr; default) or c10d (torch's rendezvous, node ranks assigned)")
+    add("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default="", metavar="HOST:PORT",
+        help="where the launchers meet (c10d: a TCP store hosted by the first launcher on that host)")
+    add("--rdzv-id", "--rdzv_id", dest="rdzv_id", default="none", metavar="ID",
+        help="job id shared by the launchers of one job (TORCHELASTIC_RUN_ID; default none)")
+    add("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", default="", metavar="K=V,...",
+        help="rendezvous settings, as torchrun's (join_timeout, last_call_timeout, is_host, ...)")
+    add("--local-addr", "--local_addr", dest="local_addr", default=None, metavar="HOST",
+        help="this node's address as the others reach it (rendezvous; default: the one routing to the endpoint)")
+    add("--monitor-interval", "--monitor_interval", dest="monitor_interval", type=_positive_float, default=0.5,
+        metavar="SECONDS", help="how often the other nodes' state is read from the rendezvous (default 0.5); "
+        "ranks' exits and output are events, not polled")
     add("--master-addr", "--master_addr", dest="master_addr", default="127.0.0.1", metavar="HOST",
         help="host of global rank 0, where the torch.distributed store listens (default 127.0.0.1)")
     add("--master-port", "--master_port", dest="master_port", type=_int_arg, default=None, metavar="PORT",
@@ -979,6 +1242,11 @@ def add_parser(subparsers: Any) -> None:
     add("--standalone", action="store_true", help="single-node job on a free local port (implies --nnodes 1)")
     add("--log-dir", "--log_dir", dest="log_dir", type=Path, default=None, metavar="DIR",
         help="also write each rank's raw stdout+stderr to DIR/rank{R}.log")
+    add("-r", "--redirects", dest="redirects", default="0", metavar="SPEC",
+        help="torchrun's: streams to send to the log files only, not the console: 1 stdout, 2 stderr, 3 both, "
+             "for every local rank (-r 3) or per local rank (-r 0:1,1:2)")
+    add("-t", "--tee", dest="tee", default="0", metavar="SPEC",
+        help="torchrun's: streams to write to the log files and the console (same SPEC as -r)")
     add("--local-ranks-filter", "--local_ranks_filter", dest="ranks_filter", type=_ranks_filter, default=None,
         metavar="R,R", help="echo only these local ranks' output to the console (log files get all)")
     add("--no-prefix", dest="prefix", action="store_false", help="do not prefix echoed lines with [rank{R}]: ")
@@ -995,8 +1263,14 @@ def add_parser(subparsers: Any) -> None:
     add("--max-restarts", "--max_restarts", dest="max_restarts", type=_int_arg, default=0, metavar="N",
         help="after a failure, stop every rank and restart them all, at most N times; ranks see "
              "TORCHELASTIC_RESTART_COUNT (default 0)")
+    add("--role", default="default", help="ROLE_NAME of the ranks (default 'default')")
     add("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
     add("--no-python", "--no_python", dest="no_python", action="store_true", help="run SCRIPT as an executable, not with python")
+    add("--run-path", "--run_path", dest="run_path", action="store_true",
+        help="run SCRIPT through runpy.run_path, as torchrun does (takes precedence over --no-python)")
+    # torchrun's flags that do not apply here: accepted, with a one-line note, so command lines carry over
+    for names, kw in _IGNORED_FLAGS:
+        add(*names, dest=names[0].lstrip("-").replace("-", "_"), default=None, help=argparse.SUPPRESS, **kw)
     add("script", metavar="SCRIPT", help="the training script (or module with -m, executable with --no-python)")
     add("script_args", nargs=argparse.REMAINDER, metavar="...", help="arguments of the script")
     p.set_defaults(func=_cmd_launch)
@@ -1035,27 +1309,80 @@ def config_from_args(args: argparse.Namespace, *, environ: Mapping[str, str] | N
     env = os.environ if environ is None else environ
     warnings: list[str] = []
     nproc = _nproc(args.nproc_per_node)
-    nnodes = args.nnodes
-    if args.standalone:
-        if nnodes != 1:
-            raise _UsageError("--standalone is a single-node job; drop --nnodes or --standalone")
-        if args.node_rank != 0:
-            raise _UsageError("--standalone takes no --node-rank")
-    if nnodes < 1:
-        raise _UsageError(f"--nnodes must be at least 1, got {nnodes}")
-    if not 0 <= args.node_rank < nnodes:
-        raise _UsageError(f"--node-rank must be in [0, {nnodes}), got {args.node_rank}")
-    port = args.master_port
-    if port is None:
-        port = _free_port(args.master_addr) if (args.standalone or nnodes == 1) else _DEFAULT_MULTINODE_PORT
-    if not 0 < port < 65536:
-        raise _UsageError(f"--master-port must be in 1..65535, got {port}")
+    try:
+        min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    except ValueError as exc:
+        raise _UsageError(f"--nnodes: {exc}") from None
+    nnodes = max_nodes
+    backend = args.rdzv_backend
+    rdzv: RendezvousConfig | None = None
+    if backend != "static":
+        if args.standalone:
+            raise _UsageError("--standalone is a single-node job on a local port; drop it or --rdzv-backend")
+        if not args.rdzv_endpoint:
+            raise _UsageError(f"--rdzv-backend {backend} needs --rdzv-endpoint HOST:PORT")
+        try:
+            conf = parse_rdzv_conf(args.rdzv_conf)
+        except ValueError as exc:
+            raise _UsageError(f"--rdzv-conf: {exc}") from None
+        rdzv = RendezvousConfig(backend=backend, endpoint=args.rdzv_endpoint, run_id=args.rdzv_id, min_nodes=min_nodes,
+                                max_nodes=max_nodes, conf=conf, local_addr=args.local_addr)
+        for flag, value in (("--node-rank", args.node_rank), ("--master-port", args.master_port)):
+            if value is not None:
+                warnings.append(f"note: {flag} is ignored with --rdzv-backend {backend} (the rendezvous assigns it)")
+        if args.master_addr != "127.0.0.1":
+            warnings.append(f"note: --master-addr is ignored with --rdzv-backend {backend} (node 0's address is used)")
+        node_rank = 0
+        port = 0
+    else:
+        if min_nodes != max_nodes:
+            raise _UsageError("--nnodes MIN:MAX needs a rendezvous (--rdzv-backend c10d --rdzv-endpoint HOST:PORT)")
+        if args.rdzv_endpoint:  # torchrun's static rendezvous: the endpoint is the master
+            host, _, port_text = args.rdzv_endpoint.rpartition(":")
+            if not host or not port_text.isdigit():
+                raise _UsageError(f"--rdzv-endpoint: expected HOST:PORT, got {args.rdzv_endpoint!r}")
+            args.master_addr, args.master_port = host.strip("[]"), int(port_text)
+        if args.rdzv_conf:
+            warnings.append("note: --rdzv-conf is ignored with the static rendezvous")
+        node_rank = 0 if args.node_rank is None else args.node_rank
+        if args.standalone:
+            if nnodes != 1:
+                raise _UsageError("--standalone is a single-node job; drop --nnodes or --standalone")
+            if node_rank != 0:
+                raise _UsageError("--standalone takes no --node-rank")
+        if nnodes < 1:
+            raise _UsageError(f"--nnodes must be at least 1, got {nnodes}")
+        if not 0 <= node_rank < nnodes:
+            raise _UsageError(f"--node-rank must be in [0, {nnodes}), got {node_rank}")
+        port = args.master_port
+        if port is None:
+            port = _free_port(args.master_addr) if (args.standalone or nnodes == 1) else _DEFAULT_MULTINODE_PORT
+        if not 0 < port < 65536:
+            raise _UsageError(f"--master-port must be in 1..65535, got {port}")
+    for dest, why in _IGNORED_WHY.items():
+        if getattr(args, dest, None) is not None:
+            flag = "--" + dest.replace("_", "-")
+            warnings.append(f"note: {flag} does not apply to pipeloom launch and is ignored: {why}")
+    redirects = _stream_spec(args.redirects, nproc, "--redirects")
+    tee = _stream_spec(args.tee, nproc, "--tee")
+    quiet = {lr: v & ~tee.get(lr, 0) for lr, v in redirects.items() if v & ~tee.get(lr, 0)}
+    log_dir = args.log_dir
+    if (redirects or tee) and log_dir is None:
+        log_dir = Path(tempfile.mkdtemp(prefix="pipeloom-logs-"))
+        warnings.append(f"note: -r/-t without --log-dir: the rank logs go to {log_dir}")
 
     if args.max_restarts < 0:
         raise _UsageError(f"--max-restarts must be at least 0, got {args.max_restarts}")
     if args.module and args.no_python:
         raise _UsageError("-m and --no-python exclude each other")
-    if args.no_python:
+    if args.run_path:
+        if args.module:
+            raise _UsageError("--run-path and -m exclude each other")
+        if not Path(args.script).is_file():
+            raise _UsageError(f"script not found: {args.script}")
+        runner = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+        command = (sys.executable, "-u", "-c", runner, os.path.abspath(args.script), *args.script_args)
+    elif args.no_python:
         command = (args.script, *args.script_args)
     elif args.module:
         command = (sys.executable, "-u", "-m", args.script, *args.script_args)
@@ -1065,9 +1392,9 @@ def config_from_args(args: argparse.Namespace, *, environ: Mapping[str, str] | N
         command = (sys.executable, "-u", args.script, *args.script_args)
 
     secret = env.get("PIPELOOM_JOB_SECRET") or None
-    if secret is None and nnodes == 1:
+    if secret is None and nnodes == 1 and rdzv is None:
         secret = secrets.token_hex(16)
-    elif secret is None:
+    elif secret is None and rdzv is None:
         warnings.append(
             "warning: multi-node job without PIPELOOM_JOB_SECRET: the ranks get no job secret; "
             "export the same value on every node (e.g. $(openssl rand -hex 16))"
@@ -1079,7 +1406,7 @@ def config_from_args(args: argparse.Namespace, *, environ: Mapping[str, str] | N
         command=command,
         nproc_per_node=nproc,
         nnodes=nnodes,
-        node_rank=args.node_rank,
+        node_rank=node_rank,
         master_addr=args.master_addr,
         master_port=port,
         job_secret=secret,
@@ -1088,11 +1415,16 @@ def config_from_args(args: argparse.Namespace, *, environ: Mapping[str, str] | N
         heartbeat_timeout=args.heartbeat_timeout,
         stall_timeout=args.stall_timeout,
         grace=args.grace,
-        log_dir=args.log_dir,
+        log_dir=log_dir,
         prefix=args.prefix,
         console_local_ranks=args.ranks_filter,
         max_restarts=args.max_restarts,
-        fresh_port_per_restart=args.master_port is None and (args.standalone or nnodes == 1),
+        fresh_port_per_restart=rdzv is None and args.master_port is None and (args.standalone or nnodes == 1),
+        rdzv=rdzv,
+        run_id=args.rdzv_id,
+        role=args.role,
+        quiet_streams=quiet,
+        monitor_interval=args.monitor_interval,
     )
     return config, warnings
 

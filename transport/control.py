@@ -25,13 +25,17 @@ the job's own process group), so no extra rendezvous service is needed.
 Every frame is signed with a per-job secret (HMAC, see ``messages.sign``):
 the launcher's ``PIPELOOM_JOB_SECRET``, or one that rank 0 draws and shares
 through the job's store.  A process outside the job cannot inject messages; its
-frames are rejected and logged like any other malformed input.
+frames are rejected like any other malformed input.  Rejections are logged in
+summary (:class:`RejectionLog`): the first of each reason in full, then one
+line per reason per interval with the count, so anyone who can reach a rank's
+port cannot make it write a log line per frame.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import socket
 import threading
 import time
@@ -42,11 +46,72 @@ import zmq
 
 from .messages import MessageError, decode, encode, sign, verify
 
-__all__ = ["ControlPlane", "choose_bind_host"]
+__all__ = ["ControlPlane", "RejectionLog", "choose_bind_host"]
 
 log = logging.getLogger("pipeloom.control")
 
 _LINGER_MS = 200
+_REJECTION_INTERVAL = 5.0  #: seconds between summary lines of one rejection reason
+
+
+class RejectionLog:
+    """Rate-limited logging of rejected control frames: at most one line per reason per interval.
+
+    The first rejection of a reason is logged in full at once (it says what is
+    wrong); later ones within ``interval`` seconds are only counted, and the
+    count is logged as one line when the interval has passed (checked on the
+    next rejection and by :meth:`flush`, which the heartbeat thread calls
+    periodically and ``close`` calls last).  The reason is the message with
+    numbers and details after the first ``:`` dropped, so frames that differ
+    only in size or value share a line.  Thread-safe.
+    """
+
+    def __init__(self, rank: int, *, interval: float = _REJECTION_INTERVAL, clock: Callable[[], float] = time.monotonic,
+                 logger: logging.Logger = log) -> None:
+        self.rank = rank
+        self.interval = interval
+        self._clock = clock
+        self._log = logger
+        self._lock = threading.Lock()
+        #: reason -> (start of its interval, rejections counted but not yet logged)
+        self._pending: dict[str, tuple[float, int]] = {}
+
+    @staticmethod
+    def reason(exc: BaseException) -> str:
+        head = str(exc).split(":", 1)[0].split(" (", 1)[0]
+        return re.sub(r"\d+", "N", head)
+
+    def rejected(self, exc: BaseException) -> None:
+        key = self.reason(exc)
+        now = self._clock()
+        with self._lock:
+            entry = self._pending.get(key)
+            if entry is None:
+                self._pending[key] = (now, 0)
+                first = True
+            else:
+                self._pending[key] = (entry[0], entry[1] + 1)
+                first = False
+        if first:
+            self._log.warning("rank %d: rejected a control message: %s (more like it are counted, one line per %g s)",
+                              self.rank, exc, self.interval)
+        self.flush(now)
+
+    def flush(self, now: float | None = None, *, force: bool = False) -> None:
+        """Log the counts whose interval has passed (all of them with ``force``)."""
+        now = self._clock() if now is None else now
+        lines = []
+        with self._lock:
+            for key, (since, count) in list(self._pending.items()):
+                if force or now - since >= self.interval:
+                    if count:
+                        lines.append((count, now - since, key))
+                        self._pending[key] = (now, 0)
+                    else:
+                        del self._pending[key]  # quiet for a whole interval: the next one is logged in full
+        for count, span, key in lines:
+            self._log.warning("rank %d: rejected %d more control message%s in the last %.1f s: %s",
+                              self.rank, count, "s" if count > 1 else "", span, key)
 
 
 def choose_bind_host(master_addr: str | None) -> str:
@@ -79,6 +144,7 @@ class ControlPlane:
         self._reader_loop: asyncio.AbstractEventLoop | None = None  #: the loop whose reader watches ``_fd``
         self._handler: Callable[[dict[str, Any]], None] | None = None
         self.rejected = 0  #: messages rejected by validation (statistics for tests and traces)
+        self.rejections = RejectionLog(rank)
         self._closed = False
         self._endpoints: list[str] = []
         self._hb_stop = threading.Event()
@@ -152,6 +218,7 @@ class ControlPlane:
         try:
             while not self._hb_stop.wait(interval):
                 self._read_monitors(monitors)
+                self.rejections.flush()
                 state, what, since = self._hb_state()
                 data = sign(self._key, encode(
                     "heartbeat", self.rank, step=self.step, t=time.time(), state=state, what=what[:200],
@@ -235,7 +302,7 @@ class ControlPlane:
             msg = decode(verify(self._key, data), world_size=self.world_size, rank=self.rank)
         except MessageError as exc:
             self.rejected += 1
-            log.warning("rank %d: rejected a control message: %s", self.rank, exc)
+            self.rejections.rejected(exc)
             return
         try:
             handler(msg)
@@ -259,6 +326,7 @@ class ControlPlane:
         self._hb_stop.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=2)
+        self.rejections.flush(force=True)
         for s in self._push.values():
             s.close()
         self._pull.close()

@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "SendError",
     "TensorPlane",
     "TransferSpec",
     "WorkWaiter",
@@ -225,6 +226,14 @@ def _connect(groups: dict[tuple[int, int], dist.ProcessGroup], dev: torch.device
         torch.cuda.current_stream(dev).synchronize()
 
 
+class SendError(RuntimeError):
+    """A posted send failed while being waited for; ``peer`` is the rank it was going to."""
+
+    def __init__(self, peer: int, error: BaseException) -> None:
+        self.peer = peer
+        super().__init__(f"send to rank {peer} failed: {error}")
+
+
 def _torch_version() -> tuple[int, int]:
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
     return int(major), int(minor)
@@ -351,7 +360,8 @@ class TensorPlane:
         self._send_seq: dict[int, int] = {}
         self._recv_seq: dict[int, int] = {}
         self._waiters: dict[int, WorkWaiter] = {}
-        self._inflight_sends: deque[tuple[Any, Sequence[torch.Tensor]]] = deque()
+        #: (Work, the tensors it holds alive, destination rank), in posting order
+        self._inflight_sends: deque[tuple[Any, Sequence[torch.Tensor], int]] = deque()
         #: NCCL receives committed to a consumer's stream (no host waiter), kept until complete
         self._inflight_recvs: deque[Any] = deque()
         #: per peer we send to: the shapes the peer pre-posted for our next transfer
@@ -404,7 +414,7 @@ class TensorPlane:
                 work = dist.isend(t, dst=peer, group=group, tag=_tag(seq, part, fast))
             part += 1
             nbytes += t.numel() * t.element_size()
-            self._inflight_sends.append((work, (t,)))
+            self._inflight_sends.append((work, (t,), peer))
         self._reap_sends()
         return nbytes
 
@@ -416,7 +426,7 @@ class TensorPlane:
             if ent is None:
                 continue
             t = torch.empty(ent[0], dtype=dtype_from_name(ent[1]), device=self.device)
-            self._inflight_sends.append((dist.isend(t, dst=peer, group=group, tag=_tag(seq, part, True)), (t,)))
+            self._inflight_sends.append((dist.isend(t, dst=peer, group=group, tag=_tag(seq, part, True)), (t,), peer))
             part += 1
 
     def flush(self) -> None:
@@ -440,8 +450,11 @@ class TensorPlane:
         blocking the host; the tensors stay referenced by their ``Work``.
         """
         while self._inflight_sends:
-            work, _ = self._inflight_sends.popleft()
-            work.wait()
+            work, _, peer = self._inflight_sends.popleft()
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise SendError(peer, exc) from exc
         self._reap_recvs()
 
     @property
