@@ -741,9 +741,9 @@ class _Job:
             try:
                 result = fn(*args)
             except BaseException as exc:  # noqa: BLE001 - handed to the loop
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(exc))
+                loop.call_soon_threadsafe(lambda e=exc: fut.done() or fut.set_exception(e))
             else:
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+                loop.call_soon_threadsafe(lambda r=result: fut.done() or fut.set_result(r))
 
         threading.Thread(target=body, name="pipeloom-rendezvous", daemon=True).start()
         deadline = None if timeout is None else loop.time() + timeout

@@ -29,6 +29,8 @@ restarts raises) every ``--monitor-interval``.
 
 from __future__ import annotations
 
+import logging
+import os
 import secrets
 import socket
 import time
@@ -118,8 +120,20 @@ class NodeRendezvous:
     """One launcher's handle on the job's rendezvous.  Every method blocks: call it from a thread."""
 
     def __init__(self, config: RendezvousConfig) -> None:
-        from torch.distributed.elastic.rendezvous import RendezvousParameters
-        from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+        # torch's C++ side logs every failed store connection with a stack of frames, and its
+        # Python side warns on each retry: the launcher reports what went wrong in one line.
+        # (The level is read when torch loads; it is restored at once, so ranks keep theirs.)
+        prev = os.environ.get("TORCH_CPP_LOG_LEVEL")
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+        try:
+            from torch.distributed.elastic.rendezvous import RendezvousParameters
+            from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+        finally:
+            if prev is None:
+                del os.environ["TORCH_CPP_LOG_LEVEL"]
+            else:
+                os.environ["TORCH_CPP_LOG_LEVEL"] = prev
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
 
         self.config = config
         params = RendezvousParameters(
