@@ -11,9 +11,11 @@ waiter thread, a control message) wake it.
 Invariants:
 - Pairing order of point-to-point transfers is decided by the sender alone
   (see ``pipeloom.transport.tensor``); dispatch order never affects it.
-- Memory: a forward may run early only while the rank holds fewer live
-  microbatches than the static order's peak, so dynamic dispatch never uses
-  more activation memory than the schedule promises.
+- Which ready action runs is the dispatch rule's choice (``schedules/dispatch.py``,
+  option ``dispatch``), pure and tested in one process: forwards run in list
+  order and only while the rank holds fewer live microbatches than the static
+  order's peak, so no rule uses more activation memory than the schedule
+  promises, and none can deadlock a schedule the validator accepts.
 - ``deterministic=True`` runs exactly the list order (for debugging and
   bit-exact comparison with torch).
 - GPUs: running an action only launches kernels.  An action is *committed*
@@ -43,6 +45,7 @@ from typing import Any
 import torch
 
 from ..schedules import Action, ActionType, Dataflow, Schedule, consumer_stage, producer_stage
+from ..schedules.dispatch import Dispatcher, choose_rule, plan_ranks
 from ..transport.control import ControlPlane
 from ..transport.tensor import SendError, TensorPlane, TransferSpec
 from .device import make_policy
@@ -95,17 +98,16 @@ class ActorStatistics:
     peak_live_microbatches: int
 
 
-def _static_peak(actions: Sequence[Action]) -> int:
-    """Peak live microbatches (forward done, B or W not yet) if the list ran in order."""
-    live = peak = 0
-    for a in actions:
-        for leaf in a.leaves():
-            if leaf.type is _F:
-                live += 1
-                peak = max(peak, live)
-            elif leaf.type is _B or leaf.type is _W:
-                live -= 1
-    return max(peak, 1)
+_AUTO_RULES: dict[tuple[Any, ...], str] = {}
+
+
+def _auto_rule(schedule: Schedule) -> str:
+    """``dispatch="auto"``'s rule for ``schedule`` (simulated once per schedule and process)."""
+    key = (tuple(schedule.stage_to_rank), schedule.num_microbatches, tuple((r, tuple(a)) for r, a in sorted(schedule.actions.items())))
+    rule = _AUTO_RULES.get(key)
+    if rule is None:
+        rule = _AUTO_RULES[key] = choose_rule(schedule)
+    return rule
 
 
 class RankActor:
@@ -160,13 +162,25 @@ class RankActor:
             leaf for a in self.train_actions for leaf in a.leaves()
             if leaf.type is _F or (leaf.type in keep and leaf.type is not ActionType.REDUCE_GRAD)
         ]
-        self.memory_limit = _static_peak(self.train_actions)
+        #: the dispatch rule per step kind (train?): schedules/dispatch.py, which argues the guarantees
+        rule = "list" if self.deterministic else options.dispatch
+        if rule == "auto":
+            rule = _auto_rule(schedule)
+        plan = plan_ranks(schedule)[row] if rule in ("guarded", "critical") else None
+        self.dispatch_rule = rule
+        self._dispatch = {
+            True: Dispatcher(self.train_actions, rule=rule, plan=plan),
+            False: Dispatcher(self.eval_actions, rule="list" if self.deterministic else "ready", train=False),
+        }
+        self.memory_limit = self._dispatch[True].memory_limit
         #: per step kind (train?): transfers this rank sends to each peer in a step
         self._sends_per_peer = {train: self.flow.sends_per_peer(rank, acts) for train, acts in ((True, self.train_actions), (False, self.eval_actions))}
         self._send_totals: dict[int, int] = {}
         self._sent_count: dict[int, int] = {}
         self.step_index = 0
         self._inbox: dict[tuple[int, str, int, int], list[torch.Tensor | None]] = {}
+        #: CPU: transfers announced by their sender, not yet arrived
+        self._announced: set[tuple[int, str, int, int]] = set()
         self._wake = asyncio.Event()
         self._remote_error: PipelineError | None = None
         self._local_failure: BaseException | None = None
@@ -263,7 +277,10 @@ class RankActor:
                 self._wake.set()
                 return
 
+            self._announced.add(key)
+
             def arrived(buffers: list[torch.Tensor | None], err: BaseException | None, key: tuple[int, str, int, int] = key) -> None:
+                self._announced.discard(key)
                 if err is not None:
                     self._fail_remote(
                         PeerLostError(
@@ -323,6 +340,17 @@ class RankActor:
                 if b is not None and sp is not None and sp[2]:
                     b.requires_grad_(True)
         return buffers
+
+    def _in_flight(self, a: Action) -> bool:
+        """Whether an input ``a`` lacks is announced by its sender (the transfer is under way)."""
+        if not self._announced:
+            return False
+        step = self.step_index - 1
+        for leaf in a.leaves():
+            key = self.flow.input_key(leaf, step)
+            if key is not None and key in self._announced:
+                return True
+        return False
 
     def _ready(self, a: Action, step: int, live: int, train: bool) -> bool:
         c = self.collectives
@@ -491,7 +519,9 @@ class RankActor:
         ran = out_of_order = waits = 0
         idle = 0.0
         wake = self._wake
-        deterministic = self.deterministic
+        dispatcher = self._dispatch[train]
+        dispatcher.begin_step()
+        in_flight = self._in_flight if dispatcher.rule == "guarded" else None
         trace = self.trace
         step_start = clock_ns() if trace is not None else 0
         last_liveness = time.monotonic()
@@ -501,20 +531,9 @@ class RankActor:
             # GPU: commit only while the device time queued is under the horizon, so what is
             # not committed yet can still be reordered around a late peer.
             hold = dev.wait_ms() if commit_ahead else 0.0
-            pick = -1
-            seen_forward = False
-            for i, a in enumerate(pending if not hold else ()):
-                # Forwards run in list order among themselves (only the first
-                # pending one is eligible): with the live-microbatch cap, a
-                # forward taken early could use up the memory that an earlier
-                # listed forward needs to unblock the pipeline.
-                is_fwd = a.type is _F or a.type is _OVL
-                if not (is_fwd and seen_forward) and self._ready(a, step, live, train):
-                    pick = i
-                    break
-                if deterministic:
-                    break
-                seen_forward = seen_forward or is_fwd
+            # The rule (schedules/dispatch.py) picks among ready actions; forwards stay in list
+            # order under the live-microbatch cap, so no rule holds more than the list would.
+            pick = -1 if hold else dispatcher.pick(pending, lambda a: self._ready(a, step, live, train), live, in_flight)
             if pick < 0:
                 if not hold:
                     waits += 1

@@ -43,11 +43,12 @@ from dataclasses import dataclass
 from .action import Action, ActionType
 from .dataflow import Dataflow, consumer_stage, producer_stage
 from .schedule import Schedule, ScheduleError
+from .dispatch import Dispatcher, RankPlan, plan_ranks
 from .simulate import Costs
 
 __all__ = ["POLICIES", "PolicyResult", "draw_costs", "simulate_policy", "policy_ceiling"]
 
-POLICIES = ("static", "dynamic", "critical")
+POLICIES = ("static", "dynamic", "critical", "guarded")
 
 _F, _B, _I, _W = ActionType.F, ActionType.B, ActionType.I, ActionType.W
 
@@ -194,8 +195,19 @@ def simulate_policy(
     *,
     transfer: float = 0.0,
     priority: Mapping[tuple[int, str, int], float] | None = None,
+    plans: Mapping[int, RankPlan] | None = None,
 ) -> PolicyResult:
-    """One step of ``schedule`` under ``policy`` with the given leaf ``durations`` (see the module docstring)."""
+    """One step of ``schedule`` under ``policy`` with the given leaf ``durations`` (see the module docstring).
+
+    Every policy runs the runtime's own decision
+    (:class:`pipeloom.schedules.dispatch.Dispatcher`: ``static`` is rule
+    ``list``, ``dynamic`` ``ready``, ``critical`` and ``guarded`` the rules of
+    those names).  ``plans`` is what ``critical`` and ``guarded`` know of the
+    step (:func:`~pipeloom.schedules.dispatch.plan_ranks`); default: the plan
+    from the mean duration of each stage and type in ``durations`` (what a
+    runtime learns over steps), not the draw itself; ``priority`` (bottom
+    levels by leaf) replaces the plan's priorities for ``critical``.
+    """
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; one of {', '.join(POLICIES)}")
     place = schedule.stage_to_rank
@@ -203,13 +215,17 @@ def simulate_policy(
     S = len(place)
     lists = _compute_lists(schedule)
     pending = {r: list(v) for r, v in lists.items()}
-    cap = {r: _static_peak(v) for r, v in lists.items()}
     live = dict.fromkeys(lists, 0)
     peak = dict.fromkeys(lists, 0)
     busy = dict.fromkeys(lists, 0.0)
     avail: dict[tuple[str, int, int], float] = {}  # ("F"|"G"|"I", stage, mb) -> when usable on the consumer's rank
-    if policy == "critical" and priority is None:
-        priority = _bottom_levels(schedule, durations, transfer)
+    if policy in ("guarded", "critical") and plans is None:
+        plans = plan_ranks(schedule, Costs(send_latency=transfer), action_costs=mean_costs(durations))
+    if policy == "critical" and priority is not None and plans is not None:  # the caller's priorities instead
+        plans = {r: RankPlan(cost=p.cost, wait=p.wait, priority={
+            a: max(priority.get((x.stage, x.type.value, x.microbatch), 0.0) for x in a.leaves()) for a in lists[r]
+        }) for r, p in plans.items()}
+    dispatchers = {r: Dispatcher(v, rule=_RULE_OF[policy], plan=None if plans is None else plans.get(r)) for r, v in lists.items()}
     reordered = 0
     makespan = 0.0
 
@@ -244,34 +260,22 @@ def simulate_policy(
             ds.append(durations[k])
         return max(ds) if len(ds) > 1 else ds[0]  # OVERLAP_F_B: perfect overlap
 
-    def is_fwd(a: Action) -> bool:
-        return a.type is _F or bool(a.sub_actions and any(x.type is _F for x in a.sub_actions))
-
     def pick(rank: int, now: float) -> tuple[int, float | None]:
         """Index of the action to start at ``now`` (-1: none), and the earliest future time worth re-checking."""
         acts = pending[rank]
-        nxt: float | None = None
-        best, best_key = -1, None
-        seen_fwd = False
-        for i, a in enumerate(acts):
-            fwd = is_fwd(a)
-            # static: only the list's next action (its order implies the memory bound)
-            eligible = i == 0 if policy == "static" else not (fwd and seen_fwd) and not (fwd and live[rank] >= cap[rank])
-            if eligible:
-                t = ready_at(rank, a)
-                if t is not None and t <= now:
-                    if policy != "critical":
-                        return i, None
-                    lv = max(priority.get((x.stage, x.type.value, x.microbatch), 0.0) for x in a.leaves())  # type: ignore[union-attr]
-                    key = (a.type is not _W, lv, -i)
-                    if best_key is None or key > best_key:
-                        best, best_key = i, key
-                elif t is not None:
-                    nxt = t if nxt is None else min(nxt, t)
-            if policy == "static":
-                break
-            seen_fwd = seen_fwd or fwd
-        return best, nxt
+
+        def ready(a: Action) -> bool:
+            t = ready_at(rank, a)
+            return t is not None and t <= now
+
+        def in_flight(a: Action) -> bool:
+            return ready_at(rank, a) is not None  # produced, still travelling
+
+        i = dispatchers[rank].pick(acts, ready, live[rank], in_flight)
+        if i >= 0:
+            return i, None
+        later = [t for a in acts if (t := ready_at(rank, a)) is not None and t > now]
+        return -1, (min(later) if later else None)
 
     waiting: set[int] = set()
     heap: list[tuple[float, int]] = [(0.0, r) for r in sorted(lists)]
@@ -324,6 +328,17 @@ def simulate_policy(
         raise ScheduleError(f"policy {policy!r} cannot finish schedule {schedule.name!r}: ranks {stuck} stuck at "
                             + ", ".join(f"{pending[r][0]}" for r in stuck))
     return PolicyResult(policy, makespan, busy, peak, reordered)
+
+
+_RULE_OF = {"static": "list", "dynamic": "ready", "critical": "critical", "guarded": "guarded"}
+
+
+def mean_costs(durations: Mapping[tuple[int, str, int], float]) -> dict[tuple[int, str, int | None], float]:
+    """The mean duration per ``(stage, type, None)`` of per-microbatch ``durations``."""
+    sums: dict[tuple[int, str, int | None], list[float]] = {}
+    for (s, t, _m), v in durations.items():
+        sums.setdefault((s, t, None), []).append(v)
+    return {k: sum(v) / len(v) for k, v in sums.items()}
 
 
 def policy_ceiling(

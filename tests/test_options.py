@@ -46,6 +46,7 @@ def test_from_env_maps_every_variable() -> None:
         "PIPELOOM_OVERLAP_STREAMS": "0",
         "PIPELOOM_OVERLAP_COLLECTIVES": "off",
         "PIPELOOM_FSDP_REDUCE": "fsdp",
+        "PIPELOOM_DISPATCH": "ready",
         "UNRELATED": "x",
     }
     assert set(env) - {"UNRELATED"} == set(ENV_VARS)
@@ -53,7 +54,7 @@ def test_from_env_maps_every_variable() -> None:
     assert o == RuntimeOptions(
         backend="gloo", heartbeat_timeout=7.5, stall_timeout=12.0, trace="/tmp/t.json",
         trace_endpoint="tcp://127.0.0.1:5555", pair_groups=True, p2p_max_ctas=4, gpu_commit_ms=3.0,
-        overlap_streams=False, overlap_collectives=False, fsdp_reduce="fsdp",
+        overlap_streams=False, overlap_collectives=False, fsdp_reduce="fsdp", dispatch="ready",
     )
 
 

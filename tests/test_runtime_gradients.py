@@ -71,6 +71,13 @@ def _special_cases_2() -> list[dict[str, Any]]:
         dict(id="batch-changes", schedule="InterleavedZeroBubble", microbatches=4, dim=4, batch=[8, 6, 13], steps=3),
         dict(id="deterministic-zbv", schedule="ZBVZeroBubble", microbatches=4, dim=4, batch=8, steps=2, deterministic=True),
         dict(id="deterministic-i1f1b", schedule="Interleaved1F1B", microbatches=4, dim=4, batch=8, steps=2, deterministic=True),
+        # each dispatch rule explicitly (the default "auto" picks one per schedule), uneven lengths included
+        dict(id="dispatch-ready-zbv", schedule="ZBVZeroBubble", microbatches=6, dim=4, batch=12, seq="per_mb", steps=2, dispatch="ready"),
+        dict(id="dispatch-guarded-zbv", schedule="ZBVZeroBubble", microbatches=6, dim=4, batch=12, seq="per_mb", steps=2, dispatch="guarded", eval=True),
+        dict(id="dispatch-guarded-dualpipev", schedule="DualPipeV", microbatches=6, dim=4, batch=12, steps=2, dispatch="guarded"),
+        dict(id="dispatch-ready-gpipe", schedule="GPipe", microbatches=4, dim=4, batch=8, seq="per_mb", steps=2, dispatch="ready"),
+        dict(id="dispatch-critical-zbv", schedule="ZBVZeroBubble", microbatches=6, dim=4, batch=12, seq="per_mb", steps=2, dispatch="critical"),
+        dict(id="dispatch-critical-i1f1b", schedule="Interleaved1F1B", microbatches=4, dim=4, batch=8, steps=2, dispatch="critical", eval=True),
         # a schedule read from a CSV file (written below)
         dict(id="csv", schedule="InterleavedZeroBubble", csv="@csv", microbatches=4, dim=4, batch=8, steps=2),
     ] + _awkward_cases(2)
@@ -119,6 +126,7 @@ BACKEND = os.environ.get("PIPELOOM_TEST_BACKEND", "gloo")
 CASES = {
     2: _cases(2, MICROBATCHES_2) + _special_cases_2() + _oracle_cases(ORACLE_2, 4),
     4: _cases(4, MICROBATCHES_4) + _oracle_cases(ORACLE_4, 8) + _awkward_cases(4) + [
+        dict(id="dispatch-guarded-dualpipev-4", schedule="DualPipeV", microbatches=8, dim=4, batch=16, seq="per_mb", steps=2, dispatch="guarded"),
         # one process group per ordered rank pair, as on NCCL (connected in one global order at
         # construction), incl. the loop edge 3 -> 0; last: the worker keeps the variable set
         dict(id="pair-groups-interleaved1f1b", schedule="Interleaved1F1B", microbatches=8, dim=4, batch=16, steps=2,

@@ -1,0 +1,288 @@
+"""The dispatch decision: which of a rank's pending actions runs next (pure, no processes, no clock).
+
+Problem (issue 19).  pipeloom dispatches by readiness so that uneven work --
+microbatches of different lengths, a slow or jittery rank -- does not leave a
+rank idle behind a blocked list entry.  Measured (GPUs) and simulated
+(``benchmarks/policy_room.py``), the dispatcher as it was -- *the first ready
+action in list order* -- gains little and sometimes loses: an action taken
+early while the list's head waits is not preemptible, so when the head's
+input arrives a moment later the head (often on the critical path) is late
+by the filler's whole duration.  A list scheduling anomaly: greedy is not
+monotone.
+
+Alternatives (all simulated on the seven schedules, 2 and 4 ranks, uneven
+lengths, jitter, a slow rank: ``benchmarks/policy_room.py``, numbers in
+benchmarks/RESULTS.md).  Each is a rule here, so the simulator runs exactly
+the runtime's decision:
+
+* ``ready`` -- the first ready action in list order (the old dispatcher).
+  Gains where the schedule leaves memory headroom (GPipe: +2..6% on uneven
+  lengths, +16% with a slow rank at 4 ranks), loses 1-4% on 1F1B and
+  DualPipeV at 4 ranks and on interleaved zero-bubble with fixed lengths.
+* ``critical`` -- among ready actions the one with the longest remaining
+  dependency chain in the static plan (mean costs), W last.  Best on GPipe
+  (+4..12% on uneven lengths at 4 ranks), worse than the list on every
+  zero-bubble schedule, whose lists were built to place W where it is free.
+* ``guarded`` -- *backfilling* as in HPC batch schedulers (EASY
+  backfilling): the list's head runs as soon as it is ready; while it waits,
+  a later ready action may run only if it fits in the hole the static plan
+  leaves before the head on this rank (less what fillers already used), so
+  it cannot make the head late in the plan; a head whose input is already
+  in flight (announced by its sender) is waited for.  It never loses, and
+  in simulation it almost never reorders either: with mean costs the plans
+  of 1F1B-like and zero-bubble lists have no holes outside warm-up, and
+  the holes that uneven work opens are not known in advance.
+* ``auto`` -- per schedule, simulate ``ready`` and ``critical`` against
+  ``guarded`` on uneven lengths (:func:`choose_rule`) and take the best only
+  where it wins by more than 1% without losing on fixed lengths; else
+  ``guarded``.  The simulator is the policy's judge, once per schedule.
+
+What none of them reaches: the lower bound (busiest rank's work, longest
+chain) leaves 10-60% on uneven lengths, but most of it is out of reach of
+*reordering* under the memory cap -- the ranks see the microbatches in the
+same order, so a long one delays every rank in turn; what would close it is
+changing which microbatch goes where (sorting lengths into the pipeline's
+fill and drain), a data decision, not a dispatch one.
+
+Guarantees, for every rule (the runtime relies on them; tests check them on
+every named schedule):
+
+* **Memory.**  A forward is eligible only if it is the first pending forward
+  (forwards run in list order among themselves) and the rank holds fewer
+  live microbatches than the static order's peak.  Forwards done are then a
+  prefix of the list's forwards, and backwards done early only free memory,
+  so at any moment ``live <= static_live(p)`` where ``p`` is the position of
+  the first pending action: no rule holds more than the list would.
+* **Deadlock freedom, in the validator's terms.**  The validator
+  (``check_deadlock``) accepts a schedule when every rank running its list
+  in order finishes, i.e. there is a global order of all actions consistent
+  with each rank's list and every data dependency.  Suppose some rule got
+  stuck: every rank's head (first pending action) waits.  Take the head
+  ``h`` earliest in that global order.  Each input of ``h`` comes from an
+  action ``d`` earlier in the global order; on ``d``'s rank, ``d`` precedes
+  that rank's head in its list (else that head would precede ``d``, hence
+  ``h``), and everything before a head is done -- so ``h``'s inputs are
+  there.  ``h`` is also eligible: if it is a forward it is the first pending
+  forward, and by the memory argument ``live <= static_live(p) <= peak - 1``
+  before it.  Every rule runs an eligible ready head (``guarded`` runs the
+  head first; ``ready`` takes the first ready eligible action in list
+  order; ``critical`` some ready eligible action, there being one), so no
+  rank is stuck.  The rules differ only in which *other*
+  ready action may go first; none waits while its head is ready.
+* **Pairing order.**  The rule decides compute only; transfers are
+  sequenced per peer by the sender (``transport/tensor.py``) whatever the
+  order, so dispatch never changes which receive matches which send.
+* ``list`` is the deterministic mode: the head or nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .action import Action, ActionType
+from .schedule import Schedule
+from .simulate import Costs, simulate
+
+__all__ = ["RULES", "Dispatcher", "RankPlan", "choose_rule", "plan_ranks", "static_peak"]
+
+#: The dispatch rules: ``list`` (deterministic), ``ready`` (first ready in list order),
+#: ``critical`` (longest planned remaining path first, W last), ``guarded`` (backfill the
+#: head's planned wait), ``auto`` (one of ready/critical/guarded, by simulation).
+RULES = ("list", "ready", "critical", "guarded", "auto")
+
+_F, _B, _I, _W, _OVL = ActionType.F, ActionType.B, ActionType.I, ActionType.W, ActionType.OVERLAP_F_B
+_EPS = 1e-9
+
+
+def static_peak(actions: Sequence[Action]) -> int:
+    """Peak live microbatches (forward done, B or W not yet) if the list ran in order (at least 1)."""
+    live = peak = 0
+    for a in actions:
+        for leaf in a.leaves():
+            if leaf.type is _F:
+                live += 1
+                peak = max(peak, live)
+            elif leaf.type is _B or leaf.type is _W:
+                live -= 1
+    return max(peak, 1)
+
+
+def _is_forward(a: Action) -> bool:
+    return a.type is _F or a.type is _OVL
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What the ``guarded`` rule knows of one rank's static plan, in the plan's time unit."""
+
+    cost: Mapping[Action, float] = field(default_factory=dict)
+    """Expected duration of each compute action of the rank."""
+    wait: Mapping[Action, float] = field(default_factory=dict)
+    """Idle time the static plan leaves on this rank right before the action (its hole)."""
+    priority: Mapping[Action, float] = field(default_factory=dict)
+    """Longest dependency chain from the action's start to the end of the step."""
+
+
+def plan_ranks(
+    schedule: Schedule, costs: Costs | None = None, *, action_costs: Mapping[tuple[int, str, int | None], float] | None = None
+) -> dict[int, RankPlan]:
+    """Every rank's :class:`RankPlan`: the compute-only list simulated with ``costs`` (default :class:`Costs`)."""
+    from .policy_sim import _bottom_levels, _compute_lists  # (policy_sim imports this module)
+
+    costs = Costs() if costs is None else costs
+    lists = _compute_lists(schedule)
+    compute_only = Schedule(
+        name=schedule.name, actions=lists, stage_to_rank=schedule.stage_to_rank, num_microbatches=schedule.num_microbatches
+    ) if any(a.is_comm for acts in schedule.actions.values() for a in acts) else schedule
+    base = {"F": costs.F, "B": costs.B, "I": costs.I, "W": costs.W}
+    leaf_cost: dict[tuple[int, str, int], float] = {}
+    for acts in lists.values():
+        for a in acts:
+            for x in a.leaves():
+                if x.microbatch is None:
+                    continue
+                k = (x.stage, x.type.value, x.microbatch)
+                v = None
+                if action_costs:
+                    v = action_costs.get(k, action_costs.get((x.stage, x.type.value, None)))
+                leaf_cost[k] = base[x.type.value] if v is None else float(v)
+    res = simulate(compute_only, costs, action_costs=leaf_cost)
+    bottom = _bottom_levels(compute_only, leaf_cost, costs.transfer)
+    plans: dict[int, RankPlan] = {}
+    last: dict[int, float] = {}
+    waits: dict[int, dict[Action, float]] = {r: {} for r in lists}
+    for e in res.events:
+        if e.lane != "compute":
+            continue
+        waits[e.rank][e.action] = max(0.0, e.start - last.get(e.rank, 0.0))
+        last[e.rank] = e.end
+    for r, acts in lists.items():
+        cost = {a: max(leaf_cost[(x.stage, x.type.value, x.microbatch)] for x in a.leaves()) for a in acts}
+        prio = {a: max(bottom.get((x.stage, x.type.value, x.microbatch), 0.0) for x in a.leaves()) for a in acts}
+        plans[r] = RankPlan(cost=cost, wait=waits[r], priority=prio)
+    return plans
+
+
+class Dispatcher:
+    """One rank's dispatch rule over one step (call :meth:`begin_step` at each step's start).
+
+    ``pick(pending, ready, live)`` returns the index in ``pending`` of the
+    action to run now, or -1 to wait for the next event.  ``pending`` is the
+    rank's list with the actions already run removed (list order kept);
+    ``ready(a)`` says whether ``a``'s inputs are there (and, on a GPU,
+    committable); ``in_flight(a)``, when given, whether an input ``a`` lacks
+    is already announced by its sender (it will arrive without further
+    compute anywhere).  The caller updates ``live`` (forwards done minus
+    backwards that freed their activations) and runs what is picked.
+    """
+
+    def __init__(self, actions: Sequence[Action], *, rule: str = "ready", plan: RankPlan | None = None, train: bool = True) -> None:
+        if rule not in RULES or rule == "auto":
+            raise ValueError(f"dispatch rule {rule!r}: expected one of list, ready, critical, guarded (auto is resolved by choose_rule)")
+        if rule in ("guarded", "critical") and plan is None:
+            raise ValueError(f"dispatch rule {rule!r} needs the rank's plan (plan_ranks)")
+        self.rule = rule
+        self.plan = plan
+        self.train = train
+        #: the static order's peak of live microbatches: no rule holds more
+        self.memory_limit = static_peak(actions)
+        self._head: Action | None = None
+        self._used = 0.0  # of the current head's planned wait, by fillers
+
+    def begin_step(self) -> None:
+        self._head = None
+        self._used = 0.0
+
+    def _eligible_forward(self, live: int) -> bool:
+        return not self.train or live < self.memory_limit
+
+    def pick(
+        self,
+        pending: Sequence[Action],
+        ready: Callable[[Action], bool],
+        live: int,
+        in_flight: Callable[[Action], bool] | None = None,
+    ) -> int:
+        if not pending:
+            return -1
+        rule = self.rule
+        head = pending[0]
+        if rule == "list":
+            return 0 if (not _is_forward(head) or self._eligible_forward(live)) and ready(head) else -1
+        if rule == "ready":
+            seen_forward = False
+            for i, a in enumerate(pending):
+                fwd = _is_forward(a)
+                if not (fwd and (seen_forward or not self._eligible_forward(live))) and ready(a):
+                    return i
+                seen_forward = seen_forward or fwd
+            return -1
+        if rule == "critical":
+            prio = self.plan.priority  # type: ignore[union-attr]
+            best, best_key = -1, None
+            seen_forward = False
+            for i, a in enumerate(pending):
+                fwd = _is_forward(a)
+                if not (fwd and (seen_forward or not self._eligible_forward(live))) and ready(a):
+                    key = (a.type is not _W, prio.get(a, 0.0), -i)
+                    if best_key is None or key > best_key:
+                        best, best_key = i, key
+                seen_forward = seen_forward or fwd
+            return best
+        # guarded: the head when ready; else a filler that fits in what is left of its planned wait
+        plan = self.plan
+        assert plan is not None
+        if head != self._head:
+            self._head, self._used = head, 0.0
+        head_fwd = _is_forward(head)
+        if (not head_fwd or self._eligible_forward(live)) and ready(head):
+            return 0
+        if in_flight is not None and in_flight(head):
+            return -1
+        budget = plan.wait.get(head, 0.0) - self._used
+        if budget <= _EPS:
+            return -1
+        cost, prio = plan.cost, plan.priority
+        best, best_key = -1, None
+        seen_forward = head_fwd
+        for i in range(1, len(pending)):
+            a = pending[i]
+            fwd = _is_forward(a)
+            if not (fwd and (seen_forward or not self._eligible_forward(live))):
+                c = cost.get(a, 0.0)
+                if c <= budget + _EPS and ready(a):
+                    key = (a.type is not _W, prio.get(a, 0.0), -i)
+                    if best_key is None or key > best_key:
+                        best, best_key = i, key
+            seen_forward = seen_forward or fwd
+        if best > 0:
+            self._used += cost.get(pending[best], 0.0)
+        return best
+
+
+def choose_rule(
+    schedule: Schedule,
+    costs: Costs | None = None,
+    *,
+    trials: int = 6,
+    seed: int = 0,
+    length_range: tuple[float, float] = (0.25, 1.0),
+    margin: float = 0.01,
+) -> str:
+    """``auto``'s choice for ``schedule``: ``ready`` if it beats ``guarded`` by more than ``margin``
+    in simulated mean step time on uneven lengths (uniform in ``length_range`` of the longest,
+    ``trials`` seeded draws) *and* is not slower by more than ``margin / 2`` with fixed lengths;
+    else ``guarded``.  Deterministic: every rank computes the same."""
+    from .policy_sim import policy_ceiling
+
+    costs = Costs(send_latency=0.05) if costs is None else costs  # default: a transfer is 1/20 of a forward
+    pols = ("dynamic", "critical", "guarded")
+    means = policy_ceiling(schedule, costs, policies=pols, trials=trials, seed=seed, length_range=length_range)
+    fixed = policy_ceiling(schedule, costs, policies=pols, trials=1, seed=seed, length_range=None)
+    best = "guarded"
+    for p in ("critical", "dynamic"):  # on a tie, the simpler rule (dynamic) wins
+        if means[p] < (1.0 - margin) * means["guarded"] and fixed[p] <= (1.0 + margin / 2) * fixed["guarded"]:
+            if best == "guarded" or means[p] <= means[best] * (1.0 + 1e-9):
+                best = p
+    return {"dynamic": "ready", "critical": "critical", "guarded": "guarded"}[best]

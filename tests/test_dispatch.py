@@ -1,0 +1,157 @@
+"""The dispatch decision (schedules/dispatch.py), in one process with fakes: each rule's choice,
+and on every named schedule at 2 and 4 ranks, under uneven work, that no rule exceeds the static
+order's memory peak or deadlocks (the policy simulator runs the runtime's own Dispatcher)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pipeloom import RuntimeOptions
+from pipeloom.schedules import SCHEDULE_NAMES, Costs, ScheduleConfigError, generate, parse_action, simulate_policy
+from pipeloom.schedules.dispatch import RULES, Dispatcher, RankPlan, choose_rule, plan_ranks, static_peak
+from pipeloom.schedules.policy_sim import _compute_lists, draw_costs
+
+
+def _acts(text: str) -> list:
+    return [parse_action(x) for x in text.split()]
+
+
+# ------------------------------------------------------------ each rule's choice, with fakes
+def test_list_rule_runs_the_head_or_nothing() -> None:
+    acts = _acts("0F0 0F1 0B0 0B1")
+    d = Dispatcher(acts, rule="list")
+    assert d.pick(acts, lambda a: True, 0) == 0
+    assert d.pick(acts, lambda a: a != acts[0], 0) == -1  # a later ready action never goes first
+
+
+def test_ready_rule_keeps_forwards_in_order_and_under_the_cap() -> None:
+    acts = _acts("0F0 0F1 0B0 0F2 0B1 0B2")
+    d = Dispatcher(acts, rule="ready")
+    assert d.memory_limit == 2
+    ready_only = lambda *names: (lambda a: str(a) in names)  # noqa: E731
+    # 0F1 ready but 0F0 (an earlier forward) not: forwards run in list order, so nothing
+    assert d.pick(acts, ready_only("0F1"), 0) == -1
+    # a backward may pass a waiting forward
+    pending = acts[1:]
+    assert d.pick(pending, ready_only("0B0"), 1) == 1
+    # at the cap a ready forward waits; a backward still runs
+    pending = _acts("0F2 0B1 0B2")
+    assert d.pick(pending, ready_only("0F2"), 2) == -1
+    assert d.pick(pending, ready_only("0F2", "0B1"), 2) == 1
+
+
+def _plan(acts: list, waits: dict[str, float], cost: dict[str, float] | None = None) -> RankPlan:
+    c = {a: (cost or {}).get(str(a), 1.0) for a in acts}
+    return RankPlan(cost=c, wait={a: waits.get(str(a), 0.0) for a in acts}, priority={a: float(len(acts) - i) for i, a in enumerate(acts)})
+
+
+def test_guarded_rule_backfills_only_the_head_s_planned_wait() -> None:
+    acts = _acts("1F0 1I0 1W0 1F1 1I1 1W1 1F2")
+    plan = _plan(acts, {"1F2": 2.5}, {"1I1": 1.0, "1W1": 1.0, "1W0": 1.0})
+    d = Dispatcher(acts, rule="guarded", plan=plan)
+    d.begin_step()
+    ready_only = lambda *names: (lambda a: str(a) in names)  # noqa: E731
+    pending = _acts("1F2 1W0 1I1 1W1")
+    # the head when ready, whatever else is
+    assert d.pick(pending, lambda a: True, 0) == 0
+    # the head waits (planned hole 2.5): the non-W filler first, then W, then the hole is used up
+    assert d.pick(pending, ready_only("1W0", "1I1"), 0) == 2
+    pending = _acts("1F2 1W0 1W1")
+    assert d.pick(pending, ready_only("1W0", "1W1"), 0) == 1
+    pending = _acts("1F2 1W1")
+    assert d.pick(pending, ready_only("1W1"), 0) == -1  # 2 of 2.5 used: a third unit does not fit
+    # a new head gets its own budget; none planned: it is waited for
+    d.begin_step()
+    pending = _acts("1F1 1W0")
+    assert d.pick(pending, ready_only("1W0"), 0) == -1
+
+
+def test_guarded_rule_waits_for_a_head_whose_input_is_in_flight() -> None:
+    acts = _acts("0F0 0W9 0F1")
+    plan = _plan(acts, {"0F1": 5.0})
+    d = Dispatcher(acts, rule="guarded", plan=plan)
+    pending = _acts("0F1 0W9")
+    assert d.pick(pending, lambda a: str(a) == "0W9", 0, in_flight=lambda a: True) == -1
+    assert d.pick(pending, lambda a: str(a) == "0W9", 0, in_flight=lambda a: False) == 1
+
+
+def test_bad_rules_are_refused() -> None:
+    acts = _acts("0F0 0B0")
+    with pytest.raises(ValueError, match="dispatch rule 'fastest'"):
+        Dispatcher(acts, rule="fastest")
+    with pytest.raises(ValueError, match="needs the rank's plan"):
+        Dispatcher(acts, rule="guarded")
+    with pytest.raises(ValueError, match="auto is resolved by choose_rule"):
+        Dispatcher(acts, rule="auto")
+    with pytest.raises(ValueError, match="dispatch must be 'auto', 'ready', 'critical' or 'guarded'"):
+        RuntimeOptions(dispatch="list")
+    assert RuntimeOptions.from_env({"PIPELOOM_DISPATCH": "guarded"}).dispatch == "guarded"
+    assert set(RULES) == {"list", "ready", "critical", "guarded", "auto"}
+
+
+def test_plan_holes_are_the_static_list_s_idle_time() -> None:
+    sched = generate("1F1B", num_ranks=2, num_microbatches=4)
+    plans = plan_ranks(sched, Costs(F=1, B=2))
+    # rank 1 (last stage) waits 1 for its first forward; rank 0 never waits before 0F0
+    first1 = sched.actions[1][0]
+    assert plans[1].wait[first1] == pytest.approx(1.0)
+    assert plans[0].wait[sched.actions[0][0]] == 0.0
+    assert plans[0].cost[sched.actions[0][0]] == 1.0
+
+
+def test_auto_picks_ready_only_where_the_simulator_says_it_wins() -> None:
+    assert choose_rule(generate("GPipe", num_ranks=4, num_microbatches=8)) == "critical"
+    assert choose_rule(generate("1F1B", num_ranks=4, num_microbatches=8)) == "guarded"
+    assert choose_rule(generate("DualPipeV", num_ranks=4, num_microbatches=8)) == "guarded"
+
+
+# ------------------------------------------------------------ every schedule: memory and deadlock
+WORKLOADS = {
+    "lengths": dict(lengths="uniform", jitter=0.0, slow=None),
+    "jitter-slow": dict(lengths=None, jitter=0.3, slow={1: 1.7}),
+    "lengths-jitter": dict(lengths="uniform", jitter=0.2, slow={0: 1.3}),
+}
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_every_rule_keeps_the_memory_cap_and_finishes(name: str, ranks: int) -> None:
+    costs = Costs(F=1, B=2, I=1, W=1, send_latency=0.05)
+    rng = random.Random(ranks * 1000 + SCHEDULE_NAMES.index(name))
+    scheds = []
+    for m in (ranks, 2 * ranks + 1, 2 * ranks, 3 * ranks):
+        try:
+            scheds.append((m, generate(name, num_ranks=ranks, num_microbatches=m)))
+        except ScheduleConfigError:
+            continue
+    assert len(scheds) >= 2
+    for m, sched in scheds[:2]:
+        lists = _compute_lists(sched)
+        for wl in WORKLOADS.values():
+            lengths = [rng.uniform(0.1, 1.0) for _ in range(m)] if wl["lengths"] else None
+            durs = draw_costs(sched, costs, lengths=lengths, jitter=wl["jitter"], slow=wl["slow"], rng=rng)
+            for policy in ("static", "dynamic", "critical", "guarded"):
+                # raises ScheduleError if any rank cannot finish
+                res = simulate_policy(sched, policy, durs, transfer=costs.transfer)
+                for r, acts in lists.items():
+                    assert res.peak_live[r] <= static_peak(acts), (policy, m, r)
+                if policy == "static":
+                    assert res.reordered == 0
+
+
+def test_guarded_never_waits_while_its_head_is_ready() -> None:
+    """The deadlock argument's premise, directly: with the head ready, every rule picks something."""
+    for name in SCHEDULE_NAMES:
+        sched = generate(name, num_ranks=2, num_microbatches=4)
+        plans = plan_ranks(sched)
+        for r, acts in _compute_lists(sched).items():
+            for rule in ("list", "ready", "critical", "guarded"):
+                d = Dispatcher(acts, rule=rule, plan=plans[r])
+                d.begin_step()
+                live = 0
+                for i, a in enumerate(acts):  # walk the list: the head is always ready and eligible
+                    assert d.pick(acts[i:], lambda x, a=a: x is a, live) == 0, (name, r, rule, a)
+                    for leaf in a.leaves():
+                        live += 1 if leaf.type.value == "F" else -1 if leaf.type.value in ("B", "W") else 0
