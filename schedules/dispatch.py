@@ -269,13 +269,17 @@ def choose_rule(
     seed: int = 0,
     length_range: tuple[float, float] = (0.25, 1.0),
     margin: float = 0.01,
+    max_actions: int = 1200,
 ) -> str:
-    """``auto``'s choice for ``schedule``: ``ready`` if it beats ``guarded`` by more than ``margin``
+    """``auto``'s choice for ``schedule``: ``ready`` or ``critical`` (the faster) if it beats ``guarded`` by more than ``margin``
     in simulated mean step time on uneven lengths (uniform in ``length_range`` of the longest,
     ``trials`` seeded draws) *and* is not slower by more than ``margin / 2`` with fixed lengths;
-    else ``guarded``.  Deterministic: every rank computes the same."""
-    from .policy_sim import policy_ceiling
+    else ``guarded``.  Deterministic: every rank computes the same.  Costs 0.01-1 s; a schedule
+    of more than ``max_actions`` compute actions is not simulated and gets ``guarded``."""
+    from .policy_sim import _compute_lists, policy_ceiling
 
+    if sum(len(v) for v in _compute_lists(schedule).values()) > max_actions:
+        return "guarded"  # too large to simulate at start-up (quadratic): the rule that never loses
     costs = Costs(send_latency=0.05) if costs is None else costs  # default: a transfer is 1/20 of a forward
     pols = ("dynamic", "critical", "guarded")
     means = policy_ceiling(schedule, costs, policies=pols, trials=trials, seed=seed, length_range=length_range)
