@@ -61,8 +61,9 @@ class RuntimeOptions:
     planned remaining path to the step's end, W last; ``"guarded"`` the list's head as soon as
     it is ready, a later action only if it fits in the wait the static plan leaves before the
     head (backfilling: never delays the head in the plan); ``"auto"`` (default) ``ready`` or
-    ``critical`` where the policy simulator predicts it beats ``guarded`` on uneven work by more
-    than 1% without losing on fixed lengths, else ``guarded``.  Every rule keeps the static order's memory peak and is deadlock-free.
+    ``critical`` where the policy simulator predicts it beats ``guarded`` by more than 1% on
+    some uneven workload (lengths, jitter, a slow rank) and loses on none, fixed lengths
+    included, else ``guarded`` (``schedules.dispatch.choose_rule``).  Every rule keeps the static order's memory peak and is deadlock-free.
     Environment: ``PIPELOOM_DISPATCH``."""
 
     heartbeat_interval: float = 0.5

@@ -33,9 +33,10 @@ the runtime's decision:
   of 1F1B-like and zero-bubble lists have no holes outside warm-up, and
   the holes that uneven work opens are not known in advance.
 * ``auto`` -- per schedule, simulate ``ready`` and ``critical`` against
-  ``guarded`` on uneven lengths (:func:`choose_rule`) and take the best only
-  where it wins by more than 1% without losing on fixed lengths; else
-  ``guarded``.  The simulator is the policy's judge, once per schedule.
+  ``guarded`` on uneven lengths, jitter and a slow rank (:func:`choose_rule`)
+  and take one only where it wins by more than 1% on some workload and
+  loses on none, fixed lengths included; else ``guarded``.  The simulator
+  is the policy's judge, once per schedule.
 
 What none of them reaches: the lower bound (busiest rank's work, longest
 chain) leaves 10-60% on uneven lengths, but most of it is out of reach of
