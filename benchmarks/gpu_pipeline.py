@@ -401,13 +401,44 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
 
         return tstep, None, lambda: {}
 
-    builders = {"pipeloom": build_pipeloom, "torch": build_torch}
+    def build_pipeloom_one_stream() -> tuple[Any, Any, Any] | None:
+        """pipeloom with every stage on one stream (OVERLAP_F_B's halves in sequence); DualPipeV only."""
+        if name != "DualPipeV":
+            return None
+        from pipeloom.runtime.options import RuntimeOptions
+
+        pipe = pipeloom.Pipeline(lambda s: mods[s], schedule=name, num_microbatches=n, loss_fn=loss_fn,
+                                 options=RuntimeOptions.from_env(overlap_streams=False))
+        x_in, y_in = torch.cat(xs), torch.cat(ys)
+        return (lambda: pipe.step(x_in, target=y_in)), pipe.close, lambda: {"variant": "one stream"}
+
+    def build_pipeloom_x() -> tuple[Any, Any, Any]:
+        """pipeloom with the RuntimeOptions fields of --x-options (e.g. gpu_commit_ms=50)."""
+        from pipeloom.runtime.options import RuntimeOptions
+
+        fields: dict[str, Any] = {}
+        for kv in filter(None, args.x_options.split(",")):
+            k, v = kv.split("=", 1)
+            fields[k] = {"true": True, "false": False}.get(v.lower(), v)
+            if isinstance(fields[k], str):
+                try:
+                    fields[k] = float(v) if "." in v or k.endswith("_ms") else int(v)
+                except ValueError:
+                    pass
+        pipe = pipeloom.Pipeline(lambda s: mods[s], schedule=name, num_microbatches=n, loss_fn=loss_fn,
+                                 options=RuntimeOptions.from_env(**fields))
+        x_in, y_in = torch.cat(xs), torch.cat(ys)
+        return (lambda: pipe.step(x_in, target=y_in)), pipe.close, lambda: {"variant": args.x_options}
+
+    builders = {"pipeloom": build_pipeloom, "torch": build_torch, "pipeloom-1s": build_pipeloom_one_stream,
+                "pipeloom-x": build_pipeloom_x}
     engines = [e.strip() for e in args.engines.split(",")]
     if args.alternate:
         # Both engines alive, blocks of steps alternating between them, so a drift in the
         # GPU's or host's speed hits both alike; peak memory per engine is taken over its
         # own blocks (the other engine's few persistent buffers included).
-        built = {e: builders[e]() for e in engines}
+        built = {e: b for e in engines if (b := builders[e]()) is not None}
+        engines = list(built)
         for e in engines:
             for _ in range(args.warmup):
                 built[e][0]()
@@ -434,7 +465,10 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
     else:
         # in the order given, so order effects (clocks, allocator state) can be checked
         for e in engines:
-            fn, close, extra = builders[e]()
+            b = builders[e]()
+            if b is None:
+                continue
+            fn, close, extra = b
             t, pk = _timed(fn, args.steps, args.warmup)
             prof = profile(e, fn)
             record(e, t, pk, {"order": args.engines, **extra(), **(prof or {})})
@@ -454,11 +488,18 @@ def table(path: str) -> str:
     for r in rows:
         case = (r.get("model", "transformer") + " " + ("varlen" if r["varlen"] else "fixed")
                 + (f" {r['label']}" if r.get("label") else "") + (f" [{r['code']}]" if r.get("code") else ""))
+        if r["engine"] in ("pipeloom-1s", "pipeloom-x"):  # a variant: its own row, beside the same process's torch
+            v = " one-stream" if r["engine"] == "pipeloom-1s" else f" {r.get('variant', 'x')}"
+            by.setdefault((r.get("gpus", 2), r["schedule"], case + v), {})["pipeloom"] = r
+            r["_base_case"] = case
+            continue
         by.setdefault((r.get("gpus", 2), r["schedule"], case), {})[r["engine"]] = r
     out = ["| GPUs | schedule | case | torch ms | pipeloom ms | ratio | torch eff | pipeloom eff | ceiling | pipeloom/ceiling | torch GiB | pipeloom GiB |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (gpus, sched, case), e in by.items():
         t, p = e.get("torch"), e.get("pipeloom")
+        if t is None and p is not None and p.get("_base_case"):  # a variant: the same process's torch
+            t = by.get((gpus, sched, p["_base_case"]), {}).get("torch")
         f = lambda r, k, fmt: (fmt % r[k]) if r else "—"  # noqa: E731
         ratio = f"{p['step_ms'] / t['step_ms']:.3f}" if t and p else "—"
         out.append(f"| {gpus} | {sched} | {case} | {f(t,'step_ms','%.1f')} | {f(p,'step_ms','%.1f')} | {ratio} | "
@@ -496,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--varlen", action="store_true")
+    ap.add_argument("--x-options", default="gpu_commit_ms=50", help="RuntimeOptions fields of engine pipeloom-x (k=v,...)")
     ap.add_argument("--alternate", type=int, default=0,
                     help="rounds: keep both engines alive and alternate blocks of steps/ROUNDS steps between them")
     ap.add_argument("--label", default="", help="a tag for this row's variant (e.g. the PIPELOOM_* settings tried)")

@@ -10,9 +10,9 @@
 #   bench2     benchmarks/gpu_pipeline.py on GPUs 0,1 for every schedule (+ varlen, + variants)
 #   bench4     benchmarks/gpu_pipeline.py on 4 GPUs for every schedule
 #   gpt2       benchmarks/gpu_pipeline.py --model gpt on GPUs 0,1: sizes l and s (GPT_SIZES), schedules GPT_SCHEDULES
-#              in one process per size, 1F1B of size l profiled (--profile 3, traces of ranks 0 and last of both
-#              engines under $OUT/prof-$CODE; NO_PROFILE=1 skips), DualPipeV with every stage on one stream as
-#              a variant (NO_VARIANT=1 skips); CODE tags the rows
+#              in one process per size, engines ENGINES (ENGINES_L for size l; e.g. pipeloom,torch,pipeloom-1s)
+#              alternating in ALTERNATE rounds (default 3); 1F1B of size l profiled (--profile 3, traces of
+#              ranks 0 and last under $OUT/prof-$CODE; NO_TRACES=1 keeps none, NO_PROFILE=1 skips); CODE tags rows
 #   gpt4       the same on 4 GPUs, size l, no profile
 #   fsdp       benchmarks/gpu_fsdp.py, 2 pipeline ranks x 2 FSDP ranks
 #   straggler  benchmarks/straggler.py on 4 GPUs
@@ -66,12 +66,10 @@ for part in "$@"; do
       if [ "$part" = gpt2 ] && [ "$size" = l ] && [ -z "${NO_PROFILE:-}" ]; then
         prof="--profile 3"; [ -z "${NO_TRACES:-}" ] && prof="$prof --profile-dir $OUT/prof-${CODE:-x}"
       fi
-      echo "== $n GPUs gpt-$size $gs"
-      CUDA_VISIBLE_DEVICES=$vis bench $n "" --model gpt --size $size --schedule "$gs" $prof --code "${CODE:-}"
-      if [ "$size" = l ] && [ -z "${NO_VARIANT:-}" ]; then
-        echo "== $n GPUs gpt-$size DualPipeV one stream"
-        (export CUDA_VISIBLE_DEVICES=$vis PIPELOOM_OVERLAP_STREAMS=0; bench $n one-stream --model gpt --size $size --schedule DualPipeV --engines pipeloom --code "${CODE:-}")
-      fi
+      eng=${ENGINES:-pipeloom,torch}; [ "$size" = l ] && eng=${ENGINES_L:-$eng}
+      echo "== $n GPUs gpt-$size $gs ($eng)"
+      CUDA_VISIBLE_DEVICES=$vis bench $n "" --model gpt --size $size --schedule "$gs" --engines "$eng" \
+        --alternate "${ALTERNATE:-3}" $prof --code "${CODE:-}"
     done
     ;;
   bench4)

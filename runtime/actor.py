@@ -204,6 +204,8 @@ class RankActor:
         self._posted: dict[tuple[int, str, int, int], tuple[list[torch.Tensor | None], list[Any], Any]] = {}
         #: GPU: local hand-offs between stage streams: the producer's event
         self._handoff: dict[tuple[int, str, int, int], Any] = {}
+        #: GPU, first steps: the timing token of the action being launched (runtime/device.py)
+        self._token: Any = None
         #: payloads produced by the action being run (producing stage, step, kind, to stage, mb,
         #: tensors), handed over once its compute is done
         self._outbox: list[tuple[int, int, str, int, int, Sequence[torch.Tensor | None]]] = []
@@ -464,6 +466,8 @@ class RankActor:
                 args = inputs.args[mb]
             else:
                 args = tuple(self._take((step, "F", a.stage, mb), a.stage))
+            if self._token is not None:
+                self.dev.inputs_ready(self._token, a.stage)
             target = inputs.targets[mb] if (inputs.targets is not None and a.stage == self.last_stage) else None
             outputs, raw, loss = stage.forward(mb, args, inputs.kwargs[mb], target, train=train)
             if a.stage == self.last_stage:
@@ -477,6 +481,8 @@ class RankActor:
             return
         if t is _B or t is _I:
             grads = None if a.stage == self.last_stage else self._take((step, "B", a.stage, mb), a.stage)
+            if self._token is not None:
+                self.dev.inputs_ready(self._token, a.stage)
             if t is _B:
                 in_grads = stage.backward(mb, grads)
             else:
@@ -486,6 +492,8 @@ class RankActor:
                 self._outbox.append((a.stage, step, "B", consumer_stage("B", a.stage), mb, in_grads))
             return
         if t is _W:
+            if self._token is not None:
+                self.dev.inputs_ready(self._token, a.stage)
             stage.backward_weight(mb)
             return
         raise AssertionError(f"unexpected action {a}")
@@ -562,7 +570,7 @@ class RankActor:
             a0 = clock_ns() if trace is not None else 0
             leaves = a.leaves()
             tkey = (a.type, leaves[0].stage)
-            token = dev.start(tkey) if commit_ahead else None
+            token = self._token = dev.start(tkey) if commit_ahead else None
             try:
                 self._run(a, step, inputs, train, results, losses)
                 if coll is not None:

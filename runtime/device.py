@@ -88,6 +88,9 @@ class DevicePolicy:
         """Before an action's launch; returns a token for :meth:`launched`."""
         return None
 
+    def inputs_ready(self, token: Any, stage: int) -> None:
+        """After ``stage``'s stream was ordered after the inputs of the action of ``token``."""
+
     def launched(self, key: tuple[Any, int], stages: Sequence[int], token: Any) -> None:
         """After an action's launch on the streams of ``stages``."""
 
@@ -220,18 +223,23 @@ class CudaPolicy(DevicePolicy):
 
     # -- commit depth ---------------------------------------------------------
     def start(self, key: tuple[Any, int]) -> Any:
-        if self._steps < self.learn_steps:
+        """While learning: a token whose start event :meth:`inputs_ready` records."""
+        return [None] if self._steps < self.learn_steps else None
+
+    def inputs_ready(self, token: Any, stage: int) -> None:
+        # recorded after the stream waits on the action's inputs, so that the time learned is
+        # the action's own compute, not the wait for its producer
+        if token is not None and token[0] is None:
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record(self.stream(key[1]))
-            return ev
-        return None
+            ev.record(self.stream(stage))
+            token[0] = ev
 
     def launched(self, key: tuple[Any, int], stages: Sequence[int], token: Any) -> None:
         s = self.stream(stages[0])
-        if token is not None:
+        if token is not None and token[0] is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record(s)
-            self._timing.pending.append((key, token, end))
+            self._timing.pending.append((key, token[0], end))
         else:
             end = torch.cuda.Event()
             end.record(s)

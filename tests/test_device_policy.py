@@ -1,0 +1,210 @@
+"""The GPU commit policy (runtime/device.py) in one process, with fake CUDA streams and events.
+
+The real thing runs in the NCCL gradient tests on GPUs; here the bookkeeping
+is checked where a CPU can see it: which stream waits on what, when the
+commit horizon holds the dispatcher back, and what it learns from events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Any
+
+import pytest
+import torch
+
+from pipeloom.runtime import device as devmod
+
+
+class FakeEvent:
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.timing = enable_timing
+        self.stream: FakeStream | None = None
+        self.done = False
+        self.t = 0.0
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        self.stream = stream if stream is not None else FAKE.current
+        self.stream.log.append(("record", self))
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return end.t - self.t
+
+
+class FakeStream:
+    def __init__(self, device: Any = None, name: str = "s") -> None:
+        self.name = name
+        self.log: list[tuple[str, Any]] = []
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.log.append(("wait_stream", other))
+
+    def wait_event(self, ev: FakeEvent) -> None:
+        self.log.append(("wait_event", ev))
+
+    def __repr__(self) -> str:
+        return f"<stream {self.name}>"
+
+
+class FakeCuda:
+    def __init__(self) -> None:
+        self.default = FakeStream(name="caller")
+        self.current = self.default
+        self.created: list[FakeStream] = []
+
+    def Stream(self, device: Any = None) -> FakeStream:  # noqa: N802 - torch's name
+        s = FakeStream(device, name=f"s{len(self.created)}")
+        self.created.append(s)
+        return s
+
+    def Event(self, enable_timing: bool = False) -> FakeEvent:  # noqa: N802
+        return FakeEvent(enable_timing)
+
+    def current_stream(self, device: Any = None) -> FakeStream:
+        return self.current
+
+    @contextlib.contextmanager
+    def stream(self, s: FakeStream) -> Any:
+        old, self.current = self.current, s
+        try:
+            yield
+        finally:
+            self.current = old
+
+
+FAKE = FakeCuda()
+
+
+class FakeBuffer:
+    is_cuda = True
+
+    def __init__(self) -> None:
+        self.recorded: list[FakeStream] = []
+
+    def record_stream(self, s: FakeStream) -> None:
+        self.recorded.append(s)
+
+
+class FakeWork:
+    def __init__(self) -> None:
+        self.waited_on: list[FakeStream] = []
+
+    def wait(self) -> None:
+        self.waited_on.append(FAKE.current)
+
+
+@pytest.fixture
+def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+    global FAKE
+    FAKE = FakeCuda()
+    monkeypatch.setattr(devmod, "torch", types.SimpleNamespace(cuda=FAKE))
+    return FAKE
+
+
+def _policy(cuda: FakeCuda, **kw: Any) -> devmod.CudaPolicy:
+    return devmod.CudaPolicy(torch.device("cuda", 0), [3, 0], **kw)
+
+
+def test_cpu_policy_runs_now() -> None:
+    p = devmod.make_policy(torch.device("cpu"), [0, 1], stage_streams=True, horizon_ms=10)
+    assert not p.commit_ahead and p.wait_ms() == 0.0
+    with p.on_stage(0), p.posting():
+        pass
+
+
+def test_one_stream_per_stage_forked_and_joined_at_step_boundaries(cuda: FakeCuda) -> None:
+    p = _policy(cuda)
+    s0, s3 = p.streams[0], p.streams[3]
+    assert s0 is not s3 and cuda.default not in (s0, s3)
+    p.begin_step()
+    assert ("wait_stream", cuda.default) in s0.log and ("wait_stream", cuda.default) in s3.log
+    with p.on_stage(3):
+        assert cuda.current is s3
+    p.end_step()
+    assert ("wait_stream", s0) in cuda.default.log and ("wait_stream", s3) in cuda.default.log
+
+
+def test_shared_stream_when_stage_streams_are_off(cuda: FakeCuda) -> None:
+    p = _policy(cuda, stage_streams=False)
+    p.begin_step()
+    with p.on_stage(0):
+        assert cuda.current is cuda.default
+    assert p.stream(3) is cuda.default
+    p.end_step()
+    assert not any(k == "wait_stream" for k, _ in cuda.default.log)
+
+
+def test_posted_receive_is_waited_on_by_the_consumer_stream_and_recorded(cuda: FakeCuda) -> None:
+    p = _policy(cuda)
+    with p.posting():
+        assert cuda.current is p._xfer  # receives posted with the transfer stream current
+    bufs, works = [FakeBuffer(), None], [FakeWork()]
+    p.consume(3, bufs, works)
+    assert works[0].waited_on == [p.streams[3]]
+    assert bufs[0].recorded == [p.streams[3]]
+
+
+def test_local_hand_off_waits_on_the_producer_event_only_across_streams(cuda: FakeCuda) -> None:
+    p = _policy(cuda)
+    tok = p.handed(0)
+    assert tok[0] is p.streams[0] and tok[1].stream is p.streams[0]
+    t = FakeBuffer()
+    p.take_handed(tok, 3, [t, None])
+    assert ("wait_event", tok[1]) in p.streams[3].log and t.recorded == [p.streams[3]]
+    same = FakeBuffer()
+    p.take_handed(p.handed(3), 3, [same])
+    assert same.recorded == []
+
+
+def test_commit_horizon_holds_until_queued_device_time_drains(cuda: FakeCuda) -> None:
+    p = _policy(cuda, horizon_ms=2.5, default_ms=1.0, learn_steps=0)
+    p.begin_step()
+    key = ("F", 0)
+    for _ in range(3):
+        assert p.wait_ms() == 0.0
+        p.launched(key, [0], p.start(key))
+    assert p.queued_ms() == pytest.approx(3.0)
+    assert p.wait_ms() == pytest.approx(0.5)  # 3 ms queued, horizon 2.5 ms
+    first_end = p._queue[0][1][0]
+    first_end.done = True
+    assert p.queued_ms() == pytest.approx(2.0) and p.wait_ms() == 0.0
+    for _, ends in list(p._queue):
+        for e in ends:
+            e.done = True
+    assert p.queued_ms() == 0.0
+
+
+def test_overlap_pair_counts_until_both_streams_finish(cuda: FakeCuda) -> None:
+    p = _policy(cuda, horizon_ms=0.5, default_ms=1.0, learn_steps=0)
+    p.launched(("OVERLAP_F_B", 0), [0, 3], None)
+    ends = p._queue[0][1]
+    assert [e.stream for e in ends] == [p.streams[0], p.streams[3]]
+    ends[0].done = True
+    assert p.wait_ms() == pytest.approx(0.5)  # the other half still runs
+    ends[1].done = True
+    assert p.wait_ms() == 0.0
+
+
+def test_action_time_is_learned_from_events_after_the_input_waits(cuda: FakeCuda) -> None:
+    p = _policy(cuda, horizon_ms=5.0, default_ms=1.0, learn_steps=1)
+    key = ("B", 3)
+    p.begin_step()
+    tok = p.start(key)
+    assert tok == [None]  # nothing recorded before the inputs are waited on
+    p.inputs_ready(tok, 3)
+    start = tok[0]
+    assert start.timing and start.stream is p.streams[3]
+    p.launched(key, [3], tok)
+    (k, s, e), = p._timing.pending
+    assert k == key and s is start and e.timing
+    s.t, e.t, e.done = 10.0, 14.0, True
+    p.end_step()  # harvests the finished timing events
+    assert p._timing.est[key] == pytest.approx(4.0)
+    # the next step times nothing and counts 4 ms per such action
+    assert p.start(key) is None
+    p.launched(key, [3], None)
+    assert p.queued_ms() == pytest.approx(4.0)  # (the first one's end event is done)
