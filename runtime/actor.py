@@ -198,6 +198,7 @@ class RankActor:
             stages,
             stage_streams=collectives is None and options.overlap_streams,
             horizon_ms=options.gpu_commit_ms,
+            early_receives=options.gpu_early_receives,
         )
         self._commit_ahead = self.dev.commit_ahead
         #: GPU: receives posted (committed), not yet consumed: buffers, Works, spec
@@ -270,7 +271,7 @@ class RankActor:
 
             if self._commit_ahead:
                 # GPU: the receive is committed once posted; its consumer's stream waits on it
-                with self.dev.posting():
+                with self.dev.posting(key[2]):
                     buffers, works = self.tensors.recv(src, spec, None, seq=seq, fast=msg["fast"], last=msg["last"])
                 self._posted[key] = (buffers, works, spec)
                 if self.trace is not None:

@@ -35,10 +35,16 @@ a stage runs there, so its forward, its backward and the gradient
 accumulation (autograd runs AccumulateGrad on the stream where the node was
 created: the stage's first forward) stay on one stream, and the halves of an
 OVERLAP_F_B (always two different stages) really run concurrently.  Receives
-are posted with a separate transfer stream current, so NCCL's stream waits on
-nothing queued for compute and the data can land while compute runs; the
-consumer's stream waits on the receive's Work and the buffer is recorded on
-it (``record_stream``).  A local hand-off between two stages' streams is an
+are posted with the *consumer's* stream current (as torch does): NCCL orders
+its receive kernel after what that stream has queued, so the kernel starts
+about when its data is needed.  Posting them on a separate transfer stream
+(``early_receives``) lets the data land earlier, but the receive kernel then
+sits on its SMs, spinning, until the sender's producer has run: measured on
+2 H100s (1F1B, GPT, 16 microbatches), NCCL kernels were resident for 155 ms
+of an 800 ms profile with a 10 ms horizon and 950 of 980 ms with 50 ms, and
+the compute kernels took 3% and 30% longer.  The consumer's stream waits on
+the receive's Work; a buffer allocated on another stream is recorded on it
+(``record_stream``).  A local hand-off between two stages' streams is an
 event.  At a step's start every stage stream waits on the caller's stream
 (inputs, the optimizer's last update); at its end the caller's stream waits on
 every stage stream (losses, gradients).  With data parallelism (collectives
@@ -80,8 +86,8 @@ class DevicePolicy:
         """The context every compute of ``stage`` runs in (its stream on GPUs)."""
         return contextlib.nullcontext()
 
-    def posting(self) -> contextlib.AbstractContextManager[Any]:
-        """The context receives are posted in."""
+    def posting(self, stage: int) -> contextlib.AbstractContextManager[Any]:
+        """The context receives for ``stage`` are posted in."""
         return contextlib.nullcontext()
 
     def start(self, key: tuple[Any, int]) -> Any:
@@ -151,8 +157,10 @@ class CudaPolicy(DevicePolicy):
         horizon_ms: float = 10.0,
         learn_steps: int = 2,
         default_ms: float = 1.0,
+        early_receives: bool = False,
     ) -> None:
         self.device = device
+        self.early_receives = early_receives
         self.horizon_ms = horizon_ms
         self.learn_steps = learn_steps
         self.default_ms = default_ms
@@ -191,17 +199,18 @@ class CudaPolicy(DevicePolicy):
         s = self.streams.get(stage)
         return torch.cuda.stream(s) if s is not None else contextlib.nullcontext()
 
-    def posting(self) -> contextlib.AbstractContextManager[Any]:
-        return torch.cuda.stream(self._xfer)
+    def posting(self, stage: int) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(self._xfer) if self.early_receives else self.on_stage(stage)
 
     def consume(self, stage: int, buffers: Sequence[torch.Tensor | None], works: Sequence[Any]) -> None:
         s = self.stream(stage)
         with torch.cuda.stream(s):
             for w in works:
                 w.wait()  # NCCL: this stream waits for the receive; the host does not
-        for b in buffers:
-            if b is not None:
-                b.record_stream(s)  # allocated on the transfer stream, read (and freed) here
+        if self.early_receives:
+            for b in buffers:
+                if b is not None:
+                    b.record_stream(s)  # allocated on the transfer stream, read (and freed) here
 
     def handed(self, from_stage: int) -> Any:
         s = self.stream(from_stage)
@@ -269,10 +278,13 @@ class CudaPolicy(DevicePolicy):
 
     def describe(self) -> str:
         per = "one stream per stage" if self._distinct else "the caller's stream"
-        return f"commit ahead on CUDA ({per}, horizon {self.horizon_ms:g} ms of queued device time)"
+        recv = "a transfer stream" if self.early_receives else "the consumer's stream"
+        return f"commit ahead on CUDA ({per}, receives posted on {recv}, horizon {self.horizon_ms:g} ms of queued device time)"
 
 
-def make_policy(device: torch.device, stages: Iterable[int], *, stage_streams: bool, horizon_ms: float) -> DevicePolicy:
+def make_policy(
+    device: torch.device, stages: Iterable[int], *, stage_streams: bool, horizon_ms: float, early_receives: bool = False
+) -> DevicePolicy:
     if device.type != "cuda":
         return HostPolicy()
-    return CudaPolicy(device, stages, stage_streams=stage_streams, horizon_ms=horizon_ms)
+    return CudaPolicy(device, stages, stage_streams=stage_streams, horizon_ms=horizon_ms, early_receives=early_receives)

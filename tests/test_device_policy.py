@@ -112,7 +112,7 @@ def _policy(cuda: FakeCuda, **kw: Any) -> devmod.CudaPolicy:
 def test_cpu_policy_runs_now() -> None:
     p = devmod.make_policy(torch.device("cpu"), [0, 1], stage_streams=True, horizon_ms=10)
     assert not p.commit_ahead and p.wait_ms() == 0.0
-    with p.on_stage(0), p.posting():
+    with p.on_stage(0), p.posting(0):
         pass
 
 
@@ -138,10 +138,20 @@ def test_shared_stream_when_stage_streams_are_off(cuda: FakeCuda) -> None:
     assert not any(k == "wait_stream" for k, _ in cuda.default.log)
 
 
-def test_posted_receive_is_waited_on_by_the_consumer_stream_and_recorded(cuda: FakeCuda) -> None:
+def test_receive_posted_on_the_consumer_stream_by_default(cuda: FakeCuda) -> None:
     p = _policy(cuda)
-    with p.posting():
-        assert cuda.current is p._xfer  # receives posted with the transfer stream current
+    with p.posting(3):
+        assert cuda.current is p.streams[3]  # NCCL's receive waits for what stage 3 queued
+    bufs, works = [FakeBuffer(), None], [FakeWork()]
+    p.consume(3, bufs, works)
+    assert works[0].waited_on == [p.streams[3]]
+    assert bufs[0].recorded == []  # allocated on the stream that reads it
+
+
+def test_early_receive_posted_on_the_transfer_stream_and_recorded_on_the_consumer(cuda: FakeCuda) -> None:
+    p = _policy(cuda, early_receives=True)
+    with p.posting(3):
+        assert cuda.current is p._xfer
     bufs, works = [FakeBuffer(), None], [FakeWork()]
     p.consume(3, bufs, works)
     assert works[0].waited_on == [p.streams[3]]
