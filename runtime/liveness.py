@@ -158,7 +158,9 @@ class PeerLiveness:
                     f"no heartbeat for {silent:.1f} s (timeout {self.heartbeat_timeout:g} s): the rank died, "
                     "was stopped, or its host is unreachable"
                 )
-            elif state == "busy" and busy_for > self.stall_timeout:
+            elif state == "busy" and busy_for > self.stall_timeout and silent <= self.heartbeat_timeout / 2:
+                # (a stall is a peer that is *heard* while stuck in one action; one that fell silent
+                # too, e.g. SIGSTOPped in that action, is named by the heartbeat timeout instead)
                 reason = (
                     f"it has been running {what} for {busy_for:.1f} s (stall timeout {self.stall_timeout:g} s): "
                     "an endless loop or a hang in user code?"

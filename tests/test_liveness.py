@@ -52,6 +52,20 @@ def test_a_peer_busy_too_long_in_one_action_is_stalled() -> None:
     assert live.check(0) is None
 
 
+def test_a_busy_peer_that_falls_silent_is_named_by_the_heartbeat_timeout_not_as_stalled() -> None:
+    # SIGSTOPped inside an action: its last heartbeat said busy, then nothing (seen on 2 GPUs with
+    # both timeouts at 5 s: it was reported as "running 1B0 for 5.8 s", an endless loop it was not)
+    live, clock = make(world=2, hb=5, stall=5)
+    live.start_step()
+    live.seen(1)
+    live.heartbeat(1, "busy", "1B0", 0.8)
+    clock.advance(4.5)  # busy 5.3 s by now, but silent for 4.5 s
+    assert live.check(0) is None
+    clock.advance(0.6)
+    lost = live.check(0)
+    assert lost is not None and lost.peer == 1 and lost.reason.startswith("no heartbeat for 5.1 s"), lost
+
+
 def test_bye_after_the_step_is_no_failure_bye_before_it_is() -> None:
     live, clock = make(world=2)
     live.start_step()

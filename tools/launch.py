@@ -35,7 +35,8 @@ its failure summary is per-rank, and its teardown waits 30 s for a rank that
 ignores SIGTERM; we take its restart semantics, below), a thread per
 pipe (works, but the exits, pipes, timers and signals are easiest to order on
 one asyncio loop: a rank's exit, its output and SIGINT all arrive as callbacks
-in one thread, so there are no locks).  The launcher never imports torch.
+in one thread, so there are no locks).  The launcher imports torch only for a
+rendezvous (:mod:`pipeloom.tools.rendezvous`) and to count GPUs for ``--nproc-per-node auto``.
 
 Output
 ------
