@@ -31,7 +31,11 @@ is left.  Cases:
 
 Usage (from the repository root; the GPU machine's python3 is fine)::
 
-    python3 benchmarks/gpu_failures.py [--backend nccl] [--cases raise,kill,...] [--md FILE] [--json FILE]
+    python3 benchmarks/gpu_failures.py [--backend nccl] [--cases raise,kill,...] [--grace S] [--logs DIR] [--md FILE] [--json FILE]
+
+Not yet measured on GPUs: a run with a long ``--grace`` (e.g. 20), which would
+show whether a rank that aborted its communicators exits by itself and how
+long the abort and its exit take (see RESULTS.md).
 """
 
 from __future__ import annotations
@@ -156,7 +160,7 @@ def _group_members(pgids: set[int]) -> list[int]:
     return left
 
 
-def run_case(mode: str, backend: str, timeout: float) -> dict[str, object]:
+def run_case(mode: str, backend: str, timeout: float, logs: str | None = None) -> dict[str, object]:
     out = Path(tempfile.mkdtemp(prefix=f"fail-{mode}-"))
     env = {**os.environ, "PIPELOOM_STALL_TIMEOUT": str(STALL), "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "pipeloom.tools.cli", "launch", "--nproc-per-node", "2", "--backend", backend,
@@ -171,6 +175,8 @@ def run_case(mode: str, backend: str, timeout: float) -> dict[str, object]:
         _, err = proc.communicate()
         rc = "hung"
     ended = time.time()
+    if logs:  # the launcher's whole stderr (ranks' output, their tracebacks, the summary)
+        Path(logs, f"{mode}.stderr.txt").write_text(err)
     pids = [int(p.read_text()) for p in out.glob("pid[0-9]")]
     time.sleep(0.2)
     left = _group_members(set(pids))
@@ -227,10 +233,15 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=45.0, help="seconds before a case counts as hung")
     p.add_argument("--json", default=None, help="append one JSON row per case to this file")
     p.add_argument("--md", default=None, help="also write the table to this file")
+    p.add_argument("--logs", default=None, help="write each case's launcher stderr to DIR/CASE.stderr.txt")
+    p.add_argument("--grace", type=float, default=GRACE,
+                   help="the launcher's --grace (default 2); a long one shows whether ranks exit by themselves")
     args = p.parse_args()
+    global GRACE
+    GRACE = args.grace
     rows = []
     for mode in args.cases.split(","):
-        row = run_case(mode, args.backend, args.timeout)
+        row = run_case(mode, args.backend, args.timeout, args.logs)
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.json:
