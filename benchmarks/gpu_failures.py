@@ -160,11 +160,11 @@ def _group_members(pgids: set[int]) -> list[int]:
     return left
 
 
-def run_case(mode: str, backend: str, timeout: float, logs: str | None = None) -> dict[str, object]:
+def run_case(mode: str, backend: str, timeout: float, logs: str | None = None, grace: float = GRACE) -> dict[str, object]:
     out = Path(tempfile.mkdtemp(prefix=f"fail-{mode}-"))
     env = {**os.environ, "PIPELOOM_STALL_TIMEOUT": str(STALL), "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "pipeloom.tools.cli", "launch", "--nproc-per-node", "2", "--backend", backend,
-           "--heartbeat-timeout", str(HB), "--grace", str(GRACE), os.path.abspath(__file__), "--worker", mode, str(out)]
+           "--heartbeat-timeout", str(HB), "--grace", str(grace), os.path.abspath(__file__), "--worker", mode, str(out)]
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
@@ -237,11 +237,9 @@ def main() -> None:
     p.add_argument("--grace", type=float, default=GRACE,
                    help="the launcher's --grace (default 2); a long one shows whether ranks exit by themselves")
     args = p.parse_args()
-    global GRACE
-    GRACE = args.grace
     rows = []
     for mode in args.cases.split(","):
-        row = run_case(mode, args.backend, args.timeout, args.logs)
+        row = run_case(mode, args.backend, args.timeout, args.logs, args.grace)
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.json:
