@@ -13,15 +13,21 @@ transfer takes ``costs.transfer`` after its producer ends; a hand-over on one
 rank is free), run as an event simulation where a rank that becomes free
 *chooses* among its pending actions:
 
-* ``static``: the list's next action, when it is ready (pipeloom's
-  ``deterministic=True``; equals :func:`simulate` on the compute-only list);
-* ``dynamic``: today's dispatcher -- the first ready action in list order,
+Each policy is the runtime's own decision, :class:`pipeloom.schedules.
+dispatch.Dispatcher` (whose docstring argues the memory and deadlock
+guarantees), so what is simulated is what runs:
+
+* ``static``: rule ``list`` -- the list's next action, when it is ready
+  (pipeloom's ``deterministic=True``; equals :func:`simulate` on the
+  compute-only list);
+* ``dynamic``: rule ``ready`` -- the first ready action in list order,
   forwards only in list order among themselves, a forward only while the
   rank's live microbatches are under the static order's peak;
-* ``critical``: the same guarantees (forwards in list order, the same memory
-  cap), but among ready actions the one with the longest remaining path to
-  the end of the step (mean costs), and W (weight gradients, which nothing
-  else waits for within the step) only when nothing else is ready.
+* ``critical``: rule ``critical`` -- the same guarantees, but among ready
+  actions the one with the longest remaining path to the end of the step
+  (the plan's mean costs, or the caller's ``priority``), W last;
+* ``guarded``: rule ``guarded`` -- the list's head when ready, a later
+  action only inside the hole the static plan leaves before the head.
 
 Costs vary per microbatch (``lengths``: a multiplier per microbatch, e.g.
 sequence lengths drawn from a distribution, compute proportional to length)
