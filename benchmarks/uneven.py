@@ -224,7 +224,10 @@ def _rank_main(args: argparse.Namespace) -> int:
                 for mod in pipe.stages.values():
                     mod.zero_grad(set_to_none=True)
                 pipe.step(pipeloom.Microbatches(xs), target=pipeloom.Microbatches(ys))
+                if engine == "dyn" and pipe.statistics is not None:
+                    reordered.append(pipe.statistics.out_of_order)
 
+            reordered: list[int] = []  # this rank's actions run ahead of an earlier-listed one, per dynamic step
             engines = ["det", "dyn"] + (["torch"] if t_sched is not None else [])
             times: dict[str, list[float]] = {e: [] for e in engines}
             per_block = max(1, args.steps // args.blocks)
@@ -263,7 +266,10 @@ def _rank_main(args: argparse.Namespace) -> int:
             dist.all_reduce(pair, op=dist.ReduceOp.SUM)
             pair = sorted((pair / world).tolist())
             q = statistics.quantiles(pair, n=4) if len(pair) >= 2 else [pair[0]] * 3
+            ooo = torch.tensor([float(sum(reordered)) / max(1, len(reordered))])
+            dist.all_reduce(ooo, op=dist.ReduceOp.SUM)
             row = {"schedule": name, "workload": workload, "ranks": world, "microbatches": m, "rule": rule,
+                   "reordered_per_step": round(float(ooo.item()), 2),
                    "det_ms": round(meds["det"], 2), "dyn_ms": round(meds["dyn"], 2),
                    "torch_ms": round(meds["torch"], 2) if "torch" in meds else None,
                    "gain": round(q[1] - 1.0, 4), "gain_q1": round(q[0] - 1.0, 4), "gain_q3": round(q[2] - 1.0, 4)}
@@ -271,7 +277,8 @@ def _rank_main(args: argparse.Namespace) -> int:
                 row["predicted"] = round(_predict(name, world, m, workload, vectors, args, rule, overhead_ms), 4)
                 print(f"{name:22} {workload:10} {rule:8} det {row['det_ms']:8.1f} dyn {row['dyn_ms']:8.1f} "
                       f"torch {row['torch_ms'] if row['torch_ms'] is not None else '-':>8} gain {row['gain']:+.1%} "
-                      f"[{row['gain_q1']:+.1%}, {row['gain_q3']:+.1%}] predicted {row['predicted']:+.1%}", flush=True)
+                      f"[{row['gain_q1']:+.1%}, {row['gain_q3']:+.1%}] predicted {row['predicted']:+.1%} "
+                      f"reordered/step {row['reordered_per_step']}", flush=True)
             results.append(row)
         dist.barrier()
         det.close()
