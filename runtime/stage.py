@@ -215,20 +215,7 @@ def _plan_weight_work(
     activation_side = {
         b: tuple(fn is not None and fn in closure for fn, _ in b.next_functions) for bs, _, _ in out for b in bs
     }
-    for node in [*activation_side, *(r for _, rs, _ in out for r in rs)]:
-        if not _can_seed(node):
-            return {}, [], f"a custom autograd Function ({type(node).__name__}) where W would start (torch {torch.__version__} cannot start a backward there)"
     return activation_side, out, None
-
-
-def _can_seed(node: Node) -> bool:
-    """Whether ``autograd.backward`` accepts a GradientEdge into ``node`` (it reads the node's
-    input metadata; torch before 2.13 has none for custom Python Functions)."""
-    try:
-        node._input_metadata  # noqa: B018
-    except (RuntimeError, AttributeError):
-        return False
-    return True
 
 
 class StageExecutor:
@@ -410,9 +397,10 @@ class StageExecutor:
                 tensors = [n.variable for n in leaves]
                 work.append(_WeightGroup(edges, seed_grads, tensors, pinned))
         saved.weight_work = work
-        # Only the recorded boundary gradients and the weight sides are needed from now on:
-        # drop the outputs so the activation part of the graph above the boundary can go.
-        saved.outputs, saved.loss = (), None
+        # The outputs stay referenced until W: a custom autograd Function's node is kept
+        # alive only by the graph above it (its Python object holds it weakly on torch
+        # 2.11), and W starts a backward there.  Little is held for it: the boundary
+        # nodes reference everything below them anyway.
         return input_grads
 
     def backward_weight(self, mb: int) -> None:
