@@ -1,7 +1,8 @@
 """pipeloom: an event-driven pipeline-parallel training runtime for PyTorch.
 
 The public surface: ``Pipeline`` (build a rank's stages and run steps),
-``Microbatches`` (pre-cut inputs of varying shapes), the model-splitting
+``Microbatches`` (pre-cut inputs of varying shapes), ``Replicate`` (a value
+given whole to every microbatch), the model-splitting
 helpers and the error types.  Schedules live in ``pipeloom.schedules``.
 
 The runtime names are imported lazily so that ``pipeloom.schedules`` and the
@@ -22,6 +23,7 @@ _RUNTIME_NAMES = (
     "PipelineConfigError",
     "PipelineError",
     "RemoteRankError",
+    "Replicate",
     "RuntimeOptions",
     "StageError",
     "latest_checkpoint",

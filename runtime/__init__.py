@@ -5,6 +5,7 @@ from __future__ import annotations
 from .actor import ActorStatistics, RankActor
 from .checkpoint import CheckpointInfo, PendingCheckpoint, latest_checkpoint, load_checkpoint, save_checkpoint, wait_checkpoints
 from .errors import PeerLostError, PipelineConfigError, PipelineError, RemoteRankError, StageError
+from .checks import Replicate
 from .options import RuntimeOptions
 from .pipeline import Microbatches, Pipeline, split_microbatches
 from .split import split_by_fqn
@@ -21,6 +22,7 @@ __all__ = [
     "PipelineError",
     "RankActor",
     "RemoteRankError",
+    "Replicate",
     "RuntimeOptions",
     "StageError",
     "latest_checkpoint",

@@ -252,7 +252,7 @@ class RankActor:
         src = msg["src"]
         self.liveness.seen(src)
         if kind == "heartbeat":
-            self.liveness.heartbeat(src, msg["state"], msg["what"], msg["for_s"])
+            self.liveness.heartbeat(src, msg["state"], msg["what"], msg["for_s"], stall_s=msg["stall_s"])
             return
         if kind == "bye":
             self.liveness.bye(src, msg["steps"])

@@ -26,8 +26,11 @@ The decision, for each peer, first match wins:
    ``reconnect_grace`` later still showed it closed: the process is gone;
 4. nothing from it for ``heartbeat_timeout`` (counted from the later of its
    last message and the start of this rank's current step): dead or unreachable;
-5. its last heartbeat said it was busy in one action for more than
-   ``stall_timeout``: an endless loop or a hang in user code.
+5. its last heartbeat said it was busy in one action for longer than the stall
+   budget that heartbeat carried (the peer's own ``stall_timeout``, or its
+   ``first_step_stall_timeout`` in a cold step, when torch.compile compiles;
+   this rank's ``stall_timeout`` for a peer that sent none): a hang or an
+   endless loop in user code, or an action slower than the budget.
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ class PeerLiveness:
         self._last_seen: dict[int, float] = {}
         #: peer -> (state, what, seconds in that state) from its last heartbeat
         self._state: dict[int, tuple[str, str, float]] = {}
+        #: peer -> the stall budget (seconds) its last heartbeat granted its current step
+        self._stall_budget: dict[int, float] = {}
         #: peers whose Pipeline closed, and how many steps each had completed
         self._bye_steps: dict[int, int] = {}
         self._listening_since = clock()
@@ -93,9 +98,15 @@ class PeerLiveness:
         """Any message from ``peer`` arrived now."""
         self._last_seen[peer] = self.clock()
 
-    def heartbeat(self, peer: int, state: str, what: str, for_s: float) -> None:
-        """``peer`` reports it is ``state`` (idle/busy/waiting) in ``what`` for ``for_s`` seconds."""
+    def heartbeat(self, peer: int, state: str, what: str, for_s: float, *, stall_s: float | None = None) -> None:
+        """``peer`` reports it is ``state`` (idle/busy/waiting) in ``what`` for ``for_s`` seconds.
+
+        ``stall_s``: how long the peer allows one action of its current step to run (longer in
+        a cold step, while torch.compile compiles); None keeps this rank's ``stall_timeout``.
+        """
         self._state[peer] = (state, what, for_s)
+        if stall_s is not None:
+            self._stall_budget[peer] = stall_s
 
     def bye(self, peer: int, steps: int) -> None:
         """``peer``'s Pipeline closed after completing ``steps`` steps."""
@@ -158,12 +169,15 @@ class PeerLiveness:
                     f"no heartbeat for {silent:.1f} s (timeout {self.heartbeat_timeout:g} s): the rank died, "
                     "was stopped, or its host is unreachable"
                 )
-            elif state == "busy" and busy_for > self.stall_timeout and silent <= self.heartbeat_timeout / 2:
+            elif (state == "busy" and busy_for > (budget := self._stall_budget.get(peer, self.stall_timeout))
+                  and silent <= self.heartbeat_timeout / 2):
                 # (a stall is a peer that is *heard* while stuck in one action; one that fell silent
                 # too, e.g. SIGSTOPped in that action, is named by the heartbeat timeout instead)
                 reason = (
-                    f"it has been running {what} for {busy_for:.1f} s (stall timeout {self.stall_timeout:g} s): "
-                    "an endless loop or a hang in user code?"
+                    f"it has been running {what} for {busy_for:.1f} s (stall timeout {budget:g} s): "
+                    "a hang or an endless loop in user code, or an action that is just this slow (a large "
+                    "model, torch.compile recompiling); if so, raise the limit: `pipeloom launch "
+                    "--stall-timeout SECONDS` or Pipeline(stall_timeout=..., first_step_stall_timeout=...)"
                 )
             else:
                 continue

@@ -78,6 +78,24 @@ class RuntimeOptions:
     reported as stalled (default 30; must exceed the slowest action).
     Environment: ``PIPELOOM_STALL_TIMEOUT`` (``pipeloom launch --stall-timeout``)."""
 
+    first_step_stall_timeout: float | None = None
+    """The stall timeout of a *cold* step: the first, and the first after the parameters
+    (which, ``requires_grad``, shapes), the modules' train/eval mode or the step kind
+    (step/eval) changed, when ``torch.compile`` traces and compiles (seconds; None:
+    ``max(300, 10 * stall_timeout)``; never below ``stall_timeout``).  Each rank sends the
+    budget of its current step in its heartbeats, so peers judge it by its own.
+    Environment: ``PIPELOOM_FIRST_STEP_STALL_TIMEOUT`` (``--first-step-stall-timeout``)."""
+
+    setup_timeout: float = 300.0
+    """Seconds a rank waits, while building its Pipeline, for every other rank to reach the
+    same construction checkpoint (where the ranks check that they build the same Pipeline;
+    see :mod:`pipeloom.runtime.agreement`) before it names the ranks that did not."""
+
+    check_finite: bool = False
+    """Check every action's outputs, loss and gradients for NaN/inf and fail (``StageError``
+    around ``FloatingPointError``) naming the stage, microbatch and action where one first
+    appears.  Off by default: a reduction per tensor and, on GPUs, a device sync per action."""
+
     trace: str | None = None
     """Path of the trace file to record (one file per rank without a collector); None: no
     trace unless ``trace_endpoint`` is set.  Environment: ``PIPELOOM_TRACE`` (``--trace``)."""
@@ -126,14 +144,23 @@ class RuntimeOptions:
     reduction is a plain average, ``"fsdp"`` always leaves it to FSDP2's own (synchronous on
     CPU) post-backward.  Environment: ``PIPELOOM_FSDP_REDUCE``."""
 
+    @property
+    def cold_stall_timeout(self) -> float:
+        """The stall timeout in effect for a cold step (``first_step_stall_timeout`` resolved)."""
+        v = self.first_step_stall_timeout
+        return max(self.stall_timeout, v if v is not None else max(300.0, 10 * self.stall_timeout))
+
     def __post_init__(self) -> None:
         problems = []
         if self.backend not in (None, "gloo", "nccl"):
             problems.append(f"backend must be 'gloo', 'nccl' or None (got {self.backend!r})")
-        for name in ("heartbeat_interval", "heartbeat_timeout", "stall_timeout"):
+        for name in ("heartbeat_interval", "heartbeat_timeout", "stall_timeout", "setup_timeout"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 problems.append(f"{name} must be a positive number of seconds (got {v!r})")
+        v = self.first_step_stall_timeout
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+            problems.append(f"first_step_stall_timeout must be a positive number of seconds or None (got {v!r})")
         if isinstance(self.gpu_commit_ms, bool) or not isinstance(self.gpu_commit_ms, (int, float)) or not self.gpu_commit_ms >= 0:
             problems.append(f"gpu_commit_ms must be a number of milliseconds >= 0 (got {self.gpu_commit_ms!r})")
         if self.p2p_max_ctas is not None and (
@@ -204,6 +231,7 @@ ENV_VARS: dict[str, tuple[str, Any]] = {
     "PIPELOOM_BACKEND": ("backend", str),
     "PIPELOOM_HEARTBEAT_TIMEOUT": ("heartbeat_timeout", _seconds),
     "PIPELOOM_STALL_TIMEOUT": ("stall_timeout", _seconds),
+    "PIPELOOM_FIRST_STEP_STALL_TIMEOUT": ("first_step_stall_timeout", _seconds),
     "PIPELOOM_TRACE": ("trace", str),
     "PIPELOOM_TRACE_ENDPOINT": ("trace_endpoint", str),
     "PIPELOOM_PAIR_GROUPS": ("pair_groups", _flag),

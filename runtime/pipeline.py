@@ -38,13 +38,15 @@ from ..schedules import Dataflow, Schedule, ScheduleError, load_csv
 from ..transport.control import ControlPlane, choose_bind_host
 from ..transport.tensor import TensorPlane, abort_communicators, make_pair_groups
 from .actor import ActorStatistics, RankActor, StepInputs
+from .agreement import SetupAgreement, config_record, short_traceback
+from .checks import Replicate, check_batch, install_stage_checks
 from .data_parallel import DEFAULT_BUCKET_BYTES, Layout, StageCollectives
 from .errors import PeerLostError, PipelineConfigError, PipelineError, RemoteRankError
 from .options import RuntimeOptions, resolve_options
 from .stage import StageExecutor
 from .trace import FileSink, StreamSink, TraceRecorder, make_header
 
-__all__ = ["Pipeline", "Microbatches", "split_microbatches"]
+__all__ = ["Pipeline", "Microbatches", "Replicate", "split_microbatches"]
 
 
 class Microbatches(list):  # type: ignore[type-arg]
@@ -72,6 +74,8 @@ def _to(value: Any, device: torch.device | None) -> Any:
 
 
 def _split_value(value: Any, n: int, what: str, device: torch.device | None = None) -> list[Any]:
+    if isinstance(value, Replicate):
+        return [_to(value.value, device)] * n
     if isinstance(value, Microbatches):
         if len(value) != n:
             raise PipelineConfigError(f"{what} holds {len(value)} microbatches, expected num_microbatches={n}")
@@ -92,7 +96,10 @@ def _split_value(value: Any, n: int, what: str, device: torch.device | None = No
 def split_microbatches(
     args: tuple[Any, ...], kwargs: Mapping[str, Any], target: Any, n: int, device: torch.device | None = None
 ) -> StepInputs:
-    """Cut a batch into ``n`` microbatches along dim 0 (tensors, moved to ``device``); other values are shared."""
+    """Cut a batch into ``n`` microbatches along dim 0 (tensors, moved to ``device``); other values are shared.
+
+    ``Replicate(t)`` gives ``t`` whole to every microbatch; 0-d tensors and non-tensors are shared too.
+    """
     arg_chunks = [_split_value(a, n, f"positional input {i}", device) for i, a in enumerate(args)]
     kw_chunks = {k: _split_value(v, n, f"keyword input {k!r}", device) for k, v in kwargs.items()}
     targets = None if target is None else _split_value(target, n, "target", device)
@@ -161,7 +168,7 @@ def _dead_peers(procs: Sequence[tuple[str, int]], me: int) -> list[int]:
     return dead
 
 
-def _report_root_cause(exc: BaseException, *, remote: bool) -> None:
+def _report_root_cause(exc: BaseException, *, remote: bool, traceback_text: str | None = None, error: str | None = None) -> None:
     """Under ``pipeloom launch``, write one root-cause line for the launcher's summary."""
     if os.environ.get("PIPELOOM_LAUNCHER") != "1" or getattr(exc, "_pipeloom_reported", False):
         return
@@ -174,8 +181,8 @@ def _report_root_cause(exc: BaseException, *, remote: bool) -> None:
         "stage": getattr(exc, "stage", None),
         "microbatch": getattr(exc, "microbatch", None),
         "action": getattr(exc, "action", None),
-        "error": str(exc),
-        "traceback": getattr(exc, "remote_traceback", None) or "".join(traceback.format_exception(exc)),
+        "error": error or str(exc),
+        "traceback": traceback_text or getattr(exc, "remote_traceback", None) or "".join(traceback.format_exception(exc)),
         "remote": remote,
     }
     if isinstance(exc, RemoteRankError):
@@ -201,8 +208,22 @@ class Pipeline:
         heartbeat_interval: seconds between liveness heartbeats to every peer (default 0.5).
         heartbeat_timeout: seconds of silence after which a waiting rank declares a peer lost
             (default: $PIPELOOM_HEARTBEAT_TIMEOUT, else 10).
-        stall_timeout: seconds a peer may stay inside one action (while this rank waits) before
-            it is reported as stalled (default: $PIPELOOM_STALL_TIMEOUT, else 30).
+        stall_timeout: seconds one action of this rank may run while a peer waits for it before
+            the peer reports it as stalled (default: $PIPELOOM_STALL_TIMEOUT, else 30).
+        first_step_stall_timeout: the same budget for a *cold* step: the first one, and the
+            first after the parameters (which, ``requires_grad``, shapes), the modules'
+            train/eval mode or the step kind (step/eval) changed, when ``torch.compile``
+            traces and compiles (default: $PIPELOOM_FIRST_STEP_STALL_TIMEOUT, else
+            ``max(300, 10 * stall_timeout)``; never below ``stall_timeout``).
+        setup_timeout: seconds a rank waits at a construction checkpoint for the other ranks
+            to arrive (they all check there that they build the same Pipeline; see
+            :mod:`pipeloom.runtime.agreement`) before it names the ranks that did not (300).
+        check_finite: after every action, check its outputs, loss and gradients for NaN/inf
+            and raise ``FloatingPointError`` (as a ``StageError``) naming the stage,
+            microbatch and action where one first appears.  Off by default: it costs a
+            reduction per tensor and, on GPUs, a device sync per action.
+        forward_only: this Pipeline only runs ``eval``; without it the rank of the last stage
+            requires ``loss_fn`` at construction.
         trace: record a trace to this path (default: $PIPELOOM_TRACE; under ``pipeloom launch
             --trace`` events stream to the launcher, which writes one file per job).
         options: the runtime's settings (:class:`~pipeloom.runtime.options.RuntimeOptions`);
@@ -250,6 +271,10 @@ class Pipeline:
         heartbeat_interval: float | None = None,
         heartbeat_timeout: float | None = None,
         stall_timeout: float | None = None,
+        first_step_stall_timeout: float | None = None,
+        setup_timeout: float | None = None,
+        check_finite: bool | None = None,
+        forward_only: bool = False,
         trace: str | os.PathLike[str] | None = None,
         data_parallel: int = 1,
         fsdp: bool = False,
@@ -265,6 +290,7 @@ class Pipeline:
             opts = resolve_options(
                 options, deterministic=deterministic, heartbeat_interval=heartbeat_interval,
                 heartbeat_timeout=heartbeat_timeout, stall_timeout=stall_timeout,
+                first_step_stall_timeout=first_step_stall_timeout, setup_timeout=setup_timeout, check_finite=check_finite,
                 trace=None if trace is None else os.fspath(trace), overlap_collectives=overlap_collectives,
             )
         except ValueError as exc:
@@ -278,48 +304,69 @@ class Pipeline:
         self.loss_fn = loss_fn
         backend = self._backend = dist.get_backend()
         self._aborted = False
-        # Control traffic (object collectives) on gloo, also on NCCL jobs.
-        obj_group = self._obj_group = dist.new_group(backend="gloo") if backend == "nccl" else None
-        # Who runs where: if a peer dies while this rank is in a construction collective,
-        # gloo only says "Connection reset"; the pids tell which rank it was.
-        procs: list[Any] = [None] * self.world_size
-        with self._construction("exchanging process ids"):
-            dist.all_gather_object(procs, (socket.gethostname(), os.getpid()), group=obj_group)
-        self._procs: list[tuple[str, int]] = procs
-        #: the pp x dp grid, or None for a pipeline without data parallelism
-        self.layout: Layout | None = None
-        if data_parallel != 1 or fsdp or mesh is not None:
-            from .data_parallel import make_layout
-
-            self.layout = make_layout(
-                rank=self.rank, world=self.world_size, data_parallel=data_parallel, mesh=mesh,
-                device_type="cuda" if backend == "nccl" else "cpu",
-            )
-        lay = self.layout
-        self.pp_size = lay.pp if lay else self.world_size
-        self.pp_rank = lay.pp_rank if lay else self.rank
-        self.data_parallel = lay.dp if lay else 1
-        self.dp_rank = lay.dp_rank if lay else 0
-        self.schedule = self._build_schedule(schedule, num_microbatches, stages_per_rank)
-        if lay is not None:
-            from .data_parallel import lower_for_data_parallel
-
-            self.schedule = lower_for_data_parallel(self.schedule, fsdp=fsdp, prefetch=prefetch)
-        #: global rank of each stage in this replica
-        self.stage_to_rank = [lay.column[r] for r in self.schedule.stage_to_rank] if lay else list(self.schedule.stage_to_rank)
+        self._obj_group: Any = None
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.device = torch.device(device)
-
+        #: this Pipeline only runs ``eval`` (no loss_fn needed on the last stage)
+        self.forward_only = bool(forward_only)
+        dp_options = {"fsdp_wrap": fsdp_wrap if isinstance(fsdp_wrap, str) else "callable", "bucket_bytes": bucket_bytes,
+                      "overlap_collectives": opts.overlap_collectives, "fsdp_reduce": opts.fsdp_reduce}
+        # Construction has two checkpoints where every rank posts what it builds (or why it
+        # failed) and reads everybody else's (runtime/agreement.py): once the settings are
+        # known, and once the user's stage_fn has run.  Nothing collective runs between the
+        # process-id exchange above and a passed checkpoint, so a rank that fails or
+        # disagrees stops every rank at once with its reason, instead of leaving them
+        # blocked in a collective.
+        agreement = SetupAgreement(self.rank, self.world_size, timeout=opts.setup_timeout)
+        checkpoint = "settings"
+        try:
+            try:
+                record = self._settings(schedule, num_microbatches, stages_per_rank, data_parallel=data_parallel,
+                                        fsdp=fsdp, mesh=mesh, prefetch=prefetch, scale_grads=scale_grads,
+                                        dp_options=dp_options)
+            except BaseException as exc:
+                agreement.fail(checkpoint, exc)
+                raise
+            # Who runs where rides along: if a peer dies while this rank is in a construction
+            # collective, gloo only says "Connection reset"; the pids tell which rank it was.
+            record["_process"] = [socket.gethostname(), os.getpid()]
+            records = agreement.agree(checkpoint, record)
+            self._procs: list[tuple[str, int]] = [tuple(r["_process"]) for r in records]  # type: ignore[misc]
+            checkpoint = "stages"
+            try:
+                modules = self._make_stages(stage_fn, backend, data_parallel=data_parallel, mesh=mesh)
+            except BaseException as exc:
+                agreement.fail(checkpoint, exc)
+                raise
+            agreement.agree(checkpoint, None)
+        except BaseException as exc:
+            text = str(exc)
+            if text.startswith(prefix := f"rank {self.rank}: "):
+                text = text[len(prefix):]
+            remote = isinstance(exc, (RemoteRankError, PeerLostError))
+            _report_root_cause(exc, remote=remote, error=text if remote else f"{type(exc).__name__}: {text}",
+                               traceback_text=short_traceback(exc, frames_only=True))
+            if self._owns_group and backend != "nccl":  # (every peer has read why: the checkpoints wait for that)
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # noqa: BLE001 - the construction error is what matters
+                    pass
+            if isinstance(exc, PipelineError):
+                # Our own errors say all there is to say: no chained internals.
+                exc.__cause__, exc.__suppress_context__ = None, True
+                raise exc.with_traceback(None) from None
+            raise
+        finally:
+            agreement.close()
+        # Control traffic (object collectives) on gloo, also on NCCL jobs.
+        obj_group = self._obj_group = dist.new_group(backend="gloo") if backend == "nccl" else None
+        lay = self.layout
         grad_scale = 1.0 / num_microbatches if scale_grads else 1.0
         last = self.schedule.num_stages - 1
         self._executors: dict[int, StageExecutor] = {}
         split = {leaf.stage for a in self.schedule.actions[self.pp_rank] for leaf in a.leaves() if leaf.type.value in ("I", "W")}
-        for s in self.schedule.stages_of(self.pp_rank):
-            module = stage_fn(s)
-            if not isinstance(module, nn.Module):
-                raise PipelineConfigError(f"rank {self.rank}: stage_fn({s}) returned {type(module).__name__}, not an nn.Module")
-            module.to(self.device)
+        for s, module in modules.items():
             if lay is not None:
                 from .data_parallel import sync_module_states, wrap_fsdp
 
@@ -331,6 +378,10 @@ class Pipeline:
             self._executors[s] = StageExecutor(
                 s, module, is_last=s == last, loss_fn=loss_fn, grad_scale=grad_scale, split_backward=s in split,
             )
+            install_stage_checks(self._executors[s], rank=self.rank, stage_to_rank=self.stage_to_rank,
+                                 check_finite=opts.check_finite)
+        #: parameter sets (and modes) this rank has run a step with: a new one is a cold step
+        self._seen_fingerprints: set[Any] = set()
         #: whether data-parallel collectives overlap compute (False: each blocks the dispatcher until done)
         self.overlap_collectives = opts.overlap_collectives
         self._collectives: StageCollectives | None = None
@@ -350,6 +401,7 @@ class Pipeline:
         self._control = ControlPlane(
             self.rank, self.world_size, secret=secret[0].encode(), host=choose_bind_host(os.environ.get("MASTER_ADDR"))
         )
+        self._control.stall_budget = opts.cold_stall_timeout
         endpoints: list[Any] = [None] * self.world_size
         with self._construction("exchanging control endpoints"):
             dist.all_gather_object(endpoints, self._control.endpoint, group=obj_group)
@@ -390,6 +442,63 @@ class Pipeline:
         atexit.register(self._close_at_exit)
 
     # ------------------------------------------------------------ setup
+    def _settings(self, schedule: Any, n: int, stages_per_rank: int | None, *, data_parallel: int, fsdp: bool,
+                  mesh: Any, prefetch: int, scale_grads: bool, dp_options: Mapping[str, Any]) -> dict[str, Any]:
+        """The schedule and the pp x dp sizes, from this rank's arguments alone (nothing collective)."""
+        self.layout: Layout | None = None  #: the pp x dp grid (set after the settings checkpoint), or None
+        self._with_dp = data_parallel != 1 or fsdp or mesh is not None
+        grid = None
+        if mesh is not None:
+            if getattr(mesh, "ndim", None) != 2:
+                raise PipelineConfigError(f"rank {self.rank}: mesh must be a 2-D DeviceMesh with dims ('pp', 'dp')")
+            grid = [[int(r) for r in row] for row in mesh.mesh.tolist()]
+            self.pp_size = len(grid)
+        else:
+            if data_parallel < 1 or self.world_size % data_parallel:
+                raise PipelineConfigError(f"rank {self.rank}: data_parallel={data_parallel} does not divide the job's {self.world_size} ranks")
+            self.pp_size = self.world_size // data_parallel
+        self.schedule = self._build_schedule(schedule, n, stages_per_rank)
+        if self._with_dp:
+            from .data_parallel import lower_for_data_parallel
+
+            self.schedule = lower_for_data_parallel(self.schedule, fsdp=fsdp, prefetch=prefetch)
+        return config_record(
+            world_size=self.world_size, schedule=self.schedule, pp_size=self.pp_size, data_parallel=data_parallel,
+            fsdp=fsdp, mesh_grid=grid, scale_grads=scale_grads,
+            dp_options=dict(dp_options, prefetch=prefetch) if self._with_dp else None,
+        )
+
+    def _make_stages(self, stage_fn: Callable[[int], nn.Module], backend: str, *, data_parallel: int,
+                     mesh: Any) -> dict[int, nn.Module]:
+        """The layout (collective: every rank agreed on it), then this rank's stage modules from ``stage_fn``."""
+        lay = None
+        if self._with_dp:
+            from .data_parallel import make_layout
+
+            lay = self.layout = make_layout(
+                rank=self.rank, world=self.world_size, data_parallel=data_parallel, mesh=mesh,
+                device_type="cuda" if backend == "nccl" else "cpu",
+            )
+        self.pp_size = lay.pp if lay else self.world_size
+        self.pp_rank = lay.pp_rank if lay else self.rank
+        self.data_parallel = lay.dp if lay else 1
+        self.dp_rank = lay.dp_rank if lay else 0
+        #: global rank of each stage in this replica
+        self.stage_to_rank = [lay.column[r] for r in self.schedule.stage_to_rank] if lay else list(self.schedule.stage_to_rank)
+        last = self.schedule.num_stages - 1
+        modules: dict[int, nn.Module] = {}
+        for s in self.schedule.stages_of(self.pp_rank):
+            module = stage_fn(s)
+            if not isinstance(module, nn.Module):
+                raise PipelineConfigError(f"rank {self.rank}: stage_fn({s}) returned {type(module).__name__}, not an nn.Module")
+            modules[s] = module.to(self.device)
+        if last in modules and self.loss_fn is None and not self.forward_only:
+            raise PipelineConfigError(
+                f"rank {self.rank} holds the last stage ({last}) but loss_fn is None: training needs "
+                "loss_fn(output, target) -> scalar tensor there (pass forward_only=True for a Pipeline that only runs eval)"
+            )
+        return modules
+
     @contextlib.contextmanager
     def _construction(self, what: str) -> Iterator[None]:
         """Around a collective of the constructor: a peer that died during it is named, not gloo's error.
@@ -445,11 +554,17 @@ class Pipeline:
             if isinstance(schedule, Schedule):
                 sched = schedule
             elif isinstance(schedule, os.PathLike) or (isinstance(schedule, str) and (schedule.endswith(".csv") or Path(schedule).is_file())):
+                path = Path(schedule)
+                if not path.is_file():
+                    raise PipelineConfigError(
+                        f"rank {self.rank}: schedule file {os.fspath(schedule)!r} "
+                        f"{'is not a file' if path.exists() else 'does not exist'} (resolved: {path.resolve()})"
+                    )
                 sched = load_csv(schedule)
             else:
                 sched = generate(str(schedule), num_ranks=self.pp_size, num_microbatches=n, stages_per_rank=stages_per_rank)
             if sched.num_ranks != self.pp_size:
-                what = f"pipeline dimension has {self.pp_size} ranks" if self.layout else f"job has {self.world_size}"
+                what = f"pipeline dimension has {self.pp_size} ranks" if self._with_dp else f"job has {self.world_size}"
                 raise PipelineConfigError(f"the schedule has {sched.num_ranks} ranks but the {what}")
             if sched.num_microbatches != n:
                 raise PipelineConfigError(f"the schedule has {sched.num_microbatches} microbatches but num_microbatches={n}")
@@ -627,6 +742,38 @@ class Pipeline:
         self.close()
 
     # ------------------------------------------------------------ internals
+    def _check_step_inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], target: Any, *, train: bool) -> None:
+        """What is wrong with a step's inputs, said before any compute (every rank checks the same)."""
+        if train and self.has_last_stage:
+            last = self.schedule.num_stages - 1
+            if self.loss_fn is None:
+                raise PipelineConfigError(
+                    f"rank {self.rank}: step() trains, and stage {last} (the last, on this rank) has no loss_fn: "
+                    "build the Pipeline with loss_fn=..., or call eval() for a forward pass"
+                )
+            if target is None:
+                raise PipelineConfigError(
+                    f"rank {self.rank}: step() got no target, and stage {last} (the last, on this rank) needs one "
+                    "for its loss_fn: pass step(..., target=y) (eval() runs without one)"
+                )
+        check_batch(args, kwargs, target, rank=self.rank)
+
+    def _stall_budget(self, train: bool) -> float:
+        """Seconds an action of this step may run while peers wait: generous while torch.compile may compile.
+
+        A step is cold when this rank has not yet run one with the same parameters (which, their
+        ``requires_grad``, shapes), module modes (train/eval) and step kind: compiled code
+        is (re)traced then.  Peers read the budget from this rank's heartbeats.
+        """
+        fingerprint = (train, tuple((id(p), p.requires_grad, tuple(p.shape)) for p in self.parameters()),
+                       tuple(m.training for st in self.stages.values() for m in st.modules()))
+        if fingerprint in self._seen_fingerprints:
+            return self.options.stall_timeout
+        if len(self._seen_fingerprints) > 64:
+            self._seen_fingerprints.clear()
+        self._seen_fingerprints.add(fingerprint)
+        return self.options.cold_stall_timeout
+
     def _run_sync(self, coro: Any) -> Any:
         try:
             asyncio.get_running_loop()
@@ -650,6 +797,8 @@ class Pipeline:
             self._bound_loop = loop
         step = self._actor.step_index
         try:
+            self._check_step_inputs(args, kwargs, target, train=train)
+            self._control.stall_budget = self._stall_budget(train)
             if self.layout is not None and self.layout.dp > 1:
                 from .data_parallel import replica_share
 

@@ -266,7 +266,7 @@ def _forged_frames(to_rank: int) -> list[bytes]:
 
     msgs = [
         msg("abort", step=1, stage=1, mb=0, action="1F0", error="ValueError: forged", traceback="forged"),
-        msg("heartbeat", step=1, t=time.time(), state="busy", what="1F0", for_s=1e6),
+        msg("heartbeat", step=1, t=time.time(), state="busy", what="1F0", for_s=1e6, stall_s=1.0),
         msg("xfer", seq=7, step=1, stage=0, mb=0, kind="B", tensors=[[[4, 8], "float32", False]]),
     ]
     frames = [sign(wrong, m) for m in msgs]

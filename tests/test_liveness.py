@@ -102,3 +102,20 @@ def test_first_lost_peer_by_rank_and_never_itself() -> None:
     assert lost is not None and lost.peer == 2
     assert live.check_interval == 0.25
     assert make(hb=60)[0].check_interval == 1.0
+
+
+def test_the_stall_budget_is_the_one_the_peer_sent() -> None:
+    # a peer in a cold step (torch.compile compiling) sends a long budget; a warm one a short one
+    live, clock = make(world=2, hb=100, stall=5)
+    live.start_step()
+    live.seen(1)
+    live.heartbeat(1, "busy", "1F0", 0.0, stall_s=300.0)
+    clock.advance(60)
+    live.seen(1)
+    live.heartbeat(1, "busy", "1F0", 60.0, stall_s=300.0)
+    assert live.check(0) is None  # 60 s of a 300 s first-step budget
+    live.heartbeat(1, "busy", "1F1", 2.0, stall_s=1.5)  # the next step is warm: 1.5 s
+    lost = live.check(1)
+    assert lost is not None and lost.peer == 1
+    assert "running 1F1 for 2.0 s (stall timeout 1.5 s)" in lost.reason
+    assert "--stall-timeout" in lost.reason and "first_step_stall_timeout" in lost.reason

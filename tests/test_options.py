@@ -38,6 +38,7 @@ def test_from_env_maps_every_variable() -> None:
         "PIPELOOM_BACKEND": "gloo",
         "PIPELOOM_HEARTBEAT_TIMEOUT": "7.5",
         "PIPELOOM_STALL_TIMEOUT": "12",
+        "PIPELOOM_FIRST_STEP_STALL_TIMEOUT": "600",
         "PIPELOOM_TRACE": "/tmp/t.json",
         "PIPELOOM_TRACE_ENDPOINT": "tcp://127.0.0.1:5555",
         "PIPELOOM_PAIR_GROUPS": "1",
@@ -53,7 +54,7 @@ def test_from_env_maps_every_variable() -> None:
     assert set(env) - {"UNRELATED"} == set(ENV_VARS)
     o = RuntimeOptions.from_env(env)
     assert o == RuntimeOptions(
-        backend="gloo", heartbeat_timeout=7.5, stall_timeout=12.0, trace="/tmp/t.json",
+        backend="gloo", heartbeat_timeout=7.5, stall_timeout=12.0, first_step_stall_timeout=600.0, trace="/tmp/t.json",
         trace_endpoint="tcp://127.0.0.1:5555", pair_groups=True, p2p_max_ctas=4, gpu_commit_ms=3.0, gpu_early_receives=True,
         overlap_streams=False, overlap_collectives=False, fsdp_reduce="fsdp", dispatch="ready",
     )
@@ -64,6 +65,15 @@ def test_from_env_empty_and_overrides() -> None:
     assert RuntimeOptions.from_env({"PIPELOOM_STALL_TIMEOUT": " "}) == RuntimeOptions()  # empty: the default
     o = RuntimeOptions.from_env({"PIPELOOM_STALL_TIMEOUT": "12", "PIPELOOM_HEARTBEAT_TIMEOUT": "3"}, stall_timeout=60)
     assert (o.stall_timeout, o.heartbeat_timeout) == (60, 3.0)
+
+
+def test_cold_step_stall_timeout() -> None:
+    assert RuntimeOptions().cold_stall_timeout == 300.0
+    assert RuntimeOptions(stall_timeout=60).cold_stall_timeout == 600.0
+    assert RuntimeOptions(stall_timeout=60, first_step_stall_timeout=90).cold_stall_timeout == 90.0
+    assert RuntimeOptions(stall_timeout=60, first_step_stall_timeout=5).cold_stall_timeout == 60.0  # never below
+    with pytest.raises(ValueError, match="first_step_stall_timeout must be a positive number"):
+        RuntimeOptions(first_step_stall_timeout=0)
 
 
 @pytest.mark.parametrize(

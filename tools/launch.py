@@ -69,7 +69,8 @@ may *require*:
   from the launcher's environment when set there; see multi-node below);
 * ``PIPELOOM_BACKEND`` (``--backend``), ``PIPELOOM_TRACE`` (``--trace``, an
   absolute path), ``PIPELOOM_HEARTBEAT_TIMEOUT`` (``--heartbeat-timeout``,
-  seconds), ``PIPELOOM_STALL_TIMEOUT`` (``--stall-timeout``, seconds): only
+  seconds), ``PIPELOOM_STALL_TIMEOUT`` (``--stall-timeout``, seconds),
+  ``PIPELOOM_FIRST_STEP_STALL_TIMEOUT`` (``--first-step-stall-timeout``): only
   when the flag is given;
 * ``PIPELOOM_TRACE_ENDPOINT``: with ``--trace``, where ranks stream their
   trace events (see Tracing below).
@@ -265,6 +266,8 @@ class LaunchConfig:
     """``PIPELOOM_HEARTBEAT_TIMEOUT``, seconds without a heartbeat before a peer counts as lost."""
     stall_timeout: float | None = None
     """``PIPELOOM_STALL_TIMEOUT``, seconds a peer may stay busy in one action while others wait for it."""
+    first_step_stall_timeout: float | None = None
+    """``PIPELOOM_FIRST_STEP_STALL_TIMEOUT``: the same for a cold step (the first, or after the model changed: compiling)."""
     grace: float = 2.0
     """Seconds the other ranks get to exit by themselves after the first failure (or a signal)."""
     log_dir: Path | None = None
@@ -350,6 +353,9 @@ def rank_environment(config: LaunchConfig, local_rank: int, base: Mapping[str, s
         "PIPELOOM_TRACE_ENDPOINT": config.trace_endpoint,
         "PIPELOOM_HEARTBEAT_TIMEOUT": None if config.heartbeat_timeout is None else repr(config.heartbeat_timeout),
         "PIPELOOM_STALL_TIMEOUT": None if config.stall_timeout is None else repr(config.stall_timeout),
+        "PIPELOOM_FIRST_STEP_STALL_TIMEOUT": (
+            None if config.first_step_stall_timeout is None else repr(config.first_step_stall_timeout)
+        ),
     }
     for key, value in optional.items():
         if value is not None:
@@ -1051,11 +1057,19 @@ class _Job:
             lines = [f"{what}: {outcome}"]
             self.summary_line = lines[0]
             if cause is not None and not cause.remote:
-                lines.append(f"  root cause: {cause.where(root.rank)}")
                 tb = (cause.traceback or "").rstrip("\n")
-                if cause.error and not tb.endswith(cause.error):
-                    lines.append(f"  error: {cause.error}")
-                lines += [f"  {line}" for line in tb.splitlines()]
+                if cause.error and cause.stage is None and cause.microbatch is None and cause.action is None:
+                    # nothing to place it by (a failure outside a step): the error is the root-cause line
+                    lines.append(f"  root cause: {cause.where(root.rank)}: {cause.error}")
+                    tb_lines = tb.splitlines()
+                    if tb_lines and tb_lines[-1].endswith(cause.error):
+                        tb_lines.pop()  # (said above)
+                    lines += [f"  {line}" for line in tb_lines]
+                else:
+                    lines.append(f"  root cause: {cause.where(root.rank)}")
+                    if cause.error and not tb.endswith(cause.error):
+                        lines.append(f"  error: {cause.error}")
+                    lines += [f"  {line}" for line in tb.splitlines()]
             elif cause is None and (blamer := next((r for r in failures if self._blamed_by(r) is root), None)):
                 lines.append(f"  rank {blamer.rank} reports: {blamer.root_cause.error}")  # type: ignore[union-attr]
             elif cause is not None:  # only consequences here: the root cause is on another node
@@ -1259,6 +1273,9 @@ def add_parser(subparsers: Any) -> None:
     add("--stall-timeout", dest="stall_timeout", type=_positive_float, default=None, metavar="SECONDS",
         help="declare a peer stuck once it has run one action for SECONDS while others wait for it "
              "(PIPELOOM_STALL_TIMEOUT; default 30; must exceed the slowest action)")
+    add("--first-step-stall-timeout", dest="first_step_stall_timeout", type=_positive_float, default=None,
+        metavar="SECONDS", help="the same for a cold step: the first, and the first after the model changed, when "
+        "torch.compile compiles (PIPELOOM_FIRST_STEP_STALL_TIMEOUT; default max(300, 10 x --stall-timeout))")
     add("--grace", type=_nonneg_float, default=2.0, metavar="SECONDS",
         help="after a failure, wait this long for the other ranks before SIGTERM (default 2)")
     add("--max-restarts", "--max_restarts", dest="max_restarts", type=_int_arg, default=0, metavar="N",
@@ -1415,6 +1432,7 @@ def config_from_args(args: argparse.Namespace, *, environ: Mapping[str, str] | N
         trace=None if args.trace is None else os.path.abspath(args.trace),
         heartbeat_timeout=args.heartbeat_timeout,
         stall_timeout=args.stall_timeout,
+        first_step_stall_timeout=args.first_step_stall_timeout,
         grace=args.grace,
         log_dir=log_dir,
         prefix=args.prefix,

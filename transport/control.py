@@ -157,6 +157,9 @@ class ControlPlane:
         #: disconnect counts only once a later read still shows no reconnect
         self.monitors_read_at = 0.0
         self.steps_done = 0  #: steps this rank completed (set by the actor), said in ``bye``
+        #: seconds one action of this rank's current step may run while peers wait for it
+        #: (set per step by the Pipeline: longer while torch.compile may compile), in heartbeats
+        self.stall_budget = 30.0
 
     def connect(self, endpoints: list[str]) -> None:
         """Connect a PUSH socket to every other rank's endpoint (index = rank)."""
@@ -222,7 +225,7 @@ class ControlPlane:
                 state, what, since = self._hb_state()
                 data = sign(self._key, encode(
                     "heartbeat", self.rank, step=self.step, t=time.time(), state=state, what=what[:200],
-                    for_s=max(0.0, time.monotonic() - since),
+                    for_s=max(0.0, time.monotonic() - since), stall_s=float(self.stall_budget),
                 ))
                 for s in socks:
                     try:

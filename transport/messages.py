@@ -33,7 +33,7 @@ __all__ = [
 
 MAC_BYTES = 16  #: truncated HMAC-SHA256 in front of every frame
 
-PROTOCOL_VERSION = 2  # 2: xfer carries 'last'; 'bye'.  ('hello', never sent by any version, is gone.)
+PROTOCOL_VERSION = 3  # 2: xfer carries 'last'; 'bye'.  ('hello', never sent by any version, is gone.)  3: heartbeat carries 'stall_s'
 MAX_MESSAGE_BYTES = 1 << 20  #: larger frames are rejected before decoding
 
 _MAX_TENSORS = 256
@@ -94,13 +94,15 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "fast": lambda v: isinstance(v, bool),  # sent into the receives pre-posted for this seq
         "last": lambda v: isinstance(v, bool),  # the sender's last transfer to this rank in this step
     },
-    # ``state``: idle / busy / waiting, ``what``: the action (or what is awaited), ``for_s``: since how long
+    # ``state``: idle / busy / waiting, ``what``: the action (or what is awaited), ``for_s``: since how long,
+    # ``stall_s``: how long the sender allows one action of its current step to run (its stall budget)
     "heartbeat": {
         "step": _nonneg,
         "t": lambda v: isinstance(v, float),
         "state": lambda v: v in ("idle", "busy", "waiting"),
         "what": _str,
         "for_s": lambda v: isinstance(v, float) and v >= 0,
+        "stall_s": lambda v: isinstance(v, float) and v > 0,
     },
     # the sender's Pipeline closed cleanly: its control connection closing next is no failure
     "bye": {"steps": _nonneg},  # steps this rank completed
