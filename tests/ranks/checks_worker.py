@@ -95,7 +95,7 @@ def run_case(name: str, build: Callable[[], pipeloom.Pipeline], body: Callable[[
     # Each case's Pipeline creates and destroys its own process group, on a port of its own: a
     # failed step may leave transfers unpaired, which must not reach the next case's group
     # (and torch cannot re-create a group on the port of a destroyed one).
-    os.environ["MASTER_PORT"] = str(_BASE_PORT + next(_CASES))
+    os.environ["MASTER_PORT"] = _case_port()
     if os.environ.get("CHECKS_VERBOSE"):
         print(f"rank {RANK}: case {name}", file=sys.stderr, flush=True)
     try:
@@ -120,8 +120,31 @@ def linears(dtype: torch.dtype = torch.float64) -> Callable[[int], nn.Module]:
     return lambda s: mods[s]
 
 
-_BASE_PORT = int(os.environ["MASTER_PORT"])
 _CASES = iter(range(1, 1000))
+_COORD: Any = None
+
+
+def _case_port() -> str:
+    """A fresh port for the next case's process group: rank 0 finds a free one and posts it.
+
+    (Through a store of the worker's own on the harness's port: counting up from that port
+    could meet another job's listener on this shared machine.)
+    """
+    global _COORD
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if _COORD is None:
+        _COORD = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 2, RANK == 0,
+                               timeout=timedelta(seconds=120))
+    key = f"port{next(_CASES)}"
+    if RANK == 0:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            _COORD.set(key, str(sock.getsockname()[1]))
+    return _COORD.get(key).decode()
 
 
 def main() -> None:
