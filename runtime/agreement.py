@@ -48,14 +48,14 @@ import json
 import os
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from .errors import PipelineConfigError, RemoteRankError
+from .errors import PeerLostError, PipelineConfigError, RemoteRankError
 
 __all__ = ["SetupAgreement", "config_record", "compare_records", "short_traceback"]
 
@@ -158,6 +158,11 @@ class SetupAgreement:
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self._prefix = f"pipeloom/setup/{next(_BUILDS)}"
         self._store: Any = None
+        #: ranks whose process is known to be gone (set once the ranks' pids are known), so a
+        #: peer killed while building is named at once instead of after ``timeout``
+        self.dead_peers: Callable[[], Sequence[int]] | None = None
+        #: rank -> (host, pid), for the message naming a dead peer
+        self.procs: Sequence[Sequence[Any]] | None = None
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if world_size > 1 and addr and port:
             try:
@@ -222,6 +227,7 @@ class SetupAgreement:
         store.set(self._key(checkpoint, self.rank), json.dumps(mine))
         got: dict[int, dict[str, Any]] = {self.rank: mine}
         deadline = time.monotonic() + self.timeout
+        next_probe = time.monotonic() + 0.25
         pause = 0.002
         while True:
             for r in range(self.world_size):
@@ -241,6 +247,17 @@ class SetupAgreement:
                     return [got.get(i, {"ok": {}}) for i in range(self.world_size)]
             if len(got) == self.world_size:
                 return [got[i] for i in range(self.world_size)]
+            if self.dead_peers is not None and time.monotonic() >= next_probe:
+                next_probe = time.monotonic() + 0.25
+                dead = [r for r in self.dead_peers() if r not in got]
+                if dead:
+                    where = f" (pid {self.procs[dead[0]][1]} on {self.procs[dead[0]][0]})" if self.procs else ""
+                    also = f" (also gone: ranks {', '.join(map(str, dead[1:]))})" if len(dead) > 1 else ""
+                    raise PeerLostError(
+                        f"waiting for it at a construction checkpoint ({checkpoint}) while building the Pipeline "
+                        f"failed: its process{where} is gone{also}",
+                        rank=self.rank, peer=dead[0],
+                    )
             if time.monotonic() > deadline:
                 missing = [r for r in range(self.world_size) if r not in got]
                 raise PipelineConfigError(

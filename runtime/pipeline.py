@@ -168,7 +168,8 @@ def _dead_peers(procs: Sequence[tuple[str, int]], me: int) -> list[int]:
     return dead
 
 
-def _report_root_cause(exc: BaseException, *, remote: bool, traceback_text: str | None = None, error: str | None = None) -> None:
+def _report_root_cause(exc: BaseException, *, remote: bool, traceback_text: str | None = None, error: str | None = None,
+                       phase: str | None = None) -> None:
     """Under ``pipeloom launch``, write one root-cause line for the launcher's summary."""
     if os.environ.get("PIPELOOM_LAUNCHER") != "1" or getattr(exc, "_pipeloom_reported", False):
         return
@@ -185,6 +186,8 @@ def _report_root_cause(exc: BaseException, *, remote: bool, traceback_text: str 
         "traceback": traceback_text or getattr(exc, "remote_traceback", None) or "".join(traceback.format_exception(exc)),
         "remote": remote,
     }
+    if phase is not None:
+        info["phase"] = phase  # "construction": the launcher puts the error on the root-cause line
     if isinstance(exc, RemoteRankError):
         info["failed_rank"] = exc.failed_rank
     elif isinstance(exc, PeerLostError):
@@ -333,6 +336,8 @@ class Pipeline:
             record["_process"] = [socket.gethostname(), os.getpid()]
             records = agreement.agree(checkpoint, record)
             self._procs: list[tuple[str, int]] = [tuple(r["_process"]) for r in records]  # type: ignore[misc]
+            agreement.procs = self._procs
+            agreement.dead_peers = lambda: _dead_peers(self._procs, self.rank)
             checkpoint = "stages"
             try:
                 modules = self._make_stages(stage_fn, backend, data_parallel=data_parallel, mesh=mesh)
@@ -345,8 +350,8 @@ class Pipeline:
             if text.startswith(prefix := f"rank {self.rank}: "):
                 text = text[len(prefix):]
             remote = isinstance(exc, (RemoteRankError, PeerLostError))
-            _report_root_cause(exc, remote=remote, error=text if remote else f"{type(exc).__name__}: {text}",
-                               traceback_text=short_traceback(exc, frames_only=True))
+            _report_root_cause(exc, remote=remote, error=str(exc) if remote else f"{type(exc).__name__}: {text}",
+                               traceback_text=short_traceback(exc, frames_only=True), phase="construction")
             if self._owns_group and backend != "nccl":  # (every peer has read why: the checkpoints wait for that)
                 try:
                     dist.destroy_process_group()

@@ -105,6 +105,8 @@ A rank that fails may write, on its **stderr**, one line of the form::
 start at the beginning of a line, at most 1 MiB).  Every field is optional and
 unknown fields are ignored.  ``"remote": true`` marks a rank that stops
 *because another rank failed* (it may name that rank in ``"failed_rank"``).
+``"phase": "construction"`` (a Pipeline that could not be built: nothing to
+place it by stage or action) puts the error on the summary's root-cause line.
 The launcher removes these lines from the echoed output (the log file keeps
 them), keeps the first one of each rank, and prints the one of the root-cause
 rank once.  A line that is not a JSON object is echoed like any other.
@@ -1058,8 +1060,8 @@ class _Job:
             self.summary_line = lines[0]
             if cause is not None and not cause.remote:
                 tb = (cause.traceback or "").rstrip("\n")
-                if cause.error and cause.stage is None and cause.microbatch is None and cause.action is None:
-                    # nothing to place it by (a failure outside a step): the error is the root-cause line
+                if cause.error and cause.fields.get("phase") == "construction":
+                    # nothing to place it by (the Pipeline could not be built): the error is the root-cause line
                     lines.append(f"  root cause: {cause.where(root.rank)}: {cause.error}")
                     tb_lines = tb.splitlines()
                     if tb_lines and tb_lines[-1].endswith(cause.error):
