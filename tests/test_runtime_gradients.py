@@ -27,7 +27,11 @@ from reference import reference_run  # noqa: E402
 
 from pipeloom.schedules import default_stages_per_rank, dump_csv, generate  # noqa: E402
 
-TOL = dict(rtol=1e-10, atol=1e-12)
+# float64 throughout.  On GPUs (PIPELOOM_TEST_BACKEND=nccl) the stages' reductions run in
+# another order than the CPU reference's: the custom Function's parameter-gradient sum of
+# the awkward model differed by up to 1.6e-11 absolute (2 x H100, torch 2.11), on 1F1B's
+# full backward as much as on the split schedules.
+TOL = dict(rtol=1e-10, atol=1e-12) if os.environ.get("PIPELOOM_TEST_BACKEND", "gloo") != "nccl" else dict(rtol=1e-9, atol=1e-10)
 
 MICROBATCHES_2 = {
     "GPipe": [1, 3, 4],
