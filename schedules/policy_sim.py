@@ -101,18 +101,6 @@ def _compute_lists(schedule: Schedule) -> dict[int, list[Action]]:
     return {r: [a for a in acts if a.sub_actions or a.type in (_F, _B, _I, _W)] for r, acts in schedule.actions.items()}
 
 
-def _static_peak(acts: Sequence[Action]) -> int:
-    live = peak = 0
-    for a in acts:
-        for leaf in a.leaves():
-            if leaf.type is _F:
-                live += 1
-                peak = max(peak, live)
-            elif leaf.type is _B or leaf.type is _W:
-                live -= 1
-    return max(peak, 1)
-
-
 def _bottom_levels(schedule: Schedule, dur: Mapping[tuple[int, str, int], float], xfer: float) -> dict[tuple[int, str, int], float]:
     """Longest path from the start of each leaf to the end of the step (dependency edges only)."""
     S = schedule.num_stages
