@@ -100,6 +100,20 @@ def _float_dtype(ts: Sequence[Any]) -> torch.dtype | None:
     return None
 
 
+def _all_finite(ts: Sequence[Any]) -> bool:
+    """One reduction per tensor and one sync for all: NaN/inf anywhere makes a sum non-finite.
+
+    (A sum may also overflow to inf with finite values, e.g. in float16: the
+    caller then looks tensor by tensor, so that only costs time.)
+    """
+    sums = [t.detach().sum().double() for t in ts
+            if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel()]
+    if not sums:
+        return True
+    total = torch.stack([x.abs() if x.is_complex() else x for x in sums]).sum()
+    return bool(torch.isfinite(total))
+
+
 def _nonfinite(t: Any) -> str | None:
     if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel():
         bad = ~torch.isfinite(t.detach())
@@ -127,6 +141,8 @@ class _StageChecks:
         return [p for p in self.ex.module.parameters() if p.requires_grad]
 
     def _check_grads(self, action: str, mb: int) -> None:
+        if _all_finite([p.grad for p in self.ex.module.parameters() if p.grad is not None]):
+            return
         for name, p in self.ex.module.named_parameters():
             if p.grad is not None and (why := _nonfinite(p.grad)):
                 raise FloatingPointError(
@@ -135,6 +151,8 @@ class _StageChecks:
                 )
 
     def _check(self, what: str, values: Sequence[Any], action: str, mb: int) -> None:
+        if _all_finite(values):
+            return
         for i, t in enumerate(values):
             if (why := _nonfinite(t)) is not None:
                 label = what if len(values) == 1 else f"{what} {i}"
