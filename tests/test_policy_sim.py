@@ -9,7 +9,8 @@ import random
 import pytest
 
 from pipeloom.schedules import SCHEDULE_NAMES, Costs, generate, policy_ceiling, simulate, simulate_policy
-from pipeloom.schedules.policy_sim import _compute_lists, _static_peak, draw_costs
+from pipeloom.schedules.dispatch import static_peak
+from pipeloom.schedules.policy_sim import _compute_lists, draw_costs
 from pipeloom.tools.cli import main
 
 
@@ -26,7 +27,7 @@ def test_static_policy_is_the_list_simulator_and_dynamic_keeps_the_cap(name: str
     for policy in ("dynamic", "critical"):
         res = simulate_policy(sched, policy, durs, transfer=costs.transfer)
         for r, acts in lists.items():
-            assert res.peak_live[r] <= _static_peak(acts), (policy, r)  # never more live activations than the list
+            assert res.peak_live[r] <= static_peak(acts), (policy, r)  # never more live activations than the list
             assert res.busy[r] == pytest.approx(static.busy[r])  # the same work, reordered
     means = policy_ceiling(sched, costs, trials=3, jitter=0.1)
     assert means["bound"] <= min(means[p] for p in ("static", "dynamic", "critical")) + 1e-9
