@@ -95,6 +95,9 @@ class _WeightGroup:
 @dataclass
 class _Saved:
     inputs: tuple[torch.Tensor, ...]
+    #: which inputs were leaves needing a gradient at the forward (the module may have
+    #: modified an input in place since, making it a non-leaf of its own graph)
+    needs_grad: tuple[bool, ...] = ()
     outputs: tuple[torch.Tensor, ...] = ()
     loss: torch.Tensor | None = None
     #: what W still has to do, set by I (empty when I already did everything)
@@ -218,6 +221,10 @@ def _plan_weight_work(
     return activation_side, out, None
 
 
+def _copy_leaf(t: Any) -> Any:
+    return t.clone() if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad else t
+
+
 class StageExecutor:
     """Forward and backward of one stage module, per microbatch."""
 
@@ -241,6 +248,7 @@ class StageExecutor:
         self.split_backward = split_backward
         self._saved: dict[int, _Saved] = {}
         self._warned_unsplittable = False
+        self._copy_inputs = False  # the module modifies its inputs in place (see _call)
         # Activation checkpointing: a module whose forward runs again during I is being
         # recomputed.  Its parameters' gradients are then taken in I's own backward
         # (one graph task, one recomputation) instead of in W, which would recompute
@@ -268,8 +276,9 @@ class StageExecutor:
         train: bool = True,
     ) -> tuple[tuple[torch.Tensor, ...], Any, torch.Tensor | None]:
         """Run the module; return (outputs for the next stage, raw output, loss or None)."""
+        needs_grad = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
         if train:
-            out = self.module(*inputs, **kwargs)
+            out = self._call(inputs, kwargs)
         else:
             with torch.no_grad():
                 out = self.module(*inputs, **kwargs)
@@ -282,12 +291,39 @@ class StageExecutor:
             if train:
                 if loss is None:
                     raise ValueError("training needs loss_fn and a target on the last stage")
-                self._saved[mb] = _Saved(tuple(inputs), loss=loss)
+                self._saved[mb] = _Saved(tuple(inputs), needs_grad, loss=loss)
             return (), out, loss
         outputs = as_tensor_tuple(out, what=f"the output of stage {self.index}")
         if train:
-            self._saved[mb] = _Saved(tuple(inputs), outputs=outputs)
+            self._saved[mb] = _Saved(tuple(inputs), needs_grad, outputs=outputs)
         return outputs, out, None
+
+    def _call(self, inputs: Sequence[torch.Tensor], kwargs: dict[str, Any]) -> Any:
+        """The module on this microbatch's inputs, which are leaves when they need a gradient.
+
+        In the unsplit model a stage's input is an intermediate tensor, so the module may
+        modify it in place (``x += pos``, ``x.mul_(scale)``); a leaf that requires grad
+        refuses that.  The first time a stage does it, the forward is run again on
+        copies of its inputs, and from then on that stage always gets copies (one
+        activation copy per microbatch; the leaves still receive the gradients).
+        """
+        if self._copy_inputs:
+            return self.module(*(_copy_leaf(t) for t in inputs), **kwargs)
+        try:
+            return self.module(*inputs, **kwargs)
+        except RuntimeError as exc:
+            if "leaf Variable that requires grad is being used in an in-place operation" not in str(exc):
+                raise
+            if not any(isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad for t in inputs):
+                raise
+            self._copy_inputs = True
+            warnings.warn(
+                f"stage {self.index} modifies its input in place; from now on it runs on a copy of "
+                "its inputs (the forward that raised was run again)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return self.module(*(_copy_leaf(t) for t in inputs), **kwargs)
 
     def _roots(self, saved: _Saved, grad_outputs: Sequence[torch.Tensor | None] | None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         if self.is_last:
@@ -309,7 +345,7 @@ class StageExecutor:
         return roots, grads
 
     def _input_grads(self, saved: _Saved) -> list[torch.Tensor | None]:
-        return [t.grad if t.requires_grad else None for t in saved.inputs]
+        return [t.grad if need else None for t, need in zip(saved.inputs, saved.needs_grad)]
 
     def backward(self, mb: int, grad_outputs: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
         """Full backward (B): accumulate parameter gradients, return the input gradients."""
@@ -323,7 +359,7 @@ class StageExecutor:
         """I: input gradients now; the weight-gradient work is recorded for W (see the module docstring)."""
         saved = self._saved[mb]
         roots, grads = self._roots(saved, grad_outputs)
-        want_inputs = [t for t in saved.inputs if t.requires_grad]
+        want_inputs = [t for t, need in zip(saved.inputs, saved.needs_grad) if need]
         if not roots:
             saved.weight_work = []
             return [None] * len(saved.inputs)
@@ -368,7 +404,7 @@ class StageExecutor:
                 if want_inputs:
                     got = torch.autograd.grad(roots, want_inputs, grads, retain_graph=True, allow_unused=True)
                 it = iter(got)
-                input_grads = [next(it) if t.requires_grad else None for t in saved.inputs]
+                input_grads = [next(it) if need else None for need in saved.needs_grad]
         finally:
             self._in_backward = False
             for h in handles:

@@ -112,6 +112,20 @@ class InPlace(nn.Module):
         return out
 
 
+class InPlaceInput(nn.Module):
+    """Modifies its input in place, which the unsplit model allows (an intermediate there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.pos = nn.Parameter(torch.randn(D))
+
+    def forward(self, x):
+        x += self.pos
+        x.mul_(1.5)
+        return self.lin(x)
+
+
 class Parametrized(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -179,6 +193,7 @@ CASES = {
     "shared_transpose": SharedTranspose,
     "custom_function": CustomFn,
     "in_place": InPlace,
+    "in_place_input": InPlaceInput,
     "parametrized": Parametrized,
     "bare_param": BareParam,
     "param_output": ParamOutput,
@@ -213,7 +228,7 @@ def _run_full(module: nn.Module, xs, gys, *, position: str):
     in_grads = []
     for mb, x in enumerate(xs):
         x = x.detach().requires_grad_(position != "first")
-        out = module(x)
+        out = module(x * 1)  # an intermediate, as a stage input is in the unsplit model
         outs = out if isinstance(out, tuple) else (out,)
         if position == "last":
             (outs[0] * gys[mb][0]).sum().backward()

@@ -55,7 +55,7 @@ class AwkwardBlock(nn.Module):
 
     A Linear applied twice, two Linears with a tied weight, a cell applied
     recurrently, a weight-norm parametrization, a custom Function using a
-    parameter, an in-place op; ``checkpointed`` runs the body under
+    parameter, in-place ops (one on the stage's input); ``checkpointed`` runs the body under
     non-reentrant activation checkpointing.  The zero-bubble I/W split must give
     a full backward's gradients for all of it.
     """
@@ -81,6 +81,8 @@ class AwkwardBlock(nn.Module):
         return _Gain.apply(y, self.gain)
 
     def forward(self, h: torch.Tensor, skip: torch.Tensor | None = None, *, scale: torch.Tensor | None = None) -> Any:
+        if h.requires_grad:  # an in-place op on a later stage's input (a leaf needing a gradient in a pipeline)
+            h.mul_(1.0)
         if self.checkpointed:
             from torch.utils.checkpoint import checkpoint
 
