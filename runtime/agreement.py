@@ -166,7 +166,9 @@ class SetupAgreement:
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if world_size > 1 and addr and port:
             try:
-                self._store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=max(timeout, 1.0)))
+                # (connecting to a store that runs takes milliseconds: a long wait here means a wrong address)
+                self._store = dist.TCPStore(addr, int(port), is_master=False,
+                                            timeout=timedelta(seconds=max(min(timeout, 30.0), 1.0)))
             except Exception as exc:  # noqa: BLE001 - say where, not how
                 raise PipelineConfigError(
                     f"rank {rank}: cannot reach the job's torch.distributed store at {addr}:{port} to check that "
