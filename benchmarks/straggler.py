@@ -45,12 +45,13 @@ import argparse
 import datetime
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import time
 from typing import Any
+
+from _procs import stop_ranks  # benchmarks/ is on sys.path: scripts run from there
 
 __all__ = ["main"]
 
@@ -367,15 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         if now > deadline or (failed_at is not None and now - failed_at > 15):
             why = f"timed out after {args.timeout:g} s" if now > deadline else "a rank failed; the others did not exit"
             print(f"straggler.py: {why}; stopping the ranks", file=sys.stderr)
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            for p in procs:
-                try:
-                    p.wait(5)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            stop_ranks(procs)
             code = 124 if now > deadline else 1
             break
         time.sleep(0.1)

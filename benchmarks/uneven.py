@@ -43,12 +43,13 @@ import datetime
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
 import time
 from typing import Any
+
+from _procs import stop_ranks  # benchmarks/ is on sys.path: scripts run from there
 
 __all__ = ["main"]
 
@@ -336,14 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.timeout
     while any(p.poll() is None for p in procs):
         if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            for p in procs:
-                try:
-                    p.wait(5)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop_ranks(procs)
             return 1
         time.sleep(0.2)
     return 0 if all(p.returncode == 0 for p in procs) else 1
