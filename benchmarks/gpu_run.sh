@@ -16,6 +16,9 @@
 #   gpt4       the same on 4 GPUs, size l, no profile
 #   fsdp       benchmarks/gpu_fsdp.py, 2 pipeline ranks x 2 FSDP ranks
 #   straggler  benchmarks/straggler.py on 4 GPUs
+#   moe4       benchmarks/gpu_moe.py on 4 GPUs (pp 2 x ep 2): DualPipeV with / without overlap, torch's DualPipeV,
+#              1F1B, Interleaved1F1B; rank 0's profiler traces under $OUT/prof-moe; then tests/test_moe.py on NCCL
+#              (MOE_ARGS: extra arguments; MOE_TIMEOUT: the benchmark's bound, default 200 s)
 # Environment: SCHEDULES, BENCH_ARGS, BENCH_TIMEOUT, VARIANTS (see bench2).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -86,6 +89,13 @@ for part in "$@"; do
   straggler)
     (cd /tmp && timeout "${STRAGGLER_TIMEOUT:-200}" python3 "$REPO/benchmarks/straggler.py" --backend nccl --ranks 4 \
        --json "$OUT/straggler.jsonl" ${STRAGGLER_ARGS:-} 2>&1 | grep -v "^\[W\|Warning\|warn" | tail -30 | tee "$OUT/straggler.txt")
+    ;;
+  moe4)
+    (cd /tmp && timeout "${MOE_TIMEOUT:-200}" torchrun --nproc-per-node 4 "$REPO/benchmarks/gpu_moe.py" --json "$OUT/moe.jsonl" \
+       --profile-dir "$OUT/prof-moe" ${MOE_ARGS:-} 2>&1 | grep -v "^\[W\|Warning\|warn\|USDT" | cut -c1-700 | tail -14)
+    python3 benchmarks/gpu_moe.py --table "$OUT/moe.jsonl" | tee "$OUT/moe-table.md"
+    (cd /tmp && PIPELOOM_TEST_BACKEND=nccl timeout 150 python3 -m pytest -q -p no:cacheprovider --rootdir "$REPO" \
+       -c "$REPO/pyproject.toml" "$REPO/tests/test_moe.py" 2>&1 > "$OUT/moe-nccl-tests.log"; tail -8 "$OUT/moe-nccl-tests.log")
     ;;
   *) echo "unknown part $part"; exit 2 ;;
   esac

@@ -25,6 +25,7 @@ _RUNTIME_NAMES = (
     "RemoteRankError",
     "Replicate",
     "RuntimeOptions",
+    "StageContext",
     "StageError",
     "latest_checkpoint",
     "load_checkpoint",

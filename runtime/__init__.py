@@ -6,6 +6,7 @@ from .actor import ActorStatistics, RankActor
 from .checkpoint import CheckpointInfo, PendingCheckpoint, latest_checkpoint, load_checkpoint, save_checkpoint, wait_checkpoints
 from .errors import PeerLostError, PipelineConfigError, PipelineError, RemoteRankError, StageError
 from .checks import Replicate
+from .expert_parallel import StageContext
 from .options import RuntimeOptions
 from .pipeline import Microbatches, Pipeline, split_microbatches
 from .split import split_by_fqn
@@ -24,6 +25,7 @@ __all__ = [
     "RemoteRankError",
     "Replicate",
     "RuntimeOptions",
+    "StageContext",
     "StageError",
     "latest_checkpoint",
     "load_checkpoint",

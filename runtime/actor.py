@@ -191,12 +191,15 @@ class RankActor:
         self.trace = trace
         # How actions reach the device (runtime/device.py): CPU runs when ready; GPUs commit
         # ahead on committed inputs, one stream per stage (one shared stream with data
-        # parallelism, whose collectives are launched on the current stream).
+        # parallelism, whose collectives are launched on the current stream, unless the
+        # collectives launch on their stage's stream: expert parallelism, whose all-to-alls
+        # must run on the stages' own streams to overlap).
         self._cuda = device.type == "cuda"
+        self._coll_on_stage = bool(getattr(collectives, "on_stage_streams", False))
         self.dev = make_policy(
             device,
             stages,
-            stage_streams=collectives is None and options.overlap_streams,
+            stage_streams=(collectives is None or self._coll_on_stage) and options.overlap_streams,
             horizon_ms=options.gpu_commit_ms,
             early_receives=options.gpu_early_receives,
         )
@@ -452,7 +455,11 @@ class RankActor:
                 self._run(leaf, step, inputs, train, results, losses)
             return
         if t in _DP:
-            self.collectives.run(a, step)
+            if self._coll_on_stage:
+                with self.dev.on_stage(a.stage):  # ordered after the stage's backward on its stream
+                    self.collectives.run(a, step)
+            else:
+                self.collectives.run(a, step)
             return
         with self.dev.on_stage(a.stage):
             self._compute(a, step, inputs, train, results, losses)

@@ -139,6 +139,11 @@ class Layout:
     mesh: Any
     #: grid[i][j]: the global rank of pipeline rank i in replica j
     grid: tuple[tuple[int, ...], ...]
+    #: the group of a pipeline row's replicas when it is not the mesh's "dp" group (expert
+    #: parallelism: every (dp, ep) column is a replica; see runtime/expert_parallel.py)
+    row_group: Any = None
+    #: expert-parallel ranks per replica group (columns ``dp_rank // ep * ep ...`` hold one stage's experts)
+    ep: int = 1
 
     @property
     def column(self) -> list[int]:
@@ -152,7 +157,7 @@ class Layout:
 
     @property
     def dp_group(self) -> Any:
-        return self.mesh.get_group("dp")
+        return self.row_group if self.row_group is not None else self.mesh.get_group("dp")
 
     @property
     def dp_mesh(self) -> Any:
@@ -388,6 +393,8 @@ class StageCollectives:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         overlap: bool = True,
         fsdp_reduce: str = "auto",
+        expert_group: Any = None,
+        expert_divisor: int | None = None,
     ) -> None:
         from ._fsdp_private import fsdp_modules
 
@@ -409,6 +416,14 @@ class StageCollectives:
         #: per FSDP stage: reduce-scatter here, asynchronously (True) or through FSDP's post-backward (False)
         self._own_reduce: dict[int, bool] = {}
         self._group_index = dist.get_rank(group) if group is not None else 0
+        #: expert parallelism (runtime/expert_parallel.py): expert parameters are summed over
+        #: ``expert_group`` (None: not reduced) and divided by ``expert_divisor``, not averaged over ``group``
+        self.expert_group = expert_group
+        self.expert_divisor = expert_divisor
+        self._expert_buckets: dict[int, list[_Bucket]] = {}
+        #: launch REDUCE_GRAD on the stage's own CUDA stream (set by the Pipeline with expert
+        #: parallelism, where the stages keep their streams; see RankActor)
+        self.on_stage_streams = False
         for s, module in stages.items():
             units = fsdp_modules(module)
             if units:
@@ -418,6 +433,13 @@ class StageCollectives:
             # Replicated parameters: every one under DDP, with FSDP those that no unit manages
             # (FSDP's are DTensors while resharded, which they are at construction).
             replicated = [p for p in module.parameters() if p.requires_grad and not _is_dtensor(p)]
+            if expert_divisor is not None:
+                from pipeloom.moe import is_expert_parameter
+
+                experts = [p for p in replicated if is_expert_parameter(p)]
+                replicated = [p for p in replicated if not is_expert_parameter(p)]
+                if experts:
+                    self._expert_buckets[s] = _make_buckets(experts, bucket_bytes)
             if replicated and self.size > 1:
                 self._buckets[s] = _make_buckets(replicated, bucket_bytes)
         self._actor: Any = None
@@ -574,6 +596,14 @@ class StageCollectives:
                 self._reduce_sharded(s, units)
             for bucket in self._buckets.get(s, ()):
                 self._all_reduce(bucket, s, step)
+            for bucket in self._expert_buckets.get(s, ()):
+                if self.expert_group is None:
+                    # the all-to-all's backward already summed every ep column's contribution here
+                    for p in bucket.params:
+                        if p.grad is not None:
+                            p.grad.div_(self.expert_divisor)
+                else:
+                    self._all_reduce(bucket, s, step, group=self.expert_group, divisor=self.expert_divisor)
         else:
             raise AssertionError(f"not a data-parallel action: {a}")
 
@@ -685,11 +715,11 @@ class StageCollectives:
         self._submit([work], landed, f"{kind} of stage {s}'s sharded gradients ({total * ws} elements)",
                      (f"{s}REDUCE_GRAD", kind, s, inp.numel() * inp.element_size()))
 
-    def _all_reduce(self, bucket: _Bucket, s: int, step: int) -> None:
+    def _all_reduce(self, bucket: _Bucket, s: int, step: int, *, group: Any = None, divisor: int | None = None) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
         flat = torch.cat([g.detach().reshape(-1) for g in grads])
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        size = self.size
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group if group is None else group, async_op=True)
+        size = self.size if divisor is None else divisor
 
         def landed() -> None:
             flat.div_(size)

@@ -200,7 +200,9 @@ class Pipeline:
     """A pipeline-parallel model, this rank's share of it, and its schedule.
 
     Args:
-        stage_fn: ``stage_fn(stage_index) -> nn.Module``, called for each stage this rank owns.
+        stage_fn: ``stage_fn(stage_index) -> nn.Module``, called for each stage this rank owns; a
+            function of two positional parameters is called ``stage_fn(stage_index, ctx)`` with a
+            :class:`~pipeloom.runtime.expert_parallel.StageContext` (the stage's expert-parallel group).
         schedule: a schedule name (``"1F1B"``, ``"ZBVZeroBubble"``...), a CSV path, or a ``Schedule``.
         num_microbatches: microbatches per step.
         loss_fn: ``loss_fn(output, target) -> scalar`` computed on the last stage.
@@ -240,7 +242,15 @@ class Pipeline:
             losses.  Replicas start from the parameters of replica 0 (broadcast, as DDP does).
         fsdp: shard each stage's parameters over its replicas with FSDP2's ``fully_shard``
             (parameters the optimizer sees are then DTensor shards).
-        mesh: a 2-D DeviceMesh with dims ``("pp", "dp")`` to use instead of building one.
+        mesh: a 2-D DeviceMesh with dims ``("pp", "dp")`` to use instead of building one; with
+            expert parallelism dims ``("pp", "ep")`` or ``("pp", "dp", "ep")``.
+        expert_parallel: ranks that share each stage's experts (``pp x dp x ep`` ranks; see
+            :mod:`pipeloom.runtime.expert_parallel` and :mod:`pipeloom.moe`).  Every (dp, ep)
+            column trains on its own part of the global batch like a data-parallel replica;
+            each stage gets its own ep group (``ctx.ep_group``); non-expert gradients are
+            averaged over the columns, expert gradients are not.  Ranks then run their
+            schedule row in list order (``deterministic``), so the ep peers of a stage issue
+            their all-to-alls in the same order.  Not with ``fsdp``.
         fsdp_wrap: what ``fully_shard`` wraps: ``"stage"`` (one unit), ``"blocks"`` (each child
             of the stage that has parameters, each entry of a child ModuleList/ModuleDict such as
             a split model's ``layers``, and the stage itself for the rest, as torchtitan does), or a callable ``module -> bool`` (parameters of modules it does not pick stay
@@ -284,6 +294,7 @@ class Pipeline:
         mesh: Any = None,
         fsdp_wrap: Any = "stage",
         fsdp_kwargs: Mapping[str, Any] | None = None,
+        expert_parallel: int = 1,
         prefetch: int = 1,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         overlap_collectives: bool | None = None,
@@ -327,7 +338,7 @@ class Pipeline:
             try:
                 record = self._settings(schedule, num_microbatches, stages_per_rank, data_parallel=data_parallel,
                                         fsdp=fsdp, mesh=mesh, prefetch=prefetch, scale_grads=scale_grads,
-                                        dp_options=dp_options)
+                                        dp_options=dp_options, expert_parallel=expert_parallel)
             except BaseException as exc:
                 agreement.fail(checkpoint, exc)
                 raise
@@ -367,6 +378,11 @@ class Pipeline:
         # Control traffic (object collectives) on gloo, also on NCCL jobs.
         obj_group = self._obj_group = dist.new_group(backend="gloo") if backend == "nccl" else None
         lay = self.layout
+        if self._ep_groups is not None and not opts.deterministic:
+            # the ep peers of a stage must issue their all-to-alls in the same order (expert_parallel.py)
+            import dataclasses
+
+            opts = self.options = dataclasses.replace(opts, deterministic=True)
         grad_scale = 1.0 / num_microbatches if scale_grads else 1.0
         last = self.schedule.num_stages - 1
         self._executors: dict[int, StageExecutor] = {}
@@ -375,7 +391,12 @@ class Pipeline:
             if lay is not None:
                 from .data_parallel import sync_module_states, wrap_fsdp
 
-                if lay.dp > 1:
+                if self._ep_groups is not None:
+                    from .expert_parallel import sync_stage
+
+                    with self._construction(f"broadcasting stage {s}'s parameters over its replicas"):
+                        sync_stage(module, self._ep_groups)
+                elif lay.dp > 1:
                     with self._construction(f"broadcasting stage {s}'s parameters over its replicas"):
                         sync_module_states(module, lay.dp_group, src=lay.row[0])
                 if fsdp:
@@ -395,7 +416,11 @@ class Pipeline:
                 {s: e.module for s, e in self._executors.items()}, rank=self.rank, group=lay.dp_group,
                 group_ranks=lay.row, device=self.device, bucket_bytes=bucket_bytes, overlap=self.overlap_collectives,
                 fsdp_reduce=opts.fsdp_reduce,
+                **({"expert_group": self._ep_groups.experts, "expert_divisor": lay.dp} if self._ep_groups is not None else {}),
             )
+            # with expert parallelism the stages keep their own CUDA streams (the halves of an
+            # OVERLAP_F_B overlap their all-to-alls), so REDUCE_GRAD launches on its stage's stream
+            self._collectives.on_stage_streams = self._ep_groups is not None
 
         # Control plane: one endpoint per rank, exchanged over the job's group,
         # and a per-job secret that signs every message.
@@ -448,12 +473,36 @@ class Pipeline:
 
     # ------------------------------------------------------------ setup
     def _settings(self, schedule: Any, n: int, stages_per_rank: int | None, *, data_parallel: int, fsdp: bool,
-                  mesh: Any, prefetch: int, scale_grads: bool, dp_options: Mapping[str, Any]) -> dict[str, Any]:
-        """The schedule and the pp x dp sizes, from this rank's arguments alone (nothing collective)."""
+                  mesh: Any, prefetch: int, scale_grads: bool, dp_options: Mapping[str, Any],
+                  expert_parallel: int = 1) -> dict[str, Any]:
+        """The schedule and the pp x dp (x ep) sizes, from this rank's arguments alone (nothing collective)."""
         self.layout: Layout | None = None  #: the pp x dp grid (set after the settings checkpoint), or None
         self._with_dp = data_parallel != 1 or fsdp or mesh is not None
+        #: expert parallelism: the ep size and the pp x (dp * ep) grid; groups made with the stages
+        self.expert_parallel = 1
+        self._ep_grid: list[list[int]] | None = None
+        self._ep_dp = 1
+        self._ep_groups: Any = None
         grid = None
-        if mesh is not None:
+        mesh_names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if mesh is not None else ()
+        if expert_parallel != 1 or "ep" in mesh_names:
+            from .expert_parallel import make_ep_grid
+
+            if fsdp:
+                raise PipelineConfigError(f"rank {self.rank}: expert_parallel does not combine with fsdp (not implemented)")
+            if not isinstance(expert_parallel, int) or expert_parallel < 1:
+                raise PipelineConfigError(f"rank {self.rank}: expert_parallel must be a positive int, got {expert_parallel!r}")
+            try:
+                grid, self._ep_dp = make_ep_grid(world=self.world_size, data_parallel=data_parallel,
+                                                 expert_parallel=expert_parallel, mesh=mesh)
+            except PipelineConfigError as exc:
+                raise PipelineConfigError(f"rank {self.rank}: {exc}") from None
+            self.expert_parallel = len(grid[0]) // self._ep_dp
+            self._ep_grid = grid
+            self._with_dp = True
+            self.pp_size = len(grid)
+            dp_options = dict(dp_options, expert_parallel=self.expert_parallel)
+        elif mesh is not None:
             if getattr(mesh, "ndim", None) != 2:
                 raise PipelineConfigError(f"rank {self.rank}: mesh must be a 2-D DeviceMesh with dims ('pp', 'dp')")
             grid = [[int(r) for r in row] for row in mesh.mesh.tolist()]
@@ -477,7 +526,18 @@ class Pipeline:
                      mesh: Any) -> dict[int, nn.Module]:
         """The layout (collective: every rank agreed on it), then this rank's stage modules from ``stage_fn``."""
         lay = None
-        if self._with_dp:
+        if self._ep_grid is not None:
+            from .data_parallel import Layout
+            from .expert_parallel import make_ep_groups
+
+            grid = self._ep_grid
+            i, j = next((i, row.index(self.rank)) for i, row in enumerate(grid) if self.rank in row)
+            self._ep_groups = make_ep_groups(grid, rank=self.rank, ep=self.expert_parallel, dp=self._ep_dp,
+                                             stage_to_row=self.schedule.stage_to_rank, backend=backend)
+            lay = self.layout = Layout(pp=len(grid), dp=len(grid[0]), pp_rank=i, dp_rank=j, mesh=None,
+                                       grid=tuple(tuple(r) for r in grid), row_group=self._ep_groups.row,
+                                       ep=self.expert_parallel)
+        elif self._with_dp:
             from .data_parallel import make_layout
 
             lay = self.layout = make_layout(
@@ -492,8 +552,15 @@ class Pipeline:
         self.stage_to_rank = [lay.column[r] for r in self.schedule.stage_to_rank] if lay else list(self.schedule.stage_to_rank)
         last = self.schedule.num_stages - 1
         modules: dict[int, nn.Module] = {}
+        from .expert_parallel import StageContext, call_stage_fn
+
         for s in self.schedule.stages_of(self.pp_rank):
-            module = stage_fn(s)
+            ctx = StageContext(stage=s, device=self.device)
+            if self._ep_groups is not None:
+                g, ranks = self._ep_groups.stage_groups[s]
+                ctx = StageContext(stage=s, device=self.device, ep_group=g, ep_rank=ranks.index(self.rank),
+                                   ep_size=len(ranks), ep_ranks=tuple(ranks))
+            module = call_stage_fn(stage_fn, s, ctx)
             if not isinstance(module, nn.Module):
                 raise PipelineConfigError(f"rank {self.rank}: stage_fn({s}) returned {type(module).__name__}, not an nn.Module")
             modules[s] = module.to(self.device)
@@ -677,6 +744,11 @@ class Pipeline:
         """
         from .training import clip_grad_norm_
 
+        if self.expert_parallel > 1:
+            raise PipelineConfigError(
+                f"rank {self.rank}: clip_grad_norm_ with expert_parallel={self.expert_parallel} is not implemented "
+                "(expert shards would have to be summed over the ep group, the rest counted once)"
+            )
         if self._collectives is not None and not self._collectives.sync:
             raise PipelineConfigError(
                 f"rank {self.rank}: clip_grad_norm_ inside no_sync(): the gradients are not reduced over the "
@@ -732,6 +804,8 @@ class Pipeline:
             return
         self._aborted = True
         groups = [*self._tensors.pair_groups.values(), self._obj_group]
+        if self._ep_groups is not None:
+            groups += [g for g in (*(g for g, _ in self._ep_groups.stage_groups.values()), self._ep_groups.row, self._ep_groups.experts) if g is not None]
         abort_communicators(groups, world=self._owns_group)
 
     def _close_at_exit(self) -> None:

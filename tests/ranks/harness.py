@@ -155,14 +155,15 @@ def install_stack_dump() -> None:
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
 
 
-async def run_ranks(world: int, cases: list[dict[str, Any]], out: Path, *, timeout: float = 120.0) -> dict[str, list[dict[str, Any]]]:
-    """Run every case on one pool of ``world`` ranks; return case id -> each rank's saved result."""
+async def run_ranks(world: int, cases: list[dict[str, Any]], out: Path, *, timeout: float = 120.0,
+                    worker: Path | str = WORKER) -> dict[str, list[dict[str, Any]]]:
+    """Run every case on one pool of ``world`` ranks (``worker``: the rank script); return case id -> each rank's saved result."""
     import torch
 
     out.mkdir(parents=True, exist_ok=True)
     path = out / "job.json"
     path.write_text(json.dumps({"cases": cases, "out": str(out)}))
-    codes, _, errs = await spawn_ranks(world, [str(WORKER), str(path)], timeout=timeout)
+    codes, _, errs = await spawn_ranks(world, [str(worker), str(path)], timeout=timeout)
     if any(c != 0 for c in codes):
         tails = "\n".join(f"--- rank {r} (exit {c}) ---\n{e[-3000:]}" for r, (c, e) in enumerate(zip(codes, errs)))
         raise RanksFailed(f"ranks failed: exit codes {codes}\n{tails}", codes, errs)

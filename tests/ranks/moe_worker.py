@@ -1,0 +1,73 @@
+"""One rank of the expert-parallel tests: pp x ep ranks train the MoE model under each schedule.
+
+Saves, per case and step, every local parameter's gradient (``s{stage}.{name}``),
+the losses and the output, and the rank's stage and ep index, to
+``{out}/{case}-rank{R}.pt``.  All cases run in one pool of processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import install_stack_dump  # noqa: E402
+from moe_model import MoEStage, loss_fn, make_batch  # noqa: E402
+
+
+def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
+    import pipeloom
+
+    ep = cfg["ep"]
+    ctxs: dict[int, Any] = {}
+
+    def stage_fn(s: int, ctx: pipeloom.StageContext) -> torch.nn.Module:
+        ctxs[s] = ctx
+        return MoEStage(s, group=ctx.ep_group, ep_rank=ctx.ep_rank, ep_size=ctx.ep_size).to(ctx.device)
+
+    pipe = pipeloom.Pipeline(stage_fn, schedule=cfg["schedule"], num_microbatches=cfg["microbatches"], loss_fn=loss_fn,
+                             expert_parallel=ep, trace=cfg.get("trace"))
+    dev = pipe.device
+    result: dict[str, Any] = {"grads": [], "losses": [], "outputs": [], "stages": sorted(pipe.stages),
+                              "ep_rank": {s: c.ep_rank for s, c in ctxs.items()}, "deterministic": pipe.options.deterministic,
+                              "column": pipe.dp_rank}
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    for step in range(cfg.get("steps", 1)):
+        x, y = make_batch(step, rows=cfg["rows"], seq=cfg["seq"])
+        opt.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        out = pipe.step(x.to(dev), target=y.to(dev), losses=losses)
+        result["grads"].append({f"s{s}.{n}": p.grad.detach().cpu().clone() for s, m in pipe.stages.items()
+                                for n, p in m.named_parameters()})
+        result["losses"].append([l.detach().cpu().clone() for l in losses])
+        result["outputs"].append(None if out is None else out.detach().cpu())
+        opt.step()
+    pipe.close()
+    return result
+
+
+def main() -> None:
+    install_stack_dump()
+    job = json.load(open(sys.argv[1]))
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    if os.environ.get("PIPELOOM_TEST_BACKEND", "gloo") == "nccl":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", device_id=dev)
+    else:
+        dist.init_process_group("gloo")
+    for cfg in job["cases"]:
+        print(f"rank {rank}: case {cfg['id']}", file=sys.stderr, flush=True)
+        torch.save(run_case(cfg), os.path.join(job["out"], f"{cfg['id']}-rank{rank}.pt"))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Expert parallelism inside pipeline stages: pp 2 x ep 2 on 4 real rank processes.
+
+The MoE model of ``tests/ranks/moe_model.py`` (every stage a dense layer and
+an MoE layer whose 4 experts are sharded over the 2 ep ranks of the stage)
+trains under every named schedule, DualPipeV's and ZBV's OVERLAP_F_B pairs
+included; every rank's gradients must equal the unsplit model's on one
+process with all experts gathered (float64, tight tolerance), the
+non-expert ones whole and the expert ones for the experts the rank holds.
+``PIPELOOM_TEST_BACKEND=nccl`` runs the same pool on 4 GPUs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "ranks"))
+from harness import run_ranks  # noqa: E402
+from moe_model import EXPERTS, MoEStage, loss_fn, make_batch  # noqa: E402
+
+from pipeloom.schedules import default_stages_per_rank  # noqa: E402
+
+BACKEND = os.environ.get("PIPELOOM_TEST_BACKEND", "gloo")
+TOL = dict(rtol=1e-10, atol=1e-12) if BACKEND == "gloo" else dict(rtol=1e-9, atol=1e-10)
+WORLD, EP = 4, 2
+PP = WORLD // EP
+SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+_BASE = dict(microbatches=4, ep=EP, rows=16, seq=3, steps=2)
+CASES: list[dict[str, Any]] = [dict(_BASE, id=f"ep-{s}", schedule=s) for s in SCHEDULES]
+WORKER = str(Path(__file__).parent / "ranks" / "moe_worker.py")
+
+
+# ---------------------------------------------------------------- one process
+
+
+def test_moe_block_equals_a_token_by_token_loop() -> None:
+    from pipeloom.moe import MoE, capacity
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(3)
+    moe = MoE(5, 7, 4, top_k=2, capacity_factor=0.75, generator=g, dtype=torch.float64)
+    x = torch.randn(2, 6, 5, dtype=torch.float64)
+    y = moe(x)
+    tokens = x.reshape(-1, 5)
+    c = capacity(12, num_experts=4, top_k=2, capacity_factor=0.75)
+    assert c == 5
+    probs = torch.softmax(tokens @ moe.router.weight.t(), -1)
+    gate, idx = probs.topk(2, -1)
+    want = torch.zeros_like(tokens)
+    used = [0] * 4
+    dropped = 0
+    for j in range(2):  # first choices take the slots first
+        for i in range(12):
+            e = int(idx[i, j])
+            if used[e] >= c:
+                dropped += 1
+                continue
+            used[e] += 1
+            h = torch.nn.functional.gelu(tokens[i] @ moe.w1[e])
+            want[i] += gate[i, j] * (h @ moe.w2[e])
+    assert dropped > 0, "the case should drop some assignments"
+    torch.testing.assert_close(y.reshape(-1, 5), want, rtol=1e-12, atol=1e-12)
+    y.sum().backward()  # gradients reach the router and the experts
+    assert moe.router.weight.grad.abs().sum() > 0 and moe.w1.grad.abs().sum() > 0
+
+
+def test_expert_shards_and_grid() -> None:
+    from pipeloom.moe import MoE, is_expert_parameter
+    from pipeloom.runtime.expert_parallel import StageContext, call_stage_fn, make_ep_grid
+
+    full = MoE(4, 3, 4, generator=torch.Generator().manual_seed(1))
+    part = MoE(4, 3, 4, ep_rank=1, ep_size=2, group=object(), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(part.w1, full.w1[2:]) and torch.equal(part.router.weight, full.router.weight)
+    assert is_expert_parameter(part.w2) and not is_expert_parameter(part.router.weight)
+    with pytest.raises(ValueError, match="multiple"):
+        MoE(4, 3, 3, ep_rank=0, ep_size=2, group=object())
+    grid, dp = make_ep_grid(world=8, data_parallel=2, expert_parallel=2, mesh=None)
+    assert dp == 2 and grid == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    ctx = StageContext(stage=3, device=torch.device("cpu"))
+    assert call_stage_fn(lambda s: s, 3, ctx) == 3
+    assert call_stage_fn(lambda s, c: c.stage, 3, ctx) == 3
+    from pipeloom.runtime.errors import PipelineConfigError
+
+    with pytest.raises(PipelineConfigError, match="does not divide"):
+        make_ep_grid(world=6, data_parallel=1, expert_parallel=4, mesh=None)
+
+
+# ---------------------------------------------------------------- rank pool
+
+
+def reference(cfg: dict[str, Any], num_stages: int) -> list[dict[str, Any]]:
+    """The unsplit model, every expert on this process: each column's microbatches routed on their own."""
+    stages = [MoEStage(s) for s in range(num_stages)]
+    opt = torch.optim.SGD([p for m in stages for p in m.parameters()], lr=0.1)
+    n, cols = cfg["microbatches"], cfg["ep"]
+    out = []
+    for step in range(cfg["steps"]):
+        x, y = make_batch(step, rows=cfg["rows"], seq=cfg["seq"])
+        opt.zero_grad(set_to_none=True)
+        losses: list[list[torch.Tensor]] = []
+        outputs = []
+        for xc, yc in zip(torch.tensor_split(x, cols), torch.tensor_split(y, cols)):
+            col_losses, col_out = [], []
+            for xm, ym in zip(torch.tensor_split(xc, n), torch.tensor_split(yc, n)):
+                h = xm
+                for st in stages:
+                    h = st(h)
+                loss = loss_fn(h, ym)
+                (loss / (n * cols)).backward()
+                col_losses.append(loss.detach())
+                col_out.append(h.detach())
+            losses.append(col_losses)
+            outputs.append(torch.cat(col_out))
+        grads = {f"s{i}.{pn}": p.grad.clone() for i, m in enumerate(stages) for pn, p in m.named_parameters()}
+        opt.step()
+        out.append({"grads": grads, "losses": losses, "outputs": outputs})
+    return out
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[dict[str, Any]]], float]:
+    out = tmp_path_factory.mktemp("moe")
+    t0 = time.monotonic()
+    results = asyncio.run(run_ranks(WORLD, CASES, out, timeout=240, worker=WORKER))
+    return results, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("case_id", [c["id"] for c in CASES])
+def test_expert_parallel_matches_unsplit_model(pool: Any, case_id: str) -> None:
+    results = pool[0][case_id]
+    cfg = next(c for c in CASES if c["id"] == case_id)
+    ns = PP * default_stages_per_rank(cfg["schedule"])
+    ref = reference(cfg, ns)
+    local = EXPERTS // EP
+    seen_experts = set()
+    for rank, res in enumerate(results):
+        col = rank % EP  # global rank = pp_index * ep + ep_index
+        assert res["column"] == col and res["deterministic"], res["column"]
+        for s in res["stages"]:
+            assert res["ep_rank"][s] == col
+        for step, want in enumerate(ref):
+            got = res["grads"][step]
+            assert got, f"rank {rank} holds no stage"
+            for name, g in got.items():
+                w = want["grads"][name]
+                if name.endswith((".moe.w1", ".moe.w2")):
+                    w = w[col * local : (col + 1) * local]
+                    seen_experts.add((name, col))
+                torch.testing.assert_close(g, w, **TOL, msg=lambda m, name=name, step=step, rank=rank: f"rank {rank} step {step} grad {name}: {m}")
+            if ns - 1 in res["stages"]:
+                for a, b in zip(res["losses"][step], want["losses"][col], strict=True):
+                    torch.testing.assert_close(a, b, **TOL)
+                torch.testing.assert_close(res["outputs"][step], want["outputs"][col], **TOL)
+    # every expert's gradient was checked on the rank that holds it
+    assert len(seen_experts) == 2 * ns * EP
+
+
+def test_pool_time(pool: Any) -> None:
+    assert pool[1] < 150, f"the expert-parallel pool took {pool[1]:.1f} s"
