@@ -150,3 +150,43 @@ def test_rejections_are_summarised_per_reason_and_interval() -> None:
     rl.rejected(MessageError("bad signature: x"))
     rl.flush(force=True)
     assert lines[-1] == "rank 3: rejected 1 more control message in the last 0.0 s: bad signature"
+
+
+def test_empty_wakes_and_forged_frames_leave_the_reader_armed() -> None:
+    """A drain that finds nothing (a failed recv) or only rejected frames still re-arms the FD's edge."""
+    from pipeloom.transport.messages import Codec, MessageError
+
+    a, b = _pair()
+    got: list[int] = []
+    forger = Codec(b"not the job's secret", rank=0, world_size=2)
+
+    async def main() -> None:
+        b.start(lambda m: got.append(m["step"]) if m["type"] == "heartbeat" else None)
+        await asyncio.sleep(0.05)
+        for _ in range(3):
+            assert b.drain() == 0  # nothing queued: zmq.Again, nothing delivered
+        a.send(1, "heartbeat", **{**HB, "step": 1})
+        await _until(lambda: got == [1])
+        assert b.drain() == 0
+        # forged (wrong key) and unchecked-but-malformed frames are rejected; the next good one still wakes the loop
+        push = a._push[1]
+        push.send(forger.frame("heartbeat", dict(HB)))
+        with pytest.raises(MessageError, match="field 'state'"):
+            a.send(1, "heartbeat", **{**HB, "state": "dancing"})  # outgoing messages are checked by default
+        loose = ControlPlane(0, 2, secret=b"k" * 16, check_outgoing=False)
+        try:
+            loose.connect([a.endpoint, b.endpoint])
+            assert loose.send(1, "heartbeat", **{**HB, "state": "dancing"})
+            await _until(lambda: b.rejected == 2)
+        finally:
+            loose.close()
+        a.send(1, "heartbeat", **{**HB, "step": 2})
+        await _until(lambda: got == [1, 2])
+        assert b.rejected == 2
+
+    try:
+        asyncio.run(main())
+    finally:
+        b.stop()
+        a.close()
+        b.close()

@@ -14,15 +14,16 @@ drains the socket with ``recv(NOBLOCK)`` and hands each message to the handler
 right there -- no ``zmq.asyncio`` future, no reader task to resume, so a
 message costs one loop callback.  ``ZMQ_FD`` is edge-triggered (it signals
 that ZeroMQ has commands to process, not that a message is waiting), so a wake
-always drains until ``ZMQ_EVENTS`` says nothing is left, and what was queued
-before the reader was registered is drained once on start.  One context per
+always drains until the socket is empty (a failed ``recv`` or ``ZMQ_EVENTS``
+without ``POLLIN``), and what was queued before the reader was registered is
+drained once on start.  One context per
 process, created after any fork; ``LINGER`` is short so closing never hangs on
 a dead peer.
 
 Endpoints are exchanged once through ``torch.distributed`` (an all-gather over
 the job's own process group), so no extra rendezvous service is needed.
 
-Every frame is signed with a per-job secret (HMAC, see ``messages.sign``):
+Every frame is signed with a per-job secret (HMAC, see ``messages.Codec``):
 the launcher's ``PIPELOOM_JOB_SECRET``, or one that rank 0 draws and shares
 through the job's store.  A process outside the job cannot inject messages; its
 frames are rejected like any other malformed input.  Rejections are logged in
@@ -44,7 +45,7 @@ from typing import Any
 
 import zmq
 
-from .messages import MessageError, decode, encode, sign, verify
+from .messages import Codec, MessageError
 
 __all__ = ["ControlPlane", "RejectionLog", "choose_bind_host"]
 
@@ -129,9 +130,12 @@ def choose_bind_host(master_addr: str | None) -> str:
 class ControlPlane:
     """One rank's end of the control plane."""
 
-    def __init__(self, rank: int, world_size: int, *, secret: bytes, host: str = "127.0.0.1") -> None:
+    def __init__(self, rank: int, world_size: int, *, secret: bytes, host: str = "127.0.0.1",
+                 check_outgoing: bool = True) -> None:
+        """``check_outgoing``: validate this rank's own messages before sending (see :class:`Codec`)."""
         self.rank = rank
         self._key = secret
+        self._codec = Codec(secret, rank=rank, world_size=world_size, check_outgoing=check_outgoing)
         self.world_size = world_size
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
@@ -175,7 +179,7 @@ class ControlPlane:
 
     def send(self, dst: int, msg_type: str, /, **fields: Any) -> bool:
         """Send a message without ever blocking; False if the peer's queue is full."""
-        data = sign(self._key, encode(msg_type, self.rank, **fields))
+        data = self._codec.frame(msg_type, fields)
         try:
             self._push[dst].send(data, zmq.NOBLOCK)
             return True
@@ -223,8 +227,8 @@ class ControlPlane:
                 self._read_monitors(monitors)
                 self.rejections.flush()
                 state, what, since = self._hb_state()
-                data = sign(self._key, encode(
-                    "heartbeat", self.rank, step=self.step, t=time.time(), state=state, what=what[:200],
+                data = self._codec.frame("heartbeat", dict(
+                    step=self.step, t=time.time(), state=state, what=what[:200],
                     for_s=max(0.0, time.monotonic() - since), stall_s=float(self.stall_budget),
                 ))
                 for s in socks:
@@ -278,40 +282,48 @@ class ControlPlane:
         ``limit`` messages it yields to the loop and continues on its next
         turn, so a flood cannot starve the dispatcher; the edge it consumed
         will not fire again, hence the explicit ``call_soon``.
+
+        The FD is re-armed by ZeroMQ processing its pending commands, which
+        both a failed ``recv(NOBLOCK)`` and reading ``ZMQ_EVENTS`` do.  A wake
+        almost always has a message, so the first ``recv`` is tried without
+        asking (a wake without one costs one ``zmq.Again``); after each
+        message ``ZMQ_EVENTS`` says whether another is waiting, and the loop
+        ends only on a failed ``recv`` or an ``EVENTS`` without ``POLLIN``:
+        either way the FD fires again when the next message comes.
         """
         handler = self._handler
         if handler is None or self._closed:
             return 0
         pull = self._pull
+        recv = pull.recv
         events = pull.getsockopt
+        read = self._codec.read
         n = 0
-        # Reading ZMQ_EVENTS also makes ZeroMQ process its pending commands, which re-arms the FD.
-        while events(zmq.EVENTS) & zmq.POLLIN:
+        while True:
             try:
-                data = pull.recv(zmq.NOBLOCK, copy=True)
+                data = recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            self._deliver(data, handler)  # type: ignore[arg-type]
             n += 1
+            try:
+                msg = read(data)  # type: ignore[arg-type]
+            except MessageError as exc:
+                self.rejected += 1
+                self.rejections.rejected(exc)
+            else:
+                try:
+                    handler(msg)
+                except Exception:  # a handler bug must not kill the reader: the rank would go deaf
+                    self.rejected += 1
+                    log.exception("rank %d: handling a %s message from rank %s failed", self.rank, msg["type"], msg["src"])
             if n >= limit:
                 loop = self._reader_loop
                 if loop is not None and not loop.is_closed():
                     loop.call_soon(self.drain)
                 break
+            if not events(zmq.EVENTS) & zmq.POLLIN:
+                break
         return n
-
-    def _deliver(self, data: bytes, handler: Callable[[dict[str, Any]], None]) -> None:
-        try:
-            msg = decode(verify(self._key, data), world_size=self.world_size, rank=self.rank)
-        except MessageError as exc:
-            self.rejected += 1
-            self.rejections.rejected(exc)
-            return
-        try:
-            handler(msg)
-        except Exception:  # a handler bug must not kill the reader: the rank would go deaf
-            self.rejected += 1
-            log.exception("rank %d: handling a %s message from rank %s failed", self.rank, msg.get("type"), msg.get("src"))
 
     def stop(self) -> None:
         """Stop watching the socket (messages stay queued in ZeroMQ until ``start`` on a loop again)."""
