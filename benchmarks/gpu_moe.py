@@ -348,36 +348,53 @@ def _a2a_alone_ms(env: _Env) -> float | None:
     return statistics.median(times)
 
 
-def a2a_overlap(trace_path: str, name: str = "pipeloom.moe.all_to_all") -> dict[str, float] | None:
+def a2a_overlap(trace_path: str, name: str = "pipeloom.moe.all_to_all") -> dict[str, Any] | None:
     """From a profiler chrome trace: all-to-all kernel time and how much of it a compute kernel on another stream overlaps.
 
-    The all-to-all kernels are those whose launch (a CUDA runtime/driver event, by correlation
-    id) happened inside a ``name`` range on the same thread; compute kernels are the kernels
-    whose name does not mention nccl.
+    The all-to-all kernels are found three ways, and the row says which found them
+    (``a2a_found_by``): (1) their launch (a CUDA runtime or driver event, linked by
+    correlation id) happened inside a ``name`` range on the same thread; (2) their
+    ``External id`` is that of a CPU op named like ``c10d::alltoall...``; (3) NCCL kernels
+    on a stream where (1) or (2) found one (each ep group has its own NCCL stream, which
+    carries nothing else).  Compute kernels are those whose name does not mention nccl.
     """
     with open(trace_path) as f:
-        events = json.load(f).get("traceEvents", [])
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
     ranges: dict[Any, list[tuple[float, float]]] = {}
     for e in events:
-        if e.get("ph") == "X" and e.get("name") == name:
+        if e.get("name") == name:
             ranges.setdefault((e.get("pid"), e.get("tid")), []).append((e["ts"], e["ts"] + e.get("dur", 0)))
     corr: set[Any] = set()
     for e in events:
-        if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver"):
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
             rs = ranges.get((e.get("pid"), e.get("tid")))
             if rs and any(lo <= e["ts"] <= hi for lo, hi in rs):
                 c = (e.get("args") or {}).get("correlation")
                 if c is not None:
                     corr.add(c)
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
-    a2a = [k for k in kernels if (k.get("args") or {}).get("correlation") in corr]
+    a2a_ops = {(e.get("args") or {}).get("External id") for e in events
+               if e.get("cat") == "cpu_op" and "alltoall" in e.get("name", "").replace("_", "").lower()}
+    a2a_ops.discard(None)
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+
+    def arg(k: dict[str, Any], key: str) -> Any:
+        return (k.get("args") or {}).get(key)
+
+    found = {id(k): "range" for k in kernels if arg(k, "correlation") in corr}
+    for k in kernels:
+        if id(k) not in found and arg(k, "External id") in a2a_ops and "nccl" in k["name"].lower():
+            found[id(k)] = "cpu op"
+    streams = {arg(k, "stream") for k in kernels if id(k) in found}
+    for k in kernels:
+        if id(k) not in found and arg(k, "stream") in streams and "nccl" in k["name"].lower():
+            found[id(k)] = "stream"
+    a2a = [k for k in kernels if id(k) in found]
     if not a2a:
         return None
     compute = [k for k in kernels if "nccl" not in k["name"].lower()]
-    total = hidden = 0.0
     by_stream: dict[Any, list[tuple[float, float]]] = {}
     for k in compute:
-        by_stream.setdefault((k.get("args") or {}).get("stream"), []).append((k["ts"], k["ts"] + k["dur"]))
+        by_stream.setdefault(arg(k, "stream"), []).append((k["ts"], k["ts"] + k["dur"]))
     merged: dict[Any, list[tuple[float, float]]] = {}
     for st, ivs in by_stream.items():
         ivs.sort()
@@ -388,11 +405,12 @@ def a2a_overlap(trace_path: str, name: str = "pipeloom.moe.all_to_all") -> dict[
             else:
                 out.append([lo, hi])
         merged[st] = [(lo, hi) for lo, hi in out]
+    total = hidden = 0.0
     for k in a2a:
         lo, hi = k["ts"], k["ts"] + k["dur"]
         total += hi - lo
-        st = (k.get("args") or {}).get("stream")
-        # union over the other streams' compute intervals, clipped to [lo, hi]
+        st = arg(k, "stream")
+        # the union of the other streams' compute intervals, clipped to [lo, hi]
         pieces = sorted((max(a, lo), min(b, hi)) for s2, ivs in merged.items() if s2 != st for a, b in ivs if b > lo and a < hi)
         cover, end = 0.0, lo
         for a, b in pieces:
@@ -401,8 +419,9 @@ def a2a_overlap(trace_path: str, name: str = "pipeloom.moe.all_to_all") -> dict[
                 cover += b - a
                 end = b
         hidden += cover
+    how = sorted(set(found.values()))
     return {"a2a_kernel_ms": total / 1e3, "a2a_hidden_ms": hidden / 1e3, "a2a_hidden": hidden / total if total else 0.0,
-            "a2a_kernels": float(len(a2a))}
+            "a2a_kernels": len(a2a), "a2a_streams": len(streams), "a2a_found_by": ",".join(how)}
 
 
 def _profile(env: _Env, run: _Run, engine: str) -> dict[str, Any]:
@@ -511,10 +530,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--expert-hidden", type=int, default=1024)
     ap.add_argument("--capacity", type=float, default=1.25, help="capacity factor")
-    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--microbatches", type=int, default=8, help="per ep column")
     ap.add_argument("--mbsize", type=int, default=4, help="sequences per microbatch")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled step")
     ap.add_argument("--profile-dir", default=None, help="keep rank 0's chrome traces here")

@@ -182,7 +182,7 @@ class MoE(nn.Module):
         gate, expert = probs.topk(k, dim=-1)  # [t, k]
         # slot of each assignment in its expert, first choices first (as GShard): [k * t]
         order = expert.t().reshape(-1)
-        onehot = torch.nn.functional.one_hot(order, e)
+        onehot = torch.zeros(k * t, e, dtype=torch.long, device=order.device).scatter_(1, order[:, None], 1)
         pos = (onehot.cumsum(0) - 1).gather(1, order[:, None]).squeeze(1)
         kept = pos < c
         trash = e * c

@@ -164,3 +164,53 @@ def test_expert_parallel_matches_unsplit_model(pool: Any, case_id: str) -> None:
 
 def test_pool_time(pool: Any) -> None:
     assert pool[1] < 150, f"the expert-parallel pool took {pool[1]:.1f} s"
+
+
+def test_benchmark_measures_hidden_all_to_all_from_a_timeline(tmp_path: Path) -> None:
+    # benchmarks/gpu_moe.py's analysis on a synthetic chrome trace: an all-to-all kernel on stream 7
+    # (its launch inside the pipeloom.moe.all_to_all range), compute on stream 9 covering half of it
+    import json
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from gpu_moe import a2a_overlap
+
+    ev = [
+        {"ph": "X", "cat": "user_annotation", "name": "pipeloom.moe.all_to_all", "pid": 1, "tid": 5, "ts": 0, "dur": 10},
+        {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "pid": 1, "tid": 5, "ts": 2, "dur": 1, "args": {"correlation": 11}},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "pid": 0, "tid": 7, "ts": 100, "dur": 40,
+         "args": {"correlation": 11, "stream": 7}},
+        # a later all-to-all on the same stream, its launch not seen: found by its stream
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "pid": 0, "tid": 7, "ts": 300, "dur": 10,
+         "args": {"correlation": 99, "stream": 7}},
+        # a pipeline transfer (another NCCL stream) is neither all-to-all nor compute
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "pid": 0, "tid": 8, "ts": 100, "dur": 40,
+         "args": {"correlation": 12, "stream": 8}},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 9, "ts": 90, "dur": 20, "args": {"correlation": 13, "stream": 9}},
+        {"ph": "X", "cat": "kernel", "name": "gelu", "pid": 0, "tid": 9, "ts": 105, "dur": 15, "args": {"correlation": 14, "stream": 9}},
+        # compute on the all-to-all's own stream hides nothing
+        {"ph": "X", "cat": "kernel", "name": "add", "pid": 0, "tid": 7, "ts": 120, "dur": 20, "args": {"correlation": 15, "stream": 7}},
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": ev}))
+    got = a2a_overlap(str(path))
+    assert got is not None and got["a2a_kernels"] == 2 and got["a2a_found_by"] == "range,stream"
+    assert got["a2a_kernel_ms"] == pytest.approx(0.05) and got["a2a_hidden_ms"] == pytest.approx(0.02)
+    assert got["a2a_hidden"] == pytest.approx(0.4)
+
+
+def test_expert_parallel_configuration_errors(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    import pipeloom
+    from harness import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        stage = lambda s: MoEStage(s)  # noqa: E731
+        with pytest.raises(pipeloom.PipelineConfigError, match="does not combine with fsdp"):
+            pipeloom.Pipeline(stage, schedule="1F1B", num_microbatches=2, loss_fn=loss_fn, expert_parallel=2, fsdp=True)
+        with pytest.raises(pipeloom.PipelineConfigError, match="does not divide the job's 1 ranks"):
+            pipeloom.Pipeline(stage, schedule="1F1B", num_microbatches=2, loss_fn=loss_fn, expert_parallel=2)
+    finally:
+        dist.destroy_process_group()
