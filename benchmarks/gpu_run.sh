@@ -19,6 +19,10 @@
 #   moe4       benchmarks/gpu_moe.py on 4 GPUs (pp 2 x ep 2): DualPipeV with / without overlap, torch's DualPipeV,
 #              1F1B, Interleaved1F1B; rank 0's profiler traces under $OUT/prof-moe; then tests/test_moe.py on NCCL
 #              (MOE_ARGS: extra arguments; MOE_TIMEOUT: the benchmark's bound, default 200 s)
+#   uneven2    benchmarks/uneven.py on GPUs 0,1 (uneven4: 0..3): GPT size UNEVEN_SIZE (default s), schedules
+#              UNEVEN_SCHEDULES, workloads UNEVEN_WORKLOADS (lengths fixed/uniform/bimodal/longtail, rank 1 jittered),
+#              pipeloom deterministic vs UNEVEN_RULES (default auto) vs torch, with the simulated gain and ceiling
+#              next to each measured gain; rows in $OUT/uneven.jsonl, table in $OUT/uneven-table.md
 # Environment: SCHEDULES, BENCH_ARGS, BENCH_TIMEOUT, VARIANTS (see bench2).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -96,6 +100,15 @@ for part in "$@"; do
     python3 benchmarks/gpu_moe.py --table "$OUT/moe.jsonl" | tee "$OUT/moe-table.md"
     (cd /tmp && PIPELOOM_TEST_BACKEND=nccl timeout 150 python3 -m pytest -q -p no:cacheprovider --rootdir "$REPO" \
        -c "$REPO/pyproject.toml" "$REPO/tests/test_moe.py" 2>&1 > "$OUT/moe-nccl-tests.log"; tail -8 "$OUT/moe-nccl-tests.log")
+    ;;
+  uneven2|uneven4)
+    n=2; vis=0,1; [ "$part" = uneven4 ] && { n=4; vis=0,1,2,3; }
+    (cd /tmp && CUDA_VISIBLE_DEVICES=$vis timeout "${UNEVEN_TIMEOUT:-230}" python3 "$REPO/benchmarks/uneven.py" --backend nccl --ranks $n \
+       --model gpt --size "${UNEVEN_SIZE:-s}" --schedules "${UNEVEN_SCHEDULES:-GPipe,1F1B,ZBVZeroBubble,InterleavedZeroBubble}" \
+       --workloads "${UNEVEN_WORKLOADS:-fixed,uniform,bimodal,longtail,jitter}" --rules "${UNEVEN_RULES:-auto}" \
+       --steps "${UNEVEN_STEPS:-8}" --blocks "${UNEVEN_STEPS:-8}" --warmup 3 --timeout 225 --json "$OUT/uneven.jsonl" ${UNEVEN_ARGS:-} \
+       2>&1 | grep -v "^\[W\|Warning\|warn" | cut -c1-300 | tail -40 | tee "$OUT/uneven-$n.txt")
+    python3 benchmarks/uneven.py --table "$OUT/uneven.jsonl" | tee "$OUT/uneven-table.md"
     ;;
   *) echo "unknown part $part"; exit 2 ;;
   esac

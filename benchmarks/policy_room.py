@@ -13,7 +13,7 @@ policy_sim``; ``ready`` and ``guarded`` run the runtime's own
 * ``guarded`` -- the head as soon as it is ready, a later action only inside
   the hole the static plan (mean costs) leaves before the head;
 * ``auto`` -- what the runtime's default does for this schedule:
-  ``choose_rule`` picks ``ready``, ``critical`` or ``guarded`` once, from a
+  ``choose_rule`` picks ``ready``, ``critical``, ``guarded`` or ``list`` once, from a
   simulation with *default* costs and uniform lengths, not the workload's;
 
 Every policy is the runtime's own rule (``schedules/dispatch.py``) and knows
@@ -93,7 +93,7 @@ def room(name: str, ranks: int, workload: str, *, trials: int, microbatches: int
         totals["bound"] += _lower_bound(sched, lists, durs, prio, costs.transfer)
     out = {p: v / trials for p, v in totals.items()}
     rule = choose_rule(sched)
-    out["auto"] = out[{"ready": "dynamic", "critical": "critical", "guarded": "guarded"}[rule]]
+    out["auto"] = out[{"list": "static", "ready": "dynamic", "critical": "critical", "guarded": "guarded"}[rule]]
     out["auto_rule"] = rule  # type: ignore[assignment]
     return out
 

@@ -1,39 +1,65 @@
-"""Uneven work on CPU: pipeloom's dispatch rule against its deterministic order and torch, with the simulator's prediction.
+"""Uneven work: pipeloom's dispatch rule against its deterministic order and torch, with the simulator's prediction.
 
-Issue 19's benchmark.  gloo ranks whose "compute" is host sleeps
-proportional to each microbatch's length (so the comparison holds on a small,
-loaded machine): a forward sleeps ``--f-ms x length``, the input-gradient
-half of a backward (I) as long, the weight-gradient half (W) as long (a
-custom autograd Function on the weight, so the zero-bubble split puts it in
-W), a full B both.  Microbatches have different row counts (``pipeloom.
-Microbatches``), the length being ``rows / max_rows``.
+Issue 19's benchmark.  Two models:
 
-Workloads (``--workloads``):
+* ``--model sleep`` (CPU, gloo; the default): ranks whose "compute" is host
+  sleeps proportional to each microbatch's length (so the comparison holds
+  on a small, loaded machine): a forward sleeps ``--f-ms x length``, the
+  input-gradient half of a backward (I) as long, the weight-gradient half
+  (W) as long (a custom autograd Function on the weight, so the zero-bubble
+  split puts it in W), a full B both.  The length is ``rows / max_rows``.
+* ``--model gpt`` (GPUs with ``--backend nccl``; on CPU only as a smoke
+  test): the GPT of ``benchmarks/gpu_pipeline.py`` (token embedding on the
+  first stage, RMSNorm and vocabulary head on the last, ``--size s|l|tiny``),
+  one sequence length per microbatch (``length x --seq``).  A slow or
+  jittered rank does *device* work: extra matmuls after each forward and in
+  each backward (an autograd Function on the stage's output), sized from
+  the stage's own measured time, so what is uneven is the GPU's work, not
+  the host's.
+
+Microbatches have their own shapes (``pipeloom.Microbatches``).  Workloads
+(``--workloads``):
 
 * ``fixed`` -- every microbatch at the longest length;
 * ``uniform`` -- lengths uniform in 0.25..1 of the longest;
 * ``bimodal`` -- 70% at a quarter, 30% at full length (packed short
   documents and a few long ones);
-* ``slow-rank`` -- fixed lengths, rank 1 1.5x slower (a slow stage);
-* ``jitter`` -- fixed lengths, rank 1's every action x (1 + 0.3 N(0,1)).
+* ``longtail`` -- log-normal lengths, most short, a few long;
+* ``slow-rank`` -- fixed lengths, rank 1 ``--slow`` x slower (a slow stage);
+* ``jitter`` -- fixed lengths, rank 1's every action x (1 + ``--jitter``
+  N(0,1)) (on GPUs only the slowdowns: extra work cannot make it faster).
 
 Each step uses one of ``--draws`` length vectors (seeded, the same for every
 engine).  Engines, all alive in the same processes, timed in alternating
-blocks so drift hits them alike: pipeloom ``deterministic=True``, pipeloom's
-default dispatch (``auto``: the rule it picks is shown), and
-``torch.distributed.pipelining``'s class of the same name; torch needs one
-shape for every microbatch, so on uneven work it gets them padded to the
-longest (its sleeps follow the padded rows: what padding costs).
+blocks so drift hits them alike: pipeloom ``deterministic=True``, pipeloom
+with each rule of ``--rules`` (default ``auto``, the default dispatch; the
+rule it resolves to is shown; ``list`` there is the deterministic order
+itself), and ``torch.distributed.pipelining``'s class of the same name; torch
+needs one shape for every microbatch, so on uneven work it gets them padded
+to the longest (its work follows the padded length: what padding costs).
 
 The measured gain is the median over pairs of steps with the same lengths,
 timed one right after the other, of deterministic / dynamic - 1 (ranks
 averaged), with its quartiles: the spread is this machine's noise.  Next to
-it the simulator's
-prediction for the same rule on the same lengths and costs
-(``pipeloom.schedules.simulate_policy``), with the measured per-action
-host overhead as the transfer cost.
+it the simulator (``pipeloom.schedules.simulate_policy``, the runtime's own
+dispatch rules) on the same lengths:
 
-    python benchmarks/uneven.py [--ranks 2] [--schedules ...] [--workloads ...] [--json FILE]
+* ``predicted`` -- the rule's gain over the static order with the costs the
+  benchmark *sets* (sleep model: the sleeps, ``--overhead-ms`` per
+  transfer; GPT: each stage's forward and backward time measured at full
+  length before the run, scaled by length);
+* ``recorded`` (``--record``, CPU) -- the same with the costs of a recorded
+  run: one more deterministic pipeline traces one step per length vector,
+  and every action's measured duration plus its rank's runtime time per
+  action (``pipeloom.tools.run_costs``) is the simulator's cost, the mean
+  measured transfer time its transfer cost;
+* ``ceiling`` -- the best of the rules ``ready``/``critical``/``guarded``
+  per draw against the static order with the same costs (recorded where
+  there are): what the runtime's rules could take on this workload.
+
+    python benchmarks/uneven.py [--ranks 2] [--schedules ...] [--workloads ...] [--rules auto] [--record] [--json FILE]
+    python benchmarks/uneven.py --backend nccl --model gpt --size s ...     (GPUs 0..ranks-1)
+    python benchmarks/uneven.py --table FILE.jsonl                          (a markdown table of the rows)
 """
 
 from __future__ import annotations
@@ -46,6 +72,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -54,7 +81,14 @@ from _procs import stop_ranks  # benchmarks/ is on sys.path: scripts run from th
 __all__ = ["main"]
 
 ALL_SCHEDULES = "GPipe,1F1B,Interleaved1F1B,LoopedBFS,InterleavedZeroBubble,ZBVZeroBubble,DualPipeV"
-ALL_WORKLOADS = "fixed,uniform,bimodal,slow-rank,jitter"
+ALL_WORKLOADS = "fixed,uniform,bimodal,longtail,slow-rank,jitter"
+RULE_POLICY = {"list": "static", "ready": "dynamic", "critical": "critical", "guarded": "guarded"}
+#: GPT sizes: (layers, hidden, heads, vocab, seq, microbatches, sequences per microbatch)
+GPT_SIZES = {
+    "tiny": (4, 64, 4, 256, 64, 8, 1),
+    "s": (8, 1024, 8, 32000, 1024, 16, 2),
+    "l": (16, 2048, 16, 32000, 1024, 16, 2),
+}
 
 
 def _lengths(workload: str, m: int, draws: int, seed: int) -> list[list[float]]:
@@ -65,44 +99,97 @@ def _lengths(workload: str, m: int, draws: int, seed: int) -> list[list[float]]:
             out.append([rng.uniform(0.25, 1.0) for _ in range(m)])
         elif workload == "bimodal":
             out.append([1.0 if rng.random() < 0.3 else 0.25 for _ in range(m)])
+        elif workload == "longtail":
+            out.append([min(1.0, 0.1 + 0.15 * rng.lognormvariate(0.0, 0.9)) for _ in range(m)])
         else:
             out.append([1.0] * m)
     return out
 
 
-def _rows(lengths: list[float], max_rows: int) -> list[int]:
-    return [max(1, round(x * max_rows)) for x in lengths]
+def _factor(args: argparse.Namespace, workload: str, rank: int, step: int, stage: int, mb: int, kind: str) -> float:
+    """The slowdown of one action of ``rank`` (1 unless ``rank`` is the slow or jittered one)."""
+    if rank != 1:
+        return 1.0
+    if workload == "slow-rank":
+        return args.slow
+    if workload == "jitter":
+        r = random.Random(f"{step}:{stage}:{mb}:{kind}")  # a str seed: the same in every process
+        return max(1.0 if args.model == "gpt" else 0.1, 1.0 + args.jitter * r.gauss(0.0, 1.0))
+    return 1.0
 
 
-def _predict(name: str, world: int, m: int, workload: str, vectors: list[list[float]], args: argparse.Namespace,
-             rule: str, overhead_ms: float) -> float:
-    """Simulated gain of ``rule`` over the static order, mean step time over the same length vectors."""
-    from pipeloom.schedules import Costs, generate, simulate_policy
-    from pipeloom.schedules.policy_sim import draw_costs
-
-    sched = generate(name, num_ranks=world, num_microbatches=m)
-    f = args.f_ms
-    costs = Costs(F=f, B=2 * f, I=f, W=f, send_latency=overhead_ms)
-    slow = {1: args.slow} if workload == "slow-rank" else None
-    jitter = args.jitter if workload == "jitter" else 0.0
-    rng = random.Random(7)
-    tot = {"static": 0.0, rule: 0.0}
-    trials = 0
-    for vec in vectors:
-        for _ in range(4 if jitter else 1):
-            lengths = [_rows([x], args.max_rows)[0] / args.max_rows for x in vec]
-            durs = draw_costs(sched, costs, lengths=lengths, slow=slow, rng=rng)
-            if jitter:  # only rank 1's actions jitter
-                for k in durs:
-                    if sched.stage_to_rank[k[0]] == 1:
-                        durs[k] *= max(0.1, 1.0 + jitter * rng.gauss(0.0, 1.0))
-            pol = {"static": "static", "ready": "dynamic", "critical": "critical", "guarded": "guarded"}
-            for p in tot:
-                tot[p] += simulate_policy(sched, pol[p], durs, transfer=overhead_ms).makespan
-            trials += 1
-    return tot["static"] / tot[rule] - 1.0
+def _quant(x: float, unit: int) -> float:
+    """A length as the benchmark realises it (``unit`` rows or tokens per full length)."""
+    return max(1, round(x * unit)) / unit
 
 
+def _unit(args: argparse.Namespace) -> int:
+    return args.seq if args.model == "gpt" else args.max_rows
+
+
+# ------------------------------------------------------------ the simulator's side
+def _nominal_durations(args: argparse.Namespace, sched: Any, workload: str, vec: list[float], step: int,
+                       stage_ms: dict[int, tuple[float, float]]) -> dict[tuple[int, str, int], float]:
+    """Leaf durations (ms) as the benchmark sets them: sleeps, or measured full-length stage times x length."""
+    from pipeloom.schedules.policy_sim import _compute_lists
+
+    place = sched.stage_to_rank
+    out: dict[tuple[int, str, int], float] = {}
+    unit = _unit(args)
+    for acts in _compute_lists(sched).values():
+        for a in acts:
+            for x in a.leaves():
+                s, t, m = x.stage, x.type.value, x.microbatch
+                ln = _quant(vec[m], unit)
+                fac = lambda k: _factor(args, workload, place[s], step, s, m, k)  # noqa: E731
+                if args.model == "sleep":
+                    f = args.f_ms * ln
+                    out[(s, t, m)] = {"F": f * fac("F"), "I": f * fac("I"), "W": f * fac("W"),
+                                      "B": f * fac("I") + f * fac("W")}[t]
+                else:  # GPT: extra device work after F and in the backward (the I half under a split)
+                    f, b = stage_ms[s]
+                    out[(s, t, m)] = {"F": f * ln * fac("F"), "B": b * ln * fac("B"),
+                                      "I": b * ln / 2 + b * ln * (fac("B") - 1.0), "W": b * ln / 2}[t]
+    return out
+
+
+def _gains(sched: Any, steps: list[dict[tuple[int, str, int], float]], transfer: float) -> dict[str, float]:
+    """Gain over the static order per rule, and ``ceiling`` (each step's best rule), over the same steps."""
+    from pipeloom.schedules import simulate_policy
+
+    tot = dict.fromkeys(["static", "ready", "critical", "guarded", "ceiling"], 0.0)
+    for durs in steps:
+        got = {r: simulate_policy(sched, RULE_POLICY[r], durs, transfer=transfer).makespan for r in ("ready", "critical", "guarded")}
+        tot["static"] += simulate_policy(sched, "static", durs, transfer=transfer).makespan
+        for r, v in got.items():
+            tot[r] += v
+        tot["ceiling"] += min(got.values())
+    out = {r: tot["static"] / v - 1.0 for r, v in tot.items() if r != "static" and v > 0}
+    out["list"] = 0.0
+    return out
+
+
+def _recorded_durations(paths: list[str], world: int) -> tuple[dict[int, dict[tuple[int, str, int], float]], float]:
+    """Per traced step, every leaf's measured duration plus its rank's runtime time per action (ms); transfer (ms)."""
+    from pipeloom.tools.run_costs import costs_from_trace
+    from pipeloom.tools.trace_model import _leaves, load_trace
+
+    model = load_trace(paths)
+    rc = costs_from_trace(model, skip_warmup=0)
+    over = rc.overhead_per_action_ns
+    steps: dict[int, dict[tuple[int, str, int], float]] = {}
+    for r, spans in model.actions.items():
+        for sp in spans:
+            if sp.type not in ("F", "B", "I", "W", "OVERLAP_F_B"):
+                continue
+            d = (sp.duration + over.get(r, 0.0)) / 1e6
+            for s, t, m in _leaves(sp):
+                if s is not None and m is not None:
+                    steps.setdefault(sp.step, {})[(s, t, m)] = d
+    return steps, rc.costs.send_latency / 1e6
+
+
+# ------------------------------------------------------------ the ranks
 def _rank_main(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
@@ -110,22 +197,37 @@ def _rank_main(args: argparse.Namespace) -> int:
     from torch.nn import functional as F
 
     import pipeloom
-    from pipeloom.schedules import default_stages_per_rank
+    from pipeloom.runtime.options import RuntimeOptions
+    from pipeloom.schedules import default_stages_per_rank, generate
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.backend == "nccl":
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=dev)
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo")
+    cuda = dev.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
     state: dict[str, Any] = {"workload": "fixed", "step": 0}
+    gpt = args.model == "gpt"
+    dtype = torch.bfloat16 if cuda else torch.float32
 
-    def factor(stage: int, mb_len: float, kind: str, mb: int) -> float:
-        x = mb_len
-        if rank == 1 and state["workload"] == "slow-rank":
-            x *= args.slow
-        if rank == 1 and state["workload"] == "jitter":
-            r = random.Random(hash((state["step"], stage, mb, kind)))
-            x *= max(0.1, 1.0 + args.jitter * r.gauss(0.0, 1.0))
-        return x
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
 
+    def reduce(vals: list[float], op: Any = dist.ReduceOp.SUM) -> list[float]:
+        t = torch.tensor(vals, dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=op)
+        return t.tolist()
+
+    def factor(stage: int, mb: int, kind: str) -> float:
+        return _factor(args, state["workload"], rank, state["step"], stage, mb, kind)
+
+    # ---- the sleep model
     class SleepGrad(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, t: torch.Tensor, ms: float) -> torch.Tensor:
@@ -137,7 +239,7 @@ def _rank_main(args: argparse.Namespace) -> int:
             time.sleep(ctx.ms / 1e3)
             return g, None
 
-    class Stage(nn.Module):
+    class SleepStage(nn.Module):
         def __init__(self, s: int) -> None:
             super().__init__()
             self.s = s
@@ -148,68 +250,192 @@ def _rank_main(args: argparse.Namespace) -> int:
             mb = self.calls
             self.calls += 1
             length = x.shape[0] / args.max_rows
-            f = args.f_ms * factor(self.s, length, "F", mb)
-            time.sleep(f / 1e3)
-            w = SleepGrad.apply(self.lin.weight, args.f_ms * factor(self.s, length, "W", mb))
+            time.sleep(args.f_ms * length * factor(self.s, mb, "F") / 1e3)
+            w = SleepGrad.apply(self.lin.weight, args.f_ms * length * factor(self.s, mb, "W"))
             y = torch.tanh(F.linear(x, w, self.lin.bias))
             if y.requires_grad:
-                ms = args.f_ms * factor(self.s, length, "I", mb)
+                ms = args.f_ms * length * factor(self.s, mb, "I")
                 y.register_hook(lambda g, ms=ms: (time.sleep(ms / 1e3), g)[1])
             return y
 
-    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    # ---- the GPT: extra device work on the slow / jittered rank
+    burn_a = torch.randn(args.burn_dim, args.burn_dim, device=dev, dtype=dtype)
+    burn_c = torch.empty_like(burn_a)
+
+    def burn(n: int) -> None:
+        for _ in range(n):
+            torch.mm(burn_a, burn_a, out=burn_c)
+
+    class Burn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, y: torch.Tensor, nf: int, nb: int) -> torch.Tensor:
+            ctx.nb = nb
+            burn(nf)
+            return y.clone()  # (a view of the input breaks torch's zero-bubble backward-input)
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+            burn(ctx.nb)
+            return g, None, None
+
+    stage_ms: dict[int, tuple[float, float]] = {}  # stage -> (F, B) ms at full length, every rank's
+    unit_ms = [1.0]  # one burn matmul
+
+    class GptStage(nn.Module):
+        def __init__(self, s: int, inner: nn.Module) -> None:
+            super().__init__()
+            self.s = s
+            self.inner = inner
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mb = self.calls
+            self.calls += 1
+            y = self.inner(x)
+            ff, fb = factor(self.s, mb, "F"), factor(self.s, mb, "B")
+            if ff > 1.0 or fb > 1.0:
+                ln = x.shape[1] / args.seq
+                f, b = stage_ms[self.s]
+                y = Burn.apply(y, round((ff - 1.0) * f * ln / unit_ms[0]), round((fb - 1.0) * b * ln / unit_ms[0]))
+            return y
+
+    def gpt_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.float().flatten(0, -2), target.flatten())
+
+    def mse_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(out, target)
+
+    loss_fn = gpt_loss if gpt else mse_loss
+
+    def clock(fn: Any, reps: int = 3) -> float:
+        """ms of ``fn`` (the least of ``reps`` after one warm-up)."""
+        fn()
+        best = float("inf")
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            best = min(best, (time.perf_counter() - t0) * 1e3)
+        return best
 
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
+    gpt_cfg = argparse.Namespace(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab)
+    if gpt:
+        from gpu_pipeline import _gpt_model  # benchmarks/ is on sys.path
+
     results: list[dict[str, Any]] = []
-    overhead_ms = args.overhead_ms
+    unit = _unit(args)
+    shared = [args.record_dir or (tempfile.mkdtemp(prefix="uneven-") if rank == 0 else None)]
+    dist.broadcast_object_list(shared, src=0)  # every rank's trace file in one folder
+    tmp = shared[0]
+    os.makedirs(tmp, exist_ok=True)
     for name in args.schedules.split(","):
         spr = default_stages_per_rank(name)
         S = world * spr
         m = args.microbatches
-        built: dict[str, list[Stage]] = {}
+        sched = generate(name, num_ranks=world, num_microbatches=m)
+        place = sched.stage_to_rank
+        mine = [s for s in range(S) if place[s] == rank]
+        built: dict[str, list[Any]] = {}
+        inner: dict[int, Any] = {}
+        if gpt:  # one model, shared by the engines (each wraps it with its own microbatch counter)
+            inner = {s: _gpt_model(gpt_cfg, S, s, device=dev, dtype=dtype) for s in mine}
+            mbs = args.mbsize
+
+            def probe(s: int, backward: bool) -> None:
+                if s == 0:
+                    x = torch.randint(0, args.vocab, (mbs, args.seq), device=dev)
+                else:
+                    x = torch.randn(mbs, args.seq, args.hidden, device=dev, dtype=dtype, requires_grad=True)
+                out = inner[s](x)
+                if backward:
+                    if s == S - 1:
+                        gpt_loss(out, torch.zeros(out.shape[:-1], dtype=torch.long, device=dev)).backward()
+                    else:
+                        out.backward(torch.ones_like(out))
+
+            mine_ms = {}
+            for s in mine:
+                f = clock(lambda s=s: probe(s, False))
+                fb = clock(lambda s=s: probe(s, True))
+                mine_ms[s] = (f, max(fb - f, 1e-3))
+                inner[s].zero_grad(set_to_none=True)
+            unit_ms[0] = max(clock(lambda: burn(20)) / 20, 1e-4)
+            allms: list[Any] = [None] * world
+            dist.all_gather_object(allms, mine_ms)
+            stage_ms.clear()
+            for d in allms:
+                stage_ms.update(d)
 
         def make(tag: str) -> Any:
             def fn(s: int) -> nn.Module:
-                torch.manual_seed(s)
-                st = Stage(s)
+                if gpt:
+                    st: nn.Module = GptStage(s, inner[s])
+                else:
+                    torch.manual_seed(s)
+                    st = SleepStage(s)
                 built.setdefault(tag, []).append(st)
                 return st
             return fn
 
-        det = pipeloom.Pipeline(make("det"), schedule=name, num_microbatches=m, loss_fn=loss_fn, deterministic=True)
-        dyn = pipeloom.Pipeline(make("dyn"), schedule=name, num_microbatches=m, loss_fn=loss_fn)
-        rule = dyn._actor.dispatch_rule if hasattr(dyn, "_actor") else "?"
+        pipes: dict[str, Any] = {"det": pipeloom.Pipeline(make("det"), schedule=name, num_microbatches=m, loss_fn=loss_fn, deterministic=True)}
+        rules: dict[str, str] = {}
+        for r in args.rules.split(","):
+            pipes[r] = pipeloom.Pipeline(make(r), schedule=name, num_microbatches=m, loss_fn=loss_fn,
+                                         options=RuntimeOptions.from_env(dispatch=r))
+            rules[r] = pipes[r]._actor.dispatch_rule if hasattr(pipes[r], "_actor") else "?"
+        rec = None
+        if args.record:
+            rec_path = os.path.join(tmp, f"{name}.jsonl")
+            rec = pipeloom.Pipeline(make("rec"), schedule=name, num_microbatches=m, loss_fn=loss_fn, deterministic=True,
+                                    trace=rec_path)
         # torch: its own stages, placed as pipeloom places them
-        place = det.schedule.stage_to_rank
-        mine = [s for s in range(S) if place[s] == rank]
         t_stages = {s: make("torch")(s) for s in mine}
         t_sched = None
         try:
             if args.no_torch:
                 raise RuntimeError("--no-torch")
             cls = get_schedule_class(name)
-            pst = [PipelineStage(t_stages[s], s, S, torch.device("cpu")) for s in mine]
+            if gpt:
+                def ex(s: int, out: bool) -> torch.Tensor:
+                    if s == 0 and not out:
+                        return torch.zeros(args.mbsize, args.seq, dtype=torch.long, device=dev)
+                    width = args.vocab if (out and s == S - 1) else args.hidden
+                    return torch.empty(args.mbsize, args.seq, width, device=dev, dtype=dtype, requires_grad=out or s != 0)
+
+                pst = [PipelineStage(t_stages[s], s, S, dev, input_args=(ex(s, False),), output_args=(ex(s, True),)) for s in mine]
+            else:
+                pst = [PipelineStage(t_stages[s], s, S, dev) for s in mine]
             single = issubclass(cls, PipelineScheduleSingle)
             t_sched = cls(pst[0] if single else pst, m, loss_fn=loss_fn)
         except Exception as exc:  # a schedule torch does not build this way: reported, not fatal
-            if rank == 0:
+            if rank == 0 and not args.no_torch:
                 print(f"uneven.py: torch {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        rec_steps: dict[str, list[tuple[int, int]]] = {}  # workload -> (traced step, vector index)
+        rec_count = 0
+        pending_rows: list[dict[str, Any]] = []
         for workload in args.workloads.split(","):
             state["workload"] = workload
             vectors = _lengths(workload, m, args.draws, args.seed)
             gen = torch.Generator().manual_seed(1)
             batches = []
             for vec in vectors:
-                rows = _rows(vec, args.max_rows)
-                xs = [torch.randn(r, args.dim, generator=gen) for r in rows]
-                ys = [torch.randn(r, args.dim, generator=gen) for r in rows]
-                pad = args.max_rows
-                xp = torch.cat([torch.cat([x, x.new_zeros(pad - x.shape[0], args.dim)]) for x in xs])
-                yp = torch.cat([torch.cat([y, y.new_zeros(pad - y.shape[0], args.dim)]) for y in ys])
+                sizes = [max(1, round(x * unit)) for x in vec]
+                if gpt:
+                    xs = [torch.randint(0, args.vocab, (args.mbsize, t), generator=gen).to(dev) for t in sizes]
+                    ys = [torch.randint(0, args.vocab, (args.mbsize, t), generator=gen).to(dev) for t in sizes]
+                    xp = torch.cat([F.pad(x, (0, unit - x.shape[1])) for x in xs])
+                    yp = torch.cat([F.pad(y, (0, unit - y.shape[1])) for y in ys])
+                else:
+                    xs = [torch.randn(r, args.dim, generator=gen) for r in sizes]
+                    ys = [torch.randn(r, args.dim, generator=gen) for r in sizes]
+                    xp = torch.cat([torch.cat([x, x.new_zeros(unit - x.shape[0], args.dim)]) for x in xs])
+                    yp = torch.cat([torch.cat([y, y.new_zeros(unit - y.shape[0], args.dim)]) for y in ys])
                 batches.append((xs, ys, xp, yp))
+            reordered: dict[str, list[int]] = {r: [] for r in rules}  # this rank's actions run out of list order, per step
 
             def run(engine: str, i: int) -> None:
                 xs, ys, xp, yp = batches[i % len(batches)]
@@ -221,107 +447,175 @@ def _rank_main(args: argparse.Namespace) -> int:
                         t_stages[s].zero_grad(set_to_none=True)
                     t_sched.step(*((xp,) if 0 in mine else ()), target=yp if S - 1 in mine else None)  # type: ignore[union-attr]
                     return
-                pipe = det if engine == "det" else dyn
+                pipe = rec if engine == "rec" else pipes[engine]
                 for mod in pipe.stages.values():
                     mod.zero_grad(set_to_none=True)
                 pipe.step(pipeloom.Microbatches(xs), target=pipeloom.Microbatches(ys))
-                if engine == "dyn" and pipe.statistics is not None:
-                    reordered.append(pipe.statistics.out_of_order)
+                if engine in reordered and pipe.statistics is not None:
+                    reordered[engine].append(pipe.statistics.out_of_order)
 
-            reordered: list[int] = []  # this rank's actions run ahead of an earlier-listed one, per dynamic step
-            engines = ["det", "dyn"] + (["torch"] if t_sched is not None else [])
+            engines = ["det", *rules] + (["torch"] if t_sched is not None else [])
             times: dict[str, list[float]] = {e: [] for e in engines}
             per_block = max(1, args.steps // args.blocks)
 
             def timed(e: str, i: int) -> None:
+                sync()
                 dist.barrier()
                 t0 = time.perf_counter()
                 run(e, i)
+                sync()
                 times[e].append(time.perf_counter() - t0)
 
-            # pipeloom's two orders alternate in blocks (drift hits both alike); torch after them,
-            # on its own (its transfers share the default group with pipeloom's on gloo)
-            for e in ("det", "dyn"):
+            # pipeloom's orders alternate in blocks (drift hits them alike); torch after them,
+            # on its own (its transfers share the default group with pipeloom's)
+            ours = ["det", *rules]
+            for e in ours:
                 for i in range(args.warmup):
                     dist.barrier()
                     run(e, i)
             for b in range(args.blocks):
-                for e in (("det", "dyn") if b % 2 == 0 else ("dyn", "det")):
+                order = ours if b % 2 == 0 else ours[::-1]
+                for e in order:
                     for i in range(per_block):
                         timed(e, b * per_block + i)
             if "torch" in engines:
+                sync()
                 dist.barrier()
                 for i in range(args.warmup):
                     dist.barrier()
                     run("torch", i)
                 for i in range(max(2, per_block * args.blocks // 2)):
                     timed("torch", i)
-            meds = {}
-            for e in engines:
-                t = torch.tensor([statistics.median(times[e])])
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                meds[e] = float(t.item()) * 1e3
-            # the gain from pairs of steps with the same lengths, timed next to each other
-            # (median of det/dyn - 1); its spread (quartiles) is the noise of this machine
-            pair = torch.tensor([a / b for a, b in zip(times["det"], times["dyn"])])
-            dist.all_reduce(pair, op=dist.ReduceOp.SUM)
-            pair = sorted((pair / world).tolist())
-            q = statistics.quantiles(pair, n=4) if len(pair) >= 2 else [pair[0]] * 3
-            ooo = torch.tensor([float(sum(reordered)) / max(1, len(reordered))])
-            dist.all_reduce(ooo, op=dist.ReduceOp.SUM)
-            row = {"schedule": name, "workload": workload, "ranks": world, "microbatches": m, "rule": rule,
-                   "reordered_per_step": round(float(ooo.item()), 2),
-                   "det_ms": round(meds["det"], 2), "dyn_ms": round(meds["dyn"], 2),
-                   "torch_ms": round(meds["torch"], 2) if "torch" in meds else None,
-                   "gain": round(q[1] - 1.0, 4), "gain_q1": round(q[0] - 1.0, 4), "gain_q3": round(q[2] - 1.0, 4)}
-            if rank == 0:
-                row["predicted"] = round(_predict(name, world, m, workload, vectors, args, rule, overhead_ms), 4)
-                print(f"{name:22} {workload:10} {rule:8} det {row['det_ms']:8.1f} dyn {row['dyn_ms']:8.1f} "
-                      f"torch {row['torch_ms'] if row['torch_ms'] is not None else '-':>8} gain {row['gain']:+.1%} "
-                      f"[{row['gain_q1']:+.1%}, {row['gain_q3']:+.1%}] predicted {row['predicted']:+.1%} "
-                      f"reordered/step {row['reordered_per_step']}", flush=True)
-            results.append(row)
+            if rec is not None:  # one traced deterministic step per length vector (after one untraced-in-effect warm-up)
+                for k in range(len(vectors) + 1):
+                    dist.barrier()
+                    run("rec", k % len(vectors))
+                    if k:
+                        rec_steps.setdefault(workload, []).append((rec_count, k % len(vectors)))
+                    rec_count += 1
+            meds = {e: reduce([statistics.median(times[e])], dist.ReduceOp.MAX)[0] * 1e3 for e in engines}
+            for r, rule in rules.items():
+                # the gain from pairs of steps with the same lengths, timed next to each other
+                # (median of det/dyn - 1); its spread (quartiles) is the noise of this machine
+                pair = reduce([a / b for a, b in zip(times["det"], times[r])])
+                pair = sorted(x / world for x in pair)
+                q = statistics.quantiles(pair, n=4) if len(pair) >= 2 else [pair[0]] * 3
+                ooo = reduce([float(sum(reordered[r])) / max(1, len(reordered[r]))])[0]
+                row = {"schedule": name, "workload": workload, "ranks": world, "microbatches": m, "option": r, "rule": rule,
+                       "model": args.model if not gpt else f"gpt-{args.size}", "backend": args.backend,
+                       "reordered_per_step": round(ooo, 2),
+                       "det_ms": round(meds["det"], 2), "dyn_ms": round(meds[r], 2),
+                       "torch_ms": round(meds["torch"], 2) if "torch" in meds else None,
+                       "gain": round(q[1] - 1.0, 4), "gain_q1": round(q[0] - 1.0, 4), "gain_q3": round(q[2] - 1.0, 4)}
+                if rank == 0:
+                    nominal = [_nominal_durations(args, sched, workload, vectors[i % len(vectors)], i, stage_ms)
+                               for i in range(len(vectors))]
+                    g = _gains(sched, nominal, args.overhead_ms)
+                    row["predicted"] = round(g[rule], 4)
+                    row["ceiling_nominal"] = round(g["ceiling"], 4)
+                    row["ceiling"] = row["ceiling_nominal"]
+                pending_rows.append(row)
         dist.barrier()
-        det.close()
-        dyn.close()
-        del det, dyn, t_sched
-
-    if rank == 0 and args.json:
-        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        with open(args.json, "a") as f:
-            for r in results:
-                f.write(json.dumps({**r, "f_ms": args.f_ms, "max_rows": args.max_rows, "steps": args.steps,
-                                    "draws": args.draws, "torch": torch.__version__, "date": date}) + "\n")
+        for p in pipes.values():
+            p.close()
+        if rec is not None:
+            rec.close()
+        dist.barrier()
+        if rank == 0:
+            recorded: dict[str, dict[str, float]] = {}
+            if rec is not None:
+                try:
+                    per_step, xfer = _recorded_durations([f"{rec_path}.rank{r}" for r in range(world)], world)
+                    for wl, lst in rec_steps.items():
+                        steps = [per_step[st] for st, _ in lst if st in per_step]
+                        if steps:
+                            recorded[wl] = _gains(sched, steps, xfer)
+                except Exception as exc:  # noqa: BLE001 - a prediction left out, not the measurement
+                    print(f"uneven.py: {name}: recorded costs: {type(exc).__name__}: {exc}", file=sys.stderr)
+            for row in pending_rows:
+                g = recorded.get(row["workload"])
+                if g is not None:
+                    row["recorded"] = round(g[row["rule"]], 4)
+                    row["ceiling"] = round(g["ceiling"], 4)
+                print(f"{name:22} {row['workload']:9} {row['option']}->{row['rule']:8} det {row['det_ms']:8.1f} dyn {row['dyn_ms']:8.1f} "
+                      f"torch {row['torch_ms'] if row['torch_ms'] is not None else '-':>8} gain {row['gain']:+.1%} "
+                      f"[{row['gain_q1']:+.1%}, {row['gain_q3']:+.1%}] predicted {row['predicted']:+.1%}"
+                      + (f" recorded {row['recorded']:+.1%}" if "recorded" in row else "")
+                      + f" ceiling {row['ceiling']:+.1%} reordered/step {row['reordered_per_step']}", flush=True)
+                if args.json:
+                    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+                    with open(args.json, "a") as f:
+                        f.write(json.dumps({**row, "f_ms": args.f_ms if not gpt else None, "steps": args.steps, "draws": args.draws,
+                                            "torch": torch.__version__, "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
+                                            "date": date}) + "\n")
+        results += pending_rows
+        del pipes, rec, t_sched, inner
+        if cuda:
+            torch.cuda.empty_cache()
     dist.barrier()
     dist.destroy_process_group()
     return 0
 
 
+def table(path: str) -> str:
+    """The rows of a ``--json`` file as a markdown table."""
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    pct = lambda v: "-" if v is None else f"{v:+.1%}"  # noqa: E731
+    out = ["| ranks | schedule | workload | rule | det ms | dyn ms | torch ms | measured gain [quartiles] | predicted | recorded | ceiling | reordered |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['ranks']} | {r['schedule']} | {r['workload']} | {r['rule']} | {r['det_ms']:.1f} | {r['dyn_ms']:.1f} | "
+                   f"{r['torch_ms'] if r.get('torch_ms') is not None else '-'} | {pct(r['gain'])} [{pct(r['gain_q1'])}, {pct(r['gain_q3'])}] | "
+                   f"{pct(r.get('predicted'))} | {pct(r.get('recorded'))} | {pct(r.get('ceiling'))} | {r.get('reordered_per_step')} |")
+    return "\n".join(out)
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    ap.add_argument("--model", default="sleep", choices=("sleep", "gpt"))
+    ap.add_argument("--size", default="s", choices=sorted(GPT_SIZES), help="GPT size (layers, hidden, heads, vocab, seq, microbatches, sequences)")
     ap.add_argument("--schedules", default=ALL_SCHEDULES)
     ap.add_argument("--workloads", default=ALL_WORKLOADS)
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--f-ms", type=float, default=8.0, help="forward sleep of a full-length microbatch (I and W as long)")
+    ap.add_argument("--rules", default="auto", help="dispatch options measured against deterministic (auto, ready, critical, guarded)")
+    ap.add_argument("--microbatches", type=int, default=None, help="default: 8 (sleep), the size's (gpt)")
+    ap.add_argument("--f-ms", type=float, default=8.0, help="sleep model: forward sleep of a full-length microbatch (I and W as long)")
     ap.add_argument("--max-rows", type=int, default=32)
     ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=None, help="GPT: the longest sequence (default: the size's)")
+    ap.add_argument("--burn-dim", type=int, default=None, help="GPT: matmul size of the extra work (default 4096 on GPUs, 32 on CPU)")
     ap.add_argument("--slow", type=float, default=1.5)
     ap.add_argument("--jitter", type=float, default=0.3)
     ap.add_argument("--draws", type=int, default=4)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--blocks", type=int, default=12, help="alternations of the two pipeloom orders (steps / blocks each)")
+    ap.add_argument("--blocks", type=int, default=12, help="alternations of the pipeloom engines (steps / blocks each)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--overhead-ms", type=float, default=0.4, help="host cost per transfer/action used as the simulator's transfer time")
+    ap.add_argument("--overhead-ms", type=float, default=0.4, help="the simulator's transfer time for `predicted` (ms)")
+    ap.add_argument("--record", action="store_true", help="also predict with the costs of a traced deterministic run (CPU)")
+    ap.add_argument("--record-dir", default=None)
     ap.add_argument("--no-torch", action="store_true", help="leave torch.distributed.pipelining out")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--table", default=None, help="print the markdown table of a --json file and exit")
     ap.add_argument("--timeout", type=float, default=1800.0)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    layers, hidden, heads, vocab, seq, mbs, per = GPT_SIZES[args.size]
+    args.layers, args.hidden, args.heads, args.vocab, args.mbsize = layers, hidden, heads, vocab, per
+    if args.seq is None:
+        args.seq = seq
+    if args.microbatches is None:
+        args.microbatches = mbs if args.model == "gpt" else 8
+    if args.burn_dim is None:
+        args.burn_dim = 4096 if args.backend == "nccl" else 32
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.table:
+        print(table(args.table))
+        return 0
     if "RANK" in os.environ:
         return _rank_main(args)
     import socket

@@ -60,10 +60,10 @@ class RuntimeOptions:
     ``"ready"`` the first ready one in list order; ``"critical"`` the ready one with the longest
     planned remaining path to the step's end, W last; ``"guarded"`` the list's head as soon as
     it is ready, a later action only if it fits in the wait the static plan leaves before the
-    head (backfilling: never delays the head in the plan); ``"auto"`` (default) ``ready`` or
-    ``critical`` where the policy simulator predicts it beats ``guarded`` by more than 1% on
-    some uneven workload (lengths, jitter, a slow rank) and loses on none, fixed lengths
-    included, else ``guarded`` (``schedules.dispatch.choose_rule``).  Every rule keeps the static order's memory peak and is deadlock-free.
+    head (backfilling: never delays the head in the plan); ``"auto"`` (default) the rule the policy
+    simulator predicts beats the static order by more than 2% on some uneven workload
+    (lengths, jitter, a slow rank) and loses at most 0.5% on any, fixed lengths included,
+    else the static list order itself (``schedules.dispatch.choose_rule``).  Every rule keeps the static order's memory peak and is deadlock-free.
     Environment: ``PIPELOOM_DISPATCH``."""
 
     heartbeat_interval: float = 0.5

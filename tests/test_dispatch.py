@@ -104,9 +104,13 @@ def test_plan_holes_are_the_static_list_s_idle_time() -> None:
 def test_auto_picks_ready_only_where_the_simulator_says_it_wins() -> None:
     assert choose_rule(generate("GPipe", num_ranks=4, num_microbatches=8)) in ("ready", "critical")
     assert choose_rule(generate("GPipe", num_ranks=2, num_microbatches=8)) in ("ready", "critical")
-    # the 1F1B family at the memory cap and DualPipeV: the greedy rules lose somewhere, so guarded
-    assert choose_rule(generate("1F1B", num_ranks=4, num_microbatches=8)) == "guarded"
-    assert choose_rule(generate("DualPipeV", num_ranks=4, num_microbatches=8)) == "guarded"
+    assert choose_rule(generate("LoopedBFS", num_ranks=4, num_microbatches=8)) == "ready"
+    # the 1F1B family at the memory cap, DualPipeV, the zero-bubble lists: the greedy rules lose
+    # somewhere and guarded gains < 2%, so the static order itself
+    for name in ("1F1B", "DualPipeV", "InterleavedZeroBubble", "ZBVZeroBubble"):
+        assert choose_rule(generate(name, num_ranks=4, num_microbatches=8)) == "list", name
+    # a rule is taken only if it clears the threshold: none gains 50%
+    assert choose_rule(generate("GPipe", num_ranks=4, num_microbatches=8), min_gain=0.5) == "list"
 
 
 # ------------------------------------------------------------ every schedule: memory and deadlock
