@@ -114,6 +114,21 @@ def test_codec_round_trip_takes_the_fast_path(msg_type: str) -> None:
     assert _accepts(msg, 4)  # well-formed traffic never needs the slow walk (else the speed-up is gone)
 
 
+@pytest.mark.parametrize("key_len", [0, 1, 16, 32, 63, 64, 65, 200])
+def test_codec_mac_is_hmac_sha256(key_len: int) -> None:
+    """The precomputed padded-key states give the standard library's HMAC, for keys shorter and longer than a block."""
+    import hashlib
+    import hmac
+
+    rng = random.Random(key_len)
+    key = bytes(rng.randrange(256) for _ in range(key_len))
+    codec = Codec(key, rank=0, world_size=2)
+    for n in (0, 1, 55, 64, 1000):
+        payload = bytes(rng.randrange(256) for _ in range(n))
+        assert codec.mac(payload) == hmac.new(key, payload, hashlib.sha256).digest()[:16]
+        assert codec.mac(payload) + payload == sign(key, payload)
+
+
 def test_codec_rejects_forged_short_and_self_addressed_frames() -> None:
     frame = _codec(1).frame("bye", {"steps": 1})
     with pytest.raises(MessageError, match="bad signature"):

@@ -52,6 +52,10 @@ __all__ = ["ControlPlane", "RejectionLog", "choose_bind_host"]
 log = logging.getLogger("pipeloom.control")
 
 _LINGER_MS = 200
+# Plain ints: pyzmq's ``getsockopt`` costs about a microsecond more when given the enum member.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
 _REJECTION_INTERVAL = 5.0  #: seconds between summary lines of one rejection reason
 
 
@@ -181,15 +185,25 @@ class ControlPlane:
         """Send a message without ever blocking; False if the peer's queue is full."""
         data = self._codec.frame(msg_type, fields)
         try:
-            self._push[dst].send(data, zmq.NOBLOCK)
+            self._push[dst].send(data, _NOBLOCK)  # (not through _send: one call less on every announcement)
             return True
         except zmq.Again:
             log.warning("rank %d: control queue to rank %d is full; %s dropped", self.rank, dst, msg_type)
             return False
 
     def broadcast(self, msg_type: str, /, **fields: Any) -> None:
+        """Send one message to every peer (encoded and signed once)."""
+        data = self._codec.frame(msg_type, fields)
         for dst in self._push:
-            self.send(dst, msg_type, **fields)
+            self._send(dst, data, msg_type)
+
+    def _send(self, dst: int, data: bytes, msg_type: str) -> bool:
+        try:
+            self._push[dst].send(data, _NOBLOCK)
+            return True
+        except zmq.Again:
+            log.warning("rank %d: control queue to rank %d is full; %s dropped", self.rank, dst, msg_type)
+            return False
 
     def start_heartbeats(self, interval: float, state: Callable[[], tuple[str, str, float]] | None = None) -> None:
         """Send a heartbeat to every peer every ``interval`` seconds from a daemon thread.
@@ -301,7 +315,7 @@ class ControlPlane:
         n = 0
         while True:
             try:
-                data = recv(zmq.NOBLOCK)
+                data = recv(_NOBLOCK)
             except zmq.Again:
                 break
             n += 1
@@ -321,7 +335,7 @@ class ControlPlane:
                 if loop is not None and not loop.is_closed():
                     loop.call_soon(self.drain)
                 break
-            if not events(zmq.EVENTS) & zmq.POLLIN:
+            if not events(_EVENTS) & _POLLIN:
                 break
         return n
 

@@ -24,7 +24,10 @@ weakening any check:
   (what we had, several microseconds per message), or compiling schemas to
   code at import time (the same speed, much harder to read).
 * A keyed HMAC state per job secret (:class:`Codec`), copied per frame:
-  ``hmac.new`` per frame re-derives the key's inner and outer pads.
+  ``hmac.new`` per frame re-derives the key's inner and outer pads.  The
+  state is the two padded-key SHA-256 states of RFC 2104 (what ``hmac``'s
+  own pure-Python path keeps), not a copied ``hmac.HMAC``: the same MAC, one
+  Python layer less, about 0.5-1 us per frame less on this machine.
 * Outgoing messages are built by our own code; the :class:`Codec` validates
   them with the fast predicate (about a microsecond) unless told not to, so a
   bad value (say a dtype the receiver cannot accept) fails loudly at the
@@ -192,13 +195,26 @@ class Codec:
     well-formed).  Thread-safe: the keyed state is only ever copied.
     """
 
-    __slots__ = ("rank", "world_size", "check_outgoing", "_mac")
+    __slots__ = ("rank", "world_size", "check_outgoing", "_inner", "_outer")
 
     def __init__(self, key: bytes, *, rank: int, world_size: int, check_outgoing: bool = True) -> None:
         self.rank = rank
         self.world_size = world_size
         self.check_outgoing = check_outgoing
-        self._mac = hmac.new(key, digestmod=hashlib.sha256)
+        # HMAC-SHA256 (RFC 2104): H((K ^ opad) || H((K ^ ipad) || m)), the padded-key states hashed once here
+        if len(key) > _SHA256_BLOCK:
+            key = hashlib.sha256(key).digest()
+        key = key.ljust(_SHA256_BLOCK, b"\0")
+        self._inner = hashlib.sha256(key.translate(_IPAD))
+        self._outer = hashlib.sha256(key.translate(_OPAD))
+
+    def mac(self, payload: bytes) -> bytes:
+        """The truncated HMAC-SHA256 of ``payload`` under the job's secret (equal to :func:`sign`'s)."""
+        inner = self._inner.copy()
+        inner.update(payload)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.digest()[:MAC_BYTES]
 
     def frame(self, msg_type: str, fields: dict[str, Any]) -> bytes:
         """The signed frame of a message of ``msg_type`` from this rank (``fields`` becomes the message)."""
@@ -207,19 +223,15 @@ class Codec:
         fields["src"] = self.rank
         if self.check_outgoing and not _accepts(fields, None):
             _validate_reference(fields)
-        payload = msgpack.packb(fields, use_bin_type=True)
-        h = self._mac.copy()
-        h.update(payload)
-        return h.digest()[:MAC_BYTES] + payload
+        payload = msgpack.packb(fields)  # (use_bin_type is msgpack's default)
+        return self.mac(payload) + payload
 
     def read(self, frame: bytes) -> dict[str, Any]:
         """The validated message in a signed frame; :class:`MessageError` saying what was wrong."""
         if len(frame) < MAC_BYTES:
             raise MessageError(f"frame of {len(frame)} bytes is too short to carry a signature")
         payload = frame[MAC_BYTES:]
-        h = self._mac.copy()
-        h.update(payload)
-        if not hmac.compare_digest(frame[:MAC_BYTES], h.digest()[:MAC_BYTES]):
+        if not hmac.compare_digest(frame[:MAC_BYTES], self.mac(payload)):
             raise MessageError("bad signature: the sender does not hold this job's secret")
         if len(payload) > MAX_MESSAGE_BYTES:
             raise MessageError(f"message of {len(payload)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
@@ -235,6 +247,9 @@ class Codec:
 
 
 _unpackb = msgpack.unpackb
+_SHA256_BLOCK = 64
+_IPAD = bytes(x ^ 0x36 for x in range(256))  # translate tables: key bytes XOR the RFC 2104 pads
+_OPAD = bytes(x ^ 0x5C for x in range(256))
 _UNPACK_OPTIONS: dict[str, Any] = dict(
     raw=False,
     strict_map_key=True,
