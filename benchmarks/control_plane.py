@@ -13,9 +13,13 @@ here directly, without a profiler, on two real ZeroMQ sockets: two
   with ``NOBLOCK``), per call, for a typical message of each type.
 * **receive**: wall time inside ``ControlPlane.drain`` per message delivered
   (``recv``, HMAC check, decode, validation, handing to a handler that only
-  counts), i.e. everything the receiving rank pays except its own handler.
-  The messages are queued first and drained in batches of ``--batch``, as the
-  event loop does when the socket's FD fires.
+  counts, and the ``ZMQ_EVENTS`` read that ends the drain), i.e. everything
+  the receiving rank pays except its own handler and the event loop's wake.
+
+Each ``--batch`` size B is one pattern: B messages are sent back to back,
+then drained once they have arrived (untimed wait).  B = 1 is an
+announcement's life in a step (one message, one wake, one drain: the send
+also pays ZeroMQ waking its I/O thread); B = 100 is a burst.
 
 Before/after: the same measurement runs, in alternating rounds, against a
 reference copy of ``transport/messages.py`` and ``transport/control.py`` taken
@@ -117,7 +121,7 @@ class Pair:
                 if batch > 1:
                     time.sleep(0.002)
                 t0 = time.perf_counter_ns()
-                self.b.drain(limit=batch)
+                self.b.drain()  # (the default limit: ends as a real wake does, on an empty socket)
                 t_recv += time.perf_counter_ns() - t0
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"only {self.got - start} of {lo + k} messages arrived")
