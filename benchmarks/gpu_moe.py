@@ -35,7 +35,10 @@ of the timed steps, max over ranks), tokens/s (global batch), peak memory
   ``a2a_kernel_ms`` (the all-to-all kernels' time, found through the
   ``pipeloom.moe.all_to_all`` ranges that launched them; it includes time a
   kernel waits for its peer), ``a2a_hidden`` (the fraction of it during
-  which a compute kernel ran on another stream) and ``a2a_hidden_ms``.
+  which a compute kernel ran on another stream) and ``a2a_hidden_ms``; and the
+  same for the all-to-alls launched inside OVERLAP_F_B actions
+  (``pair_a2a_kernel_ms``, ``pair_a2a_hidden``; the actions' ``PP:`` ranges:
+  pipeloom's ``RuntimeOptions(profile_ranges=True)``, torch's runtime always).
 
 GPU run (the ``moe4`` part of ``benchmarks/gpu_run.sh``)::
 
@@ -230,7 +233,7 @@ def _pipeloom(env: _Env, schedule: str, overlap: bool) -> _Run:
     def stage_fn(s: int, ctx: pipeloom.StageContext) -> Any:
         return _stage(a, s, num_stages, ctx.ep_group, ctx.ep_rank, ctx.ep_size, env.device, env.dtype)
 
-    opts = pipeloom.RuntimeOptions(overlap_streams=overlap)
+    opts = pipeloom.RuntimeOptions(overlap_streams=overlap, profile_ranges=True)
     pipe = pipeloom.Pipeline(stage_fn, schedule=schedule, num_microbatches=a.microbatches, loss_fn=_loss,
                              expert_parallel=env.ep, device=env.device, options=opts)
     run = _Run()
@@ -364,17 +367,21 @@ def a2a_overlap(trace_path: str, name: str = "pipeloom.moe.all_to_all") -> dict[
     for e in events:
         if e.get("name") == name:
             ranges.setdefault((e.get("pid"), e.get("tid")), []).append((e["ts"], e["ts"] + e.get("dur", 0)))
-    corr: set[Any] = set()
+    corr: dict[Any, float] = {}  # correlation id of an all-to-all launch -> its host time
     for e in events:
         if e.get("cat") in ("cuda_runtime", "cuda_driver"):
             rs = ranges.get((e.get("pid"), e.get("tid")))
             if rs and any(lo <= e["ts"] <= hi for lo, hi in rs):
                 c = (e.get("args") or {}).get("correlation")
                 if c is not None:
-                    corr.add(c)
-    a2a_ops = {(e.get("args") or {}).get("External id") for e in events
+                    corr[c] = e["ts"]
+    a2a_ops = {(e.get("args") or {}).get("External id"): e["ts"] for e in events
                if e.get("cat") == "cpu_op" and "alltoall" in e.get("name", "").replace("_", "").lower()}
-    a2a_ops.discard(None)
+    a2a_ops.pop(None, None)
+    # the OVERLAP_F_B actions' host spans (PP:... ranges, pipeloom's profile_ranges and torch's runtime);
+    # the backward half launches from autograd's thread, inside the action's span
+    pairs = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                   if e.get("name", "").startswith("PP:") and "OVERLAP_F_B" in e["name"])
     kernels = [e for e in events if e.get("cat") == "kernel"]
 
     def arg(k: dict[str, Any], key: str) -> Any:
@@ -405,10 +412,18 @@ def a2a_overlap(trace_path: str, name: str = "pipeloom.moe.all_to_all") -> dict[
             else:
                 out.append([lo, hi])
         merged[st] = [(lo, hi) for lo, hi in out]
-    total = hidden = 0.0
+    def launched_in_pair(k: dict[str, Any]) -> bool:
+        t = corr.get(arg(k, "correlation"))
+        if t is None:
+            t = a2a_ops.get(arg(k, "External id"))
+        return t is not None and any(lo <= t <= hi for lo, hi in pairs)
+
+    total = hidden = pair_total = pair_hidden = 0.0
+    n_pair = 0
     for k in a2a:
         lo, hi = k["ts"], k["ts"] + k["dur"]
         total += hi - lo
+        before = hidden
         st = arg(k, "stream")
         # the union of the other streams' compute intervals, clipped to [lo, hi]
         pieces = sorted((max(a, lo), min(b, hi)) for s2, ivs in merged.items() if s2 != st for a, b in ivs if b > lo and a < hi)
@@ -419,9 +434,15 @@ def a2a_overlap(trace_path: str, name: str = "pipeloom.moe.all_to_all") -> dict[
                 cover += b - a
                 end = b
         hidden += cover
+        if pairs and launched_in_pair(k):
+            n_pair += 1
+            pair_total += hi - lo
+            pair_hidden += hidden - before
     how = sorted(set(found.values()))
     return {"a2a_kernel_ms": total / 1e3, "a2a_hidden_ms": hidden / 1e3, "a2a_hidden": hidden / total if total else 0.0,
-            "a2a_kernels": len(a2a), "a2a_streams": len(streams), "a2a_found_by": ",".join(how)}
+            "a2a_kernels": len(a2a), "a2a_streams": len(streams), "a2a_found_by": ",".join(how),
+            "pairs": len(pairs), "pair_a2a_kernels": n_pair, "pair_a2a_kernel_ms": pair_total / 1e3,
+            "pair_a2a_hidden": pair_hidden / pair_total if pair_total else None}
 
 
 def _profile(env: _Env, run: _Run, engine: str) -> dict[str, Any]:
@@ -502,18 +523,19 @@ def bench(env: _Env, engines: list[str]) -> int:
 
 def table(path: str) -> str:
     rows = [json.loads(l) for l in open(path) if l.strip()]
-    lines = ["| engine | step ms | tokens/s | peak GiB | a2a alone ms/step | a2a kernels ms | hidden |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| engine | step ms | tokens/s | peak GiB | a2a alone ms/step | a2a kernels ms | hidden | in pairs ms | hidden in pairs |",
+             "|---|---|---|---|---|---|---|---|---|"]
 
     def f(v: Any, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
     for r in rows:
         if r.get("status") != "ok":
-            lines.append(f"| {r['engine']} | failed: {r.get('error', '')[:80]} | | | | | |")
+            lines.append(f"| {r['engine']} | failed: {r.get('error', '')[:80]} | | | | | | | |")
             continue
         lines.append(f"| {r['engine']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {f(r.get('peak_gib'), '.2f')} | "
-                     f"{f(r.get('a2a_alone_ms'), '.1f')} | {f(r.get('a2a_kernel_ms'), '.1f')} | {f(r.get('a2a_hidden'), '.0%')} |")
+                     f"{f(r.get('a2a_alone_ms'), '.1f')} | {f(r.get('a2a_kernel_ms'), '.1f')} | {f(r.get('a2a_hidden'), '.0%')} | "
+                     f"{f(r.get('pair_a2a_kernel_ms'), '.1f')} | {f(r.get('pair_a2a_hidden'), '.0%')} |")
     return "\n".join(lines)
 
 

@@ -213,6 +213,9 @@ class RankActor:
         #: payloads produced by the action being run (producing stage, step, kind, to stage, mb,
         #: tensors), handed over once its compute is done
         self._outbox: list[tuple[int, int, str, int, int, Sequence[torch.Tensor | None]]] = []
+        #: options.profile_ranges: a profiler range per action, by this name
+        self._profile_ranges = options.profile_ranges
+        self._range_names: dict[Action, str] = {}
         #: the actions of the step in progress not yet run (for debug_state)
         self._pending: list[Action] = []
         _LIVE.add(self)
@@ -464,6 +467,12 @@ class RankActor:
         with self.dev.on_stage(a.stage):
             self._compute(a, step, inputs, train, results, losses)
 
+    def _range_name(self, a: Action) -> str:
+        name = self._range_names.get(a)
+        if name is None:
+            name = self._range_names[a] = f"PP:{a}"
+        return name
+
     def _compute(self, a: Action, step: int, inputs: StepInputs, train: bool, results: dict[int, Any], losses: dict[int, torch.Tensor]) -> None:
         t = a.type
         stage = self.stages[a.stage]
@@ -580,7 +589,11 @@ class RankActor:
             tkey = (a.type, leaves[0].stage)
             token = self._token = dev.start(tkey) if commit_ahead else None
             try:
-                self._run(a, step, inputs, train, results, losses)
+                if self._profile_ranges:  # (options.profile_ranges: a profiler range per action)
+                    with torch.profiler.record_function(self._range_name(a)):
+                        self._run(a, step, inputs, train, results, losses)
+                else:
+                    self._run(a, step, inputs, train, results, losses)
                 if coll is not None:
                     coll.done(a)
             except PipelineError:

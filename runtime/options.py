@@ -132,7 +132,15 @@ class RuntimeOptions:
     overlap_streams: bool = True
     """GPUs: one compute stream per local stage (True), so OVERLAP_F_B's forward and backward
     halves (two stages) run concurrently, or every stage on the caller's stream (False).
-    Data parallelism always uses the caller's stream.  Environment: ``PIPELOOM_OVERLAP_STREAMS=0``."""
+    Data parallelism uses the caller's stream, except with expert parallelism (whose
+    all-to-alls must run on their stage's stream to overlap).  Environment: ``PIPELOOM_OVERLAP_STREAMS=0``."""
+
+    profile_ranges: bool = False
+    """Run every action inside a ``torch.profiler.record_function`` range named ``PP:{action}``
+    (``PP:0F3``, ``PP:(0F3;3B1)OVERLAP_F_B``, as torch's runtime names them), so a profiler's
+    timeline says which action launched each kernel.  Off by default: a range costs a few
+    microseconds of host time per action even with no profiler running.
+    Environment: ``PIPELOOM_PROFILE_RANGES=1``."""
 
     overlap_collectives: bool = True
     """Data parallelism: run UNSHARD's all-gather and REDUCE_GRAD's reductions as events that
@@ -239,6 +247,7 @@ ENV_VARS: dict[str, tuple[str, Any]] = {
     "PIPELOOM_GPU_COMMIT_MS": ("gpu_commit_ms", _ms),
     "PIPELOOM_GPU_EARLY_RECEIVES": ("gpu_early_receives", _flag),
     "PIPELOOM_OVERLAP_STREAMS": ("overlap_streams", _flag),
+    "PIPELOOM_PROFILE_RANGES": ("profile_ranges", _flag),
     "PIPELOOM_OVERLAP_COLLECTIVES": ("overlap_collectives", _flag),
     "PIPELOOM_FSDP_REDUCE": ("fsdp_reduce", str),
     "PIPELOOM_DISPATCH": ("dispatch", str),

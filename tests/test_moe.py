@@ -175,6 +175,7 @@ def test_benchmark_measures_hidden_all_to_all_from_a_timeline(tmp_path: Path) ->
     from gpu_moe import a2a_overlap
 
     ev = [
+        {"ph": "X", "cat": "user_annotation", "name": "PP:(0F3;3B1)OVERLAP_F_B", "pid": 1, "tid": 4, "ts": 0, "dur": 20},
         {"ph": "X", "cat": "user_annotation", "name": "pipeloom.moe.all_to_all", "pid": 1, "tid": 5, "ts": 0, "dur": 10},
         {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "pid": 1, "tid": 5, "ts": 2, "dur": 1, "args": {"correlation": 11}},
         {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "pid": 0, "tid": 7, "ts": 100, "dur": 40,
@@ -196,6 +197,8 @@ def test_benchmark_measures_hidden_all_to_all_from_a_timeline(tmp_path: Path) ->
     assert got is not None and got["a2a_kernels"] == 2 and got["a2a_found_by"] == "range,stream"
     assert got["a2a_kernel_ms"] == pytest.approx(0.05) and got["a2a_hidden_ms"] == pytest.approx(0.02)
     assert got["a2a_hidden"] == pytest.approx(0.4)
+    # launched inside the OVERLAP_F_B action (from another thread, as autograd's): the pair's all-to-all
+    assert got["pairs"] == 1 and got["pair_a2a_kernels"] == 1 and got["pair_a2a_hidden"] == pytest.approx(0.5)
 
 
 def test_expert_parallel_configuration_errors(tmp_path: Path) -> None:

@@ -46,6 +46,7 @@ def test_from_env_maps_every_variable() -> None:
         "PIPELOOM_GPU_COMMIT_MS": "3",
         "PIPELOOM_GPU_EARLY_RECEIVES": "1",
         "PIPELOOM_OVERLAP_STREAMS": "0",
+        "PIPELOOM_PROFILE_RANGES": "1",
         "PIPELOOM_OVERLAP_COLLECTIVES": "off",
         "PIPELOOM_FSDP_REDUCE": "fsdp",
         "PIPELOOM_DISPATCH": "ready",
@@ -56,7 +57,7 @@ def test_from_env_maps_every_variable() -> None:
     assert o == RuntimeOptions(
         backend="gloo", heartbeat_timeout=7.5, stall_timeout=12.0, first_step_stall_timeout=600.0, trace="/tmp/t.json",
         trace_endpoint="tcp://127.0.0.1:5555", pair_groups=True, p2p_max_ctas=4, gpu_commit_ms=3.0, gpu_early_receives=True,
-        overlap_streams=False, overlap_collectives=False, fsdp_reduce="fsdp", dispatch="ready",
+        overlap_streams=False, profile_ranges=True, overlap_collectives=False, fsdp_reduce="fsdp", dispatch="ready",
     )
 
 
