@@ -46,13 +46,15 @@ dispatch rules) on the same lengths:
 
 * ``predicted`` -- the rule's gain over the static order with the costs the
   benchmark *sets* (sleep model: the sleeps, ``--overhead-ms`` per
-  transfer; GPT: each stage's forward and backward time measured at full
+  transfer, ``--notice-ms``; GPT: each stage's forward and backward time measured at full
   length before the run, scaled by length);
 * ``recorded`` (``--record``, CPU) -- the same with the costs of a recorded
   run: one more deterministic pipeline traces one step per length vector,
   and every action's measured duration plus its rank's runtime time per
-  action (``pipeloom.tools.run_costs``) is the simulator's cost, the mean
-  measured transfer time its transfer cost;
+  action (``pipeloom.tools.run_costs``) is the simulator's cost; the
+  transfer time and the notice delay (``simulate_policy``'s ``notice``: a
+  CPU rank sees an arrival only between actions) are the medians measured
+  in the same trace (``--repredict`` recomputes them from a run's traces);
 * ``ceiling`` -- the best of the rules ``ready``/``critical``/``guarded``
   per draw against the static order with the same costs (recorded where
   there are): what the runtime's rules could take on this workload.
@@ -153,14 +155,15 @@ def _nominal_durations(args: argparse.Namespace, sched: Any, workload: str, vec:
     return out
 
 
-def _gains(sched: Any, steps: list[dict[tuple[int, str, int], float]], transfer: float) -> dict[str, float]:
+def _gains(sched: Any, steps: list[dict[tuple[int, str, int], float]], transfer: float, notice: float = 0.0) -> dict[str, float]:
     """Gain over the static order per rule, and ``ceiling`` (each step's best rule), over the same steps."""
     from pipeloom.schedules import simulate_policy
 
     tot = dict.fromkeys(["static", "ready", "critical", "guarded", "ceiling"], 0.0)
     for durs in steps:
-        got = {r: simulate_policy(sched, RULE_POLICY[r], durs, transfer=transfer).makespan for r in ("ready", "critical", "guarded")}
-        tot["static"] += simulate_policy(sched, "static", durs, transfer=transfer).makespan
+        sim = lambda p: simulate_policy(sched, p, durs, transfer=transfer, notice=notice).makespan  # noqa: E731
+        got = {r: sim(RULE_POLICY[r]) for r in ("ready", "critical", "guarded")}
+        tot["static"] += sim("static")
         for r, v in got.items():
             tot[r] += v
         tot["ceiling"] += min(got.values())
@@ -169,8 +172,17 @@ def _gains(sched: Any, steps: list[dict[tuple[int, str, int], float]], transfer:
     return out
 
 
-def _recorded_durations(paths: list[str], world: int) -> tuple[dict[int, dict[tuple[int, str, int], float]], float]:
-    """Per traced step, every leaf's measured duration plus its rank's runtime time per action (ms); transfer (ms)."""
+def _recorded_durations(paths: list[str]) -> tuple[dict[int, dict[tuple[int, str, int], float]], float, float]:
+    """From a traced deterministic run: per step, every leaf's measured duration plus its rank's runtime
+    time per action (ms); the transfer time (ms) and the notice delay (ms) for :func:`simulate_policy`.
+
+    Transfer: the median time from a send's end to the data being there, over transfers that
+    landed while their receiver was idle (waiting for them).  Notice: the median time from the end
+    of the receiver's action to the data being there, over transfers that landed while it was busy
+    (a CPU rank reads announcements and completes receives between actions).  Medians: the tail is
+    the receiver busy with yet another action, which the simulator plays out itself."""
+    import bisect
+
     from pipeloom.tools.run_costs import costs_from_trace
     from pipeloom.tools.trace_model import _leaves, load_trace
 
@@ -186,7 +198,56 @@ def _recorded_durations(paths: list[str], world: int) -> tuple[dict[int, dict[tu
             for s, t, m in _leaves(sp):
                 if s is not None and m is not None:
                     steps.setdefault(sp.step, {})[(s, t, m)] = d
-    return steps, rc.costs.send_latency / 1e6
+    acts = {r: sorted(v, key=lambda a: a.start) for r, v in model.actions.items()}
+    starts = {r: [a.start for a in v] for r, v in acts.items()}
+    idle, busy = [], []
+    for send, recv in model.transfer_pairs():
+        r, t = recv.rank, send.end
+        i = bisect.bisect_right(starts.get(r, []), t) - 1
+        if i >= 0 and acts[r][i].end > t:
+            busy.append((recv.end - acts[r][i].end) / 1e6)
+        else:
+            idle.append((recv.end - send.end) / 1e6)
+    transfer = statistics.median(idle) if idle else rc.costs.send_latency / 1e6
+    notice = statistics.median(busy) if busy else 0.0
+    return steps, max(0.0, transfer), max(0.0, notice)
+
+
+def _recorded_gains(sched: Any, paths: list[str], rec_steps: dict[str, list[int]]) -> dict[str, dict[str, float]]:
+    """Per workload, :func:`_gains` with the costs of the traced steps ``rec_steps[workload]``."""
+    per_step, xfer, notice = _recorded_durations(paths)
+    out = {}
+    for wl, lst in rec_steps.items():
+        steps = [per_step[st] for st in lst if st in per_step]
+        if steps:
+            out[wl] = _gains(sched, steps, xfer, notice)
+            out[wl]["transfer_ms"], out[wl]["notice_ms"] = xfer, notice
+    return out
+
+
+def repredict(json_path: str, trace_dir: str) -> list[dict[str, Any]]:
+    """The rows of a ``--record`` run again, ``recorded`` and ``ceiling`` recomputed from its traces
+    (``trace_dir``: the run's ``--record-dir``): for when the simulator changed after the run."""
+    from pipeloom.schedules import generate
+
+    rows = [json.loads(line) for line in open(json_path) if line.strip()]
+    by: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault((r["schedule"], r["ranks"]), []).append(r)
+    for (name, world), rs in by.items():
+        workloads = list(dict.fromkeys(r["workload"] for r in rs))
+        draws = rs[0]["draws"]
+        # the traced steps: per workload (in the run's order) one warm-up, then one per length vector
+        rec_steps = {wl: [j * (draws + 1) + k for k in range(1, draws + 1)] for j, wl in enumerate(workloads)}
+        paths = [os.path.join(trace_dir, f"{name}.jsonl.rank{r}") for r in range(world)]
+        sched = generate(name, num_ranks=world, num_microbatches=rs[0]["microbatches"])
+        got = _recorded_gains(sched, paths, rec_steps)
+        for r in rs:
+            g = got.get(r["workload"])
+            if g is not None:
+                r["recorded"], r["ceiling"] = round(g[r["rule"]], 4), round(g["ceiling"], 4)
+                r["transfer_ms"], r["notice_ms"] = round(g["transfer_ms"], 3), round(g["notice_ms"], 3)
+    return rows
 
 
 # ------------------------------------------------------------ the ranks
@@ -414,7 +475,7 @@ def _rank_main(args: argparse.Namespace) -> int:
         except Exception as exc:  # a schedule torch does not build this way: reported, not fatal
             if rank == 0 and not args.no_torch:
                 print(f"uneven.py: torch {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        rec_steps: dict[str, list[tuple[int, int]]] = {}  # workload -> (traced step, vector index)
+        rec_steps: dict[str, list[int]] = {}  # workload -> its traced steps
         rec_count = 0
         pending_rows: list[dict[str, Any]] = []
         for workload in args.workloads.split(","):
@@ -491,7 +552,7 @@ def _rank_main(args: argparse.Namespace) -> int:
                     dist.barrier()
                     run("rec", k % len(vectors))
                     if k:
-                        rec_steps.setdefault(workload, []).append((rec_count, k % len(vectors)))
+                        rec_steps.setdefault(workload, []).append(rec_count)
                     rec_count += 1
             meds = {e: reduce([statistics.median(times[e])], dist.ReduceOp.MAX)[0] * 1e3 for e in engines}
             for r, rule in rules.items():
@@ -510,7 +571,7 @@ def _rank_main(args: argparse.Namespace) -> int:
                 if rank == 0:
                     nominal = [_nominal_durations(args, sched, workload, vectors[i % len(vectors)], i, stage_ms)
                                for i in range(len(vectors))]
-                    g = _gains(sched, nominal, args.overhead_ms)
+                    g = _gains(sched, nominal, args.overhead_ms, args.notice_ms)
                     row["predicted"] = round(g[rule], 4)
                     row["ceiling_nominal"] = round(g["ceiling"], 4)
                     row["ceiling"] = row["ceiling_nominal"]
@@ -525,11 +586,7 @@ def _rank_main(args: argparse.Namespace) -> int:
             recorded: dict[str, dict[str, float]] = {}
             if rec is not None:
                 try:
-                    per_step, xfer = _recorded_durations([f"{rec_path}.rank{r}" for r in range(world)], world)
-                    for wl, lst in rec_steps.items():
-                        steps = [per_step[st] for st, _ in lst if st in per_step]
-                        if steps:
-                            recorded[wl] = _gains(sched, steps, xfer)
+                    recorded = _recorded_gains(sched, [f"{rec_path}.rank{r}" for r in range(world)], rec_steps)
                 except Exception as exc:  # noqa: BLE001 - a prediction left out, not the measurement
                     print(f"uneven.py: {name}: recorded costs: {type(exc).__name__}: {exc}", file=sys.stderr)
             for row in pending_rows:
@@ -537,6 +594,7 @@ def _rank_main(args: argparse.Namespace) -> int:
                 if g is not None:
                     row["recorded"] = round(g[row["rule"]], 4)
                     row["ceiling"] = round(g["ceiling"], 4)
+                    row["transfer_ms"], row["notice_ms"] = round(g["transfer_ms"], 3), round(g["notice_ms"], 3)
                 print(f"{name:22} {row['workload']:9} {row['option']}->{row['rule']:8} det {row['det_ms']:8.1f} dyn {row['dyn_ms']:8.1f} "
                       f"torch {row['torch_ms'] if row['torch_ms'] is not None else '-':>8} gain {row['gain']:+.1%} "
                       f"[{row['gain_q1']:+.1%}, {row['gain_q3']:+.1%}] predicted {row['predicted']:+.1%}"
@@ -593,6 +651,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--overhead-ms", type=float, default=0.4, help="the simulator's transfer time for `predicted` (ms)")
+    ap.add_argument("--notice-ms", type=float, default=None,
+                    help="the simulator's notice delay for `predicted` (ms; default 0.4 on gloo, 0 on NCCL: simulate_policy's notice)")
+    ap.add_argument("--repredict", default=None, metavar="JSONL", help="recompute `recorded` of a --record run's rows from its "
+                    "traces (--record-dir) and print the table")
     ap.add_argument("--record", action="store_true", help="also predict with the costs of a traced deterministic run (CPU)")
     ap.add_argument("--record-dir", default=None)
     ap.add_argument("--no-torch", action="store_true", help="leave torch.distributed.pipelining out")
@@ -606,6 +668,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         args.seq = seq
     if args.microbatches is None:
         args.microbatches = mbs if args.model == "gpt" else 8
+    if args.notice_ms is None:
+        args.notice_ms = 0.4 if args.backend == "gloo" else 0.0
     if args.burn_dim is None:
         args.burn_dim = 4096 if args.backend == "nccl" else 32
     return args
@@ -615,6 +679,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.table:
         print(table(args.table))
+        return 0
+    if args.repredict:
+        if not args.record_dir:
+            raise SystemExit("--repredict needs --record-dir (the run's traces)")
+        rows = repredict(args.repredict, args.record_dir)
+        if args.json:
+            with open(args.json, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+            print(table(args.json))
         return 0
     if "RANK" in os.environ:
         return _rank_main(args)

@@ -49,3 +49,22 @@ def test_policy_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["schedule", "simulate", "1F1B", "-p", "2", "-m", "4", "--policy", "fastest"]) == 2
     assert "policies are static, dynamic, critical" in capsys.readouterr().err
     assert main(["schedule", "simulate", "1F1B", "-p", "2", "-m", "4", "--policy", "dynamic", "--lengths", "1:0"]) == 2
+
+
+def test_notice_a_transfer_landing_while_busy_is_usable_only_after_the_action() -> None:
+    """A CPU rank reads arrivals between actions: 0F1's output lands at 1.5, inside 1F0 (1..2), so
+    it is usable at 2 + notice; the static order waits for it, `ready` runs 1B0 first."""
+    sched = generate("GPipe", num_ranks=2, num_microbatches=2)
+    durs = {(0, "F", 0): 1.0, (0, "F", 1): 0.5, (1, "F", 0): 1.0, (1, "F", 1): 1.0,
+            (0, "B", 0): 2.0, (0, "B", 1): 2.0, (1, "B", 0): 2.0, (1, "B", 1): 2.0}
+    for policy in ("static", "dynamic"):
+        res = simulate_policy(sched, policy, durs)
+        assert res.makespan == pytest.approx(9.0) and res.reordered == 0
+    static = simulate_policy(sched, "static", durs, notice=0.3)
+    assert static.makespan == pytest.approx(9.3) and static.reordered == 0
+    ready = simulate_policy(sched, "dynamic", durs, notice=0.3)
+    assert ready.makespan == pytest.approx(9.0) and ready.reordered == 1
+    # a local hand-off (same rank) is never delayed: one rank, any notice, the list's makespan
+    one = generate("1F1B", num_ranks=1, num_microbatches=2)
+    d1 = {k: 1.0 for k in draw_costs(one, Costs())}
+    assert simulate_policy(one, "static", d1, notice=5.0).makespan == pytest.approx(simulate_policy(one, "static", d1).makespan)
