@@ -155,13 +155,23 @@ class EpGroups:
 
 
 def make_ep_groups(grid: Sequence[Sequence[int]], *, rank: int, ep: int, dp: int, stage_to_row: Sequence[int],
-                   backend: str) -> EpGroups:
-    """Every group of the layout, created by every rank in the same order; this rank's returned."""
+                   timeout: float | None = None) -> EpGroups:
+    """Every group of the layout, created by every rank in the same order; this rank's returned.
+
+    ``timeout`` (seconds) bounds each collective on these groups: on gloo an all-to-all
+    holds its rank's host until its peers arrive, and a peer that stopped (not died: a
+    dead peer's connection closes at once) would otherwise hold it for the default
+    group timeout (30 minutes).  The Pipeline passes its cold-step stall budget plus
+    the heartbeat timeout, by which time the other ranks have named the stalled peer.
+    """
+    import datetime
+
+    kw: dict[str, Any] = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
     row_i = next(i for i, row in enumerate(grid) if rank in row)
     col = list(grid[row_i]).index(rank)
     mine: dict[str, Any] = {}
     for i, row in enumerate(grid):
-        g = dist.new_group(list(row))
+        g = dist.new_group(list(row), **kw)
         if i == row_i:
             mine["row"] = (g, list(row))
     mine["experts"] = (None, [rank])
@@ -169,14 +179,14 @@ def make_ep_groups(grid: Sequence[Sequence[int]], *, rank: int, ep: int, dp: int
         for i, row in enumerate(grid):
             for e in range(ep):
                 ranks = [row[d * ep + e] for d in range(dp)]
-                g = dist.new_group(ranks)
+                g = dist.new_group(ranks, **kw)
                 if i == row_i and e == col % ep:
                     mine["experts"] = (g, ranks)
     stage_groups: dict[int, tuple[Any, list[int]]] = {}
     for s, r in enumerate(stage_to_row):
         for d in range(dp):
             ranks = [grid[r][d * ep + e] for e in range(ep)]
-            g = dist.new_group(ranks)
+            g = dist.new_group(ranks, **kw)
             if rank in ranks:
                 stage_groups[s] = (g, ranks)
     return EpGroups(ep=ep, dp=dp, row=mine["row"][0], row_ranks=mine["row"][1], experts=mine["experts"][0],

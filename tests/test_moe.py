@@ -33,7 +33,9 @@ WORLD, EP = 4, 2
 PP = WORLD // EP
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 _BASE = dict(microbatches=4, ep=EP, rows=16, seq=3, steps=2)
-CASES: list[dict[str, Any]] = [dict(_BASE, id=f"ep-{s}", schedule=s) for s in SCHEDULES]
+# eval() (forwards only, their all-to-alls under no_grad) after the optimizer step, on two of them
+CASES: list[dict[str, Any]] = [dict(_BASE, id=f"ep-{s}", schedule=s, eval=s in ("DualPipeV", "Interleaved1F1B"))
+                               for s in SCHEDULES]
 WORKER = str(Path(__file__).parent / "ranks" / "moe_worker.py")
 
 
@@ -120,7 +122,16 @@ def reference(cfg: dict[str, Any], num_stages: int) -> list[dict[str, Any]]:
             outputs.append(torch.cat(col_out))
         grads = {f"s{i}.{pn}": p.grad.clone() for i, m in enumerate(stages) for pn, p in m.named_parameters()}
         opt.step()
-        out.append({"grads": grads, "losses": losses, "outputs": outputs})
+        evals = []
+        with torch.no_grad():
+            for xc in torch.tensor_split(x, cols):
+                col_out = []
+                for xm in torch.tensor_split(xc, n):
+                    for st in stages:
+                        xm = st(xm)
+                    col_out.append(xm)
+                evals.append(torch.cat(col_out))
+        out.append({"grads": grads, "losses": losses, "outputs": outputs, "eval": evals})
     return out
 
 
@@ -158,6 +169,8 @@ def test_expert_parallel_matches_unsplit_model(pool: Any, case_id: str) -> None:
                 for a, b in zip(res["losses"][step], want["losses"][col], strict=True):
                     torch.testing.assert_close(a, b, **TOL)
                 torch.testing.assert_close(res["outputs"][step], want["outputs"][col], **TOL)
+                if cfg["eval"]:
+                    torch.testing.assert_close(res["eval"][step], want["eval"][col], **TOL)
     # every expert's gradient was checked on the rank that holds it
     assert len(seen_experts) == 2 * ns * EP
 

@@ -47,6 +47,9 @@ def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
         result["losses"].append([l.detach().cpu().clone() for l in losses])
         result["outputs"].append(None if out is None else out.detach().cpu())
         opt.step()
+        if cfg.get("eval"):
+            ev = pipe.eval(x.to(dev))
+            result.setdefault("eval", []).append(None if ev is None else ev.detach().cpu())
     pipe.close()
     return result
 
