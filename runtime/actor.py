@@ -418,6 +418,38 @@ class RankActor:
         if self.trace is not None:
             self.trace.transfer("send", step, dst, to_stage, mb, kind, seq, nbytes, t0, clock_ns())
 
+    def _peer_failure(self, exc: BaseException, a: Action, step: int) -> PipelineError | None:
+        """A compute whose collective broke (an MoE all-to-all over gloo): the peer's failure, if that is the cause.
+
+        A collective inside a compute (expert parallelism) fails with "Connection closed"
+        when an ep peer stopped on its own error and exited; this rank's loop was inside the
+        collective meanwhile, so the peer's abort message is still unread.  Read the control
+        plane for a short, bounded while: the peer's abort is raised as the RemoteRankError
+        it is, a peer whose control connection closed is named as lost; anything else
+        returns None (this rank's own failure).
+        """
+        if not any(words in str(exc) for words in _CONNECTION_BROKE):
+            return None
+        deadline = time.monotonic() + _CONFIRM_LOST
+        while True:
+            try:
+                self.control.drain()  # an abort from the peer may be waiting unread
+            except Exception:  # noqa: BLE001 - only a better message is at stake
+                pass
+            if self._remote_error is not None:
+                return self._remote_error
+            gone = sorted(self.control.disconnected)
+            if gone or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        if not gone:
+            return None
+        err = PeerLostError(f"{a} (step {step}) failed: rank {gone[0]}'s control connection closed: the process exited or "
+                            f"was killed ({str(exc).splitlines()[0][:200]})", rank=self.rank, peer=gone[0])
+        self._remote_error = err
+        self.broadcast_abort(err, a, step)
+        return err
+
     def _lost_peer(self, peer: int, what: str, exc: BaseException) -> PeerLostError | None:
         """A transport error on a transfer with ``peer``: a PeerLostError naming it, if it is gone.
 
@@ -599,6 +631,9 @@ class RankActor:
             except PipelineError:
                 raise
             except Exception as exc:
+                lost = self._peer_failure(exc, a, step)
+                if lost is not None:
+                    raise lost from exc
                 raise self._abort(exc, a, step) from exc
             if commit_ahead:
                 dev.launched(tkey, [x.stage for x in leaves], token)

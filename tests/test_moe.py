@@ -230,3 +230,27 @@ def test_expert_parallel_configuration_errors(tmp_path: Path) -> None:
             pipeloom.Pipeline(stage, schedule="1F1B", num_microbatches=2, loss_fn=loss_fn, expert_parallel=2)
     finally:
         dist.destroy_process_group()
+
+
+def test_user_error_on_one_ep_rank_stops_every_rank(tmp_path: Path) -> None:
+    # rank 1 (pipeline rank 0, ep rank 1) raises in its stage's forward in step 1, while its ep
+    # peer (rank 0) is inside, or on its way into, the all-to-all that rank 1 never joins
+    import json
+
+    from harness import spawn_ranks
+
+    case = dict(_BASE, id="fail", schedule="DualPipeV", fail={"rank": 1, "step": 1})
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"cases": [case], "out": str(tmp_path)}))
+    t0 = time.monotonic()
+    codes, _, errs = asyncio.run(spawn_ranks(WORLD, [WORKER, str(job)], timeout=90))
+    elapsed = time.monotonic() - t0
+    assert all(c not in (0, None) for c in codes), (codes, [e[-1500:] for e in errs])
+    recs = {r: json.loads((tmp_path / f"fail-rank{r}.json").read_text()) for r in range(WORLD)}
+    assert recs[1]["type"] == "StageError" and "boom in user code" in recs[1]["message"], recs[1]
+    for r in (0, 2, 3):
+        # every other rank names rank 1, as the rank that failed or the peer it lost (its ep peer too,
+        # whose all-to-all broke: not a StageError of its own)
+        assert recs[r]["type"] in ("RemoteRankError", "PeerLostError"), recs[r]
+        assert "rank 1" in recs[r]["message"], recs[r]
+    assert elapsed < 60, elapsed

@@ -30,7 +30,12 @@ class MoEStage(nn.Module):
         self.moe = MoE(DIM, 2 * DIM, EXPERTS, top_k=TOP_K, capacity_factor=CAPACITY, group=group,
                        ep_rank=ep_rank, ep_size=ep_size, generator=g, dtype=dtype)
 
+    #: raise in the next forward (the fault test's user error)
+    boom = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.boom:
+            raise RuntimeError("boom in user code")
         x = x + torch.tanh(self.dense(x))
         return x + self.moe(x)
 

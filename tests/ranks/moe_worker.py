@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import Any
 
 import torch
@@ -40,6 +41,10 @@ def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
     for step in range(cfg.get("steps", 1)):
         x, y = make_batch(step, rows=cfg["rows"], seq=cfg["seq"])
         opt.zero_grad(set_to_none=True)
+        fail = cfg.get("fail")
+        if fail and fail["rank"] == int(os.environ["RANK"]) and fail["step"] == step:
+            for m in pipe.stages.values():
+                m.boom = True
         losses: list[torch.Tensor] = []
         out = pipe.step(x.to(dev), target=y.to(dev), losses=losses)
         result["grads"].append({f"s{s}.{n}": p.grad.detach().cpu().clone() for s, m in pipe.stages.items()
@@ -67,7 +72,16 @@ def main() -> None:
         dist.init_process_group("gloo")
     for cfg in job["cases"]:
         print(f"rank {rank}: case {cfg['id']}", file=sys.stderr, flush=True)
-        torch.save(run_case(cfg), os.path.join(job["out"], f"{cfg['id']}-rank{rank}.pt"))
+        t0 = time.monotonic()
+        try:
+            result = run_case(cfg)
+        except Exception as exc:  # the fault test: what each rank saw, and when
+            rec = {"type": type(exc).__name__, "message": str(exc), "t": time.time(), "after_s": time.monotonic() - t0,
+                   "failed_rank": getattr(exc, "failed_rank", None)}
+            with open(os.path.join(job["out"], f"{cfg['id']}-rank{rank}.json"), "w") as f:
+                json.dump(rec, f)
+            raise
+        torch.save(result, os.path.join(job["out"], f"{cfg['id']}-rank{rank}.pt"))
         dist.barrier()
     dist.destroy_process_group()
 
