@@ -155,7 +155,7 @@ class EpGroups:
 
 
 def make_ep_groups(grid: Sequence[Sequence[int]], *, rank: int, ep: int, dp: int, stage_to_row: Sequence[int],
-                   timeout: float | None = None) -> EpGroups:
+                   timeout: float | None = None, device: torch.device | None = None) -> EpGroups:
     """Every group of the layout, created by every rank in the same order; this rank's returned.
 
     ``timeout`` (seconds) bounds each collective on these groups: on gloo an all-to-all
@@ -163,6 +163,11 @@ def make_ep_groups(grid: Sequence[Sequence[int]], *, rank: int, ep: int, dp: int
     dead peer's connection closes at once) would otherwise hold it for the default
     group timeout (30 minutes).  The Pipeline passes its cold-step stall budget plus
     the heartbeat timeout, by which time the other ranks have named the stalled peer.
+
+    ``device``: each stage group then runs one tiny all-to-all here, in stage order (the
+    same on every member): NCCL connects an all-to-all's point-to-point channels at its
+    first use, and that handshake holds the host until the peers arrive; done here, no
+    step pays it while its event loop should be serving transfers.
     """
     import datetime
 
@@ -189,6 +194,11 @@ def make_ep_groups(grid: Sequence[Sequence[int]], *, rank: int, ep: int, dp: int
             g = dist.new_group(ranks, **kw)
             if rank in ranks:
                 stage_groups[s] = (g, ranks)
+    if device is not None:
+        for s in sorted(stage_groups):
+            g, ranks = stage_groups[s]
+            probe = torch.zeros(len(ranks), device=device)
+            dist.all_to_all_single(torch.empty_like(probe), probe, group=g)
     return EpGroups(ep=ep, dp=dp, row=mine["row"][0], row_ranks=mine["row"][1], experts=mine["experts"][0],
                     experts_ranks=mine["experts"][1], stage_groups=stage_groups)
 
