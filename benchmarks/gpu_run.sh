@@ -23,6 +23,10 @@
 #              UNEVEN_SCHEDULES, workloads UNEVEN_WORKLOADS (lengths fixed/uniform/bimodal/longtail, rank 1 jittered),
 #              pipeloom deterministic vs UNEVEN_RULES (default auto) vs torch, with the simulated gain and ceiling
 #              next to each measured gain; rows in $OUT/uneven.jsonl, table in $OUT/uneven-table.md
+#   tunegrid   benchmarks/tune_grid.py on GPUs 0,1: a profiling run of the GPT (size s), `pipeloom schedule tune`'s
+#              ranking (with a layer-split search), then a measured grid of >= 15 configurations (5 schedules x
+#              microbatches 8,16,32 + the tuner's splits): measured vs predicted, the pick vs the best (about 3 min);
+#              TUNE_ARGS adds arguments, TUNE_TIMEOUT bounds it (default 300 s); JSON in $OUT/tunegrid/tune_grid.json
 # Environment: SCHEDULES, BENCH_ARGS, BENCH_TIMEOUT, VARIANTS (see bench2).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -109,6 +113,10 @@ for part in "$@"; do
        --steps "${UNEVEN_STEPS:-8}" --blocks "${UNEVEN_STEPS:-8}" --warmup 3 --timeout 225 --json "$OUT/uneven.jsonl" ${UNEVEN_ARGS:-} \
        2>&1 | grep -v "^\[W\|Warning\|warn" | cut -c1-300 | tail -40 | tee "$OUT/uneven-$n.txt")
     python3 benchmarks/uneven.py --table "$OUT/uneven.jsonl" | tee "$OUT/uneven-table.md"
+    ;;
+  tunegrid)
+    (cd /tmp && CUDA_VISIBLE_DEVICES=0,1 timeout "${TUNE_TIMEOUT:-300}" torchrun --nproc-per-node 2 "$REPO/benchmarks/tune_grid.py" \
+       --out "$OUT/tunegrid" ${TUNE_ARGS:-} 2>&1 | grep -v "^\[W\|Warning\|warn" | cut -c1-300 | tail -30 | tee "$OUT/tunegrid.txt")
     ;;
   *) echo "unknown part $part"; exit 2 ;;
   esac

@@ -225,10 +225,12 @@ def test_tune_ranks_configurations_from_a_run(runs: Path, capsys: pytest.Capture
     assert "over the cap" in capsys.readouterr().out
     assert main(["schedule", "tune", "--costs-from", path, "--memory-cap", "lots"]) == 2
     assert "not a size" in capsys.readouterr().err
-    # scaling: half the microbatches, twice the compute per action (the runtime time per action stays)
+    # scaling: one microbatch size recorded, so half the microbatches is twice the compute per action; the
+    # runtime time per action and the blocking time per send (stage 0's F sends to rank 1) stay
     rc = costs_from_trace(load_trace(path))
+    assert not rc.sizes_fitted
     a4, a2 = _action_costs(rc, 2, 1, 4), _action_costs(rc, 2, 1, 2)
-    o = rc.runtime_per_action_ns[0]  # does not scale; compute and the send (payload) do
+    o = rc.runtime_per_action_ns[0] + rc.send_per_transfer_ns[0]
     assert a2[(0, "F", None)] - o == pytest.approx(2 * (a4[(0, "F", None)] - o))
     r = tune(rc, schedules=["1F1B"], microbatches=[4], stages_per_rank=[1], activation_memory=1000)
     assert r.recorded is not None and r.candidates[0].peak_activation_bytes == 1000 * r.candidates[0].peak_live

@@ -15,6 +15,15 @@ textbook assumes (F=1, B=2).  A recorded trace has it:
   sizes (else latency only), and the mean payload size.  Simulate with
   receives placed early (``recv_placement="early"``): pipeloom posts a
   receive as soon as the sender announces it, not where the list has it;
+* **what carries to other configurations** (``pipeloom schedule tune``):
+  where the run had microbatches of two sizes (a profiling run alternating
+  the full and the half batch), each action's duration fitted as ``fixed +
+  per_byte x bytes`` on the per-size medians (``compute_fit``; the means,
+  step time and costs above are those of the full-size steps), and the
+  link's own transfer time, fitted on the transfers that landed while the
+  receiver waited for them (``link_latency_ns``, ``link_ns_per_byte``): the
+  mean transfer time above also holds the time data sat at a busy receiver,
+  which depends on the schedule;
 * **OVERLAP_F_B**: ``overlap`` from the measured pair against its halves;
 * **memory**: the most live microbatches per rank and, on GPUs, the CUDA
   peak, so a tuner can scale activation memory.
@@ -34,6 +43,7 @@ distribution long-tailed) under-predicted by up to 38%.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +80,24 @@ class RunCosts:
     """rank -> the same without the sends (what does not depend on how much an action sends)."""
     send_per_transfer_ns: dict[int, float] = field(default_factory=dict)
     """rank -> mean blocking time of one send (of ``costs.activation_bytes`` on average)."""
+    compute_fit: dict[tuple[int, str], tuple[float, float]] = field(default_factory=dict)
+    """(stage, type) -> (fixed ns, ns per byte of the microbatch's activation): an action's duration as
+    ``fixed + per_byte * bytes``, fitted where the run had microbatches of several sizes; else
+    ``(0, mean / ref_bytes)`` (taken as proportional, see ``sizes_fitted``)."""
+    sizes_fitted: bool = False
+    """The run had microbatches of at least two sizes (a factor 1.25 apart), so ``compute_fit`` separates the
+    fixed part of an action from the part that grows with the microbatch."""
+    ref_bytes: int = 0
+    """Activation bytes of one microbatch at the run's reference (largest) size: ``compute_ns``,
+    ``step_ns`` and the costs are of the steps at that size."""
+    link_latency_ns: float = 0.0
+    """Time from the end of a send to the data having landed on a receiver that was waiting for it (the
+    transfer itself, without the receiver's own lateness), fitted as ``latency + bytes * link_ns_per_byte``."""
+    link_ns_per_byte: float = 0.0
+    step_ns_median: float = 0.0
+    overlap_measured: bool = False
+    """The run had OVERLAP_F_B pairs whose halves also ran alone, so ``costs.overlap`` is measured."""
+    """Median step time over the reference steps (robust to a burst of load on a shared machine)."""
 
     @property
     def stages_per_rank(self) -> int:
@@ -101,21 +129,47 @@ def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None) -> Ru
     summary = summarize(model, skip_warmup=skip, critical=False)
     steps = list(summary.steps)
     chosen = set(steps)
+    # The size of each microbatch, read from its activation transfers; the steps at the largest size are the
+    # reference (a profiling run may alternate batch sizes so that fixed and per-row costs can be told apart).
+    mb_bytes: dict[tuple[int, int], int] = {}
+    for lst in model.transfers.values():
+        for t in lst:
+            if t.kind == "send" and t.event.get("kind") == "F" and isinstance(t.mb, int) and t.step in chosen:
+                b = int(t.event.get("bytes", 0) or 0)
+                if b > mb_bytes.get((t.step, t.mb), 0):
+                    mb_bytes[(t.step, t.mb)] = b
+    step_size: dict[int, int] = {}
+    for (st, _), b in mb_bytes.items():
+        step_size[st] = max(step_size.get(st, 0), b)
+    ref_bytes = max(step_size.values(), default=0)
+    ref_steps = {st for st in chosen if step_size.get(st, ref_bytes) >= 0.95 * ref_bytes} or chosen
     durations: dict[tuple[int, str], list[int]] = {}
     ovl: list[tuple[str, str, int]] = []
     n_actions: dict[int, int] = {}
+    sized: dict[tuple[int, str], list[tuple[int, int]]] = {}
     for r, lst in model.actions.items():
         for a in lst:
             if a.step not in chosen:
                 continue
             n_actions[r] = n_actions.get(r, 0) + 1
             if a.type in ("F", "B", "I", "W") and isinstance(a.stage, int):
-                durations.setdefault((a.stage, a.type), []).append(a.duration)
+                if a.step in ref_steps:
+                    durations.setdefault((a.stage, a.type), []).append(a.duration)
+                if isinstance(a.mb, int) and (a.step, a.mb) in mb_bytes:
+                    sized.setdefault((a.stage, a.type), []).append((mb_bytes[(a.step, a.mb)], a.duration))
             elif a.type == "OVERLAP_F_B" and isinstance(a.event.get("sub"), list) and len(a.event["sub"]) == 2:
                 ovl.append((str(a.event["sub"][0]), str(a.event["sub"][1]), a.duration))
     if not durations and not ovl:
         raise ValueError("the trace has no F/B/I/W actions to measure")
     compute = {k: sum(v) / len(v) for k, v in durations.items()}
+    sizes = sorted({b for v in sized.values() for b, _ in v})
+    fitted = len(sizes) > 1 and sizes[0] > 0 and sizes[-1] >= 1.25 * sizes[0]
+    compute_fit: dict[tuple[int, str], tuple[float, float]] = {}
+    for k, mean in compute.items():
+        fit = _affine(sized.get(k, [])) if fitted else None
+        if fit is None:
+            fit = (0.0, mean / ref_bytes) if ref_bytes else (mean, 0.0)
+        compute_fit[k] = fit
     overhead: dict[int, float] = {}
     runtime: dict[int, float] = {}
     per_send: dict[int, float] = {}
@@ -150,9 +204,20 @@ def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None) -> Ru
         overlap = sum(fac) / len(fac)
     # transfers
     samples: list[tuple[int, int]] = []
+    waited: list[tuple[int, int]] = []  # those that landed while the receiver was waiting: the link's own time
+    wait_spans = {r: ([w.start for w in ws], [w.end for w in ws]) for r, ws in model.waits.items()}
     for send, recv in model.transfer_pairs():
         if send.step in chosen:
-            samples.append((int(send.event.get("bytes", 0) or 0), max(0, recv.end - send.end)))
+            sample = (int(send.event.get("bytes", 0) or 0), max(0, recv.end - send.end))
+            if send.step in ref_steps:
+                samples.append(sample)
+            starts, ends = wait_spans.get(recv.rank, ([], []))
+            i = bisect.bisect_left(starts, recv.end) - 1
+            if i >= 0 and recv.end <= ends[i] + 100_000:
+                waited.append(sample)
+    link = _affine(waited) if len({b for b, _ in waited}) > 1 else None
+    if link is None:
+        link = (statistics.mean(t for _, t in waited) if waited else 0.0, 0.0)
     latency, bandwidth, act_bytes = 0.0, None, 0
     if samples:
         act_bytes = int(round(sum(b for b, _ in samples) / len(samples)))
@@ -184,6 +249,7 @@ def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None) -> Ru
                 if isinstance(e.get("peak"), int):
                     peak_bytes[r] = max(peak_bytes.get(r, 0), e["peak"])
     world = model.header.get("world_size")
+    ref_times = [summary.step_times_ns[st] for st in sorted(ref_steps) if st in summary.step_times_ns]
     return RunCosts(
         costs=costs,
         action_costs=action_costs,
@@ -196,10 +262,41 @@ def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None) -> Ru
         world_size=int(world) if isinstance(world, int) else len(model.ranks),
         stage_to_rank=place,
         steps=steps,
-        step_ns=summary.mean_step_ns,
+        overlap_measured=bool(fac),
+        step_ns_median=statistics.median(ref_times) if ref_times else 0.0,
+        step_ns=(sum(summary.step_times_ns[st] for st in ref_steps if st in summary.step_times_ns)
+                 / max(1, sum(1 for st in ref_steps if st in summary.step_times_ns))) or summary.mean_step_ns,
         peak_live_mb=peak_live,
         peak_bytes=peak_bytes,
+        compute_fit=compute_fit,
+        sizes_fitted=fitted,
+        ref_bytes=ref_bytes,
+        link_latency_ns=link[0],
+        link_ns_per_byte=link[1],
     )
+
+
+def _affine(samples: list[tuple[int, int]]) -> tuple[float, float] | None:
+    """Least squares ``t = a + b * x`` over (x, t) samples, on the per-x medians (a burst of load on a
+    shared machine moves a mean, hardly a median); None where it cannot be
+    fitted (one size).  A negative slope means the size does not matter: (mean, 0); a negative
+    intercept means no fixed part: proportional through the origin."""
+    by: dict[int, list[int]] = {}
+    for x, t in samples:
+        by.setdefault(x, []).append(t)
+    if len(by) < 2:
+        return None
+    xs = sorted(by)
+    ys = [statistics.median(by[x]) for x in xs]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    if b <= 0:
+        return (statistics.median(t for _, t in samples), 0.0)
+    a = my - b * mx
+    if a < 0:
+        return (0.0, sum(ys) / sum(xs))
+    return (a, b)
 
 
 def _mean_type(compute: dict[tuple[int, str], float], typ: str) -> float:

@@ -157,6 +157,19 @@ def add_parser(subparsers: Any) -> None:
     tune_p.add_argument("--activation-memory", default=None, metavar="SIZE",
                         help="activation memory of one microbatch on one stage in the recorded run (default: the "
                         "stage-boundary activation size, a lower bound)")
+    tune_p.add_argument("--layers", type=_positive_int, default=None, metavar="N",
+                        help="the stage function can split the model's N layers anywhere (split_by_fqn, a layer list): "
+                        "stages hold whole layers, equal weights")
+    tune_p.add_argument("--layer-weights", default=None, metavar="W1,W2,...",
+                        help="the same with each layer's relative cost (e.g. FLOPs per token: an embedding ~0, a vocabulary "
+                        "head heavy); a recorded stage's measured cost is shared among its layers by these weights")
+    tune_p.add_argument("--recorded-split", default=None, metavar="C1,C2,...",
+                        help="layers per stage in the recorded run (default: the even split)")
+    tune_p.add_argument("--search-split", type=int, default=None, metavar="K",
+                        help="search the layer split of the K fastest candidates (default 3 with --layers/--layer-weights)")
+    tune_p.add_argument("--no-calibrate", action="store_true",
+                        help="print the simulated step times as they are (default: scaled so that the recorded "
+                        "configuration's is its measured median)")
     tune_p.add_argument("--top", type=_positive_int, default=5, metavar="K", help="configurations to print (default 5)")
     tune_p.add_argument("--json", action="store_true", help="print one JSON object")
     tune_p.set_defaults(func=_guarded(_cmd_tune))
@@ -572,6 +585,31 @@ def _int_list(text: str | None, what: str) -> list[int] | None:
     return out
 
 
+def _tune_layers(args: argparse.Namespace, run: Any) -> Any:
+    """The :class:`~pipeloom.tools.schedule_tune.Layers` of ``--layers``/``--layer-weights``/``--recorded-split``."""
+    from .schedule_tune import Layers
+
+    if args.layers is None and args.layer_weights is None:
+        if args.recorded_split is not None:
+            raise _UsageError("--recorded-split needs the layers: give --layers N or --layer-weights")
+        return None
+    if args.layer_weights is not None:
+        try:
+            weights = tuple(float(w) for w in args.layer_weights.split(",") if w.strip())
+        except ValueError:
+            raise _UsageError(f"--layer-weights: expected comma-separated numbers, got {args.layer_weights!r}") from None
+        if args.layers is not None and args.layers != len(weights):
+            raise _UsageError(f"--layers {args.layers} but --layer-weights gives {len(weights)} weights")
+    else:
+        weights = (1.0,) * args.layers
+    n0 = len(run.stage_to_rank) or 1
+    try:
+        recorded = tuple(_int_list(args.recorded_split, "--recorded-split") or Layers.even(len(weights), n0))
+        return Layers(weights, recorded)
+    except ValueError as exc:
+        raise _UsageError(f"layers: {exc}") from None
+
+
 def _cmd_tune(args: argparse.Namespace) -> int:
     from .schedule_tune import format_tune, parse_size, tune
 
@@ -582,9 +620,13 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         act = None if args.activation_memory is None else parse_size(args.activation_memory)
     except ValueError as exc:
         raise _UsageError(str(exc)) from None
+    layers = _tune_layers(args, run)
+    search = args.search_split if args.search_split is not None else (3 if layers is not None else 0)
+    if search and layers is None:
+        raise _UsageError("--search-split needs the layers: give --layers N or --layer-weights")
     result = tune(run, schedules=names, microbatches=_int_list(args.microbatches, "--microbatches"),
                   stages_per_rank=_int_list(args.stages_per_rank, "--stages-per-rank") or [1, 2],
-                  memory_cap=cap, activation_memory=act)
+                  memory_cap=cap, activation_memory=act, calibrate=not args.no_calibrate, layers=layers, search=search)
     if not result.candidates:
         raise _UsageError("no candidate configuration could be simulated: " + "; ".join(result.skipped[:3]))
     if args.json:

@@ -9,25 +9,40 @@ job per point.  A recorded run already measured the costs that matter (see
 for any configuration in microseconds.
 
 How a recorded run's costs are carried to another configuration (same
-ranks, same global batch):
+ranks, same global batch), and why each rule (measured on the CPU benchmark,
+``benchmarks/tune_accuracy.py``, where the first version of this tuner was
+off by -65% .. +430%):
 
-* **compute** scales with the microbatch size: a candidate with ``m``
-  microbatches costs ``m0 / m`` times the recorded per-microbatch compute;
-* **stages per rank**: with the recorded ``v0`` the recorded per-stage costs
-  are kept (an embedding or a head stays where it was); with another ``v``
-  the model's total compute is split evenly into ``p * v`` stages;
-* **types**: a schedule that splits the backward (I, W) where the run had
-  only B gets ``I = W = B / 2``, and the other way ``B = I + W``;
+* **compute** is ``fixed + per_byte x microbatch bytes`` per stage and type
+  (:attr:`RunCosts.compute_fit`).  Scaling it with the microbatch size
+  (``m0 / m``) assumed no fixed part, but a forward of 8 rows cost 0.57 of
+  one of 32 rows on CPU, not 0.25 (kernel launches, autograd, the stage
+  executor): more microbatches looked free.  The fit needs a profile with
+  two microbatch sizes (steps alternating the full and the half batch, which
+  pipeloom runs at the same microbatch count); with one size, compute is
+  taken as proportional and the output says so;
+* **stages**: the model is the sequence of the recorded stages; a candidate
+  stage costs the part of the model it holds (with :class:`Layers`, the sum
+  of its layers' shares, so an end stage with an embedding or a head stays
+  heavy, and the split itself can be searched: :func:`search_split`);
+* **types**: a split backward where the run had B: ``I = I_SHARE x B`` (the
+  first stage, which needs no input gradient, ``FIRST_I_SHARE``), ``W`` the
+  rest; the run's own share where it ran I and W;
 * **runtime time per action** (the dispatcher, waking up; measured per rank)
-  does not scale: it is added to every action as measured -- which is why
-  more microbatches or stages stop paying on a CPU or with small stages;
-* **sends**: an action whose output goes to another rank (in the
-  candidate's placement) also pays one send's blocking time, scaled with the
-  payload;
-* **transfers** take ``latency + bytes / bandwidth`` with the activation
-  scaled like the microbatch (a run with one payload size gives no
-  latency/bandwidth split: the whole time is taken as proportional to the
-  bytes);
+  and **one send's blocking time** are per action and per send, whatever the
+  payload: they do not scale (the send did not grow from 16 to 64 KiB);
+* **transfers** take the link's own time, ``latency + bytes x time per
+  byte``, fitted on the transfers that landed while the receiver *waited*
+  for them (:attr:`RunCosts.link_latency_ns`).  The mean over all transfers
+  also counts the time data sat at a busy receiver, which depends on the
+  schedule (1-2 ms for 1F1B, 5-16 ms for LoopedBFS on the same machine), so
+  it fits the recorded run and nothing else;
+* **OVERLAP_F_B** takes its measured overlap, or sequential halves where the
+  run had none (``UNMEASURED_OVERLAP``; measured 0.72-0.93 on CPU);
+* **calibration**: every simulated step time is multiplied by the recorded
+  configuration's measured (median) over simulated step time
+  (:func:`calibration`), so the tuner reproduces the run it was given and
+  carries the rest of what the model misses as a ratio;
 * **activation memory** at peak is the simulated peak of live
   microbatch-stages times the memory of one, scaled by ``m0 / m`` and
   ``v0 / v`` (a smaller stage holds fewer layers' activations); the memory of
@@ -35,8 +50,7 @@ ranks, same global batch):
   the stage-boundary activation size (a lower bound, said in the output).
 
 Candidates the schedule rejects (too few microbatches for the ranks...) are
-skipped with the reason.  The ranking is the simulator's; its accuracy on the
-run's own configuration is printed beside it (measured vs simulated).
+skipped with the reason.
 """
 
 from __future__ import annotations
@@ -47,7 +61,9 @@ from typing import Any
 
 from pipeloom.schedules import (
     SCHEDULE_NAMES,
+    Costs,
     ScheduleError,
+    default_stages_per_rank,
     generate,
     lower,
     simulate,
@@ -56,7 +72,7 @@ from pipeloom.schedules import (
 from ..schedules.dataflow import consumer_stage
 from .run_costs import RunCosts
 
-__all__ = ["Candidate", "TuneResult", "tune", "format_tune", "parse_size"]
+__all__ = ["Candidate", "Layers", "TuneResult", "calibration", "format_tune", "parse_size", "search_split", "stage_compute", "tune"]
 
 
 @dataclass(frozen=True)
@@ -70,11 +86,16 @@ class Candidate:
     """Most live microbatch-stages on any rank."""
     peak_activation_bytes: int
     fits: bool
+    split: tuple[int, ...] | None = None
+    """Layers per stage (with a layer model; else None: the recorded stages' costs divided evenly)."""
+    searched: bool = False
+    """``split`` is the layer split search's, not the even one."""
 
     def to_json(self) -> dict[str, Any]:
         return {"schedule": self.schedule, "microbatches": self.microbatches, "stages_per_rank": self.stages_per_rank,
                 "step_ns": self.step_ns, "bubble_fraction": self.bubble, "peak_live_microbatch_stages": self.peak_live,
-                "peak_activation_bytes": self.peak_activation_bytes, "fits": self.fits}
+                "peak_activation_bytes": self.peak_activation_bytes, "fits": self.fits,
+                "split": list(self.split) if self.split is not None else None, "searched": self.searched}
 
 
 @dataclass(frozen=True)
@@ -88,12 +109,17 @@ class TuneResult:
     memory_cap: int | None
     activation_memory: int
     activation_memory_is_proxy: bool
+    calibration: float = 1.0
+    """Factor applied to every simulated step time (:func:`calibration`)."""
+    sizes_fitted: bool = False
+    """The run had two microbatch sizes, so compute was carried as fixed + per-byte (else proportional)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"candidates": [c.to_json() for c in self.candidates], "skipped": list(self.skipped),
                 "recorded": self.recorded.to_json() if self.recorded else None, "measured_step_ns": self.measured_step_ns,
                 "memory_cap": self.memory_cap, "activation_memory": self.activation_memory,
-                "activation_memory_is_proxy": self.activation_memory_is_proxy}
+                "activation_memory_is_proxy": self.activation_memory_is_proxy, "calibration": self.calibration,
+                "sizes_fitted": self.sizes_fitted}
 
 
 def parse_size(text: str) -> int:
@@ -116,19 +142,135 @@ def parse_size(text: str) -> int:
     return int(v * mult)
 
 
-def _type_costs(compute: dict[tuple[int, str], float], stage: int) -> dict[str, float]:
-    c = {t: compute[(stage, t)] for t in ("F", "B", "I", "W") if (stage, t) in compute}
+I_SHARE = 0.35
+"""Share of a full backward that ``I`` takes where the run measured no split backward (W the rest):
+pipeloom's W replays the parameter side of the graph, measured at 0.32-0.42 of ``I + W`` on Linear stacks
+on CPU.  The first stage needs no input gradient: there ``I`` is ``FIRST_I_SHARE`` of the backward."""
+FIRST_I_SHARE = 0.05
+UNMEASURED_OVERLAP = 1.0
+"""``Costs.overlap`` where the run had no OVERLAP_F_B to measure: its halves one after the other (measured
+0.72-0.93 on CPU, where one thread runs both)."""
+
+
+def _split_backward(b: float, first: bool) -> tuple[float, float]:
+    i = b * (FIRST_I_SHARE if first else I_SHARE)
+    return i, b - i
+
+
+def _stage_types(run: RunCosts, stage: int, nbytes: float) -> dict[str, float]:
+    """A recorded stage's compute per type for microbatches of ``nbytes`` activation bytes."""
+    c = {}
+    for t in ("F", "B", "I", "W"):
+        fit = run.compute_fit.get((stage, t))
+        if fit is None and (stage, t) in run.compute_ns:
+            fit = (0.0, run.compute_ns[(stage, t)] / run.ref_bytes) if run.ref_bytes else (run.compute_ns[(stage, t)], 0.0)
+        if fit is not None:
+            c[t] = fit[0] + fit[1] * nbytes
     if "B" not in c and "I" in c and "W" in c:
         c["B"] = c["I"] + c["W"]
-    if "B" in c:
-        c.setdefault("I", c["B"] / 2)
-        c.setdefault("W", c["B"] / 2)
     if "F" not in c:
         c["F"] = c.get("B", 0.0) / 2
     c.setdefault("B", 2 * c["F"])
-    c.setdefault("I", c["B"] / 2)
-    c.setdefault("W", c["B"] / 2)
     return c
+
+
+def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
+    return max(0.0, min(a1, b1) - max(a0, b0))
+
+
+@dataclass(frozen=True)
+class Layers:
+    """The model as a sequence of layers the stage function can split anywhere (``split_by_fqn``, a layer list).
+
+    ``weights``: the relative cost of each layer, in model order (an embedding, blocks, a head; e.g. their
+    FLOPs per token, or all 1); ``recorded``: how many layers each stage of the recorded run held.  A
+    recorded stage's measured cost is shared among its layers in proportion to their weights, which is what
+    lets the tuner move a boundary: with equal weights, a recorded end stage that was slower than the others
+    puts its extra cost on its own layers, so a split that gives that stage fewer layers is simulated right.
+    """
+
+    weights: tuple[float, ...]
+    recorded: tuple[int, ...]
+    ends: tuple[int, int] = (0, 0)
+    """Layers at the start and at the end that the even split leaves out and gives to the first and the
+    last stage (an embedding, a head): the even split is the rest's."""
+
+    def __post_init__(self) -> None:
+        if not self.weights or any(not (w >= 0) for w in self.weights):
+            raise ValueError(f"layer weights must be numbers >= 0, one per layer (got {list(self.weights)})")
+        if sum(self.recorded) != len(self.weights) or any(c < 1 for c in self.recorded):
+            raise ValueError(f"the recorded split {list(self.recorded)} must give every recorded stage at least one "
+                             f"layer and add up to the {len(self.weights)} layers")
+
+    def even_split(self, num_stages: int) -> tuple[int, ...]:
+        """The layers between ``ends`` split as evenly as possible (earlier stages take the remainder), plus the
+        ends on the first and last stage."""
+        out = list(Layers.even(len(self.weights) - sum(self.ends), num_stages))
+        out[0] += self.ends[0]
+        out[-1] += self.ends[1]
+        return tuple(out)
+
+    @staticmethod
+    def even(num_layers: int, num_stages: int) -> tuple[int, ...]:
+        """``num_layers`` split as evenly as possible, the earlier stages taking the remainder."""
+        if num_layers < num_stages:
+            raise ValueError(f"{num_layers} layers cannot fill {num_stages} stages")
+        q, r = divmod(num_layers, num_stages)
+        return tuple(q + (1 if i < r else 0) for i in range(num_stages))
+
+
+def stage_compute(run: RunCosts, n: int, nbytes: float, bounds: Sequence[float] | None = None, *,
+                  layers: Layers | None = None, split: Sequence[int] | None = None) -> list[dict[str, float]]:
+    """Compute per type of ``n`` candidate stages for microbatches of ``nbytes`` bytes.
+
+    With ``layers``, candidate stage ``j`` holds ``split[j]`` layers (default: the even split) and costs the
+    sum of its layers' shares (see :class:`Layers`).  Without, the model is the sequence of the recorded
+    stages, each spread evenly over its share of the model, and candidate stage ``j`` covers
+    ``[bounds[j], bounds[j+1])`` of it (default: ``j/n .. (j+1)/n``), so an expensive recorded end stage
+    (embedding, head) stays expensive in the candidate stage that holds that end.  ``B`` is split into
+    ``I`` and ``W`` with the run's measured share where it ran a split backward, else :data:`I_SHARE`
+    (:data:`FIRST_I_SHARE` on the first stage).
+    """
+    stages0 = sorted({s for s, _ in run.compute_ns})
+    n0 = len(stages0)
+    rec = [_stage_types(run, s, nbytes) for s in stages0]
+    shares = [rec[k]["I"] / rec[k]["B"] for k in range(1, n0) if "I" in rec[k] and rec[k]["B"] > 0]
+    share = sum(shares) / len(shares) if shares else I_SHARE
+    first_share = rec[0]["I"] / rec[0]["B"] if n0 and "I" in rec[0] and rec[0]["B"] > 0 else FIRST_I_SHARE
+    if layers is not None:
+        if len(layers.recorded) != n0:
+            raise ValueError(f"the recorded split {list(layers.recorded)} has {len(layers.recorded)} stages, the run {n0}")
+        unit: list[tuple[float, float]] = []
+        first = 0
+        for k, cnt in enumerate(layers.recorded):
+            w = list(layers.weights[first:first + cnt])
+            if not sum(w):
+                w = [1.0] * cnt  # a stage of weightless layers: its cost shared evenly
+            unit += [(rec[k]["F"] * x / sum(w), rec[k]["B"] * x / sum(w)) for x in w]
+            first += cnt
+        counts = list(split) if split is not None else list(layers.even_split(n))
+        if len(counts) != n or sum(counts) != len(unit) or min(counts) < 1:
+            raise ValueError(f"split {counts}: needs {n} stages of at least one layer adding up to {len(unit)}")
+        per_stage = []
+        first = 0
+        for cnt in counts:
+            per_stage.append({"F": sum(u[0] for u in unit[first:first + cnt]), "B": sum(u[1] for u in unit[first:first + cnt])})
+            first += cnt
+    else:
+        b = list(bounds) if bounds is not None else [j / n for j in range(n + 1)]
+        per_stage = []
+        for j in range(n):
+            c = {"F": 0.0, "B": 0.0}
+            for k in range(n0):
+                f = _overlap(b[j], b[j + 1], k / n0, (k + 1) / n0) * n0
+                if f:
+                    c["F"] += f * rec[k]["F"]
+                    c["B"] += f * rec[k]["B"]
+            per_stage.append(c)
+    for j, c in enumerate(per_stage):
+        c["I"] = c["B"] * (first_share if j == 0 else share)
+        c["W"] = c["B"] - c["I"]
+    return per_stage
 
 
 def _crosses(place: Sequence[int], s: int, t: str) -> bool:
@@ -139,34 +281,95 @@ def _crosses(place: Sequence[int], s: int, t: str) -> bool:
     return c is not None and place[c] != place[s]
 
 
-def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | None = None) -> dict[tuple[int, str, int | None], float]:
-    """Per-stage action costs of a candidate: compute scaled by microbatch size, plus the rank's runtime
-    time per action, plus one send's blocking time (scaled by the payload) where the output crosses ranks."""
+def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | None = None,
+                  bounds: Sequence[float] | None = None, *, layers: Layers | None = None,
+                  split: Sequence[int] | None = None) -> dict[tuple[int, str, int | None], float]:
+    """Per-stage action costs of a candidate: compute for its microbatch size (fixed + per-byte part, see
+    :func:`stage_compute`), plus the rank's runtime time per action, plus one send's blocking time where
+    the output crosses ranks (a fixed cost per send: it did not grow with the payload on CPU)."""
     m0 = run.num_microbatches or m
-    scale = m0 / m
-    v0 = run.stages_per_rank
-    place0 = run.stage_to_rank
+    nbytes = run.ref_bytes * m0 / m
     runtime = run.runtime_per_action_ns or run.overhead_per_action_ns
     mean_rt = sum(runtime.values()) / max(len(runtime), 1)
     sends = run.send_per_transfer_ns
     mean_send = sum(sends.values()) / max(len(sends), 1) if sends else 0.0
-    stages0 = sorted({s for s, _ in run.compute_ns})
-    place = list(place) if place is not None else [s % p for s in range(p * v)]
-    out: dict[tuple[int, str, int | None], float] = {}
-    if v == v0 and p == run.world_size and len(place) == len(place0):
-        for s in stages0:
-            r = place0[s] if s < len(place0) else None
-            o = runtime.get(r, mean_rt) if r is not None else mean_rt
-            snd = sends.get(r, mean_send) if r is not None else mean_send
-            for t, c in _type_costs(run.compute_ns, s).items():
-                out[(s, t, None)] = c * scale + o + (snd * scale if _crosses(place, s, t) else 0.0)
-        return out
-    total = {t: sum(_type_costs(run.compute_ns, s)[t] for s in stages0) for t in ("F", "B", "I", "W")}
     n = p * v
-    for s in range(n):
-        for t, c in total.items():
-            out[(s, t, None)] = c / n * scale + mean_rt + (mean_send * scale if _crosses(place, s, t) else 0.0)
+    place = list(place) if place is not None else [s % p for s in range(n)]
+    same_ranks = p == run.world_size
+    out: dict[tuple[int, str, int | None], float] = {}
+    for s, c in enumerate(stage_compute(run, n, nbytes, bounds, layers=layers, split=split)):
+        r = place[s]
+        o = runtime.get(r, mean_rt) if same_ranks else mean_rt
+        snd = sends.get(r, mean_send) if same_ranks else mean_send
+        for t, x in c.items():
+            out[(s, t, None)] = x + o + (snd if _crosses(place, s, t) else 0.0)
     return out
+
+
+def _link_costs(run: RunCosts, m: int) -> Costs:
+    """Transfers of a candidate: the link's measured latency + bytes x time per byte, at its microbatch size."""
+    m0 = run.num_microbatches or m
+    nbytes = max(1, int(run.ref_bytes * m0 / m))
+    if not run.overlap_measured:
+        run = replace(run, costs=replace(run.costs, overlap=UNMEASURED_OVERLAP))
+    if run.link_latency_ns or run.link_ns_per_byte:
+        bw = 1.0 / run.link_ns_per_byte if run.link_ns_per_byte > 0 else None
+        return replace(run.costs, send_latency=run.link_latency_ns, bandwidth=bw, activation_bytes=nbytes)
+    return replace(run.costs, activation_bytes=nbytes)
+
+
+def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layers | None = None,
+              split: Sequence[int] | None = None) -> tuple[Any, Any]:
+    """(schedule, simulation) of one candidate with ``run``'s costs carried to it (ScheduleError if rejected)."""
+    sched = generate(name, num_ranks=p, num_microbatches=m, stages_per_rank=v)
+    costs = _link_costs(run, m)
+    low = lower(sched, comms=True, recv_placement="early", costs=costs)
+    ac = _action_costs(run, p, v, m, sched.stage_to_rank, layers=layers, split=split)
+    return sched, simulate(low, costs, action_costs=ac)
+
+
+def calibration(run: RunCosts, *, measured_step_ns: float | None = None, layers: Layers | None = None) -> float:
+    """Measured over simulated step time of the run's own configuration, with the costs as carried to
+    other configurations (1.0 where it cannot be simulated): what the cost model misses on the
+    machine as a whole (contention, the runtime's reordering) is assumed to scale every step alike.
+    ``measured_step_ns``: the step time to calibrate to, where the recorded run itself was slowed down
+    (a profiling run that synchronised every action to time it on a GPU); default the run's median."""
+    if not run.schedule or not run.num_microbatches:
+        return 1.0
+    measured = measured_step_ns or run.step_ns_median or run.step_ns
+    if not measured:
+        return 1.0
+    try:
+        _, res = _simulate(run, run.schedule, run.world_size, run.stages_per_rank, run.num_microbatches,
+                           layers=layers, split=layers.recorded if layers is not None else None)
+    except (ScheduleError, ValueError):
+        return 1.0
+    return measured / res.makespan if res.makespan else 1.0
+
+
+def search_split(run: RunCosts, name: str, p: int, v: int, m: int, layers: Layers, *,
+                 max_simulations: int = 300) -> tuple[tuple[int, ...], float]:
+    """The layer split of ``p * v`` stages with the shortest simulated step, by local search from the even
+    split: move one layer across one boundary at a time while that shortens the step (each move one
+    simulation, a few milliseconds).  Returns (layers per stage, simulated step time, uncalibrated)."""
+    n = p * v
+    cur = list(layers.even_split(n))
+    best = _simulate(run, name, p, v, m, layers=layers, split=cur)[1].makespan
+    sims, improved = 1, True
+    while improved and sims < max_simulations:
+        improved = False
+        for j in range(n - 1):
+            for d in (1, -1):  # one layer from stage j+1 to stage j, or back
+                cand = list(cur)
+                cand[j] += d
+                cand[j + 1] -= d
+                if min(cand[j], cand[j + 1]) < 1:
+                    continue
+                t = _simulate(run, name, p, v, m, layers=layers, split=cand)[1].makespan
+                sims += 1
+                if t < best * (1 - 1e-9):
+                    cur, best, improved = cand, t, True
+    return tuple(cur), best
 
 
 def tune(
@@ -174,11 +377,21 @@ def tune(
     *,
     schedules: Sequence[str] = SCHEDULE_NAMES,
     microbatches: Sequence[int] | None = None,
-    stages_per_rank: Sequence[int] = (1, 2),
+    stages_per_rank: Sequence[int] | None = (1, 2),
     memory_cap: int | None = None,
     activation_memory: int | None = None,
+    calibrate: bool = True,
+    measured_step_ns: float | None = None,
+    layers: Layers | None = None,
+    search: int = 0,
 ) -> TuneResult:
-    """Simulate every candidate configuration with ``run``'s costs; see the module docstring."""
+    """Simulate every candidate configuration with ``run``'s costs; see the module docstring.
+
+    ``stages_per_rank`` None: each schedule's default (1 for GPipe and 1F1B, 2 for the others).
+    ``layers``: the model's layers (see :class:`Layers`), so that each candidate's stages hold whole layers
+    (the even split); with ``search`` > 0 the ``search`` fastest candidates also get the best split
+    :func:`search_split` finds, as extra candidates (``split`` set, ``searched`` True).
+    """
     p = run.world_size
     m0 = run.num_microbatches or 1
     v0 = run.stages_per_rank
@@ -186,38 +399,40 @@ def tune(
         microbatches = sorted({p, 2 * p, 4 * p, 8 * p, m0})
     act0 = activation_memory if activation_memory is not None else run.costs.activation_bytes
     proxy = activation_memory is None
+    factor = calibration(run, measured_step_ns=measured_step_ns, layers=layers) if calibrate else 1.0
     cands: list[Candidate] = []
     skipped: list[str] = []
     recorded: Candidate | None = None
+
+    def candidate(name: str, m: int, v: int, res: Any, split: tuple[int, ...] | None, searched: bool) -> Candidate:
+        peak = max(res.peak_live_activations.values(), default=0)
+        mem = int(peak * act0 * (m0 / m) * v0 / v)
+        return Candidate(name, m, v, res.makespan * factor, res.overall_bubble_fraction, peak, mem,
+                         memory_cap is None or mem <= memory_cap, split, searched)
+
     for name in schedules:
-        for v in stages_per_rank:
+        for v in stages_per_rank if stages_per_rank is not None else (default_stages_per_rank(name),):
             for m in microbatches:
                 try:
-                    sched = generate(name, num_ranks=p, num_microbatches=m, stages_per_rank=v)
-                except ScheduleError as exc:
+                    split = layers.even_split(p * v) if layers is not None else None
+                    sched, res = _simulate(run, name, p, v, m, layers=layers, split=split)
+                except (ScheduleError, ValueError) as exc:
                     skipped.append(f"{name} m={m} v={v}: {exc}")
                     continue
-                scale = m0 / m
-                costs = run.costs
-                if costs.bandwidth is None and costs.activation_bytes:
-                    # one payload size measured: let the transfer time follow the payload
-                    costs = replace(costs, bandwidth=costs.activation_bytes / max(costs.send_latency, 1e-9), send_latency=0.0)
-                costs = replace(costs, activation_bytes=max(1, int(costs.activation_bytes * scale)))
-                try:
-                    low = lower(sched, comms=True, recv_placement="early", costs=costs)
-                    res = simulate(low, costs, action_costs=_action_costs(run, p, v, m, sched.stage_to_rank))
-                except ScheduleError as exc:
-                    skipped.append(f"{name} m={m} v={v}: {exc}")
-                    continue
-                peak = max(res.peak_live_activations.values(), default=0)
-                mem = int(peak * act0 * scale * v0 / v)
-                c = Candidate(name, m, v, res.makespan, res.overall_bubble_fraction, peak, mem,
-                              memory_cap is None or mem <= memory_cap)
+                c = candidate(name, m, v, res, split, False)
                 cands.append(c)
                 if (name, m, list(sched.stage_to_rank)) == (run.schedule, m0, run.stage_to_rank):
                     recorded = c
+    if layers is not None and search > 0:
+        base = sorted((c for c in cands if c.fits), key=lambda c: c.step_ns)[:search]
+        for c in base:
+            split, _ = search_split(run, c.schedule, p, c.stages_per_rank, c.microbatches, layers)
+            if split != c.split:
+                _, res = _simulate(run, c.schedule, p, c.stages_per_rank, c.microbatches, layers=layers, split=split)
+                cands.append(candidate(c.schedule, c.microbatches, c.stages_per_rank, res, split, True))
     cands.sort(key=lambda c: (not c.fits, c.step_ns))
-    return TuneResult(tuple(cands), tuple(skipped), recorded, run.step_ns, memory_cap, act0, proxy)
+    return TuneResult(tuple(cands), tuple(skipped), recorded, measured_step_ns or run.step_ns_median or run.step_ns,
+                      memory_cap, act0, proxy, calibration=factor, sizes_fitted=run.sizes_fitted)
 
 
 def _ms(ns: float) -> str:
@@ -240,11 +455,14 @@ def format_tune(r: TuneResult, *, top: int = 5, source: str = "") -> str:
     fits = [c for c in r.candidates if c.fits]
     cap = f" under {_size(r.memory_cap)} of activations per rank" if r.memory_cap is not None else ""
     lines.append(f"top {min(top, len(fits))} of {len(r.candidates)} candidates{cap}, by simulated step time:")
-    rows = [("#", "schedule", "microbatches", "stages/rank", "step time", "vs recorded", "bubble", "peak act. (mb-stages)", "peak act. memory")]
+    with_split = any(c.split is not None for c in r.candidates)
+    rows = [("#", "schedule", "microbatches", "stages/rank", *(("layers per stage",) if with_split else ()), "step time",
+             "vs recorded", "bubble", "peak act. (mb-stages)", "peak act. memory")]
     for i, c in enumerate(fits[:top], 1):
         vs = f"{(c.step_ns / r.recorded.step_ns - 1):+.1%}" if r.recorded is not None and r.recorded.step_ns else "-"
-        rows.append((str(i), c.schedule, str(c.microbatches), str(c.stages_per_rank), _ms(c.step_ns), vs, f"{c.bubble:.1%}",
-                     str(c.peak_live), _size(c.peak_activation_bytes)))
+        sp = ((",".join(map(str, c.split or ())) + (" (searched)" if c.searched else ""),) if with_split else ())
+        rows.append((str(i), c.schedule, str(c.microbatches), str(c.stages_per_rank), *sp, _ms(c.step_ns), vs,
+                     f"{c.bubble:.1%}", str(c.peak_live), _size(c.peak_activation_bytes)))
     widths = [max(len(row[k]) for row in rows) for k in range(len(rows[0]))]
     lines += ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in rows]
     over = [c for c in r.candidates if not c.fits]
@@ -252,6 +470,10 @@ def format_tune(r: TuneResult, *, top: int = 5, source: str = "") -> str:
         best = over[0]
         lines.append(f"{len(over)} over the cap (fastest: {best.schedule} m={best.microbatches} v={best.stages_per_rank}, "
                      f"{_ms(best.step_ns)}, {_size(best.peak_activation_bytes)})")
+    lines.append(f"step times calibrated by x{r.calibration:.3f} (the recorded configuration's measured over simulated); "
+                 + ("compute carried as fixed + per-byte parts (the run had two microbatch sizes)" if r.sizes_fitted else
+                    "one microbatch size recorded: compute taken as proportional to it (record steps of two batch sizes "
+                    "to separate each action's fixed cost)"))
     if r.activation_memory_is_proxy:
         lines.append(f"activation memory per recorded microbatch-stage: {_size(r.activation_memory)} = the stage-boundary "
                      "activation (a lower bound; give --activation-memory for the real figure)")

@@ -1,0 +1,327 @@
+"""Is ``pipeloom schedule tune``'s first pick the fastest configuration?  A measured grid on 2 GPUs (or CPUs).
+
+The tuner ranks configurations by simulated step time from one short profiling
+run.  This script checks the ranking against measurement, on the GPT of
+``gpu_pipeline.py --model gpt`` (token embedding on the first stage, RMSNorm +
+vocabulary head on the last: heavier end stages), built here from a layer
+list so that any split of the blocks over the stages can be run:
+
+1. **profile**: 1F1B with ``--profile-m`` microbatches, even split, traced,
+   steps alternating the full and half batch (the tuner separates each
+   action's fixed cost from its per-row cost).  On GPUs the action spans of a
+   trace are host launch times, so this run sets ``check_finite`` (a device
+   sync per action: spans become device time); a second, untraced run of the
+   same configuration measures its real step time, to which the tuner
+   calibrates (:func:`pipeloom.tools.schedule_tune.calibration`);
+2. **tune**: rank 0 ranks schedules x ``--microbatches`` from the profile, with
+   the model's layers (embedding, blocks, head; weights = FLOPs per token)
+   and a layer-split search for the ``--search`` best;
+3. **grid**: every schedule x microbatch count (even split) plus the
+   searched splits, each built afresh and timed (``--steps`` after
+   ``--warmup``, a barrier and a device sync around each step, the wall time
+   of the slowest rank), in ``--rounds`` rounds of alternating order; a
+   configuration's step time is its median;
+4. prints measured vs predicted per configuration, the error, the tuner's
+   first pick and how far its measured step is from the best measured one
+   (goal: within 3%), and writes it all as JSON to ``--out``.
+
+Run (2 GPUs; about 3 minutes for ``--size s``)::
+
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/tune_grid.py --out /tmp/tunegrid
+
+and on CPU, tiny (a smoke test of the whole path)::
+
+    pipeloom launch --nproc-per-node 2 benchmarks/tune_grid.py --smoke --out /tmp/tunegrid
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+NAMES = ("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV", "LoopedBFS", "InterleavedZeroBubble")
+SIZES = {
+    # name: (layers, hidden, heads, sequences per step, sequence length, vocabulary)
+    "s": (8, 1024, 8, 32, 1024, 32000),
+    "smoke": (8, 64, 4, 16, 32, 512),
+}
+
+
+def gpt_stage_fn(args: argparse.Namespace, split: list[int], device: Any, dtype: Any) -> Any:
+    """``stage_fn`` of the GPT cut into ``len(split)`` stages, stage ``i`` holding ``split[i]`` blocks (the first
+    also the embedding, the last the final norm and the head).  Blocks are seeded by their index, so every
+    split is the same model."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    class Block(nn.Module):
+        def __init__(self, h: int, heads: int) -> None:
+            super().__init__()
+            self.heads = heads
+            ffn = 256 * ((8 * h // 3 + 255) // 256)
+            self.n1 = nn.RMSNorm(h)
+            self.qkv = nn.Linear(h, 3 * h, bias=False)
+            self.proj = nn.Linear(h, h, bias=False)
+            self.n2 = nn.RMSNorm(h)
+            self.w13 = nn.Linear(h, 2 * ffn, bias=False)
+            self.w2 = nn.Linear(ffn, h, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, h = x.shape
+            q, k, v = self.qkv(self.n1(x)).view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, h)
+            x = x + self.proj(a)
+            g, u = self.w13(self.n2(x)).chunk(2, dim=-1)
+            return x + self.w2(F.silu(g) * u)
+
+    class Stage(nn.Module):
+        def __init__(self, first: int, count: int, is_first: bool, is_last: bool) -> None:
+            super().__init__()
+            torch.manual_seed(1)
+            self.embed = nn.Embedding(args.vocab, args.hidden) if is_first else None
+            blocks = []
+            for i in range(first, first + count):
+                torch.manual_seed(100 + i)
+                blocks.append(Block(args.hidden, args.heads))
+            self.blocks = nn.ModuleList(blocks)
+            torch.manual_seed(2)
+            self.norm = nn.RMSNorm(args.hidden) if is_last else None
+            self.head = nn.Linear(args.hidden, args.vocab, bias=False) if is_last else None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.embed is not None:
+                x = self.embed(x)
+            for blk in self.blocks:
+                x = blk(x)
+            if self.head is not None:
+                x = self.head(self.norm(x))
+            return x
+
+    starts = [sum(split[:i]) for i in range(len(split))]
+
+    def stage_fn(s: int) -> Any:
+        return Stage(starts[s], split[s], s == 0, s == len(split) - 1).to(device=device, dtype=dtype)
+
+    return stage_fn
+
+
+def layer_weights(args: argparse.Namespace) -> list[float]:
+    """FLOPs per token of each layer the tuner may move: embedding (a lookup: ~0), each block, the head
+    (norm + vocabulary projection); attention scores counted at the full sequence length."""
+    h, t = args.hidden, args.seq
+    ffn = 256 * ((8 * h // 3 + 255) // 256)
+    block = 2 * (3 * h * h + h * h + 3 * h * ffn) + 2 * 2 * t * h
+    return [0.01 * block] + [float(block)] * args.layers + [2.0 * h * args.vocab]
+
+
+def _units(split: list[int]) -> tuple[int, ...]:
+    """Blocks per stage -> tuner layers per stage (the embedding joins the first stage, the head the last)."""
+    u = list(split)
+    u[0] += 1
+    u[-1] += 1
+    return tuple(u)
+
+
+def _blocks(units: tuple[int, ...]) -> list[int]:
+    b = list(units)
+    b[0] -= 1
+    b[-1] -= 1
+    return b
+
+
+def _loss(out: Any, target: Any) -> Any:
+    import torch.nn.functional as F
+
+    return F.cross_entropy(out.float().flatten(0, -2), target.flatten())
+
+
+def _rank_main(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import pipeloom
+    from pipeloom.schedules import ScheduleError, generate
+
+    gpu = torch.cuda.is_available() and not args.smoke
+    if gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if gpu else "gloo")
+    if not gpu:
+        torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    dtype = torch.bfloat16 if gpu else torch.float32
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
+    y = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
+
+    def sync() -> None:
+        if gpu:
+            torch.cuda.synchronize()
+
+    def release() -> None:
+        gc.collect()
+        if gpu:
+            torch.cuda.empty_cache()
+        dist.barrier()
+
+    def build(name: str, m: int, v: int, blocks: list[int], **kw: Any) -> Any:
+        return pipeloom.Pipeline(gpt_stage_fn(args, blocks, device, dtype), schedule=name, num_microbatches=m,
+                                 stages_per_rank=v, loss_fn=_loss, device=device, **kw)
+
+    def timed(pipe: Any, steps: int, warmup: int) -> list[float]:
+        for _ in range(warmup):
+            pipe.step(x, target=y)
+        out = []
+        for _ in range(steps):
+            sync()
+            dist.barrier()
+            t0 = time.perf_counter()
+            pipe.step(x, target=y)
+            sync()
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            out.append(float(t.item()))
+        return out
+
+    t_start = time.perf_counter()
+    # 1. profile: traced (synchronised on GPUs), then the same configuration untimed by tracing
+    even = _units_even(args.layers, world)
+    trace = os.path.join(args.out, "profile.jsonl")
+    pipe = build("1F1B", args.profile_m, 1, even, trace=trace, check_finite=gpu)
+    for i in range(args.warmup + 2 * args.profile_steps):
+        half = i >= args.warmup and (i - args.warmup) % 2 == 1
+        pipe.step(x[: args.batch // 2] if half else x, target=y[: args.batch // 2] if half else y)
+    pipe.close()
+    release()
+    pipe = build("1F1B", args.profile_m, 1, even)
+    prof_real = statistics.median(timed(pipe, args.steps, args.warmup))
+    pipe.close()
+    del pipe
+    release()
+    t_profile = time.perf_counter() - t_start
+
+    # 2. tune (rank 0), then tell everybody what to measure
+    names = [n for n in args.names.split(",") if n]
+    mbs = [int(v) for v in args.microbatches.split(",")]
+    plan: list[Any] = [None]
+    if rank == 0:
+        from pipeloom.tools.run_costs import costs_from_trace
+        from pipeloom.tools.schedule_tune import Layers, tune
+        from pipeloom.tools.trace_model import load_trace
+
+        run = costs_from_trace(load_trace(trace))
+        layers = Layers(tuple(layer_weights(args)), _units(even), ends=(1, 1))
+        res = tune(run, schedules=names, microbatches=mbs, stages_per_rank=None, measured_step_ns=prof_real * 1e9,
+                   layers=layers, search=args.search)
+        cands = [c.to_json() for c in res.candidates]
+        plan[0] = {"candidates": cands, "calibration": res.calibration, "sizes_fitted": res.sizes_fitted,
+                   "profile_step_s": prof_real}
+    dist.broadcast_object_list(plan, src=0)
+    cands = plan[0]["candidates"]
+    grid = []
+    for c in cands:
+        try:
+            generate(c["schedule"], num_ranks=world, num_microbatches=c["microbatches"], stages_per_rank=c["stages_per_rank"])
+        except ScheduleError:
+            continue
+        grid.append(c)
+    # 3. measure the grid, alternating the order from round to round
+    times: dict[int, list[float]] = {}
+    for r in range(args.rounds):
+        order = list(range(len(grid))) if r % 2 == 0 else list(range(len(grid)))[::-1]
+        for i in order:
+            c = grid[i]
+            pipe = build(c["schedule"], c["microbatches"], c["stages_per_rank"], _blocks(tuple(c["split"])))
+            times.setdefault(i, []).extend(timed(pipe, args.steps, args.warmup))
+            pipe.close()
+            del pipe
+            release()
+    if rank == 0:
+        rows = []
+        for i, c in enumerate(grid):
+            meas = statistics.median(times[i]) * 1e9
+            rows.append({**c, "measured_ns": meas, "error": c["step_ns"] / meas - 1})
+        doc = {"profile": {"schedule": "1F1B", "microbatches": args.profile_m, "step_ns": prof_real * 1e9,
+                           "calibration": plan[0]["calibration"], "sizes_fitted": plan[0]["sizes_fitted"]},
+               "device": torch.cuda.get_device_name() if gpu else "cpu", "size": args.size, "rows": rows,
+               "seconds": {"profile_and_tune": t_profile, "total": time.perf_counter() - t_start}}
+        with open(os.path.join(args.out, "tune_grid.json"), "w") as f:
+            json.dump(doc, f, indent=1)
+        print(format_grid(doc), flush=True)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _units_even(layers: int, stages: int) -> list[int]:
+    q, r = divmod(layers, stages)
+    return [q + (1 if i < r else 0) for i in range(stages)]
+
+
+def format_grid(doc: dict[str, Any]) -> str:
+    rows = doc["rows"]
+    prof = doc["profile"]
+    lines = [f"device {doc['device']}, GPT size {doc['size']}; profile 1F1B m={prof['microbatches']}: step "
+             f"{prof['step_ns'] / 1e6:.2f} ms, calibration x{prof['calibration']:.3f}, "
+             f"{'fixed + per-row compute' if prof['sizes_fitted'] else 'one size: proportional compute'}",
+             f"{'schedule':<22} {'m':>3} {'v':>2} {'blocks per stage':>18} {'measured':>10} {'predicted':>10} {'error':>7} "
+             f"{'rank meas/pred':>14}"]
+    by_meas = sorted(range(len(rows)), key=lambda i: rows[i]["measured_ns"])
+    by_pred = sorted(range(len(rows)), key=lambda i: rows[i]["step_ns"])
+    rm = {i: k + 1 for k, i in enumerate(by_meas)}
+    rp = {i: k + 1 for k, i in enumerate(by_pred)}
+    for i in by_pred:
+        r = rows[i]
+        split = ",".join(map(str, _blocks(tuple(r["split"])))) + (" *" if r["searched"] else "")
+        lines.append(f"{r['schedule']:<22} {r['microbatches']:>3} {r['stages_per_rank']:>2} {split:>18} "
+                     f"{r['measured_ns'] / 1e6:>8.2f}ms {r['step_ns'] / 1e6:>8.2f}ms {r['error']:>+7.1%} {rm[i]:>6}/{rp[i]:<7}")
+    errs = [abs(r["error"]) for r in rows]
+    pick, best = rows[by_pred[0]], rows[by_meas[0]]
+    lines.append(f"{len(rows)} configurations (* = the tuner's layer split); largest error {max(errs):.1%}, median "
+                 f"{statistics.median(errs):.1%}, {sum(e <= 0.10 for e in errs)} within 10%")
+    lines.append(f"tuner's first pick {pick['schedule']} m={pick['microbatches']} ({','.join(map(str, _blocks(tuple(pick['split']))))}): "
+                 f"measured {pick['measured_ns'] / 1e6:.2f} ms; best measured {best['schedule']} m={best['microbatches']} "
+                 f"({','.join(map(str, _blocks(tuple(best['split']))))}): {best['measured_ns'] / 1e6:.2f} ms; "
+                 f"pick is {pick['measured_ns'] / best['measured_ns'] - 1:+.1%} from the best (goal: within 3%)")
+    lines.append(f"time: profile + tune {doc['seconds']['profile_and_tune']:.0f} s, total {doc['seconds']['total']:.0f} s")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="s", choices=sorted(SIZES))
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU/gloo (the whole path in seconds)")
+    p.add_argument("--names", default="1F1B,GPipe,Interleaved1F1B,ZBVZeroBubble,DualPipeV")
+    p.add_argument("--microbatches", default="8,16,32")
+    p.add_argument("--profile-m", type=int, default=16)
+    p.add_argument("--profile-steps", type=int, default=3, help="per batch size")
+    p.add_argument("--search", type=int, default=3, help="layer-split search for this many of the best")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", default="/tmp/tunegrid")
+    p.add_argument("--table", metavar="JSON", default=None, help="print the table of an earlier run's tune_grid.json")
+    args = p.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            print(format_grid(json.load(f)))
+        return
+    if args.smoke:
+        args.size = "smoke"
+        args.microbatches = "4,8,16" if args.microbatches == p.get_default("microbatches") else args.microbatches
+        args.profile_m = 8 if args.profile_m == p.get_default("profile_m") else args.profile_m
+    args.layers, args.hidden, args.heads, args.batch, args.seq, args.vocab = SIZES[args.size]
+    os.makedirs(args.out, exist_ok=True)
+    _rank_main(args)
+
+
+if __name__ == "__main__":
+    main()
