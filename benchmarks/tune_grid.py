@@ -17,10 +17,11 @@ list so that any split of the blocks over the stages can be run:
    the model's layers (embedding, blocks, head; weights = FLOPs per token)
    and a layer-split search for the ``--search`` best;
 3. **grid**: every schedule x microbatch count (even split) plus the
-   searched splits, each built afresh and timed (``--steps`` after
-   ``--warmup``, a barrier and a device sync around each step, the wall time
-   of the slowest rank), in ``--rounds`` rounds of alternating order; a
-   configuration's step time is its median;
+   searched splits, each built once and warmed up (``--warmup`` steps), then
+   timed in ``--rounds`` rounds of alternating order (``--steps`` per round
+   after one more warm-up step; a barrier and a device sync around each step,
+   the wall time of the slowest rank); a configuration's step time is the
+   median of its steps;
 4. prints measured vs predicted per configuration, the error, the tuner's
    first pick and how far its measured step is from the best measured one
    (goal: within 3%), and writes it all as JSON to ``--out``.
@@ -233,17 +234,20 @@ def _rank_main(args: argparse.Namespace) -> None:
         except ScheduleError:
             continue
         grid.append(c)
-    # 3. measure the grid, alternating the order from round to round
+    # 3. measure the grid: every configuration built once (one set of communicators each) and warmed up, then
+    # timed in rounds of alternating order, so that a drift of the machine hits them alike
+    pipes = [build(c["schedule"], c["microbatches"], c["stages_per_rank"], _blocks(tuple(c["split"]))) for c in grid]
+    for pipe in pipes:
+        timed(pipe, 0, args.warmup)
     times: dict[int, list[float]] = {}
     for r in range(args.rounds):
         order = list(range(len(grid))) if r % 2 == 0 else list(range(len(grid)))[::-1]
         for i in order:
-            c = grid[i]
-            pipe = build(c["schedule"], c["microbatches"], c["stages_per_rank"], _blocks(tuple(c["split"])))
-            times.setdefault(i, []).extend(timed(pipe, args.steps, args.warmup))
-            pipe.close()
-            del pipe
-            release()
+            times.setdefault(i, []).extend(timed(pipes[i], args.steps, 1))
+    for pipe in pipes:
+        pipe.close()
+    del pipes
+    release()
     if rank == 0:
         rows = []
         for i, c in enumerate(grid):
@@ -273,7 +277,12 @@ def format_grid(doc: dict[str, Any]) -> str:
              f"{prof['step_ns'] / 1e6:.2f} ms, calibration x{prof['calibration']:.3f}, "
              f"{'fixed + per-row compute' if prof['sizes_fitted'] else 'one size: proportional compute'}",
              f"{'schedule':<22} {'m':>3} {'v':>2} {'blocks per stage':>18} {'measured':>10} {'predicted':>10} {'error':>7} "
-             f"{'rank meas/pred':>14}"]
+             f"{'recal.':>7} {'rank meas/pred':>14}"]
+    # the profiled configuration as measured in the grid: the tuner's calibration redone under the grid's
+    # conditions (a machine whose speed drifted between the profile and the grid shifts every row alike)
+    ref = [r for r in rows if r["schedule"] == prof["schedule"] and r["microbatches"] == prof["microbatches"]
+           and not r["searched"]]
+    recal = ref[0]["measured_ns"] / ref[0]["step_ns"] if ref else 1.0
     by_meas = sorted(range(len(rows)), key=lambda i: rows[i]["measured_ns"])
     by_pred = sorted(range(len(rows)), key=lambda i: rows[i]["step_ns"])
     rm = {i: k + 1 for k, i in enumerate(by_meas)}
@@ -282,11 +291,15 @@ def format_grid(doc: dict[str, Any]) -> str:
         r = rows[i]
         split = ",".join(map(str, _blocks(tuple(r["split"])))) + (" *" if r["searched"] else "")
         lines.append(f"{r['schedule']:<22} {r['microbatches']:>3} {r['stages_per_rank']:>2} {split:>18} "
-                     f"{r['measured_ns'] / 1e6:>8.2f}ms {r['step_ns'] / 1e6:>8.2f}ms {r['error']:>+7.1%} {rm[i]:>6}/{rp[i]:<7}")
+                     f"{r['measured_ns'] / 1e6:>8.2f}ms {r['step_ns'] / 1e6:>8.2f}ms {r['error']:>+7.1%} "
+                     f"{r['step_ns'] * recal / r['measured_ns'] - 1:>+7.1%} {rm[i]:>6}/{rp[i]:<7}")
     errs = [abs(r["error"]) for r in rows]
+    rerrs = [abs(r["step_ns"] * recal / r["measured_ns"] - 1) for r in rows]
     pick, best = rows[by_pred[0]], rows[by_meas[0]]
     lines.append(f"{len(rows)} configurations (* = the tuner's layer split); largest error {max(errs):.1%}, median "
-                 f"{statistics.median(errs):.1%}, {sum(e <= 0.10 for e in errs)} within 10%")
+                 f"{statistics.median(errs):.1%}, {sum(e <= 0.10 for e in errs)} within 10%; recalibrated to the grid's "
+                 f"{prof['schedule']} m={prof['microbatches']} (x{recal:.3f}): largest {max(rerrs):.1%}, median "
+                 f"{statistics.median(rerrs):.1%}, {sum(e <= 0.10 for e in rerrs)} within 10%")
     lines.append(f"tuner's first pick {pick['schedule']} m={pick['microbatches']} ({','.join(map(str, _blocks(tuple(pick['split']))))}): "
                  f"measured {pick['measured_ns'] / 1e6:.2f} ms; best measured {best['schedule']} m={best['microbatches']} "
                  f"({','.join(map(str, _blocks(tuple(best['split']))))}): {best['measured_ns'] / 1e6:.2f} ms; "
