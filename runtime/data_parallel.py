@@ -142,7 +142,7 @@ class Layout:
     #: the group of a pipeline row's replicas when it is not the mesh's "dp" group (expert
     #: parallelism: every (dp, ep) column is a replica; see runtime/expert_parallel.py)
     row_group: Any = None
-    #: expert-parallel ranks per replica group (columns ``dp_rank // ep * ep ...`` hold one stage's experts)
+    #: expert parallelism: ep ranks per stage; the columns ``c`` with the same ``c // ep`` share a stage's experts
     ep: int = 1
 
     @property

@@ -51,10 +51,21 @@ def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
                                 for n, p in m.named_parameters()})
         result["losses"].append([l.detach().cpu().clone() for l in losses])
         result["outputs"].append(None if out is None else out.detach().cpu())
+        result.setdefault("last_loss", []).append(pipe.last_loss())  # every rank: a collective
         opt.step()
         if cfg.get("eval"):
             ev = pipe.eval(x.to(dev))
             result.setdefault("eval", []).append(None if ev is None else ev.detach().cpu())
+    if cfg.get("unsupported"):  # what expert parallelism does not do yet must say so, on every rank
+        refused = {}
+        for name, call in (("clip", lambda: pipe.clip_grad_norm_(1.0)),
+                           ("save", lambda: pipeloom.save_checkpoint(os.path.join(cfg["out"], "ckpt"), pipe, step=0))):
+            try:
+                call()
+                refused[name] = None
+            except pipeloom.PipelineConfigError as exc:
+                refused[name] = str(exc)
+        result["refused"] = refused
     pipe.close()
     return result
 
@@ -74,7 +85,7 @@ def main() -> None:
         print(f"rank {rank}: case {cfg['id']}", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         try:
-            result = run_case(cfg)
+            result = run_case(dict(cfg, out=job["out"]))
         except Exception as exc:  # the fault test: what each rank saw, and when
             rec = {"type": type(exc).__name__, "message": str(exc), "t": time.time(), "after_s": time.monotonic() - t0,
                    "failed_rank": getattr(exc, "failed_rank", None)}
