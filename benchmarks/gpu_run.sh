@@ -110,7 +110,7 @@ for part in "$@"; do
     (cd /tmp && CUDA_VISIBLE_DEVICES=$vis timeout "${UNEVEN_TIMEOUT:-230}" python3 "$REPO/benchmarks/uneven.py" --backend nccl --ranks $n \
        --model gpt --size "${UNEVEN_SIZE:-s}" --schedules "${UNEVEN_SCHEDULES:-GPipe,1F1B,ZBVZeroBubble,InterleavedZeroBubble}" \
        --workloads "${UNEVEN_WORKLOADS:-fixed,uniform,bimodal,longtail,jitter}" --rules "${UNEVEN_RULES:-auto}" \
-       --steps "${UNEVEN_STEPS:-8}" --blocks "${UNEVEN_STEPS:-8}" --warmup 3 --timeout 225 --json "$OUT/uneven.jsonl" ${UNEVEN_ARGS:-} \
+       --steps "${UNEVEN_STEPS:-12}" --blocks "${UNEVEN_STEPS:-12}" --warmup 3 --timeout 225 --json "$OUT/uneven.jsonl" ${UNEVEN_ARGS:-} \
        2>&1 | grep -v "^\[W\|Warning\|warn" | cut -c1-300 | tail -40 | tee "$OUT/uneven-$n.txt")
     python3 benchmarks/uneven.py --table "$OUT/uneven.jsonl" | tee "$OUT/uneven-table.md"
     ;;

@@ -195,6 +195,15 @@ class Dispatcher:
         self.memory_limit = static_peak(actions)
         self._head: Action | None = None
         self._used = 0.0  # of the current head's planned wait, by fillers
+        #: critical: this rank's actions by the rule's key, best first, so that a pick asks
+        #: ``ready`` only until the first ready one (the host cost per action on a GPU)
+        self._by_key: list[Action] = []
+        self._known: set[int] = set()
+        if rule == "critical":
+            prio = plan.priority  # type: ignore[union-attr]
+            order = sorted(range(len(actions)), key=lambda i: (actions[i].type is not _W, prio.get(actions[i], 0.0), -i), reverse=True)
+            self._by_key = [actions[i] for i in order]
+            self._known = {id(a) for a in actions}
 
     def begin_step(self) -> None:
         self._head = None
@@ -225,6 +234,19 @@ class Dispatcher:
                 seen_forward = seen_forward or fwd
             return -1
         if rule == "critical":
+            known = self._known
+            if known and all(id(a) in known for a in pending):
+                # the same choice as the scan below: the best key among ready eligible actions
+                at = {id(a): i for i, a in enumerate(pending)}
+                first_fwd = next((i for i, a in enumerate(pending) if _is_forward(a)), -1)
+                fwd_ok = self._eligible_forward(live)
+                for a in self._by_key:
+                    i = at.get(id(a), -1)
+                    if i < 0 or (_is_forward(a) and (i != first_fwd or not fwd_ok)):
+                        continue
+                    if ready(a):
+                        return i
+                return -1
             prio = self.plan.priority  # type: ignore[union-attr]
             best, best_key = -1, None
             seen_forward = False

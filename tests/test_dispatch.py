@@ -161,3 +161,35 @@ def test_guarded_never_waits_while_its_head_is_ready() -> None:
                     assert d.pick(acts[i:], lambda x, a=a: x is a, live) == 0, (name, r, rule, a)
                     for leaf in a.leaves():
                         live += 1 if leaf.type.value == "F" else -1 if leaf.type.value in ("B", "W") else 0
+
+
+@pytest.mark.parametrize("name", ["GPipe", "ZBVZeroBubble", "DualPipeV", "InterleavedZeroBubble"])
+def test_critical_rule_asks_ready_in_key_order_and_chooses_as_the_scan(name: str) -> None:
+    """`critical` checks readiness best key first (fewer `ready` calls: host time on a GPU) and picks
+    exactly what scanning every pending action would; with copies of the actions it falls back to the scan."""
+    sched = generate(name, num_ranks=2, num_microbatches=6)
+    plans = plan_ranks(sched)
+    rng = random.Random(3)
+    for r, acts in _compute_lists(sched).items():
+        fast = Dispatcher(acts, rule="critical", plan=plans[r])
+        for trial in range(40):
+            done = sorted(rng.sample(range(len(acts)), rng.randrange(len(acts))))
+            pending = [a for i, a in enumerate(acts) if i not in set(done)]
+            ready_set = {id(a) for a in pending if rng.random() < 0.4}
+            live = rng.randrange(fast.memory_limit + 1)
+            calls: list[object] = []
+
+            def ready(a: object) -> bool:
+                calls.append(a)
+                return id(a) in ready_set
+
+            got = fast.pick(pending, ready, live)
+            copies = [parse_action(str(a)) for a in pending]  # other objects: the scan
+            ready_copy = {str(a) for a in pending if id(a) in ready_set}
+            slow = Dispatcher(copies, rule="critical", plan=RankPlan(cost=plans[r].cost, wait=plans[r].wait, priority={
+                c: plans[r].priority[a] for c, a in zip(copies, pending)}))
+            slow._known, slow.memory_limit = set(), fast.memory_limit
+            want = slow.pick(copies, lambda a: str(a) in ready_copy, live)
+            assert got == want, (name, r, trial)
+            if got >= 0:
+                assert calls[-1] is pending[got]  # it stopped at the first ready one
