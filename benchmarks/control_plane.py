@@ -25,9 +25,12 @@ Before/after: the same measurement runs, in alternating rounds, against a
 reference copy of ``transport/messages.py`` and ``transport/control.py`` taken
 from git (``--ref``, by default the commit before the lean host path), loaded
 as a separate package so both live in one process under the same noise.  Each
-cell is the median over rounds of the per-message mean of one round; the ratio
-column is current/reference.  Timings on a shared machine are noisy: compare
-the two columns of one run, not absolute numbers across runs.
+cell is the median over all messages of all rounds (a send: one call; a
+receive: one drain's time per message it delivered), with the mean in
+parentheses; the ratio column is current/reference of the medians.  On a
+loaded machine a few calls in a thousand take milliseconds (the process is
+descheduled) and move the mean, not the median.  Compare the two columns of
+one run, not absolute numbers across runs.
 
 Usage::
 
@@ -100,19 +103,20 @@ class Pair:
         self.a.close()
         self.b.close()
 
-    def round(self, msg_type: str, fields: dict[str, Any], n: int, batch: int) -> tuple[float, float]:
-        """(us per send, us per received message) over ``n`` messages."""
+    def round(self, msg_type: str, fields: dict[str, Any], n: int, batch: int) -> tuple[list[float], list[float]]:
+        """Samples over ``n`` messages, us: each send call, and each drain's time per message it delivered."""
         send = self.a.send
-        t_send = 0
-        t_recv = 0
+        clock = time.perf_counter_ns
+        sends: list[float] = []
+        recvs: list[float] = []
         start = self.got
         pull = self.b._pull
         for lo in range(0, n, batch):
             k = min(batch, n - lo)
-            t0 = time.perf_counter_ns()
             for _ in range(k):
+                t0 = clock()
                 send(1, msg_type, **fields)
-            t_send += time.perf_counter_ns() - t0
+                sends.append((clock() - t0) / 1e3)
             want = start + lo + k
             deadline = time.monotonic() + 10
             while self.got < want:
@@ -120,12 +124,15 @@ class Pair:
                 pull.poll(1000, zmq.POLLIN)
                 if batch > 1:
                     time.sleep(0.002)
-                t0 = time.perf_counter_ns()
+                before = self.got
+                t0 = clock()
                 self.b.drain()  # (the default limit: ends as a real wake does, on an empty socket)
-                t_recv += time.perf_counter_ns() - t0
+                t = clock() - t0
+                if self.got > before:
+                    recvs.append(t / (self.got - before) / 1e3)
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"only {self.got - start} of {lo + k} messages arrived")
-        return t_send / n / 1e3, t_recv / n / 1e3
+        return sends, recvs
 
 
 def parts(ref: ModuleType | None, repeats: int) -> dict[str, float]:
@@ -173,7 +180,7 @@ def main() -> None:
     if not args.no_ref:
         impls = {"reference": load_reference(args.ref), "current": current}
     pairs = {name: Pair(mod) for name, mod in impls.items()}
-    results: dict[tuple[int, str, str], list[tuple[float, float]]] = {}
+    results: dict[tuple[int, str, str], tuple[list[float], list[float]]] = {}
     try:
         for label, msg_type, fields in CASES:  # warm-up
             for pair in pairs.values():
@@ -182,15 +189,19 @@ def main() -> None:
             for batch in batches:
                 for label, msg_type, fields in CASES:
                     for name, pair in pairs.items():
-                        results.setdefault((batch, label, name), []).append(pair.round(msg_type, fields, args.n, batch))
+                        sends, recvs = pair.round(msg_type, fields, args.n, batch)
+                        acc = results.setdefault((batch, label, name), ([], []))
+                        acc[0].extend(sends)
+                        acc[1].extend(recvs)
     finally:
         for pair in pairs.values():
             pair.close()
     layer = parts(impls.get("reference"), max(5, args.rounds))
 
     ref_note = f"; reference: git {args.ref}" if "reference" in impls else ""
-    print(f"control-plane host cost per message, us: median (best) of {args.rounds} alternating rounds of "
-          f"{args.n} messages{ref_note}")
+    print(f"control-plane host cost per message, us: median (mean) over {args.rounds} alternating rounds of "
+          f"{args.n} messages each{ref_note}")
+    print("(the median is the cost; the mean adds the times this process was descheduled on a busy machine)")
     for batch in batches:
         for i, what in enumerate(("send", "receive")):
             how = ("one message, then wait for it to arrive" if batch == 1 else f"{batch} back to back") if i == 0 else \
@@ -198,9 +209,9 @@ def main() -> None:
             print(f"\n{what}, {how}:")
             print(f"  {'message':18s}" + "".join(f"{name:>18s}" for name in impls) + ("   ratio" if len(impls) > 1 else ""))
             for label, _, _ in CASES:
-                rs = {name: [r[i] for r in results[(batch, label, name)]] for name in impls}
+                rs = {name: results[(batch, label, name)][i] for name in impls}
                 med = {name: statistics.median(v) for name, v in rs.items()}
-                line = f"  {label:18s}" + "".join(f"{med[n]:10.1f} ({min(rs[n]):5.1f})" for n in impls)
+                line = f"  {label:18s}" + "".join(f"{med[n]:10.1f} ({statistics.fmean(rs[n]):5.1f})" for n in impls)
                 if len(impls) > 1:
                     line += f"{med['current'] / med['reference']:8.2f}"
                 print(line)
