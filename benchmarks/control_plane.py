@@ -196,7 +196,7 @@ def main() -> None:
     finally:
         for pair in pairs.values():
             pair.close()
-    layer = parts(impls.get("reference"), max(5, args.rounds))
+    layer = parts(impls.get("reference"), 40)
 
     ref_note = f"; reference: git {args.ref}" if "reference" in impls else ""
     print(f"control-plane host cost per message, us: median (mean) over {args.rounds} alternating rounds of "
