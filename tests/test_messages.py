@@ -158,6 +158,10 @@ def test_outgoing_check_is_on_by_default_and_can_be_turned_off() -> None:
     bad = {**GOOD, "tensors": [[[4], "float8_e4m3fn", True]]}
     with pytest.raises(MessageError, match="field 'tensors'"):
         _codec(1).frame("xfer", dict(bad))
+    with pytest.raises(MessageError, match="unknown message type 'hello'"):
+        _codec(1).frame("hello", {})
+    with pytest.raises(MessageError, match="missing field 'steps'"):
+        _codec(1).frame("bye", {})
     frame = _codec(1, check_outgoing=False).frame("xfer", dict(bad))  # sent unchecked: the receiver still refuses it
     with pytest.raises(MessageError, match="field 'tensors'"):
         _codec(0).read(frame)
