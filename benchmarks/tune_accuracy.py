@@ -101,7 +101,7 @@ def _rank_main(args: argparse.Namespace) -> None:
     pairs: dict[str, list[int]] = {}
     for r in range(args.rounds):
         # The profile, alive all round: first steps alternating the full and half batch (fixed and per-row
-        # costs told apart), then one full step beside each step of every configuration (pairs).
+        # costs told apart), then a full and a half step around each step of every configuration (pairs).
         prof = build(pname, pm, pv, os.path.join(args.out, f"profile.r{r}.jsonl"))
         pstep = 0
         for i in range(1 + 2 * args.profile_steps):
@@ -123,6 +123,11 @@ def _rank_main(args: argparse.Namespace) -> None:
                 pstep += 1
                 dist.barrier()
                 pipe.step(x, target=y)
+                # and a half-batch step of the profile beside every pair, so that its two sizes are measured
+                # under the same load (the fit of fixed vs per-row costs is a difference of the two)
+                dist.barrier()
+                prof.step(x[: args.batch // 2], target=y[: args.batch // 2])
+                pstep += 1
             pipe.close()
             dist.barrier()
         prof.close()
@@ -251,7 +256,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=4, help="traced steps per configuration and round (after one warm-up)")
     p.add_argument("--profile", default="1F1B:8", help="NAME:MICROBATCHES of the profiling run")
-    p.add_argument("--profile-steps", type=int, default=4, help="per size and round")
+    p.add_argument("--profile-steps", type=int, default=2, help="per size and round, before the pairs")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--batch", type=int, default=128, help="rows per step (split into the microbatches)")

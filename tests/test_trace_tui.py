@@ -389,3 +389,56 @@ async def test_plan_lane_under_each_rank(tmp_path: Path) -> None:
         assert app.plan_lane(0)[0].start == m.window(1)[0]  # follows the current step
         await pilot.press("q")
     assert main(["trace", "view", str(plan), "--plan", str(plan)]) == 2
+
+
+class _FakeLive:
+    """A live source whose batches and status the test sets."""
+
+    address = "tcp://fake"
+
+    def __init__(self) -> None:
+        self.batches: list[dict[str, Any]] = []
+        self.status = "live"
+
+    def poll(self) -> list[dict[str, Any]]:
+        out, self.batches = self.batches, []
+        return out
+
+    def status_text(self) -> str:
+        return self.status
+
+    def close(self) -> None:
+        pass
+
+
+def test_live_rebuilds_are_throttled_by_their_cost() -> None:
+    """A model rebuild that costs more than the poll interval / LIVE_DUTY is not redone at every poll: the
+    events wait (counted as pending) until LIVE_DUTY x its cost has passed, or the job's status changes."""
+    from pipeloom.tools import trace_tui
+
+    evs = _events()
+    header = trace_api().make_header(world_size=2, schedule="1F1B", num_microbatches=2, stage_to_rank=[0, 1])
+    live = _FakeLive()
+    app = TraceApp(TraceBuffer(header, [e for e in evs if e["step"] == 0]), live=live, poll_interval=0.25)  # type: ignore[arg-type]
+
+    def batch(events: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"v": 1, "type": "trace", "src": 0, "header": header, "events": events, "dropped": 0}
+
+    step1 = [e for e in evs if e["step"] == 1]
+    live.batches.append(batch(step1[:2]))
+    assert app.poll_live() == 2 and app._pending == 0  # the first rebuild: at once
+    n = len(app.state.model.events)
+    app._rebuild_cost = 0.001  # a cheap rebuild (a short trace): at every poll, as before
+    live.batches.append(batch(step1[2:3]))
+    assert app.poll_live() == 1 and app._pending == 0 and len(app.state.model.events) == n + 1
+    n += 1
+    app._rebuild_cost = 1.0  # pretend the trace has grown: a rebuild now costs a second
+    live.batches.append(batch(step1[3:5]))
+    assert app.poll_live() == 2 and app._pending == 2 and len(app.state.model.events) == n  # deferred
+    app._rebuilt_at -= trace_tui.LIVE_DUTY * 1.0  # ... until LIVE_DUTY seconds have passed
+    assert app.poll_live() == 0 and app._pending == 0 and len(app.state.model.events) == n + 2
+    app._rebuild_cost = 1.0
+    live.batches.append(batch(step1[5:]))
+    live.status = "ended"  # the job's end is shown at once, with everything that arrived
+    app.poll_live()
+    assert app._pending == 0 and len(app.state.model.events) == len(evs)

@@ -25,6 +25,8 @@ rebuilt when something new arrived.
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
 from rich.text import Text
@@ -76,6 +78,8 @@ STYLES_16: dict[str, tuple[str, str]] = {
     "REDUCE_GRAD": ("bright_white on red", "bright_white on bright_red"),
     "wait": ("bright_black", "bright_black"),
 }
+LIVE_DUTY = 9.0
+"""A live viewer rebuilds its model at most once per LIVE_DUTY x the last rebuild's cost (<= ~10% of a core)."""
 SELECTED_STYLE = "bold white on #d70000"
 CRITICAL_STYLE = "bold underline reverse"
 """Added to an action's own style on the critical path (key c): visible in any palette."""
@@ -266,6 +270,9 @@ class TraceApp(App[None]):
         self._live_status = ""
         self._summaries: dict[tuple[int, int | None], Any] = {}
         self._mounted = False
+        self._pending = 0  # live events taken but not in the model yet
+        self._rebuilt_at = -math.inf
+        self._rebuild_cost = 0.0
 
     # -- layout
 
@@ -298,9 +305,22 @@ class TraceApp(App[None]):
                 new += self.buffer.add_batch(msg)
             except ValueError:
                 continue
-        if new:
+        self._pending += new
+        now = time.monotonic()
+        # Rebuilding the model is linear in the whole trace: a viewer that rebuilt it every poll took a
+        # core of its own once the trace was long, from the job's ranks on a small machine.  So the next
+        # rebuild waits until LIVE_DUTY x (the rebuild's cost) has passed: the viewer spends at most
+        # ~1/LIVE_DUTY of a core, and a short trace (a rebuild well under the poll interval) is redrawn
+        # at every poll as before.  The job's end (a status change) redraws at once.
+        wait = LIVE_DUTY * self._rebuild_cost
+        due = wait < self.poll_interval or now - self._rebuilt_at >= wait or self.live.status != self._live_status
+        if self._pending and due:
+            t0 = time.monotonic()
             self.state.update(self.buffer.model())
             self.refresh_panes()
+            self._pending = 0
+            self._rebuilt_at = time.monotonic()
+            self._rebuild_cost = self._rebuilt_at - t0
         elif self._mounted and self.live.status != self._live_status:
             self.query_one(Timeline).refresh()
         self._live_status = self.live.status
