@@ -18,7 +18,7 @@ textbook assumes (F=1, B=2).  A recorded trace has it:
 * **what carries to other configurations** (``pipeloom schedule tune``):
   where the run had microbatches of two sizes (a profiling run alternating
   the full and the half batch), each action's duration fitted as ``fixed +
-  per_byte x bytes`` on the per-size medians (``compute_fit``; the means,
+  per_byte x bytes`` on the per-size means (``compute_fit``; the means,
   step time and costs above are those of the full-size steps), and the
   link's own transfer time, fitted on the transfers that landed while the
   receiver waited for them (``link_latency_ns``, ``link_ns_per_byte``): the
@@ -277,8 +277,8 @@ def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None) -> Ru
 
 
 def _affine(samples: list[tuple[int, int]]) -> tuple[float, float] | None:
-    """Least squares ``t = a + b * x`` over (x, t) samples, on the per-x medians (a burst of load on a
-    shared machine moves a mean, hardly a median); None where it cannot be
+    """Least squares ``t = a + b * x`` over (x, t) samples, on the per-x means (a step is a sum of
+    actions: a sum is predicted by means, and on a loaded machine the tail is most of the mean); None where it cannot be
     fitted (one size).  A negative slope means the size does not matter: (mean, 0); a negative
     intercept means no fixed part: proportional through the origin."""
     by: dict[int, list[int]] = {}
@@ -287,12 +287,12 @@ def _affine(samples: list[tuple[int, int]]) -> tuple[float, float] | None:
     if len(by) < 2:
         return None
     xs = sorted(by)
-    ys = [statistics.median(by[x]) for x in xs]
+    ys = [statistics.mean(by[x]) for x in xs]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
     if b <= 0:
-        return (statistics.median(t for _, t in samples), 0.0)
+        return (statistics.mean(t for _, t in samples), 0.0)
     a = my - b * mx
     if a < 0:
         return (0.0, sum(ys) / sum(xs))
