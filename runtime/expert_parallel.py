@@ -130,6 +130,8 @@ def make_ep_grid(*, world: int, data_parallel: int, expert_parallel: int, mesh: 
         if data_parallel not in (1, dp):
             raise PipelineConfigError(f"data_parallel={data_parallel} but the mesh's 'dp' dimension has {dp} ranks")
         grid = [[int(r) for r in row] for row in t.reshape(t.shape[0], -1).tolist()]
+        if sorted(r for row in grid for r in row) != list(range(world)):
+            raise PipelineConfigError(f"the mesh {grid} does not hold each of the job's {world} ranks once")
         return grid, dp
     ep, dp = expert_parallel, max(data_parallel, 1)
     if ep < 1 or world % (dp * ep):

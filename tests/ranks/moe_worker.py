@@ -31,8 +31,14 @@ def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
         ctxs[s] = ctx
         return MoEStage(s, group=ctx.ep_group, ep_rank=ctx.ep_rank, ep_size=ctx.ep_size).to(ctx.device)
 
+    layout: dict[str, Any] = {"expert_parallel": ep}
+    if cfg.get("mesh"):  # the layout given as a DeviceMesh with dims ("pp", "ep")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dev_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        layout = {"mesh": init_device_mesh(dev_type, (dist.get_world_size() // ep, ep), mesh_dim_names=("pp", "ep"))}
     pipe = pipeloom.Pipeline(stage_fn, schedule=cfg["schedule"], num_microbatches=cfg["microbatches"], loss_fn=loss_fn,
-                             expert_parallel=ep, trace=cfg.get("trace"))
+                             trace=cfg.get("trace"), **layout)
     dev = pipe.device
     result: dict[str, Any] = {"grads": [], "losses": [], "outputs": [], "stages": sorted(pipe.stages),
                               "ep_rank": {s: c.ep_rank for s, c in ctxs.items()}, "deterministic": pipe.options.deterministic,
