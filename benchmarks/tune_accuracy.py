@@ -5,19 +5,27 @@ simulator fed with a run's own costs follows that run (``sim_accuracy.py``),
 but the tuner carries one run's costs to other schedules, microbatch counts
 and stages per rank.  This benchmark checks exactly that, on two gloo ranks:
 
-1. a short **profiling run** (``--profile``, default 1F1B with 8 microbatches)
-   is recorded with tracing on;
+1. a **profiling run** (``--profile``, default 1F1B with 8 microbatches),
+   traced, stays alive all round: first ``--profile-steps`` steps of each of
+   the full and the half batch (the tuner separates each action's fixed cost
+   from its per-row cost), then a full and a half step around every step of
+   every configuration below;
 2. a **grid** of configurations (every named schedule at its default stages
-   per rank x ``--microbatches``) is measured in ``--rounds`` rounds, the
-   order alternating from round to round (forward, backward), each
-   configuration built afresh, one warm-up step then ``--steps`` traced
-   steps; the measured step time of a configuration is the **median** of its
-   step windows over all rounds (the machine is shared: medians and
-   alternation keep one burst of load from deciding a row);
-3. :func:`pipeloom.tools.schedule_tune.tune` ranks the grid from the profile
-   alone; the table lists measured vs predicted with the error, the
-   in-sample simulation (the configuration's own trace's costs: what the
-   simulator can do at best), and the tuner's ranking against the measured one.
+   per rank x ``--microbatches``), each built afresh in every one of
+   ``--rounds`` rounds (order alternating), one warm-up step, then
+   ``--steps`` steps, each *paired* with the profile's full step just before
+   it (a barrier before every step, so that a step window holds that step's
+   work only);
+3. :func:`pipeloom.tools.schedule_tune.tune` ranks the grid from each
+   round's profile alone; per configuration the table lists the measured
+   step time (median of its steps) against the tuner's prediction (median
+   over the rounds), and -- the comparison this machine allows -- the
+   measured *ratio* to the profiled configuration (median over the adjacent
+   pairs) against the predicted ratio: a shared machine whose speed drifts by
+   a factor of 2 within minutes moves both steps of a pair alike.  Also the
+   in-sample error (the configuration simulated with its own trace's costs,
+   what the simulator can do at best) and the tuner's ranking against the
+   measured one.
 
 The model: ``--layers`` blocks (Linear, GELU, Linear) ``--dim`` wide, cut into
 2 x stages-per-rank stages of equal layer counts; ``--batch`` rows per step.
