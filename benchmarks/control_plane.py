@@ -158,9 +158,9 @@ def parts(ref: ModuleType | None, repeats: int) -> dict[str, float]:
     for _ in range(repeats):
         for k, f in cases.items():
             t0 = time.perf_counter_ns()
-            for _ in range(1000):
+            for _ in range(100):
                 f()
-            best[k] = min(best[k], (time.perf_counter_ns() - t0) / 1000 / 1e3)
+            best[k] = min(best[k], (time.perf_counter_ns() - t0) / 100 / 1e3)
     return best
 
 
@@ -196,7 +196,7 @@ def main() -> None:
     finally:
         for pair in pairs.values():
             pair.close()
-    layer = parts(impls.get("reference"), 40)
+    layer = parts(impls.get("reference"), 300)
 
     ref_note = f"; reference: git {args.ref}" if "reference" in impls else ""
     print(f"control-plane host cost per message, us: median (mean) over {args.rounds} alternating rounds of "
@@ -215,7 +215,7 @@ def main() -> None:
                 if len(impls) > 1:
                     line += f"{med['current'] / med['reference']:8.2f}"
                 print(line)
-    print("\nmessage layer alone (xfer with 1 tensor, no sockets), best of blocks of 1000, us per call:")
+    print("\nmessage layer alone (xfer with 1 tensor, no sockets), best of 300 blocks of 100, us per call:")
     for k, v in layer.items():
         print(f"  {k:36s}{v:6.2f}")
 
