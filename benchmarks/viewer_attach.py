@@ -124,11 +124,14 @@ def main() -> None:
             rows[v].append((_train_time(trace), wall, cpu))
             print(f"run {r} {v:<12} training {rows[v][-1][0]:7.2f} s  wall {wall:7.2f} s  viewer CPU {cpu:6.2f} s", flush=True)
     base = statistics.median(t for t, _, _ in rows[variants[0]])
-    print(f"\n{'variant':<12} {'training (median)':>18} {'vs ' + variants[0]:>10} {'viewer CPU (median)':>20}   runs")
+    print(f"\n{'variant':<12} {'training (median)':>18} {'vs ' + variants[0]:>10} {'paired':>8} {'viewer CPU (median)':>20}   runs")
     for v in variants:
         t = statistics.median(x for x, _, _ in rows[v])
         c = statistics.median(x for _, _, x in rows[v])
-        print(f"{v:<12} {t:>16.2f} s {t / base - 1:>+10.1%} {c:>18.2f} s   {' '.join(f'{x:.2f}' for x, _, _ in rows[v])}")
+        # the same round's run without a viewer: the machine's drift between rounds cancels
+        paired = statistics.median(a[0] / b[0] for a, b in zip(rows[v], rows[variants[0]]))
+        print(f"{v:<12} {t:>16.2f} s {t / base - 1:>+10.1%} {paired - 1:>+8.1%} {c:>18.2f} s   "
+              f"{' '.join(f'{x:.2f}' for x, _, _ in rows[v])}")
 
 
 if __name__ == "__main__":

@@ -449,9 +449,11 @@ def _size(n: int) -> str:
 def format_tune(r: TuneResult, *, top: int = 5, source: str = "") -> str:
     lines = []
     if r.recorded is not None and r.measured_step_ns:
-        err = (r.recorded.step_ns - r.measured_step_ns) / r.measured_step_ns
+        raw = r.recorded.step_ns / r.calibration if r.calibration else r.recorded.step_ns
+        err = (raw - r.measured_step_ns) / r.measured_step_ns
+        cal = f", calibrated {_ms(r.recorded.step_ns)}" if r.calibration != 1.0 else ""
         lines.append(f"recorded configuration {r.recorded.schedule} m={r.recorded.microbatches} v={r.recorded.stages_per_rank}: "
-                     f"measured {_ms(r.measured_step_ns)}, simulated {_ms(r.recorded.step_ns)} ({err:+.1%})")
+                     f"measured {_ms(r.measured_step_ns)} (median), simulated {_ms(raw)} ({err:+.1%}){cal}")
     fits = [c for c in r.candidates if c.fits]
     cap = f" under {_size(r.memory_cap)} of activations per rank" if r.memory_cap is not None else ""
     lines.append(f"top {min(top, len(fits))} of {len(r.candidates)} candidates{cap}, by simulated step time:")
