@@ -319,11 +319,18 @@ def _link_costs(run: RunCosts, m: int) -> Costs:
 
 
 def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layers | None = None,
-              split: Sequence[int] | None = None) -> tuple[Any, Any]:
-    """(schedule, simulation) of one candidate with ``run``'s costs carried to it (ScheduleError if rejected)."""
-    sched = generate(name, num_ranks=p, num_microbatches=m, stages_per_rank=v)
+              split: Sequence[int] | None = None, lowered: dict[Any, Any] | None = None) -> tuple[Any, Any]:
+    """(schedule, simulation) of one candidate with ``run``'s costs carried to it (ScheduleError if rejected).
+    ``lowered``: a cache of lowered schedules by (name, p, v, m) (the split changes only the action costs)."""
     costs = _link_costs(run, m)
-    low = lower(sched, comms=True, recv_placement="early", costs=costs)
+    key = (name, p, v, m)
+    if lowered is not None and key in lowered:
+        sched, low = lowered[key]
+    else:
+        sched = generate(name, num_ranks=p, num_microbatches=m, stages_per_rank=v)
+        low = lower(sched, comms=True, recv_placement="early", costs=costs)
+        if lowered is not None:
+            lowered[key] = (sched, low)
     ac = _action_costs(run, p, v, m, sched.stage_to_rank, layers=layers, split=split)
     return sched, simulate(low, costs, action_costs=ac)
 
@@ -353,8 +360,9 @@ def search_split(run: RunCosts, name: str, p: int, v: int, m: int, layers: Layer
     split: move one layer across one boundary at a time while that shortens the step (each move one
     simulation, a few milliseconds).  Returns (layers per stage, simulated step time, uncalibrated)."""
     n = p * v
+    cache: dict[Any, Any] = {}
     cur = list(layers.even_split(n))
-    best = _simulate(run, name, p, v, m, layers=layers, split=cur)[1].makespan
+    best = _simulate(run, name, p, v, m, layers=layers, split=cur, lowered=cache)[1].makespan
     sims, improved = 1, True
     while improved and sims < max_simulations:
         improved = False
@@ -365,7 +373,7 @@ def search_split(run: RunCosts, name: str, p: int, v: int, m: int, layers: Layer
                 cand[j + 1] -= d
                 if min(cand[j], cand[j + 1]) < 1:
                     continue
-                t = _simulate(run, name, p, v, m, layers=layers, split=cand)[1].makespan
+                t = _simulate(run, name, p, v, m, layers=layers, split=cand, lowered=cache)[1].makespan
                 sims += 1
                 if t < best * (1 - 1e-9):
                     cur, best, improved = cand, t, True
