@@ -120,6 +120,16 @@ def _factor(args: argparse.Namespace, workload: str, rank: int, step: int, stage
     return 1.0
 
 
+def _median_ci(xs: list[float]) -> tuple[float, float]:
+    """A 95% confidence interval of the median of ``xs`` (order statistics, normal approximation)."""
+    v = sorted(xs)
+    n = len(v)
+    if n < 6:
+        return v[0], v[-1]
+    k = max(0, int((n - 1.96 * n ** 0.5) / 2))
+    return v[k], v[min(n - 1, n - 1 - k)]
+
+
 def _quant(x: float, unit: int) -> float:
     """A length as the benchmark realises it (``unit`` rows or tokens per full length)."""
     return max(1, round(x * unit)) / unit
@@ -561,13 +571,15 @@ def _rank_main(args: argparse.Namespace) -> int:
                 pair = reduce([a / b for a, b in zip(times["det"], times[r])])
                 pair = sorted(x / world for x in pair)
                 q = statistics.quantiles(pair, n=4) if len(pair) >= 2 else [pair[0]] * 3
+                lo, hi = _median_ci(pair)
                 ooo = reduce([float(sum(reordered[r])) / max(1, len(reordered[r]))])[0]
                 row = {"schedule": name, "workload": workload, "ranks": world, "microbatches": m, "option": r, "rule": rule,
                        "model": args.model if not gpt else f"gpt-{args.size}", "backend": args.backend,
                        "reordered_per_step": round(ooo, 2),
                        "det_ms": round(meds["det"], 2), "dyn_ms": round(meds[r], 2),
                        "torch_ms": round(meds["torch"], 2) if "torch" in meds else None,
-                       "gain": round(q[1] - 1.0, 4), "gain_q1": round(q[0] - 1.0, 4), "gain_q3": round(q[2] - 1.0, 4)}
+                       "gain": round(q[1] - 1.0, 4), "gain_q1": round(q[0] - 1.0, 4), "gain_q3": round(q[2] - 1.0, 4),
+                       "gain_ci": [round(lo - 1.0, 4), round(hi - 1.0, 4)], "pairs": len(pair)}
                 if rank == 0:
                     nominal = [_nominal_durations(args, sched, workload, vectors[i % len(vectors)], i, stage_ms)
                                for i in range(len(vectors))]
@@ -597,7 +609,8 @@ def _rank_main(args: argparse.Namespace) -> int:
                     row["transfer_ms"], row["notice_ms"] = round(g["transfer_ms"], 3), round(g["notice_ms"], 3)
                 print(f"{name:22} {row['workload']:9} {row['option']}->{row['rule']:8} det {row['det_ms']:8.1f} dyn {row['dyn_ms']:8.1f} "
                       f"torch {row['torch_ms'] if row['torch_ms'] is not None else '-':>8} gain {row['gain']:+.1%} "
-                      f"[{row['gain_q1']:+.1%}, {row['gain_q3']:+.1%}] predicted {row['predicted']:+.1%}"
+                      f"[{row['gain_q1']:+.1%}, {row['gain_q3']:+.1%}] median CI [{row['gain_ci'][0]:+.1%}, {row['gain_ci'][1]:+.1%}] "
+                      f"predicted {row['predicted']:+.1%}"
                       + (f" recorded {row['recorded']:+.1%}" if "recorded" in row else "")
                       + f" ceiling {row['ceiling']:+.1%} reordered/step {row['reordered_per_step']}", flush=True)
                 if args.json:
@@ -619,11 +632,13 @@ def table(path: str) -> str:
     """The rows of a ``--json`` file as a markdown table."""
     rows = [json.loads(line) for line in open(path) if line.strip()]
     pct = lambda v: "-" if v is None else f"{v:+.1%}"  # noqa: E731
-    out = ["| ranks | schedule | workload | rule | det ms | dyn ms | torch ms | measured gain [quartiles] | predicted | recorded | ceiling | reordered |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| ranks | schedule | workload | rule | det ms | dyn ms | torch ms | measured gain [quartiles] | median's 95% CI | predicted | recorded | ceiling | reordered |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        ci = r.get("gain_ci")
         out.append(f"| {r['ranks']} | {r['schedule']} | {r['workload']} | {r['rule']} | {r['det_ms']:.1f} | {r['dyn_ms']:.1f} | "
                    f"{r['torch_ms'] if r.get('torch_ms') is not None else '-'} | {pct(r['gain'])} [{pct(r['gain_q1'])}, {pct(r['gain_q3'])}] | "
+                   f"{'[' + pct(ci[0]) + ', ' + pct(ci[1]) + ']' if ci else '-'} | "
                    f"{pct(r.get('predicted'))} | {pct(r.get('recorded'))} | {pct(r.get('ceiling'))} | {r.get('reordered_per_step')} |")
     return "\n".join(out)
 
