@@ -214,18 +214,31 @@ def _rank_main(args: argparse.Namespace) -> None:
     mbs = [int(v) for v in args.microbatches.split(",")]
     plan: list[Any] = [None]
     if rank == 0:
-        from pipeloom.tools.run_costs import costs_from_trace
-        from pipeloom.tools.schedule_tune import Layers, tune
-        from pipeloom.tools.trace_model import load_trace
+        try:
+            from pipeloom.tools.run_costs import costs_from_trace
+            from pipeloom.tools.schedule_tune import Layers, tune
+            from pipeloom.tools.trace_model import load_trace
 
-        run = costs_from_trace(load_trace(trace))
-        layers = Layers(tuple(layer_weights(args)), _units(even), ends=(1, 1))
-        res = tune(run, schedules=names, microbatches=mbs, stages_per_rank=None, measured_step_ns=prof_real * 1e9,
-                   layers=layers, search=args.search)
-        cands = [c.to_json() for c in res.candidates]
-        plan[0] = {"candidates": cands, "calibration": res.calibration, "sizes_fitted": res.sizes_fitted,
-                   "profile_step_s": prof_real}
+            run = costs_from_trace(load_trace(trace))
+            layers = Layers(tuple(layer_weights(args)), _units(even), ends=(1, 1))
+            res = tune(run, schedules=names, microbatches=mbs, stages_per_rank=None, measured_step_ns=prof_real * 1e9,
+                       layers=layers, search=args.search)
+            cands = [c.to_json() for c in res.candidates]
+            if not cands:
+                raise ValueError("no configuration could be simulated: " + "; ".join(res.skipped[:3]))
+            plan[0] = {"candidates": cands, "calibration": res.calibration, "sizes_fitted": res.sizes_fitted,
+                       "profile_step_s": prof_real}
+        except Exception:  # tell rank 1 (waiting in the broadcast) instead of leaving it to NCCL's timeout
+            import traceback
+
+            plan[0] = {"error": traceback.format_exc()}
     dist.broadcast_object_list(plan, src=0)
+    if "error" in plan[0]:
+        if rank == 0:
+            print(f"the tuner failed on the profile {trace}:\n{plan[0]['error']}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        os._exit(1)
     cands = plan[0]["candidates"]
     grid = []
     for c in cands:
