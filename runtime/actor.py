@@ -47,13 +47,14 @@ import torch
 from ..schedules import Action, ActionType, Dataflow, Schedule, consumer_stage, producer_stage
 from ..schedules.dispatch import Dispatcher, choose_rule, plan_ranks
 from ..transport.control import ControlPlane
-from ..transport.tensor import SendError, TensorPlane, TransferSpec
+from ..transport.tensor import Landed, SendError, TensorPlane, TransferError
 from .device import make_policy
 from .errors import PeerLostError, PipelineError, RemoteRankError, StageError
 from .liveness import PeerLiveness
 from .options import RuntimeOptions
 from .stage import StageExecutor
 from .trace import TraceRecorder, clock_ns
+from .trace import _OFFSET as _TRACE_OFFSET
 
 __all__ = ["RankActor", "StepInputs", "ActorStatistics"]
 
@@ -96,6 +97,51 @@ class ActorStatistics:
     idle_waits: int  #: times the dispatcher slept with nothing ready
     idle_seconds: float
     peak_live_microbatches: int
+
+
+class Wakeup:
+    """What wakes the dispatcher: an ``asyncio.Event`` for one waiter, with a cheap timeout.
+
+    ``asyncio.wait_for(event.wait(), t)`` creates a Task per wait; the
+    dispatcher sleeps once per idle gap, hundreds of times a step, so this
+    uses one future and one timer handle.  Loop thread only (like Event).
+    """
+
+    __slots__ = ("_flag", "_fut")
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._fut: asyncio.Future[bool] | None = None
+
+    def set(self) -> None:
+        self._flag = True
+        f = self._fut
+        if f is not None and not f.done():
+            f.set_result(True)
+
+    def clear(self) -> None:
+        self._flag = False
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    async def wait_for(self, timeout: float) -> bool:
+        """Until set (True) or ``timeout`` seconds have passed (False)."""
+        if self._flag:
+            return True
+        loop = asyncio.get_running_loop()
+        f = self._fut = loop.create_future()
+        timer = loop.call_later(timeout, _expire, f)
+        try:
+            return await f
+        finally:
+            timer.cancel()
+            self._fut = None
+
+
+def _expire(f: asyncio.Future[bool]) -> None:
+    if not f.done():
+        f.set_result(False)
 
 
 _AUTO_RULES: dict[tuple[Any, ...], str] = {}
@@ -173,15 +219,15 @@ class RankActor:
             False: Dispatcher(self.eval_actions, rule="list" if self.deterministic else "ready", train=False),
         }
         self.memory_limit = self._dispatch[True].memory_limit
-        #: per step kind (train?): transfers this rank sends to each peer in a step
+        #: per step kind (train?): transfers each peer sends this rank in a step (gloo posts them
+        #: at the step's start: transport/tensor.py)
+        self._recvs_per_peer = {train: self._count_inputs(acts) for train, acts in ((True, self.train_actions), (False, self.eval_actions))}
         self._sends_per_peer = {train: self.flow.sends_per_peer(rank, acts) for train, acts in ((True, self.train_actions), (False, self.eval_actions))}
-        self._send_totals: dict[int, int] = {}
-        self._sent_count: dict[int, int] = {}
         self.step_index = 0
         self._inbox: dict[tuple[int, str, int, int], list[torch.Tensor | None]] = {}
         #: CPU: transfers announced by their sender, not yet arrived
         self._announced: set[tuple[int, str, int, int]] = set()
-        self._wake = asyncio.Event()
+        self._wake = Wakeup()
         self._remote_error: PipelineError | None = None
         self._local_failure: BaseException | None = None
         self._started = False
@@ -204,6 +250,10 @@ class RankActor:
             early_receives=options.gpu_early_receives,
         )
         self._commit_ahead = self.dev.commit_ahead
+        #: NCCL: headers through gloo, payloads received when their header lands (posted, committed)
+        self._headers = tensor_plane.header_group is not None
+        if self._headers and not self._commit_ahead:
+            raise ValueError("a tensor plane with a header group needs the GPU device policy (payloads on NCCL)")
         #: GPU: receives posted (committed), not yet consumed: buffers, Works, spec
         self._posted: dict[tuple[int, str, int, int], tuple[list[torch.Tensor | None], list[Any], Any]] = {}
         #: GPU: local hand-offs between stage streams: the producer's event
@@ -223,6 +273,17 @@ class RankActor:
         #: ("idle" | "busy" | "waiting", action or wait description, since monotonic)
         self.state: tuple[str, str, float] = ("idle", "", time.monotonic())
 
+    def _count_inputs(self, actions: Sequence[Action]) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for a in actions:
+            for leaf in a.leaves():
+                key = self.flow.input_key(leaf, 0)
+                if key is not None:
+                    src = self.flow.recv_rank(key.kind, key.stage, self.rank)
+                    if src is not None:
+                        out[src] = out.get(src, 0) + 1
+        return out
+
     def debug_state(self) -> str:
         """What this rank is doing and waiting for, for a human looking at a hang (any thread may call it)."""
         kind, what, since = self.state
@@ -237,7 +298,7 @@ class RankActor:
             if self._posted:
                 lines.append(f"  receives posted (committed on the GPU), not consumed: {sorted(self._posted)[:8]}")
             t = self.tensors
-            lines.append(f"  transfers sent per peer: {dict(t._send_seq)}, announced to us per peer: {dict(t._recv_seq)}, "
+            lines.append(f"  transfers sent per peer: {dict(t._send_seq)}, receives posted or announced per peer: {dict(t._recv_seq)}, "
                          f"sends in flight: {len(t._inflight_sends)}")
             peers = ", ".join(f"rank {p} {st[0]}{' ' + st[1] if st[1] else ''}" for p, st in sorted(self.liveness.peer_states().items()))
             lines.append(f"  peers' last reported state: {peers or 'none yet'}")
@@ -249,7 +310,7 @@ class RankActor:
     def start(self) -> None:
         if self._started:
             return
-        self._wake = asyncio.Event()
+        self._wake = Wakeup()
         self.control.start(self._on_message)
         self._started = True
 
@@ -264,53 +325,12 @@ class RankActor:
             self.liveness.bye(src, msg["steps"])
             self._wake.set()  # a waiting rank re-checks whether it still needs the peer
             return
-        if kind == "xfer":
-            try:
-                self.tensors.check_recv_seq(src, msg["seq"])
-                spec = TransferSpec.from_wire(msg["tensors"])
-            except (RuntimeError, ValueError) as exc:
-                self._fail_remote(PeerLostError(str(exc), rank=self.rank, peer=src))
-                return
-            key = (msg["step"], msg["kind"], msg["stage"], msg["mb"])
-            posted = clock_ns() if self.trace is not None else 0
-            seq = msg["seq"]
-
-            if self._commit_ahead:
-                # GPU: the receive is committed once posted; its consumer's stream waits on it
-                with self.dev.posting(key[2]):
-                    buffers, works = self.tensors.recv(src, spec, None, seq=seq, fast=msg["fast"], last=msg["last"])
-                self._posted[key] = (buffers, works, spec)
-                if self.trace is not None:
-                    nbytes = sum(b.numel() * b.element_size() for b in buffers if b is not None)
-                    self.trace.transfer("recv", key[0], src, key[2], key[3], key[1], seq, nbytes, posted, clock_ns())
-                self._wake.set()
-                return
-
-            self._announced.add(key)
-
-            def arrived(buffers: list[torch.Tensor | None], err: BaseException | None, key: tuple[int, str, int, int] = key) -> None:
-                self._announced.discard(key)
-                if err is not None:
-                    self._fail_remote(
-                        PeerLostError(
-                            f"receiving {key[1]} of stage {key[2]} microbatch {key[3]} (step {key[0]}) failed: {err}",
-                            rank=self.rank,
-                            peer=src,
-                        )
-                    )
-                    return
-                if key[1] == "F":
-                    for b, s in zip(buffers, spec.tensors):
-                        if b is not None and s is not None and s[2]:
-                            b.requires_grad_(True)
-                self._inbox[key] = buffers
-                if self.trace is not None:
-                    nbytes = sum(b.numel() * b.element_size() for b in buffers if b is not None)
-                    self.trace.transfer("recv", key[0], src, key[2], key[3], key[1], seq, nbytes, posted, clock_ns())
-                self._wake.set()
-
-            self.tensors.recv(src, spec, arrived, seq=seq, fast=msg["fast"], last=msg["last"])
-        elif kind == "abort":
+        if kind == "xfer":  # protocol 3 and older
+            self._fail_remote(PeerLostError(
+                f"rank {src} announced a transfer on the control plane, but transfers carry their own header on the "
+                "tensor plane since protocol 4: the ranks run different pipeloom versions", rank=self.rank, peer=src))
+            return
+        if kind == "abort":
             self._fail_remote(
                 RemoteRankError(
                     rank=self.rank,
@@ -323,6 +343,51 @@ class RankActor:
                     remote_traceback=msg["traceback"],
                 )
             )
+
+    def _landed(self, got: Landed | None, err: TransferError | None) -> None:
+        """gloo: a transfer has landed (its receiver thread calls this on the loop), or failed."""
+        if err is not None or got is None:
+            assert err is not None
+            # a broken connection: give the control plane a moment to say why (a 'bye', a closed socket)
+            lost = self._lost_peer(err.peer, f"receiving transfer {err.seq} from rank {err.peer}", err)
+            self._fail_remote(lost if lost is not None else PeerLostError(str(err), rank=self.rank, peer=err.peer))
+            return
+        key = (got.step, got.kind, got.stage, got.microbatch)
+        if got.stage not in self.stages or self.flow.recv_rank(got.kind, got.stage, self.rank) != got.src:
+            self._fail_remote(PeerLostError(
+                f"rank {got.src} sent {got.kind} of stage {got.stage} microbatch {got.microbatch} (step {got.step}, "
+                f"transfer {got.seq}), which this rank does not receive from it: the ranks disagree on the schedule",
+                rank=self.rank, peer=got.src))
+            return
+        self._announced.discard(key)
+        if self._headers:
+            # NCCL: the header came through gloo; post the payload's receive now, committed (the
+            # consumer's stream waits on it), in header order = the order the peer sent
+            with self.dev.posting(got.stage):
+                buffers, works = self.tensors.recv_payload(got.src, got.shapes)
+            self._posted[key] = (buffers, works, got.requires_grad)
+            if self.trace is not None:
+                nbytes = sum(b.numel() * b.element_size() for b in buffers if b is not None)
+                self.trace.transfer("recv", got.step, got.src, got.stage, got.microbatch, got.kind, got.seq, nbytes,
+                                    got.header_ns + _TRACE_OFFSET, clock_ns())
+            self._wake.set()
+            return
+        buffers = got.buffers
+        if got.kind == "F":
+            for b, rg in zip(buffers, got.requires_grad):
+                if b is not None and rg:
+                    b.requires_grad_(True)
+        self._inbox[key] = buffers
+        if self.trace is not None:
+            self.trace.transfer("recv", got.step, got.src, got.stage, got.microbatch, got.kind, got.seq, got.nbytes,
+                                got.header_ns + _TRACE_OFFSET, got.done_ns + _TRACE_OFFSET)
+        self._wake.set()
+
+    def _announce(self, key: tuple[int, str, int, int]) -> None:
+        """gloo: an unpredicted transfer's header has arrived; its payload is on the way."""
+        if key not in self._inbox:
+            self._announced.add(key)
+            self._wake.set()
 
     def _fail_remote(self, err: PipelineError) -> None:
         if self._remote_error is None:
@@ -342,11 +407,11 @@ class RankActor:
                 if token is not None:
                     self.dev.take_handed(token, stage, got)
             return got
-        buffers, works, spec = self._posted.pop(key)
+        buffers, works, rgs = self._posted.pop(key)
         self.dev.consume(stage, buffers, works)
         if key[1] == "F":
-            for b, sp in zip(buffers, spec.tensors):
-                if b is not None and sp is not None and sp[2]:
+            for b, rg in zip(buffers, rgs):
+                if b is not None and rg:
                     b.requires_grad_(True)
         return buffers
 
@@ -397,17 +462,10 @@ class RankActor:
             if self._commit_ahead:
                 self._handoff[key] = self.dev.handed(from_stage)
             return
-        spec = TransferSpec.of(tensors)
-        seq = self.tensors.next_send_seq(dst)
         t0 = clock_ns() if self.trace is not None else 0
-        sent = self._sent_count[dst] = self._sent_count.get(dst, 0) + 1
-        last = sent >= self._send_totals.get(dst, 0)
-        fast, predicted = self.tensors.plan_send(dst, spec, last)
-        self.control.send(dst, "xfer", seq=seq, step=step, stage=to_stage, mb=mb, kind=kind, tensors=spec.to_wire(),
-                          fast=fast, last=last)
         try:
-            with self.dev.on_stage(from_stage):  # NCCL orders the send after the producer's stream
-                nbytes = self.tensors.send(dst, tensors, seq, fast, predicted)
+            with self.dev.on_stage(from_stage):  # NCCL orders the payload's send after the producer's stream
+                seq, nbytes, _ = self.tensors.send_transfer(dst, step, kind, to_stage, mb, tensors)
         except RuntimeError as exc:
             err = self._lost_peer(dst, f"sending {kind} of stage {to_stage} microbatch {mb} (step {step})", exc)
             if err is None:
@@ -548,7 +606,23 @@ class RankActor:
         raise AssertionError(f"unexpected action {a}")
 
     async def run_step(self, inputs: StepInputs, *, train: bool = True) -> tuple[dict[int, Any], dict[int, torch.Tensor]]:
-        """Run this rank's actions for one step; return (outputs, losses) by microbatch."""
+        """Run this rank's actions for one step; return (outputs, losses) by microbatch.
+
+        If the step fails here (for whatever reason, a peer's included), what the
+        peers still expect from this rank in the step is filled with abort
+        headers (``TensorPlane.abort_step``), so no receive of theirs stays
+        pending in gloo.
+        """
+        try:
+            return await self._run_step(inputs, train)
+        except BaseException:
+            try:
+                self.tensors.abort_step()
+            except Exception:  # noqa: BLE001 - the failure being raised is what matters
+                log.exception("rank %d: filling the peers' receives after a failed step failed", self.rank)
+            raise
+
+    async def _run_step(self, inputs: StepInputs, train: bool) -> tuple[dict[int, Any], dict[int, torch.Tensor]]:
         self.start()
         step = self.step_index
         self.step_index += 1
@@ -558,8 +632,9 @@ class RankActor:
         self.liveness.start_step()
         self._liveness_interval = self.liveness.check_interval
         pending = self._pending = list(self.train_actions if train else self.eval_actions)
-        self._send_totals = self._sends_per_peer[train]
-        self._sent_count = {}
+        # post this step's receives (gloo) or headers (NCCL): each peer's count is known from the schedule
+        self.tensors.begin_step(step, train, self._recvs_per_peer[train], self._sends_per_peer[train], self._landed,
+                                self._announce if self._dispatch[train].rule == "guarded" else None)
         coll = self.collectives
         if coll is not None:
             coll.begin_step(self.train_actions if train else self.eval_actions)
@@ -601,9 +676,7 @@ class RankActor:
                 waiting_for = self.describe_wait(pending, step, train) if trace is not None else None
                 # Held by the commit horizon: re-check when about that much device time has run.
                 timeout = max(hold * 1e-3, 2e-4) if hold else self._liveness_interval
-                try:
-                    await asyncio.wait_for(wake.wait(), timeout)
-                except asyncio.TimeoutError:
+                if not await wake.wait_for(timeout):
                     now = time.monotonic()
                     if now - last_liveness >= self._liveness_interval:
                         last_liveness = now

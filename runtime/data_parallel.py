@@ -827,10 +827,7 @@ class StageCollectives:
             wake.clear()
             if not self.outstanding:
                 break
-            try:
-                await asyncio.wait_for(wake.wait(), interval)
-            except asyncio.TimeoutError:
-                pass
+            await wake.wait_for(interval)
         check()
 
 

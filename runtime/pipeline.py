@@ -36,7 +36,7 @@ from torch import nn
 
 from ..schedules import Dataflow, Schedule, ScheduleError, load_csv
 from ..transport.control import ControlPlane, choose_bind_host
-from ..transport.tensor import TensorPlane, abort_communicators, make_pair_groups
+from ..transport.tensor import TensorPlane, abort_communicators, guard_exit, make_pair_groups
 from .actor import ActorStatistics, RankActor, StepInputs
 from .agreement import SetupAgreement, config_record, short_traceback
 from .checks import Replicate, check_batch, install_stage_checks
@@ -377,6 +377,8 @@ class Pipeline:
             agreement.close()
         # Control traffic (object collectives) on gloo, also on NCCL jobs.
         obj_group = self._obj_group = dist.new_group(backend="gloo") if backend == "nccl" else None
+        # NCCL: transfer headers travel through gloo (transport/tensor.py), in a group of their own
+        self._header_group = dist.new_group(backend="gloo") if backend == "nccl" else None
         lay = self.layout
         if self._ep_groups is not None and not opts.deterministic:
             # the ep peers of a stage must issue their all-to-alls in the same order (expert_parallel.py)
@@ -445,7 +447,8 @@ class Pipeline:
             edges = {(column[a], column[b]) for column in columns for a, b in links}
             with self._construction("connecting the point-to-point groups"):
                 pair_groups = make_pair_groups(edges, max_ctas=opts.p2p_max_ctas)
-        self._tensors = TensorPlane(self.rank, device=self.device, pair_groups=pair_groups)
+        self._tensors = TensorPlane(self.rank, device=self.device, pair_groups=pair_groups, prepost_depth=self.options.gloo_prepost_depth,
+                                    header_group=self._header_group)
         self._actor = RankActor(
             rank=self.rank,
             schedule=self.schedule,
@@ -782,10 +785,11 @@ class Pipeline:
             self._trace_sink.close()
         self._control.stop()  # unregisters the socket's reader from the loop
         self._control.close()
-        if not self._aborted:
-            self._tensors.flush()  # release the receives peers pre-posted for us
         # After an abort the waiter threads may poll Works that never complete: do not wait for them.
         self._tensors.close(join_timeout=0.05 if self._aborted else 1.0)
+        blocked = self._tensors.blocked_threads()
+        if blocked:
+            guard_exit(blocked)
         if self._collectives is not None:
             self._collectives.close()
         if self._loop is not None and not self._loop.is_running():
@@ -805,7 +809,7 @@ class Pipeline:
         if self._backend != "nccl" or self._aborted:
             return
         self._aborted = True
-        groups = [*self._tensors.pair_groups.values(), self._obj_group]
+        groups = [*self._tensors.pair_groups.values(), self._obj_group, self._header_group]
         if self._ep_groups is not None:
             groups += [g for g in (*(g for g, _ in self._ep_groups.stage_groups.values()), self._ep_groups.row, self._ep_groups.experts) if g is not None]
         abort_communicators(groups, world=self._owns_group)

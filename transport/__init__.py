@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from .control import ControlPlane, choose_bind_host
 from .messages import PROTOCOL_VERSION, MessageError, decode, encode
-from .tensor import TensorPlane, TransferSpec
+from .tensor import TensorPlane
 
 __all__ = [
     "PROTOCOL_VERSION",
     "ControlPlane",
     "MessageError",
     "TensorPlane",
-    "TransferSpec",
     "choose_bind_host",
     "decode",
     "encode",

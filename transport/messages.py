@@ -59,7 +59,7 @@ __all__ = [
 
 MAC_BYTES = 16  #: truncated HMAC-SHA256 in front of every frame
 
-PROTOCOL_VERSION = 3  # 2: xfer carries 'last'; 'bye'.  ('hello', never sent by any version, is gone.)  3: heartbeat carries 'stall_s'
+PROTOCOL_VERSION = 4  # 2: xfer carries 'last'; 'bye'.  ('hello', never sent by any version, is gone.)  3: heartbeat carries 'stall_s'  4: gloo transfers carry their own header on the tensor plane (no xfer announcement)
 MAX_MESSAGE_BYTES = 1 << 20  #: larger frames are rejected before decoding
 
 _MAX_TENSORS = 256

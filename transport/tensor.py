@@ -2,37 +2,49 @@
 
 Pairing.  NCCL point-to-point is tagless and FIFO per peer, so a receive pairs
 with whatever the peer sent next.  The tensor plane therefore never lets the
-two sides disagree on order: the sender announces each transfer on the
-control plane (with a per-peer sequence number) in exactly the order it posts
-the sends, and the receiver posts its receives in announcement order, which a
-single PUSH->PULL pipe preserves.  Readiness stays dynamic (whichever
+two sides disagree on order: the sender numbers each transfer to a peer (a
+per-peer sequence number) in exactly the order it posts the sends, and the
+receiver posts its receives in that order.  Readiness stays dynamic (whichever
 microbatch finishes first is sent first); pairing order is fixed by the
 sender.  The sequence number is checked on arrival, so a lost or reordered
-announcement is an error, never a silent mis-pairing.
+transfer is an error, never a silent mis-pairing.
+
+Headers on the tensor plane (gloo).  gloo's send waits until the receiver has
+posted the matching receive (a "ready" notice travels back first): measured
+on this project's 2-core CI machine, a ping-pong of a small tensor takes about
+100 us when the receive is already posted and 530 us when it is not.  And the
+receiver cannot post a receive for a microbatch it does not know is coming.
+Until protocol 3 each transfer was therefore announced on the control plane
+(ZeroMQ) with its key and shapes, which cost about 280 us of host time per
+transfer on the two ranks (encode, sign, two ZeroMQ I/O threads, drain,
+decode, validate) -- the part of a step torch's runtime does not pay.  Now
+every rank knows from the schedule how many transfers each peer sends it in a
+step, so at the start of a step it posts them all (a few ahead, on one thread
+per peer): each receive is a small int64 *header* (sequence number, step,
+kind, stage, microbatch, requires-grad bits) plus payload buffers shaped like
+the same-numbered transfer of the previous step of the same kind (training or
+evaluation).  The sender applies the same rule, so it knows what was
+pre-posted: when its shapes match, the payload goes straight into those
+buffers (``fast``); when they differ (the first step, or shapes that change
+between microbatches), it fills them with placeholders and sends the shapes
+(a short int64 spec) and the payload under other tags, into receives that the
+peer's thread posts when the header says so.  No control message per
+transfer, no receive left pending after a step (the count is exact), and
+pairing still by sequence number: tags are derived from it.  The
+alternatives were cheaper announcements (still two I/O threads and a drain
+per transfer) or predicting shapes without telling the receiver (a mismatched
+gloo receive fails the job).
 
 Completion.  gloo's ``Work`` has no ``get_future()``; ``wait()`` blocks but
-releases the GIL.  Each peer gets one daemon thread that waits on that peer's
-receives in posting order and hands each completion to the event loop with
-``call_soon_threadsafe``.  One thread per peer (not a shared pool) because
+releases the GIL, and a point-to-point receive's ``is_completed()`` stays
+False until someone waits.  Each peer therefore gets one daemon thread that
+posts that peer's receives and waits on them in sequence order, handing each
+landed transfer to the event loop with ``call_soon_threadsafe`` (one wake of
+the loop per transfer).  One thread per peer (not a shared pool) because
 receives from one peer complete in order: a pool could fill with receives
 whose data depends on our own progress while the one we need sits queued.
 Sends are not waited for on the hot path; their ``Work`` is kept (holding the
 tensor alive) and reaped when completed.
-
-Pre-posted receives (gloo).  gloo's send waits until the receiver has posted
-the matching receive (a "ready" notice travels back first), so posting a
-receive only when its announcement arrives costs a round trip on every
-transfer.  The next transfer on a pair usually has the previous one's shapes,
-so after each announcement the receiver pre-posts the next sequence number's
-receives with those shapes, and the sender, which knows what was pre-posted,
-sends straight into them (``fast``).  When the shapes differ, the sender
-fills the pre-posted receives with placeholders and sends the real payload
-under other tags, receiving buffers sized from the announcement as usual.
-Tags are derived from the sequence number, so nothing can pair wrongly; the
-announcement still carries every shape, and says which path was taken.
-Pre-posting stops at the sender's last transfer of a step (the announcement
-says so), so no receive stays pending between steps: a rank that finishes and
-exits while its peers still work must not leave a gloo receive waiting.
 
 NCCL.  Two things differ on GPUs.  (1) NCCL runs a pair's point-to-point ops
 in order on one stream, so a send from A to B posted before A's receive from
@@ -43,15 +55,17 @@ rank), so traffic A->B never queues behind B->A.  (2) ``wait()`` on an NCCL
 ``Work`` only makes the calling thread's current stream wait.  The GPU actor
 commits a receive's consumer as soon as the receive is posted (see
 ``runtime/device.py``): the consumer's stream waits on the Work, no host
-thread polls it, and the Works are only kept until they complete.  (Given a
-completion callback, a waiter thread polls ``is_completed()``, a CUDA event
-query, and reports on the loop.)
+thread polls it, and the Works are only kept until they complete.  (3) The
+headers travel as on gloo, through a
+gloo group of their own (CPU memory: the receiver's thread reads them without
+touching the GPU); when one lands the loop posts the payload's receive on the
+consumer's stream, in header order, which is the order the peer sent in.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
+import atexit
 import logging
 import queue
 import threading
@@ -65,10 +79,14 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "GlooReceiver",
+    "Landed",
     "SendError",
     "TensorPlane",
-    "TransferSpec",
+    "TransferError",
     "WorkWaiter",
+    "decode_spec",
+    "encode_spec",
     "abort_communicators",
     "dtype_from_name",
     "dtype_name",
@@ -83,43 +101,26 @@ def _tag(seq: int, part: int, fast: bool) -> int:
     return (seq * _MAX_PARTS + part) % _SLOW + (0 if fast else _SLOW)
 
 
+#: gloo transfer header, int64 words: magic, seq, step, kind (0 F, 1 B), consuming stage,
+#: microbatch, flags, requires-grad bits (by tensor position), words of the spec that follows,
+#: and one spare (80 bytes: a payload packed after it stays aligned for every dtype)
+_HEADER_WORDS = 10
+_HEADER_BYTES = _HEADER_WORDS * 8
+#: a predicted transfer of one tensor of at most this many bytes travels packed after its header,
+#: one message instead of two (the copy costs less than a gloo send and receive)
+_PACK_MAX = 64 << 10
+_MAGIC = 0x706C6F6F6D  # "ploom"
+_FLAG_FAST = 1  #: the payload went into the pre-posted buffers
+_FLAG_ABORT = 2  #: no payload: the sender's step failed (it fills what was posted for it)
+_HEADER_PART = _MAX_PARTS - 1  #: tag part of the header (pre-posted, fast tag space)
+_SPEC_PART = _MAX_PARTS - 1  #: tag part of the spec of an unpredicted transfer (slow tag space)
+_MAX_TENSORS = _MAX_PARTS - 1  #: tensor positions per transfer (the requires-grad bits, the tags)
+_KINDS = ("F", "B")
+_MAX_SPEC_WORDS = 1 + _MAX_TENSORS * 40
+
+
 _Key = tuple[tuple[tuple[int, ...], str] | None, ...]
 
-
-def _key(spec: TransferSpec) -> _Key:
-    """What a receive buffer depends on: shape and dtype per tensor."""
-    return tuple(None if s is None else (s[0], s[1]) for s in spec.tensors)
-
-
-def _deliver(
-    done: Callable[[list[torch.Tensor | None], BaseException | None], None],
-    buffers: list[torch.Tensor | None],
-    err: BaseException | None,
-) -> None:
-    done(buffers, err)
-
-
-class _Slot:
-    """Completion of a pre-posted receive, delivered on the loop to whoever claims it."""
-
-    __slots__ = ("buffers", "done", "result")
-
-    def __init__(self, buffers: list[torch.Tensor | None]) -> None:
-        self.buffers = buffers
-        self.done: Callable[[list[torch.Tensor | None], BaseException | None], None] | None = None
-        self.result: tuple[BaseException | None] | None = None
-
-    def complete(self, err: BaseException | None) -> None:
-        if self.done is not None:
-            self.done(self.buffers, err)
-        else:
-            self.result = (err,)
-
-    def claim(self, loop: asyncio.AbstractEventLoop, done: Callable[[list[torch.Tensor | None], BaseException | None], None]) -> None:
-        if self.result is not None:
-            loop.call_soon(done, self.buffers, self.result[0])
-        else:
-            self.done = done
 
 log = logging.getLogger("pipeloom.tensor")
 
@@ -143,24 +144,350 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(f"unsupported dtype {name!r} in a transfer announcement; supported: {', '.join(_DTYPES)}") from None
 
 
+_DTYPE_LIST = tuple(_DTYPES.values())
+_DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPE_LIST)}
+
+
+def encode_spec(key: _Key) -> list[int]:
+    """The int64 words that tell a receiver the shapes and dtypes of an unpredicted transfer."""
+    out = [len(key)]
+    for ent in key:
+        if ent is None:
+            out.append(-1)
+            continue
+        shape, dt = ent
+        out += [_DTYPE_CODE[dtype_from_name(dt)], len(shape), *shape]
+    return out
+
+
+def decode_spec(words: Sequence[int]) -> _Key:
+    """Inverse of :func:`encode_spec`; ValueError on anything malformed."""
+    try:
+        n = words[0]
+        if not 0 <= n <= _MAX_TENSORS:
+            raise ValueError(f"{n} tensors")
+        out: list[tuple[tuple[int, ...], str] | None] = []
+        i = 1
+        for _ in range(n):
+            code = words[i]
+            i += 1
+            if code == -1:
+                out.append(None)
+                continue
+            if not 0 <= code < len(_DTYPE_LIST):
+                raise ValueError(f"dtype code {code}")
+            ndim = words[i]
+            if not 0 <= ndim <= 32:
+                raise ValueError(f"{ndim} dimensions")
+            shape = tuple(words[i + 1 : i + 1 + ndim])
+            if len(shape) != ndim:
+                raise IndexError
+            if any(d < 0 for d in shape):
+                raise ValueError(f"shape {shape}")
+            i += 1 + ndim
+            out.append((shape, dtype_name(_DTYPE_LIST[code])))
+        if i != len(words):
+            raise ValueError(f"{len(words) - i} trailing words")
+        return tuple(out)
+    except IndexError:
+        raise ValueError("truncated") from None
+
+
+def _packed(key: _Key | None) -> int | None:
+    """Payload bytes if a transfer predicted as ``key`` travels packed after its header, else None."""
+    if key is None:
+        return None
+    real = [e for e in key if e is not None]
+    if len(real) != 1:
+        return None
+    shape, dt = real[0]
+    n = dtype_from_name(dt).itemsize
+    for d in shape:
+        n *= d
+    return n if n <= _PACK_MAX else None
+
+
+def _unpack(buf: torch.Tensor, key: _Key) -> list[torch.Tensor | None]:
+    """Views of a packed receive buffer's payload, by tensor position (see :func:`_packed`)."""
+    out: list[torch.Tensor | None] = []
+    for ent in key:
+        if ent is None:
+            out.append(None)
+        else:
+            out.append(buf[_HEADER_BYTES:].view(dtype_from_name(ent[1])).view(ent[0]))
+    return out
+
+
+#: id(process group), global rank -> (the group, the rank's number in it); the group stays
+#: referenced here, so its id cannot be reused by another
+_PEERS: dict[tuple[int, int], tuple[Any, int]] = {}
+
+
+def _peer(group: Any, rank: int) -> tuple[Any, int]:
+    pg = group if group is not None else dist.group.WORLD  # (the default group of now: re-init safe)
+    got = _PEERS.get((id(pg), rank))
+    if got is None:
+        got = _PEERS[(id(pg), rank)] = (pg, dist.get_group_rank(pg, rank))
+    return got
+
+
+def _isend(t: torch.Tensor, peer: int, group: Any, tag: int = 0) -> Any:
+    """``dist.isend`` without its per-call checks and rank translation (ProcessGroup.send, public):
+    about 100 us of Python per call on a GPU host, paid twice per transfer."""
+    pg, r = _peer(group, peer)
+    return pg.send([torch.view_as_real(t) if t.is_complex() else t], r, tag)
+
+
+def _irecv(b: torch.Tensor, peer: int, group: Any, tag: int = 0) -> Any:
+    """``dist.irecv`` the same way (see :func:`_isend`)."""
+    pg, r = _peer(group, peer)
+    return pg.recv([torch.view_as_real(b) if b.is_complex() else b], r, tag)
+
+
+_EXIT_GUARD: list[threading.Thread] = []
+
+
+def guard_exit(threads: Sequence[threading.Thread], grace: float = 3.0) -> None:
+    """Make sure no thread parked in a gloo receive returns into a finalizing interpreter.
+
+    After a failure, peers fill each other's posted receives (``abort_step``),
+    but a peer that is stopped (SIGSTOP) or hung cannot: a receiver thread may
+    stay parked in gloo until that peer is killed and its connection closes.
+    If that happens while this interpreter finalizes, the thread cannot take
+    the GIL and C++ terminates the process ("terminate called without an
+    active exception", exit -6) instead of the exit code the failure deserves.
+    gloo has no way to cancel a posted receive, so at exit, when the program
+    is ending with an uncaught exception, this waits up to ``grace`` seconds for
+    the threads and then ends the process with exit code 1 without finalizing.
+    """
+    global _EXIT_GRACE
+    _EXIT_GRACE = grace
+    _EXIT_GUARD.extend(threads)
+
+
+_EXIT_GRACE = 3.0
+
+
+def _exit_guard() -> None:
+    # Registered at import, so it runs after every Pipeline's own exit handler (atexit runs
+    # handlers last-registered first) -- a Pipeline closed at exit adds its threads just before.
+    import os
+    import sys
+
+    if not _EXIT_GUARD:
+        return
+    deadline = time.monotonic() + _EXIT_GRACE
+    for t in _EXIT_GUARD:
+        t.join(max(0.0, deadline - time.monotonic()))
+    failing = getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
+    if failing and any(t.is_alive() for t in _EXIT_GUARD):
+        log.warning("pipeloom: receives from a failed peer are still pending in gloo; exiting without finalizing")
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
+        os._exit(1)
+
+
+atexit.register(_exit_guard)
+
+
+def _alloc(key: _Key, device: torch.device) -> list[torch.Tensor | None]:
+    return [None if ent is None else torch.empty(ent[0], dtype=dtype_from_name(ent[1]), device=device) for ent in key]
+
+
 @dataclass(frozen=True)
-class TransferSpec:
-    """What a transfer carries: per tensor (shape, dtype, requires_grad), or None for an absent tensor."""
+class Landed:
+    """A transfer that has landed (gloo), or whose header has (NCCL: the payload is to be received)."""
 
-    tensors: tuple[tuple[tuple[int, ...], str, bool] | None, ...]
+    src: int
+    seq: int
+    step: int
+    kind: str
+    stage: int  #: the consuming stage
+    microbatch: int
+    buffers: list[torch.Tensor | None]
+    requires_grad: tuple[bool, ...]  #: per tensor position (activations: the consumer's inputs)
+    header_ns: int  #: when the header arrived (trace clock)
+    done_ns: int  #: when the payload had landed
+    fast: bool  #: the payload went into the buffers posted ahead (shapes as predicted)
+    shapes: _Key = ()  #: shape and dtype per tensor position (what an NCCL receive allocates)
 
-    @staticmethod
-    def of(tensors: Sequence[torch.Tensor | None]) -> TransferSpec:
-        return TransferSpec(
-            tuple(None if t is None else (tuple(t.shape), dtype_name(t.dtype), bool(t.requires_grad)) for t in tensors)
-        )
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers if b is not None)
 
-    def to_wire(self) -> list[Any]:
-        return [None if s is None else [list(s[0]), s[1], s[2]] for s in self.tensors]
 
-    @staticmethod
-    def from_wire(specs: list[Any]) -> TransferSpec:
-        return TransferSpec(tuple(None if s is None else (tuple(s[0]), s[1], s[2]) for s in specs))
+class TransferError(RuntimeError):
+    """A gloo transfer from ``peer`` failed or was malformed; ``seq``: which one."""
+
+    def __init__(self, peer: int, seq: int, message: str) -> None:
+        self.peer = peer
+        self.seq = seq
+        super().__init__(message)
+
+
+class _Abandon(Exception):
+    """A receiver thread stops: a transfer failed (already reported)."""
+
+
+class GlooReceiver:
+    """One peer's gloo receives: posted ahead from step plans, waited in order, handed to the loop.
+
+    ``expect(step, train, seq0, n)`` (from the loop, at the start of a step)
+    queues the step's ``n`` transfers from the peer, sequence numbers ``seq0``
+    on.  The thread keeps ``depth`` of them posted ahead, each a header plus
+    buffers shaped like the same-numbered transfer of the previous step of the
+    same kind (``train``); it waits on them in order, reads each header
+    (checking magic, sequence number and step), posts the real receives for an
+    unpredicted one, and calls ``deliver(landed, None)`` on the loop -- or
+    ``deliver(None, TransferError)`` once, after which it stops.  ``announce``
+    (optional) is called on the loop with (step, kind, stage, microbatch) when
+    an unpredicted transfer's header has arrived and its payload is still on
+    the way.  The sender keeps the same table (:meth:`TensorPlane.send_transfer`).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        peer: int,
+        *,
+        group: Any,
+        device: torch.device,
+        depth: int,
+        loop: asyncio.AbstractEventLoop,
+        deliver: Callable[[Landed | None, TransferError | None], None],
+        announce: Callable[[tuple[int, str, int, int]], None] | None = None,
+        payload: bool = True,
+    ) -> None:
+        self.rank = rank
+        self.peer = peer
+        #: False (NCCL): only headers travel here; the loop receives the payload on the GPU
+        self._payload = payload
+        self._group = group
+        self._device = device
+        self._depth = max(1, depth)
+        self._loop = loop
+        self._deliver = deliver
+        self._announce = announce
+        #: per kind of step (train?): the shapes of the previous step's transfers, by position
+        self._tables: dict[bool, list[_Key]] = {}
+        self._plans: queue.SimpleQueue[tuple[int, bool, int, int] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"pipeloom-recv-r{rank}-from{peer}", daemon=True)
+        self._thread.start()
+
+    def expect(self, step: int, train: bool, seq0: int, n: int) -> None:
+        self._plans.put((step, train, seq0, n))
+
+    def stop(self, timeout: float = 1.0) -> None:
+        self._plans.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _call(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: the job is being torn down
+            pass
+
+    def _run(self) -> None:
+        while True:
+            plan = self._plans.get()
+            if plan is None:
+                return
+            try:
+                self._receive_step(*plan)
+            except _Abandon:
+                return
+
+    def _irecv(self, buf: torch.Tensor, seq: int, part: int, fast: bool) -> Any:
+        return _irecv(buf, self.peer, self._group, _tag(seq, part, fast))
+
+    def _post(self, seq: int, pred: _Key | None) -> tuple[int, _Key | None, torch.Tensor, Any, list[torch.Tensor | None], list[Any]]:
+        if not self._payload:
+            header = torch.empty(_HEADER_WORDS, dtype=torch.int64)
+            return seq, pred, header, self._irecv(header, seq, _HEADER_PART, True), [], []
+        size = _packed(pred)
+        if size is not None:  # header and payload in one message
+            assert pred is not None
+            buf = torch.empty(_HEADER_BYTES + size, dtype=torch.uint8)
+            return seq, pred, buf[:_HEADER_BYTES].view(torch.int64), self._irecv(buf, seq, _HEADER_PART, True), _unpack(buf, pred), []
+        header = torch.empty(_HEADER_WORDS, dtype=torch.int64)
+        hwork = self._irecv(header, seq, _HEADER_PART, True)
+        buffers = _alloc(pred, self._device) if pred is not None else []
+        works = [self._irecv(b, seq, i, True) for i, b in enumerate(x for x in buffers if x is not None)]
+        return seq, pred, header, hwork, buffers, works
+
+    def _receive_step(self, step: int, train: bool, seq0: int, n: int) -> None:
+        prev = self._tables.get(train, [])
+        cur: list[_Key] = []
+        posted: deque[tuple[int, _Key | None, torch.Tensor, Any, list[torch.Tensor | None], list[Any]]] = deque()
+        i = 0
+        seq = seq0
+        try:
+            while i < n or posted:
+                while i < n and len(posted) < self._depth:
+                    posted.append(self._post(seq0 + i, prev[i] if i < len(prev) else None))
+                    i += 1
+                seq, pred, header, hwork, buffers, works = posted.popleft()
+                hwork.wait()
+                header_ns = time.monotonic_ns()
+                h = header.tolist()
+                for w in works:  # the payload (fast) or the sender's placeholders
+                    w.wait()
+                if h[0] != _MAGIC or h[1] != seq:
+                    raise TransferError(self.peer, seq, f"malformed transfer header from rank {self.peer} for transfer {seq}: {h}")
+                if h[2] != step:
+                    raise TransferError(
+                        self.peer, seq,
+                        f"rank {self.peer} sent a transfer of its step {h[2]} while this rank expects step {step}'s: "
+                        "the ranks disagree on which step they run (every rank must call step()/eval_step() in the same order)",
+                    )
+                if h[6] & _FLAG_ABORT:
+                    # the sender's step failed: it fills every receive of the step this way, so that
+                    # no thread stays parked in gloo (the failure itself comes as an abort message)
+                    cur.append(pred if pred is not None else ())
+                    continue
+                if not 0 <= h[3] < len(_KINDS):
+                    raise TransferError(self.peer, seq, f"malformed transfer header from rank {self.peer}: kind {h[3]}")
+                kind = _KINDS[h[3]]
+                fast = bool(h[6] & _FLAG_FAST)
+                if fast:
+                    if pred is None:
+                        raise TransferError(self.peer, seq, f"rank {self.peer} sent transfer {seq} into buffers that were never posted")
+                    key = pred
+                else:
+                    if not 1 <= h[8] <= _MAX_SPEC_WORDS:
+                        raise TransferError(self.peer, seq, f"malformed transfer header from rank {self.peer}: {h[8]} spec words")
+                    spec = torch.empty(h[8], dtype=torch.int64)
+                    self._irecv(spec, seq, _SPEC_PART, False).wait()
+                    try:
+                        key = decode_spec(spec.tolist())
+                    except ValueError as exc:
+                        raise TransferError(self.peer, seq, f"malformed transfer spec from rank {self.peer}: {exc}") from None
+                    if self._payload:
+                        if self._announce is not None:
+                            self._call(self._announce, (step, kind, h[4], h[5]))
+                        buffers = _alloc(key, self._device)
+                        for w in [self._irecv(b, seq, j, False) for j, b in enumerate(x for x in buffers if x is not None)]:
+                            w.wait()
+                cur.append(key)
+                rg = tuple(bool(h[7] >> j & 1) for j in range(len(key)))
+                landed = Landed(self.peer, seq, step, kind, h[4], h[5], buffers, rg,
+                                header_ns, time.monotonic_ns(), fast, key)
+                self._call(self._deliver, landed, None)
+                landed = buffers = None  # type: ignore[assignment]
+        except TransferError as exc:
+            self._call(self._deliver, None, exc)
+            raise _Abandon from None
+        except BaseException as exc:  # gloo raises RuntimeError on a closed connection
+            self._call(self._deliver, None, TransferError(self.peer, seq, f"receiving transfer {seq} from rank {self.peer} failed: {exc}"))
+            raise _Abandon from None
+        finally:
+            # drop the Works here, not at interpreter shutdown (see WorkWaiter)
+            posted.clear()
+        self._tables[train] = cur
 
 
 def _nccl_options(max_ctas: int | None) -> Any:
@@ -351,92 +678,228 @@ class TensorPlane:
         *,
         device: torch.device,
         pair_groups: dict[tuple[int, int], dist.ProcessGroup] | None = None,
+        prepost_depth: int = 2,
+        header_group: Any = None,
     ) -> None:
         self.rank = rank
         self.device = device
+        #: NCCL: the gloo group that carries transfer headers (the payloads go through the pair
+        #: groups, received by the loop when the header has landed); None: headers and payloads
+        #: both through gloo
+        self.header_group = header_group
         #: (src, dst) -> the two-rank group that carries src's sends to dst (None: the default group)
         self.pair_groups = pair_groups or {}
-        self._poll = device.type == "cuda"
+        #: gloo: transfers from one peer posted ahead of the one being waited for
+        self.prepost_depth = prepost_depth
         self._send_seq: dict[int, int] = {}
         self._recv_seq: dict[int, int] = {}
-        self._waiters: dict[int, WorkWaiter] = {}
+        self._receivers: dict[int, GlooReceiver] = {}
         #: (Work, the tensors it holds alive, destination rank), in posting order
         self._inflight_sends: deque[tuple[Any, Sequence[torch.Tensor], int]] = deque()
         #: NCCL receives committed to a consumer's stream (no host waiter), kept until complete
         self._inflight_recvs: deque[Any] = deque()
-        #: per peer we send to: the shapes the peer pre-posted for our next transfer
-        self._sent_pred: dict[int, _Key] = {}
-        #: per peer we receive from: (seq, shapes, slot) of the pre-posted receive
-        self._prepost: dict[int, tuple[int, _Key, _Slot]] = {}
+        # gloo, sending side of the header protocol (see the module docstring)
+        self._send_train = True
+        #: per peer: sequence number of our first transfer to it in this step
+        self._send_base: dict[int, int] = {}
+        #: per (peer, train?): shapes of the previous such step's transfers to it, by position
+        self._send_tables: dict[tuple[int, bool], list[_Key]] = {}
+        #: per peer: shapes of this step's transfers so far
+        self._send_cur: dict[int, list[_Key]] = {}
+        #: the step being sent (number, transfers to send each peer in it)
+        self._send_step: tuple[int, dict[int, int]] = (-1, {})
+        self._closed_threads: list[threading.Thread] = []
+        #: gloo: transfers sent into buffers posted ahead / with their shapes (for debug_state, benchmarks)
+        self.sent_fast = 0
+        self.sent_slow = 0
 
-    # -- sending ----------------------------------------------------------
+    # -- steps (gloo) -------------------------------------------------------
+    def begin_step(
+        self,
+        step: int,
+        train: bool,
+        recv_counts: dict[int, int],
+        send_counts: dict[int, int],
+        deliver: Callable[[Landed | None, TransferError | None], None],
+        announce: Callable[[tuple[int, str, int, int]], None] | None = None,
+    ) -> None:
+        """Start a step in which each peer ``p`` sends ``recv_counts[p]`` transfers to this rank.
+
+        ``send_counts``: how many this rank sends each peer (for :meth:`abort_step`).
+
+        Queues their receives on the peers' receiver threads (``deliver`` is
+        called on the running loop as each lands) and turns the previous
+        step's sends into the prediction of this step's.  Must be called by
+        every rank at the start of every step, in the same order of steps.
+        """
+        for peer, keys in self._send_cur.items():
+            self._send_tables[(peer, self._send_train)] = keys
+        self._send_cur = {}
+        self._send_train = train
+        self._send_base = dict(self._send_seq)
+        self._send_step = (step, dict(send_counts))
+        loop = asyncio.get_running_loop()
+        for peer, n in sorted(recv_counts.items()):
+            if n <= 0:
+                continue
+            seq0 = self._recv_seq.get(peer, 0)
+            self._recv_seq[peer] = seq0 + n
+            rx = self._receivers.get(peer)
+            if rx is None:
+                headers_only = self.header_group is not None
+                rx = self._receivers[peer] = GlooReceiver(
+                    self.rank, peer, group=self.header_group if headers_only else self.pair_groups.get((peer, self.rank)),
+                    device=self.device, depth=self.prepost_depth, loop=loop, deliver=deliver, announce=announce,
+                    payload=not headers_only,
+                )
+            rx.expect(step, train, seq0, n)
+
+    def send_transfer(self, peer: int, step: int, kind: str, stage: int, mb: int, tensors: Sequence[torch.Tensor | None]) -> tuple[int, int, bool]:
+        """gloo: send one transfer (header, then payload) to ``peer``; return (seq, bytes, fast).
+
+        ``stage`` is the consuming stage.  The payload goes into the buffers the
+        peer posted ahead when its shapes are the predicted ones (the same
+        position's shapes in our previous step of this kind); otherwise the
+        header says so and the shapes and payload follow under other tags.
+        """
+        if len(tensors) > _MAX_TENSORS:
+            raise ValueError(
+                f"a stage output of {len(tensors)} tensors cannot be sent (at most {_MAX_TENSORS}): "
+                f"stage {stage} microbatch {mb}; return fewer tensors (e.g. stack them)"
+            )
+        seq = self.next_send_seq(peer)
+        idx = seq - self._send_base.get(peer, 0)
+        prev = self._send_tables.get((peer, self._send_train))
+        pred = prev[idx] if prev is not None and idx < len(prev) else None
+        real: list[torch.Tensor] = []
+        key_l: list[tuple[tuple[int, ...], str] | None] = []
+        mask = 0
+        for j, t in enumerate(tensors):
+            if t is None:
+                key_l.append(None)
+                continue
+            if t.requires_grad:
+                mask |= 1 << j
+            t = t.detach()
+            if not t.is_contiguous():
+                t = t.contiguous()
+            real.append(t)
+            key_l.append((tuple(t.shape), dtype_name(t.dtype)))
+        key = tuple(key_l)
+        self._send_cur.setdefault(peer, []).append(key)
+        fast = pred == key
+        if fast:
+            self.sent_fast += 1
+        else:
+            self.sent_slow += 1
+        spec = [] if fast else encode_spec(key)
+        group = self.pair_groups.get((self.rank, peer))
+        words = [_MAGIC, seq, step, _KINDS.index(kind), stage, mb, _FLAG_FAST if fast else 0, mask, len(spec), 0]
+        q = self._inflight_sends
+        if self.header_group is not None:
+            # NCCL: the header (and the shapes when unpredicted) through gloo now, on the host; the
+            # payload through the pair's communicator, ordered after the caller's stream
+            hg = self.header_group
+            header = torch.tensor(words, dtype=torch.int64)
+            q.append((_isend(header, peer, hg, _tag(seq, _HEADER_PART, True)), (header,), peer))
+            if not fast:
+                st = torch.tensor(spec, dtype=torch.int64)
+                q.append((_isend(st, peer, hg, _tag(seq, _SPEC_PART, False)), (st,), peer))
+            return seq, self.send(peer, real), fast
+        size = _packed(pred)
+        if size is not None:
+            # the peer posted one buffer for header and payload: fill it (with the payload when fast)
+            buf = torch.empty(_HEADER_BYTES + size, dtype=torch.uint8)
+            buf[:_HEADER_BYTES].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
+            if fast:
+                buf[_HEADER_BYTES:].copy_(real[0].reshape(-1).view(torch.uint8))
+            q.append((_isend(buf, peer, group, _tag(seq, _HEADER_PART, True)), (buf,), peer))
+            if fast:
+                self._reap_sends()
+                return seq, size, True
+        else:
+            header = torch.tensor(words, dtype=torch.int64)
+            q.append((_isend(header, peer, group, _tag(seq, _HEADER_PART, True)), (header,), peer))
+            if not fast and pred is not None:  # release the buffers the peer posted ahead
+                for j, ent in enumerate(e for e in pred if e is not None):
+                    ph = torch.empty(ent[0], dtype=dtype_from_name(ent[1]))
+                    q.append((_isend(ph, peer, group, _tag(seq, j, True)), (ph,), peer))
+        if not fast:
+            st = torch.tensor(spec, dtype=torch.int64)
+            q.append((_isend(st, peer, group, _tag(seq, _SPEC_PART, False)), (st,), peer))
+        nbytes = 0
+        for j, t in enumerate(real):
+            q.append((_isend(t, peer, group, _tag(seq, j, fast)), (t,), peer))
+            nbytes += t.numel() * t.element_size()
+        self._reap_sends()
+        return seq, nbytes, fast
+
+    def abort_step(self) -> int:
+        """This rank's step failed: fill what every peer still expects from us in it; returns how many.
+
+        Each remaining transfer of the step goes as a header flagged abort (and
+        placeholders where the peer posted payload buffers), so the peers'
+        receiver threads finish the step instead of staying parked in gloo,
+        where a thread woken by a connection closing during interpreter exit
+        takes the process down with "terminate called".  Best effort: a peer
+        that is gone makes the sends fail, which is ignored.
+        """
+        step, counts = self._send_step
+        filled = 0
+        for peer, total in sorted(counts.items()):
+            for _ in range(total - (self._send_seq.get(peer, 0) - self._send_base.get(peer, 0))):
+                try:
+                    self._send_abort(peer, step)
+                    filled += 1
+                except Exception:  # noqa: BLE001 - the peer may be gone; its thread ended by itself
+                    break
+        self._send_step = (step, {})
+        return filled
+
+    def _send_abort(self, peer: int, step: int) -> None:
+        seq = self.next_send_seq(peer)
+        idx = seq - self._send_base.get(peer, 0)
+        prev = self._send_tables.get((peer, self._send_train))
+        pred = prev[idx] if prev is not None and idx < len(prev) else None
+        self._send_cur.setdefault(peer, []).append(pred if pred is not None else ())
+        words = torch.tensor([_MAGIC, seq, step, 0, 0, 0, _FLAG_ABORT, 0, 0, 0], dtype=torch.int64)
+        q = self._inflight_sends
+        if self.header_group is not None:
+            q.append((_isend(words, peer, self.header_group, _tag(seq, _HEADER_PART, True)), (words,), peer))
+            return
+        group = self.pair_groups.get((self.rank, peer))
+        size = _packed(pred)
+        if size is not None:
+            buf = torch.empty(_HEADER_BYTES + size, dtype=torch.uint8)
+            buf[:_HEADER_BYTES].view(torch.int64).copy_(words)
+            q.append((_isend(buf, peer, group, _tag(seq, _HEADER_PART, True)), (buf,), peer))
+            return
+        q.append((_isend(words, peer, group, _tag(seq, _HEADER_PART, True)), (words,), peer))
+        for j, ent in enumerate(e for e in (pred or ()) if e is not None):
+            ph = torch.empty(ent[0], dtype=dtype_from_name(ent[1]))
+            q.append((_isend(ph, peer, group, _tag(seq, j, True)), (ph,), peer))
+
+    # -- sending (NCCL) ---------------------------------------------------
     def next_send_seq(self, peer: int) -> int:
         seq = self._send_seq.get(peer, 0)
         self._send_seq[peer] = seq + 1
         return seq
 
-    def plan_send(self, peer: int, spec: TransferSpec, last: bool = False) -> tuple[bool, _Key | None]:
-        """Decide how transfer ``spec`` to ``peer`` travels, before it is announced.
-
-        Returns (fast, predicted): ``fast`` (gloo) means the payload goes into
-        the receives the peer pre-posted, which the announcement must say;
-        ``predicted`` is what the peer pre-posted (to be filled with
-        placeholders when not fast).  ``last``: the last transfer to ``peer``
-        in this step, after which the peer pre-posts nothing.  On NCCL
-        transfers pair by order: never fast.
-        """
-        if self._poll:
-            return False, None
-        key = _key(spec)
-        pred = self._sent_pred.get(peer)
-        if last:
-            self._sent_pred.pop(peer, None)
-        else:
-            self._sent_pred[peer] = key  # the peer pre-posts these shapes for our next transfer
-        return pred == key, pred
-
-    def send(self, peer: int, tensors: Sequence[torch.Tensor | None], seq: int, fast: bool, predicted: _Key | None) -> int:
-        """Post the sends of transfer ``seq`` as ``plan_send`` decided; return its bytes."""
+    def send(self, peer: int, tensors: Sequence[torch.Tensor | None]) -> int:
+        """NCCL: post the payload sends of one transfer, in order; return its bytes."""
         group = self.pair_groups.get((self.rank, peer))
-        if predicted is not None and not fast:
-            self._fill_prepost(peer, seq, predicted)
         nbytes = 0
-        part = 0
         for t in tensors:
             if t is None:
                 continue
             t = t.detach()
             if not t.is_contiguous():
                 t = t.contiguous()
-            if self._poll:
-                work = dist.isend(t, dst=peer, group=group)
-            else:
-                work = dist.isend(t, dst=peer, group=group, tag=_tag(seq, part, fast))
-            part += 1
+            work = _isend(t, peer, group)
             nbytes += t.numel() * t.element_size()
             self._inflight_sends.append((work, (t,), peer))
         self._reap_sends()
         return nbytes
-
-    def _fill_prepost(self, peer: int, seq: int, pred: _Key) -> None:
-        """Complete the receives the peer pre-posted for ``seq`` with placeholders."""
-        group = self.pair_groups.get((self.rank, peer))
-        part = 0
-        for ent in pred:
-            if ent is None:
-                continue
-            t = torch.empty(ent[0], dtype=dtype_from_name(ent[1]), device=self.device)
-            self._inflight_sends.append((dist.isend(t, dst=peer, group=group, tag=_tag(seq, part, True)), (t,), peer))
-            part += 1
-
-    def flush(self) -> None:
-        """Release every receive peers pre-posted for us (before closing); best effort."""
-        for peer, pred in list(self._sent_pred.items()):
-            try:
-                self._fill_prepost(peer, self._send_seq.get(peer, 0), pred)
-            except Exception:  # the peer may be gone already
-                pass
-        self._sent_pred.clear()
 
     def _reap_sends(self) -> None:
         q = self._inflight_sends
@@ -463,152 +926,19 @@ class TensorPlane:
         return len(self._inflight_sends)
 
     # -- receiving --------------------------------------------------------
-    def check_recv_seq(self, peer: int, seq: int) -> None:
-        expected = self._recv_seq.get(peer, 0)
-        if seq != expected:
-            raise RuntimeError(
-                f"rank {self.rank}: transfer from rank {peer} arrived with sequence number {seq}, expected {expected}; "
-                "announcements were lost or reordered, so receives cannot be paired safely"
-            )
-        self._recv_seq[peer] = expected + 1
+    def recv_payload(self, peer: int, shapes: _Key) -> tuple[list[torch.Tensor | None], list[Any]]:
+        """Headers mode (NCCL): post the payload receives of a transfer whose header has landed.
 
-    def recv(
-        self,
-        peer: int,
-        spec: TransferSpec,
-        done: Callable[[list[torch.Tensor | None], BaseException | None], None] | None,
-        *,
-        seq: int = 0,
-        fast: bool = False,
-        last: bool = False,
-    ) -> tuple[list[torch.Tensor | None], list[Any]]:
-        """Receive transfer ``seq`` from ``peer``; call ``done`` on the loop when it has landed.
-
-        Buffers come from the announced spec (or, ``fast``, are the ones
-        pre-posted for this sequence number).  Returns the buffers and, on
-        NCCL, their ``Work`` objects, so a GPU consumer may order its stream
-        after them (``work.wait()``) before they complete.  On NCCL ``done``
-        may be None: the receive is then *committed* (nobody waits for it on
-        the host; its consumer's stream waits on the Works), which saves the
-        waiter thread's polling and a thread hop per transfer.
+        Posted on the caller's current stream, in header order (the order the
+        peer sent), through the pair's group without tags, so they pair with
+        the peer's sends; returns the buffers and their Works (kept here until
+        complete; the consumer's stream waits on them).
         """
-        loop = asyncio.get_running_loop()
-        if self._poll:
-            return self._recv_nccl(loop, peer, spec, done)
-        if done is None:
-            raise ValueError("a gloo receive needs a completion callback")
-        pre = self._prepost.pop(peer, None)
-        if pre is not None and pre[0] != seq:
-            raise RuntimeError(f"rank {self.rank}: receive pre-posted for transfer {pre[0]} from rank {peer}, got transfer {seq}")
-        key = _key(spec)
-        if fast:
-            if pre is None:
-                if any(k is not None for k in key):
-                    raise RuntimeError(f"rank {self.rank}: rank {peer} sent transfer {seq} into a receive that was never pre-posted")
-                buffers: list[torch.Tensor | None] = [None] * len(key)
-                loop.call_soon(done, buffers, None)
-            else:
-                if pre[1] != key:
-                    raise RuntimeError(f"rank {self.rank}: transfer {seq} from rank {peer} claims pre-posted shapes {pre[1]}, announced {key}")
-                buffers = pre[2].buffers
-                pre[2].claim(loop, done)
-        else:
-            buffers = self._alloc(key)
-            landed = functools.partial(_deliver, done, buffers)
-            self._post(loop, peer, seq, buffers, fast=False, on_done=landed)
-        # Pre-post the next transfer from this peer with these shapes; not after the
-        # sender's last one of the step: a receive left pending across steps would block
-        # this rank's exit if the peer stops sending (a rank that finishes and leaves first).
-        if last:
-            return buffers, []
-        nxt = self._alloc(key)
-        if any(b is not None for b in nxt):
-            slot = _Slot(nxt)
-            self._post(loop, peer, seq + 1, nxt, fast=True, on_done=slot.complete)
-            self._prepost[peer] = (seq + 1, key, slot)
-        return buffers, []
-
-    def _alloc(self, key: _Key) -> list[torch.Tensor | None]:
-        out: list[torch.Tensor | None] = []
-        for ent in key:
-            if ent is None:
-                out.append(None)
-                continue
-            buf = torch.empty(ent[0], dtype=dtype_from_name(ent[1]), device=self.device)
-            out.append(buf)
-        return out
-
-    def _waiter(self, peer: int) -> WorkWaiter:
-        waiter = self._waiters.get(peer)
-        if waiter is None:
-            waiter = self._waiters[peer] = WorkWaiter(f"pipeloom-recv-r{self.rank}-from{peer}", poll=self._poll)
-        return waiter
-
-    def _post(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        peer: int,
-        seq: int,
-        buffers: list[torch.Tensor | None],
-        *,
-        fast: bool,
-        on_done: Callable[[BaseException | None], None],
-    ) -> None:
-        """Post receives on the peer's waiter thread; ``on_done(err)`` runs on the loop when they land.
-
-        Posting an irecv contends with gloo's I/O thread while data flows
-        (hundreds of microseconds under load); on the waiter thread that time
-        does not delay dispatch.  One thread per peer posts in order.
-        """
-        real = [b for b in buffers if b is not None]
-        if not real:
-            loop.call_soon(on_done, None)
-            return
+        buffers = _alloc(shapes, self.device)
         group = self.pair_groups.get((peer, self.rank))
-
-        def post() -> list[Any]:
-            return [dist.irecv(b, src=peer, group=group, tag=_tag(seq, i, fast)) for i, b in enumerate(real)]
-
-        def complete(err: BaseException | None) -> None:
-            try:
-                loop.call_soon_threadsafe(on_done, err)
-            except RuntimeError:  # the loop is closed: the job is being torn down
-                pass
-
-        self._waiter(peer).submit(post, complete)
-
-    def _recv_nccl(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        peer: int,
-        spec: TransferSpec,
-        done: Callable[[list[torch.Tensor | None], BaseException | None], None] | None,
-    ) -> tuple[list[torch.Tensor | None], list[Any]]:
-        # Posted here, on the loop's thread, with the caller's current stream (the actor makes
-        # that its transfer stream: NCCL orders its stream after the current one, which must
-        # not hold queued compute).  The consumer orders its own stream after these Works.
-        buffers = self._alloc(_key(spec))
-        group = self.pair_groups.get((peer, self.rank))
-        works = []
-        for b in buffers:
-            if b is not None:
-                works.append(dist.irecv(b, src=peer, group=group))
-        if done is None:
-            # committed: nobody waits on the host; the Works are kept until they complete
-            self._inflight_recvs.extend(works)
-            self._reap_recvs()
-            return buffers, works
-
-        def complete(err: BaseException | None) -> None:
-            try:
-                loop.call_soon_threadsafe(done, buffers, err)
-            except RuntimeError:
-                pass
-
-        if not works:
-            loop.call_soon(done, buffers, None)
-        else:
-            self._waiter(peer).submit(works, complete)
+        works = [_irecv(b, peer, group) for b in buffers if b is not None]
+        self._inflight_recvs.extend(works)
+        self._reap_recvs()
         return buffers, works
 
     def _reap_recvs(self) -> None:
@@ -616,7 +946,12 @@ class TensorPlane:
         while q and q[0].is_completed():
             q.popleft()
 
+    def blocked_threads(self) -> list[threading.Thread]:
+        """Receiver threads still alive after :meth:`close` (parked in a gloo receive from a peer that failed)."""
+        return [t for t in self._closed_threads if t.is_alive()]
+
     def close(self, join_timeout: float = 1.0) -> None:
-        for w in self._waiters.values():
-            w.stop(join_timeout)
-        self._waiters.clear()
+        self._closed_threads = [r._thread for r in self._receivers.values()]
+        for r in self._receivers.values():
+            r.stop(join_timeout)
+        self._receivers.clear()

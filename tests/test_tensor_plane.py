@@ -1,0 +1,101 @@
+"""The gloo header protocol of the tensor plane (transport/tensor.py), on two real gloo ranks.
+
+What could go wrong and is checked: a payload landing in the wrong buffers
+(every byte compared), a transfer predicted when it should not be (or the
+reverse), the packed single-message path and the unpacked one, shapes and
+dtypes that change between steps, tensors absent at some positions, 0-dim
+and empty tensors, evaluation steps keeping their own prediction, a transfer
+count that grows, and ranks that disagree on the step (a clear error).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeloom.transport.tensor import decode_spec, encode_spec
+
+from ranks.harness import spawn_ranks
+
+WORKER = Path(__file__).with_name("ranks") / "transport_worker.py"
+
+
+def test_spec_round_trip() -> None:
+    key = (((4, 16), "float32"), None, ((), "float64"), ((0, 3, 2), "bfloat16"), ((7,), "int64"))
+    assert decode_spec(encode_spec(key)) == key
+    assert decode_spec(encode_spec(())) == ()
+
+
+@pytest.mark.parametrize(
+    "words, what",
+    [([], "truncated"), ([1, 0, 2, 4], "truncated"), ([1, 99, 1, 4], "dtype code"), ([1, 0, 1, -4], "shape"),
+     ([1, 0, 40], "dimensions"), ([1, -1, 5], "trailing"), ([70], "tensors")],
+)
+def test_malformed_spec_is_rejected(words: list[int], what: str) -> None:
+    with pytest.raises(ValueError, match=what):
+        decode_spec(words)
+
+
+async def _run(script: str, *extra: str, depth: int = 2, headers: bool = False) -> list[dict]:
+    env = {"DEPTH": str(depth), "HEADERS": "1" if headers else "0"}
+    codes, outs, errs = await spawn_ranks(2, [str(WORKER), script, *extra], timeout=90, env=env)
+    assert codes == [0, 0], "\n".join(e[-3000:] for e in errs)
+    return [json.loads(o.strip().splitlines()[-1]) for o in outs]
+
+
+def _fast_pattern(report: dict) -> list[list[bool]]:
+    return [[row["fast"] for row in st["landed"]] for st in report["steps"]]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("depth, headers", [(1, False), (2, False), (5, False), (2, True)])
+async def test_shapes_change_and_eval_steps(depth: int, headers: bool) -> None:
+    """``headers``: the arrangement used on NCCL (headers through their own gloo group), on gloo."""
+    r0, r1 = await _run("shapes", depth=depth, headers=headers)
+    for rep in (r0, r1):
+        assert "error" not in rep, rep["error"]
+        for st in rep["steps"]:
+            assert all(row["equal"] and row["rg_ok"] for row in st["landed"]), st
+    # rank 1 receives the forward transfers: the first step of each kind unpredicted, then predicted
+    # except where a shape or dtype changed (positions 1 and 2 of step 2)
+    assert _fast_pattern(r1) == [
+        [False] * 3, [True] * 3, [True, False, False], [True] * 3, [False, False], [True] * 3, [True, True],
+    ]
+    assert _fast_pattern(r0) == [[False] * 2, [True] * 2, [True] * 2, [True] * 2, [], [True] * 2, []]
+    # sequence numbers run on across steps, in order
+    seqs = [row["seq"] for st in r1["steps"] for row in st["landed"]]
+    assert seqs == list(range(len(seqs)))
+    assert [(row["kind"], row["stage"], row["mb"]) for row in r1["steps"][2]["landed"]] == [("F", 1, i) for i in range(3)]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("headers", [False, True])
+async def test_mixed_payloads(headers: bool) -> None:
+    r0, r1 = await _run("mixed", headers=headers)
+    for rep in (r0, r1):
+        assert "error" not in rep, rep["error"]
+        for st in rep["steps"]:
+            assert all(row["equal"] and row["rg_ok"] for row in st["landed"]), st
+    # step 1: predicted except the sixth transfer (step 0 had five); step 2: positions 0 and 2 changed size
+    assert _fast_pattern(r1) == [[False] * 5, [True] * 5 + [False], [False, True, False, True, True, True]]
+    assert _fast_pattern(r0) == [[False, False], [True, True], [True, True]]
+
+
+@pytest.mark.asyncio
+async def test_ranks_disagreeing_on_the_step_fail_clearly() -> None:
+    r0, r1 = await _run("shapes", "--wrong-step")
+    assert "error" in r1 and r1["steps"] and len(r1["steps"]) == 1
+    assert "rank 0 sent a transfer of its step 8 while this rank expects step 1" in r1["error"]
+    assert "disagree" in r1["error"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("headers", [False, True])
+async def test_a_failed_step_fills_the_peers_receives(headers: bool) -> None:
+    """After a failure the sender fills what the peer posted, so no receiver thread stays parked in gloo."""
+    r0, r1 = await _run("shapes", "--abort", headers=headers)
+    assert r0["filled"] == 2  # 3 transfers in the step, 1 sent
+    assert r1["landed_before_abort"] == 1 and r1["filled"] == 2  # rank 1 had sent none of its 2
+    assert r0["blocked"] == 0 and r1["blocked"] == 0
