@@ -143,6 +143,37 @@ class _Timing:
         self.pending = keep
 
 
+class _OnStream:
+    """``torch.cuda.stream(s)`` for the policy's own switches, without its device lookups.
+
+    ``torch.cuda.stream`` asks for the current stream and the device index on
+    every entry (tens of microseconds on a GPU host, a few times per action);
+    inside a step every switch goes through the policy, which therefore knows
+    the current stream and only calls ``torch.cuda.set_stream``.
+    """
+
+    __slots__ = ("policy", "stream", "prev")
+
+    def __init__(self, policy: CudaPolicy, stream: Any) -> None:
+        self.policy = policy
+        self.stream = stream
+        self.prev: Any = None
+
+    def __enter__(self) -> Any:
+        p = self.policy
+        self.prev = p._cur
+        if self.stream is not p._cur:
+            torch.cuda.set_stream(self.stream)
+            p._cur = self.stream
+        return self.stream
+
+    def __exit__(self, *exc: object) -> None:
+        p = self.policy
+        if p._cur is not self.prev:
+            torch.cuda.set_stream(self.prev)
+            p._cur = self.prev
+
+
 class CudaPolicy(DevicePolicy):
     """GPUs: commit ahead on stream-ordered inputs, one compute stream per stage (see the module docstring)."""
 
@@ -170,6 +201,8 @@ class CudaPolicy(DevicePolicy):
         self._distinct = [s for s in dict.fromkeys(self.streams.values()) if s is not None]
         self._xfer = torch.cuda.Stream(device=device)
         self._caller: Any = None
+        #: inside a step: the current stream (every switch goes through :class:`_OnStream`); None outside
+        self._cur: Any = None
         self._steps = 0
         self._timing = _Timing()
         #: (estimated ms, end events) of every committed action not known finished
@@ -178,7 +211,7 @@ class CudaPolicy(DevicePolicy):
 
     # -- step boundaries ----------------------------------------------------
     def begin_step(self) -> None:
-        self._caller = torch.cuda.current_stream(self.device)
+        self._caller = self._cur = torch.cuda.current_stream(self.device)
         for s in self._distinct:
             s.wait_stream(self._caller)
 
@@ -186,6 +219,7 @@ class CudaPolicy(DevicePolicy):
         caller = self._caller or torch.cuda.current_stream(self.device)
         for s in self._distinct:
             caller.wait_stream(s)
+        self._cur = None
         self._steps += 1
         if self._timing.pending:
             self._timing.harvest()
@@ -197,14 +231,17 @@ class CudaPolicy(DevicePolicy):
 
     def on_stage(self, stage: int) -> contextlib.AbstractContextManager[Any]:
         s = self.streams.get(stage)
-        return torch.cuda.stream(s) if s is not None else contextlib.nullcontext()
+        if s is None:
+            return contextlib.nullcontext()
+        # outside a step (a header landing early) the current stream is not known here
+        return _OnStream(self, s) if self._cur is not None else torch.cuda.stream(s)
 
     def posting(self, stage: int) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.stream(self._xfer) if self.early_receives else self.on_stage(stage)
 
     def consume(self, stage: int, buffers: Sequence[torch.Tensor | None], works: Sequence[Any]) -> None:
         s = self.stream(stage)
-        with torch.cuda.stream(s):
+        with self.on_stage(stage):
             for w in works:
                 w.wait()  # NCCL: this stream waits for the receive; the host does not
         if self.early_receives:

@@ -75,6 +75,9 @@ class FakeCuda:
         finally:
             self.current = old
 
+    def set_stream(self, s: FakeStream) -> None:  # what the policy's own switches use inside a step
+        self.current = s
+
 
 FAKE = FakeCuda()
 
@@ -126,6 +129,28 @@ def test_one_stream_per_stage_forked_and_joined_at_step_boundaries(cuda: FakeCud
         assert cuda.current is s3
     p.end_step()
     assert ("wait_stream", s0) in cuda.default.log and ("wait_stream", s3) in cuda.default.log
+
+
+def test_stream_switches_inside_a_step_nest_and_restore(cuda: FakeCuda) -> None:
+    """Inside a step the policy switches streams itself (no lookups); every exit restores the one before."""
+    p = _policy(cuda)
+    s0, s3 = p.streams[0], p.streams[3]
+    p.begin_step()
+    with p.on_stage(0):
+        assert cuda.current is s0
+        with p.on_stage(3):
+            assert cuda.current is s3
+            p.consume(0, [FakeBuffer()], [FakeWork()])  # (on stage 0's stream, then back)
+            assert cuda.current is s3
+        assert cuda.current is s0
+        with p.on_stage(0):
+            assert cuda.current is s0
+        assert cuda.current is s0
+    assert cuda.current is cuda.default
+    p.end_step()
+    with p.on_stage(3):  # outside a step: torch's own context
+        assert cuda.current is s3
+    assert cuda.current is cuda.default
 
 
 def test_shared_stream_when_stage_streams_are_off(cuda: FakeCuda) -> None:
