@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import os
 import pstats
 import signal
@@ -117,13 +116,16 @@ def stage_ranks(name: str, world: int) -> tuple[int, dict[int, list[int]]]:
 # ---------------------------------------------------------------- ranks
 
 
-def _timed_steps(step: Callable[[], Any], n: int, after: Callable[[], None] | None = None) -> list[float]:
+def _timed_steps(step: Callable[[], Any], n: int, cpu: list[float], after: Callable[[], None] | None = None) -> list[float]:
+    """Wall time of each of ``n`` steps; the process's CPU time of each (every thread) appended to ``cpu``."""
     times = []
     for _ in range(n):
         dist.barrier()
+        c0 = time.process_time()
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         if after is not None:
             after()
     return times
@@ -156,7 +158,12 @@ def run_schedule(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
     # pipeloom: another copy of the same stages.
     p_stages = build_stages(num_stages)
-    pipe = pipeloom.Pipeline(lambda s: p_stages[s], schedule=name, num_microbatches=MICROBATCHES, loss_fn=loss_fn)
+    options = None
+    if args.options:
+        from pipeloom.runtime.options import RuntimeOptions, parse_fields
+
+        options = RuntimeOptions.from_env(**parse_fields(args.options))
+    pipe = pipeloom.Pipeline(lambda s: p_stages[s], schedule=name, num_microbatches=MICROBATCHES, loss_fn=loss_fn, options=options)
     p_stats: list[tuple[float, int]] = []
 
     def pipeloom_step() -> None:
@@ -174,14 +181,15 @@ def run_schedule(name: str, args: argparse.Namespace) -> dict[str, Any]:
         dist.barrier()
         pipeloom_step()
     times: dict[str, list[float]] = {"torch": [], "pipeloom": []}
+    cpu: dict[str, list[float]] = {"torch": [], "pipeloom": []}
     block = max(1, args.steps // args.blocks)
     for b in range(args.blocks):
         order = ("torch", "pipeloom") if b % 2 == 0 else ("pipeloom", "torch")
         for engine in order:
             if engine == "torch":
-                times["torch"] += _timed_steps(torch_step, block)
+                times["torch"] += _timed_steps(torch_step, block, cpu["torch"])
             else:
-                times["pipeloom"] += _timed_steps(pipeloom_step, block, record)
+                times["pipeloom"] += _timed_steps(pipeloom_step, block, cpu["pipeloom"], record)
 
     profile = None
     if args.profile == name:
@@ -200,7 +208,7 @@ def run_schedule(name: str, args: argparse.Namespace) -> dict[str, Any]:
             profile = out.getvalue()
     dist.barrier()
     pipe.close()
-    return {"times": times, "pipeloom_stats": p_stats, "profile": profile}
+    return {"times": times, "cpu": cpu, "pipeloom_stats": p_stats, "profile": profile}
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -317,16 +325,20 @@ def print_report(everyone: list[dict[str, Any]], args: argparse.Namespace) -> No
         if num_stages not in cost_cache:
             cost_cache[num_stages] = measure_compute(num_stages)
         costs = cost_cache[num_stages]
-        overheads, actions, computes, idles = [], [], [], []
+        # CPU time per step, summed over the ranks (every thread of each process): what the
+        # engine costs the machine, which wall time on a shared 2-core machine hides or inflates
+        cpu_t = {eng: sum(statistics.median(r["cpu"][eng]) for r in per_rank) for eng in ("torch", "pipeloom")}
+        overheads, actions, computes, idles, cpu_over = [], [], [], [], []
         for rank, r in enumerate(per_rank):
             compute, listed = rank_compute(name, rank, costs)
             busy = [t - idle for t, (idle, _) in zip(r["times"]["pipeloom"], r["pipeloom_stats"])]
             ran = statistics.median(n for _, n in r["pipeloom_stats"]) or listed
             overheads.append((statistics.median(busy) - compute) / ran)
+            cpu_over.append((statistics.median(r["cpu"]["pipeloom"]) - compute) / ran)
             actions.append(int(ran))
             computes.append(compute)
             idles.append(statistics.median(idle for idle, _ in r["pipeloom_stats"]))
-        rows.append((name, step_t["torch"], step_t["pipeloom"], overheads, actions, computes, idles))
+        rows.append((name, step_t["torch"], step_t["pipeloom"], overheads, actions, computes, idles, cpu_t, cpu_over))
         if any(r["profile"] for r in per_rank):
             profiles.extend(r["profile"] for r in per_rank if r["profile"])
 
@@ -335,18 +347,23 @@ def print_report(everyone: list[dict[str, Any]], args: argparse.Namespace) -> No
         f"stages Linear({DIM},{DIM})+tanh, {MICROBATCHES} microbatches x {ROWS_PER_MICROBATCH} rows; "
         f"median of {args.steps} steps after {args.warmup} warm-up\n"
     )
-    head = f"{'schedule':<22} {'torch ms/step':>13} {'pipeloom ms/step':>16} {'ratio pl/torch':>14} {'pl us/action':>12} {'actions/rank':>12} {'compute ms/rank':>15} {'idle ms/rank':>12}"
+    head = (f"{'schedule':<22} {'torch ms/step':>13} {'pipeloom ms/step':>16} {'ratio pl/torch':>14} {'pl us/action':>12} "
+            f"{'torch CPU ms':>12} {'pl CPU ms':>9} {'CPU ratio':>9} {'pl CPU us/act':>13} {'actions/rank':>12} {'compute ms/rank':>15} {'idle ms/rank':>12}")
     print(head)
     print("-" * len(head))
-    for name, tt, pt, ov, act, comp, idle in rows:
+    for name, tt, pt, ov, act, comp, idle, ct, cov in rows:
         print(
             f"{name:<22} {tt * 1e3:>13.2f} {pt * 1e3:>16.2f} {pt / tt:>14.2f} {statistics.mean(ov) * 1e6:>12.0f} "
+            f"{ct['torch'] * 1e3:>12.2f} {ct['pipeloom'] * 1e3:>9.2f} {ct['pipeloom'] / ct['torch']:>9.2f} {statistics.mean(cov) * 1e6:>13.0f} "
             f"{'/'.join(map(str, act)):>12} {'/'.join(f'{c * 1e3:.2f}' for c in comp):>15} "
             f"{'/'.join(f'{i * 1e3:.2f}' for i in idle):>12}"
         )
     print(
         "\npl us/action = (pipeloom step time - idle - in-process compute) / compute actions, per rank, averaged; "
-        "per-rank columns are rank0/rank1."
+        "per-rank columns are rank0/rank1.\n"
+        "CPU ms = the processes' CPU time per step (all threads: loop, gloo and ZeroMQ I/O, receiver threads), "
+        "median per rank, summed over ranks; pl CPU us/act = (a rank's CPU time per step - its compute) / its "
+        "actions, averaged: the host cost of an action, robust to other load on the machine."
     )
     for p in profiles:
         print(f"\n--- cProfile of pipeloom steps on rank 0 ({args.profile}) ---\n{p}")
@@ -398,6 +415,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per engine first")
     p.add_argument("--blocks", type=int, default=3, help="alternating torch/pipeloom blocks the timed steps are cut into")
     p.add_argument("--names", default=",".join(SCHEDULE_NAMES), help="comma-separated schedules")
+    p.add_argument("--options", default="", metavar="K=V,...", help="RuntimeOptions fields for pipeloom (e.g. gloo_prepost_depth=4)")
     p.add_argument("--profile", default=None, metavar="NAME", help="also cProfile pipeloom steps of this schedule on rank 0")
     args = p.parse_args(argv)
     args.names = [canonical_name(n) for n in args.names.split(",") if n.strip()]

@@ -307,7 +307,32 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
     ceiling = _ceiling(name, n, world)
     model_name = f"gpt-{args.size}" if gpt else "transformer"
 
+    def host_profile(engine: str, fn: Any) -> None:
+        """``--cprofile N``: N more steps under cProfile on rank 0; where the host's time goes, printed."""
+        if not args.cprofile or name not in args.profile_schedules.split(","):
+            return
+        import cProfile
+        import io
+        import pstats
+
+        torch.cuda.synchronize()
+        dist.barrier()
+        prof = cProfile.Profile() if rank == 0 else None
+        if prof is not None:
+            prof.enable()
+        for _ in range(args.cprofile):
+            fn()
+        torch.cuda.synchronize()
+        if prof is not None:
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
+            text = "\n".join(line[:160] for line in buf.getvalue().splitlines() if line.strip())
+            print(f"--- cProfile, rank 0, {engine} {name} {model_name}, {args.cprofile} steps ---\n{text}", flush=True)
+        dist.barrier()
+
     def profile(engine: str, fn: Any) -> dict[str, Any] | None:
+        host_profile(engine, fn)
         if not args.profile or name not in args.profile_schedules.split(","):
             return None
         from torch.profiler import ProfilerActivity, profile as tprofile, schedule as pschedule
@@ -524,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", default="l", choices=sorted(_GPT_SIZES), help="GPT size (sets layers, hidden, heads, microbatches)")
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--profile", type=int, default=0, help="profile this many more steps per engine and attribute compute gaps")
+    ap.add_argument("--cprofile", type=int, default=0, help="run this many more steps per engine under cProfile on rank 0 and print the top functions")
     ap.add_argument("--profile-dir", default=None, help="keep the gzipped traces of the first and last rank here")
     ap.add_argument("--profile-schedules", default="1F1B", help="which schedules --profile applies to (comma-separated)")
     ap.add_argument("--code", default="", help="a tag for the code under test (e.g. main@abc1234)")
