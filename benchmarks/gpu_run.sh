@@ -5,11 +5,11 @@
 #   bash benchmarks/gpu_run.sh PART...       results under $OUT
 #
 # Parts:
-#   tests      NCCL: tests/test_runtime_gradients.py (2-rank pool; 4-rank pool with >= 4 GPUs)
+#   tests      NCCL: tests/test_runtime_gradients.py (2-rank pool; 4-rank pool with >= 4 GPUs; TEST_VIS limits the GPUs)
 #              and, with >= 4 GPUs, the PP x DP / PP x FSDP rank pool of tests/test_data_parallel.py
-#   bench2     benchmarks/gpu_pipeline.py on GPUs 0,1 for every schedule (+ varlen, + variants)
+#   bench2     benchmarks/gpu_pipeline.py on GPUs VIS2 (0,1) for every schedule (+ varlen, + variants)
 #   bench4     benchmarks/gpu_pipeline.py on 4 GPUs for every schedule
-#   gpt2       benchmarks/gpu_pipeline.py --model gpt on GPUs 0,1: sizes l and s (GPT_SIZES), schedules GPT_SCHEDULES
+#   gpt2       benchmarks/gpu_pipeline.py --model gpt on GPUs VIS2 (0,1): sizes l and s (GPT_SIZES), schedules GPT_SCHEDULES
 #              in one process per size, engines ENGINES (ENGINES_L for size l; e.g. pipeloom,torch,pipeloom-1s)
 #              alternating in ALTERNATE rounds (default 3); 1F1B of size l profiled (--profile 3, traces of
 #              ranks 0 and last under $OUT/prof-$CODE; NO_TRACES=1 keeps none, NO_PROFILE=1 skips); CODE tags rows
@@ -19,21 +19,27 @@
 #   moe4       benchmarks/gpu_moe.py on 4 GPUs (pp 2 x ep 2): DualPipeV with / without overlap, torch's DualPipeV,
 #              1F1B, Interleaved1F1B; rank 0's profiler traces under $OUT/prof-moe; then tests/test_moe.py on NCCL
 #              (MOE_ARGS: extra arguments; MOE_TIMEOUT: the benchmark's bound, default 150 s; the tests: 110 s)
-#   uneven2    benchmarks/uneven.py on GPUs 0,1 (uneven4: 0..3): GPT size UNEVEN_SIZE (default s), schedules
+#   uneven2    benchmarks/uneven.py on GPUs VIS2 (0,1) (uneven4: 0..3): GPT size UNEVEN_SIZE (default s), schedules
 #              UNEVEN_SCHEDULES, workloads UNEVEN_WORKLOADS (lengths fixed/uniform/bimodal/longtail, rank 1 jittered),
 #              pipeloom deterministic vs UNEVEN_RULES (default auto) vs torch, with the simulated gain and ceiling
 #              next to each measured gain; rows in $OUT/uneven.jsonl, table in $OUT/uneven-table.md
-#   tunegrid   benchmarks/tune_grid.py on GPUs 0,1: a profiling run of the GPT (size s), `pipeloom schedule tune`'s
+#   tunegrid   benchmarks/tune_grid.py on GPUs VIS2 (0,1): a profiling run of the GPT (size s), `pipeloom schedule tune`'s
 #              ranking (with a layer-split search), then a measured grid of >= 15 configurations (5 schedules x
 #              microbatches 8,16,32 + the tuner's splits): measured vs predicted, the pick vs the best (about 3 min);
 #              TUNE_ARGS adds arguments, TUNE_TIMEOUT bounds it (default 300 s); JSON in $OUT/tunegrid/tune_grid.json
-# Environment: SCHEDULES, BENCH_ARGS, BENCH_TIMEOUT, VARIANTS (see bench2).
+# Environment: SCHEDULES, BENCH_ARGS, BENCH_TIMEOUT, VARIANTS (see bench2).  VIS2: the GPUs of the 2-GPU parts
+# (default 0,1) and PORT: torchrun's rendezvous port (default 29500), so that two invocations can share a
+# 4-GPU host (e.g. VIS2=2,3 PORT=29600 SKIP_INSTALL=1 for the second; each its own OUT).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if [ -z "${SKIP_INSTALL:-}" ]; then
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 # the project itself, built as pyproject.toml maps it (the image has setuptools)
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . || exit 1
+fi
+VIS2=${VIS2:-0,1}
+PORT=${PORT:-29500}
 export PYTHONPATH=/tmp/site
 REPO=$PWD
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -44,7 +50,7 @@ T=${BENCH_TIMEOUT:-120}
 
 bench() {  # bench NPROC LABEL EXTRA_ARGS... (env for the run comes from the caller)
   local n=$1 label=$2; shift 2
-  (cd /tmp && timeout "$T" torchrun --nproc-per-node "$n" "$REPO/benchmarks/gpu_pipeline.py" --json "$OUT/gpu.jsonl" \
+  (cd /tmp && timeout "$T" torchrun --master-port "$PORT" --nproc-per-node "$n" "$REPO/benchmarks/gpu_pipeline.py" --json "$OUT/gpu.jsonl" \
      --label "$label" ${BENCH_ARGS:-} "$@" 2>&1 | grep -v "^\[W\|Warning\|warn" | cut -c1-400 | tail -${BENCH_TAIL:-3})
 }
 
@@ -57,20 +63,20 @@ for part in "$@"; do
     if [ "$GPUS" -ge 4 ]; then files="$files $REPO/tests/test_data_parallel.py"; fi
     files=${TEST_FILES:-$files}
     # the fault tests spawn ranks that pick NCCL on a GPU host; they are gloo tests
-    (cd /tmp && PIPELOOM_TEST_BACKEND=nccl timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider --rootdir "$REPO" \
+    (cd /tmp && env ${TEST_VIS:+CUDA_VISIBLE_DEVICES=$TEST_VIS} PIPELOOM_TEST_BACKEND=nccl timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider --rootdir "$REPO" \
        -c "$REPO/pyproject.toml" $files -k "not dead_rank and not user_error" 2>&1 > "$OUT/nccl-tests.log"; tail -15 "$OUT/nccl-tests.log")
     ;;
   bench2)
-    for s in ${SCHEDULES:-$ALL}; do echo "== 2 GPUs $s"; CUDA_VISIBLE_DEVICES=0,1 bench 2 "" --schedule "$s"; done
-    for s in 1F1B ZBVZeroBubble; do echo "== 2 GPUs $s varlen"; CUDA_VISIBLE_DEVICES=0,1 bench 2 "" --schedule "$s" --varlen; done
+    for s in ${SCHEDULES:-$ALL}; do echo "== 2 GPUs $s"; CUDA_VISIBLE_DEVICES=$VIS2 bench 2 "" --schedule "$s"; done
+    for s in 1F1B ZBVZeroBubble; do echo "== 2 GPUs $s varlen"; CUDA_VISIBLE_DEVICES=$VIS2 bench 2 "" --schedule "$s" --varlen; done
     # variants: "LABEL:ENV=VALUE:SCHEDULE" each
     for v in ${VARIANTS:-}; do
       IFS=: read -r label envset sched <<< "$v"
-      echo "== 2 GPUs $sched $label"; (export CUDA_VISIBLE_DEVICES=0,1 "$envset"; bench 2 "$label" --schedule "$sched")
+      echo "== 2 GPUs $sched $label"; (export CUDA_VISIBLE_DEVICES=$VIS2 "$envset"; bench 2 "$label" --schedule "$sched")
     done
     ;;
   gpt2|gpt4)
-    n=2; vis=0,1; [ "$part" = gpt4 ] && { n=4; vis=0,1,2,3; }
+    n=2; vis=$VIS2; [ "$part" = gpt4 ] && { n=4; vis=0,1,2,3; }
     gs=${GPT_SCHEDULES:-1F1B,GPipe,Interleaved1F1B,ZBVZeroBubble,DualPipeV}
     for size in ${GPT_SIZES:-l s}; do
       prof=""
@@ -89,7 +95,7 @@ for part in "$@"; do
   fsdp)
     for s in ${FSDP_SCHEDULES:-1F1B Interleaved1F1B ZBVZeroBubble}; do
       echo "== fsdp 2x2 $s"
-      (cd /tmp && timeout "$T" torchrun --nproc-per-node 4 "$REPO/benchmarks/gpu_fsdp.py" --schedule "$s" --json "$OUT/fsdp.jsonl" \
+      (cd /tmp && timeout "$T" torchrun --master-port "$PORT" --nproc-per-node 4 "$REPO/benchmarks/gpu_fsdp.py" --schedule "$s" --json "$OUT/fsdp.jsonl" \
          2>&1 | grep -v "^\[W\|Warning\|warn" | tail -5)
     done
     python3 benchmarks/gpu_fsdp.py --table "$OUT/fsdp.jsonl" | tee "$OUT/fsdp-table.md"
@@ -99,14 +105,14 @@ for part in "$@"; do
        --json "$OUT/straggler.jsonl" ${STRAGGLER_ARGS:-} 2>&1 | grep -v "^\[W\|Warning\|warn" | tail -30 | tee "$OUT/straggler.txt")
     ;;
   moe4)
-    (cd /tmp && timeout "${MOE_TIMEOUT:-150}" torchrun --nproc-per-node 4 "$REPO/benchmarks/gpu_moe.py" --json "$OUT/moe.jsonl" \
+    (cd /tmp && timeout "${MOE_TIMEOUT:-150}" torchrun --master-port "$PORT" --nproc-per-node 4 "$REPO/benchmarks/gpu_moe.py" --json "$OUT/moe.jsonl" \
        --profile-dir "$OUT/prof-moe" ${MOE_ARGS:-} 2>&1 | grep -v "^\[W\|Warning\|warn\|USDT" | cut -c1-700 | tail -14)
     python3 benchmarks/gpu_moe.py --table "$OUT/moe.jsonl" | tee "$OUT/moe-table.md"
     (cd /tmp && PIPELOOM_TEST_BACKEND=nccl timeout 110 python3 -m pytest -q -p no:cacheprovider --rootdir "$REPO" \
        -c "$REPO/pyproject.toml" "$REPO/tests/test_moe.py" 2>&1 > "$OUT/moe-nccl-tests.log"; tail -8 "$OUT/moe-nccl-tests.log")
     ;;
   uneven2|uneven4)
-    n=2; vis=0,1; [ "$part" = uneven4 ] && { n=4; vis=0,1,2,3; }
+    n=2; vis=$VIS2; [ "$part" = uneven4 ] && { n=4; vis=0,1,2,3; }
     (cd /tmp && CUDA_VISIBLE_DEVICES=$vis timeout "${UNEVEN_TIMEOUT:-230}" python3 "$REPO/benchmarks/uneven.py" --backend nccl --ranks $n \
        --model gpt --size "${UNEVEN_SIZE:-s}" --schedules "${UNEVEN_SCHEDULES:-GPipe,1F1B,ZBVZeroBubble,InterleavedZeroBubble}" \
        --workloads "${UNEVEN_WORKLOADS:-fixed,uniform,bimodal,longtail,jitter}" --rules "${UNEVEN_RULES:-auto}" \
@@ -115,7 +121,7 @@ for part in "$@"; do
     python3 benchmarks/uneven.py --table "$OUT/uneven.jsonl" | tee "$OUT/uneven-table.md"
     ;;
   tunegrid)
-    (cd /tmp && CUDA_VISIBLE_DEVICES=0,1 timeout "${TUNE_TIMEOUT:-300}" torchrun --nproc-per-node 2 "$REPO/benchmarks/tune_grid.py" \
+    (cd /tmp && CUDA_VISIBLE_DEVICES=$VIS2 timeout "${TUNE_TIMEOUT:-300}" torchrun --master-port "$PORT" --nproc-per-node 2 "$REPO/benchmarks/tune_grid.py" \
        --out "$OUT/tunegrid" ${TUNE_ARGS:-} 2>&1 | grep -v "^\[W\|Warning\|warn" | cut -c1-300 | tail -30 | tee "$OUT/tunegrid.txt")
     ;;
   *) echo "unknown part $part"; exit 2 ;;
