@@ -99,3 +99,20 @@ async def test_a_failed_step_fills_the_peers_receives(headers: bool) -> None:
     assert r0["filled"] == 2  # 3 transfers in the step, 1 sent
     assert r1["landed_before_abort"] == 1 and r1["filled"] == 2  # rank 1 had sent none of its 2
     assert r0["blocked"] == 0 and r1["blocked"] == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("headers", [False, True])
+async def test_each_step_in_a_new_event_loop(headers: bool) -> None:
+    """``asyncio.run(pipe.astep(...))`` per step: every step's transfers reach the loop running it
+    (the receiver threads once kept the first step's loop and dropped every later arrival)."""
+    r0, r1 = await _run("shapes", "--new-loops", headers=headers)
+    for rep in (r0, r1):
+        assert "error" not in rep, rep["error"]
+        assert len(rep["steps"]) == 7
+        for st in rep["steps"]:
+            assert all(row["equal"] and row["rg_ok"] for row in st["landed"]), st
+    assert _fast_pattern(r1) == [
+        [False] * 3, [True] * 3, [True, False, False], [True] * 3, [False, False], [True] * 3, [True, True],
+    ]
+

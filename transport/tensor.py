@@ -335,9 +335,10 @@ class _Abandon(Exception):
 class GlooReceiver:
     """One peer's gloo receives: posted ahead from step plans, waited in order, handed to the loop.
 
-    ``expect(step, train, seq0, n)`` (from the loop, at the start of a step)
-    queues the step's ``n`` transfers from the peer, sequence numbers ``seq0``
-    on.  The thread keeps ``depth`` of them posted ahead, each a header plus
+    ``expect(step, train, seq0, n, loop, deliver, announce)`` (from the loop,
+    at the start of a step) queues the step's ``n`` transfers from the peer,
+    sequence numbers ``seq0`` on, to be handed to ``loop`` (the one running
+    that step: a caller may run each step in a new loop).  The thread keeps ``depth`` of them posted ahead, each a header plus
     buffers shaped like the same-numbered transfer of the previous step of the
     same kind (``train``); it waits on them in order, reads each header
     (checking magic, sequence number and step), posts the real receives for an
@@ -356,9 +357,6 @@ class GlooReceiver:
         group: Any,
         device: torch.device,
         depth: int,
-        loop: asyncio.AbstractEventLoop,
-        deliver: Callable[[Landed | None, TransferError | None], None],
-        announce: Callable[[tuple[int, str, int, int]], None] | None = None,
         payload: bool = True,
     ) -> None:
         self.rank = rank
@@ -368,17 +366,27 @@ class GlooReceiver:
         self._group = group
         self._device = device
         self._depth = max(1, depth)
-        self._loop = loop
-        self._deliver = deliver
-        self._announce = announce
+        # the step being received: where its transfers go (set from its plan, on the thread)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._deliver: Callable[[Landed | None, TransferError | None], None] | None = None
+        self._announce: Callable[[tuple[int, str, int, int]], None] | None = None
         #: per kind of step (train?): the shapes of the previous step's transfers, by position
         self._tables: dict[bool, list[_Key]] = {}
-        self._plans: queue.SimpleQueue[tuple[int, bool, int, int] | None] = queue.SimpleQueue()
+        self._plans: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"pipeloom-recv-r{rank}-from{peer}", daemon=True)
         self._thread.start()
 
-    def expect(self, step: int, train: bool, seq0: int, n: int) -> None:
-        self._plans.put((step, train, seq0, n))
+    def expect(
+        self,
+        step: int,
+        train: bool,
+        seq0: int,
+        n: int,
+        loop: asyncio.AbstractEventLoop,
+        deliver: Callable[[Landed | None, TransferError | None], None],
+        announce: Callable[[tuple[int, str, int, int]], None] | None = None,
+    ) -> None:
+        self._plans.put((step, train, seq0, n, loop, deliver, announce))
 
     def stop(self, timeout: float = 1.0) -> None:
         self._plans.put(None)
@@ -387,7 +395,7 @@ class GlooReceiver:
 
     def _call(self, fn: Callable[..., None], *args: Any) -> None:
         try:
-            self._loop.call_soon_threadsafe(fn, *args)
+            self._loop.call_soon_threadsafe(fn, *args)  # type: ignore[union-attr]
         except RuntimeError:  # the loop is closed: the job is being torn down
             pass
 
@@ -396,8 +404,9 @@ class GlooReceiver:
             plan = self._plans.get()
             if plan is None:
                 return
+            step, train, seq0, n, self._loop, self._deliver, self._announce = plan
             try:
-                self._receive_step(*plan)
+                self._receive_step(step, train, seq0, n)
             except _Abandon:
                 return
 
@@ -749,10 +758,9 @@ class TensorPlane:
                 headers_only = self.header_group is not None
                 rx = self._receivers[peer] = GlooReceiver(
                     self.rank, peer, group=self.header_group if headers_only else self.pair_groups.get((peer, self.rank)),
-                    device=self.device, depth=self.prepost_depth, loop=loop, deliver=deliver, announce=announce,
-                    payload=not headers_only,
+                    device=self.device, depth=self.prepost_depth, payload=not headers_only,
                 )
-            rx.expect(step, train, seq0, n)
+            rx.expect(step, train, seq0, n, loop, deliver, announce)
 
     def send_transfer(self, peer: int, step: int, kind: str, stage: int, mb: int, tensors: Sequence[torch.Tensor | None]) -> tuple[int, int, bool]:
         """gloo: send one transfer (header, then payload) to ``peer``; return (seq, bytes, fast).
