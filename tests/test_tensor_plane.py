@@ -116,3 +116,15 @@ async def test_each_step_in_a_new_event_loop(headers: bool) -> None:
         [False] * 3, [True] * 3, [True, False, False], [True] * 3, [False, False], [True] * 3, [True, True],
     ]
 
+
+
+@pytest.mark.asyncio
+async def test_a_refused_transfer_is_filled_too() -> None:
+    """A transfer refused before anything was sent (a dtype the plane cannot send) is still one the
+    peer expects: the failed step's fill covers it, so the peer's receiver thread is not left parked."""
+    r0, r1 = await _run("shapes", "--abort-bad-dtype")
+    assert "uint16" in r0["send_error"] and "stage 1 microbatch 1" in r0["send_error"]
+    assert r0["filled"] == 2  # 3 transfers in the step, 1 sent, 1 refused
+    assert r1["landed_before_abort"] == 1 and r1["filled"] == 2
+    assert r0["blocked"] == 0 and r1["blocked"] == 0
+

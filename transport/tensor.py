@@ -775,10 +775,9 @@ class TensorPlane:
                 f"a stage output of {len(tensors)} tensors cannot be sent (at most {_MAX_TENSORS}): "
                 f"stage {stage} microbatch {mb}; return fewer tensors (e.g. stack them)"
             )
-        seq = self.next_send_seq(peer)
-        idx = seq - self._send_base.get(peer, 0)
-        prev = self._send_tables.get((peer, self._send_train))
-        pred = prev[idx] if prev is not None and idx < len(prev) else None
+        # Whatever can refuse the tensors does so before the transfer takes its sequence number:
+        # a number taken is a transfer the peer's thread waits for, and abort_step fills only
+        # the numbers not taken.
         real: list[torch.Tensor] = []
         key_l: list[tuple[tuple[int, ...], str] | None] = []
         mask = 0
@@ -786,6 +785,11 @@ class TensorPlane:
             if t is None:
                 key_l.append(None)
                 continue
+            if t.dtype not in _DTYPE_CODE:
+                raise ValueError(
+                    f"the {'activation' if kind == 'F' else 'gradient'} for stage {stage} microbatch {mb} holds a tensor of "
+                    f"dtype {dtype_name(t.dtype)} (position {j}), which the tensor plane cannot send; supported: {', '.join(_DTYPES)}"
+                )
             if t.requires_grad:
                 mask |= 1 << j
             t = t.detach()
@@ -794,6 +798,10 @@ class TensorPlane:
             real.append(t)
             key_l.append((tuple(t.shape), dtype_name(t.dtype)))
         key = tuple(key_l)
+        seq = self.next_send_seq(peer)
+        idx = seq - self._send_base.get(peer, 0)
+        prev = self._send_tables.get((peer, self._send_train))
+        pred = prev[idx] if prev is not None and idx < len(prev) else None
         self._send_cur.setdefault(peer, []).append(key)
         fast = pred == key
         if fast:
