@@ -119,6 +119,20 @@ async def test_each_step_in_a_new_event_loop(headers: bool) -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("headers", [False, True])
+async def test_layouts_whose_memory_is_not_their_value(headers: bool) -> None:
+    """Conjugate and negative views, transposed tensors and complex dtypes arrive with their values
+    (a conjugate view once failed the send; a contiguous negative view arrived negated)."""
+    r0, r1 = await _run("layouts", headers=headers)
+    for rep in (r0, r1):
+        assert "error" not in rep, rep["error"]
+        assert len(rep["steps"]) == 2
+        for st in rep["steps"]:
+            assert all(row["equal"] and row["rg_ok"] for row in st["landed"]), st
+    assert _fast_pattern(r1) == [[False] * 6, [True] * 6]
+
+
+@pytest.mark.asyncio
 async def test_a_refused_transfer_is_filled_too() -> None:
     """A transfer refused before anything was sent (a dtype the plane cannot send) is still one the
     peer expects: the failed step's fill covers it, so the peer's receiver thread is not left parked."""

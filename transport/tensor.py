@@ -293,6 +293,14 @@ def _exit_guard() -> None:
 atexit.register(_exit_guard)
 
 
+def _sendable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its value in plain contiguous memory: a send reads memory, and a conjugate or
+    negative view (``z.conj()``, ``z.conj().imag``) holds the conjugate or negation of its value."""
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def _alloc(key: _Key, device: torch.device) -> list[torch.Tensor | None]:
     return [None if ent is None else torch.empty(ent[0], dtype=dtype_from_name(ent[1]), device=device) for ent in key]
 
@@ -792,9 +800,7 @@ class TensorPlane:
                 )
             if t.requires_grad:
                 mask |= 1 << j
-            t = t.detach()
-            if not t.is_contiguous():
-                t = t.contiguous()
+            t = _sendable(t.detach())
             real.append(t)
             key_l.append((tuple(t.shape), dtype_name(t.dtype)))
         key = tuple(key_l)
@@ -908,9 +914,7 @@ class TensorPlane:
         for t in tensors:
             if t is None:
                 continue
-            t = t.detach()
-            if not t.is_contiguous():
-                t = t.contiguous()
+            t = _sendable(t.detach())
             work = _isend(t, peer, group)
             nbytes += t.numel() * t.element_size()
             self._inflight_sends.append((work, (t,), peer))
