@@ -112,6 +112,7 @@ _PACK_MAX = 64 << 10
 _MAGIC = 0x706C6F6F6D  # "ploom"
 _FLAG_FAST = 1  #: the payload went into the pre-posted buffers
 _FLAG_ABORT = 2  #: no payload: the sender's step failed (it fills what was posted for it)
+_FLAG_TRAIN = 4  #: sent in a training step (the sender predicted from its training table)
 _HEADER_PART = _MAX_PARTS - 1  #: tag part of the header (pre-posted, fast tag space)
 _SPEC_PART = _MAX_PARTS - 1  #: tag part of the spec of an unpredicted transfer (slow tag space)
 _MAX_TENSORS = _MAX_PARTS - 1  #: tensor positions per transfer (the requires-grad bits, the tags)
@@ -451,16 +452,26 @@ class GlooReceiver:
                 hwork.wait()
                 header_ns = time.monotonic_ns()
                 h = header.tolist()
-                for w in works:  # the payload (fast) or the sender's placeholders
-                    w.wait()
+                # checked before waiting for the payload: a sender that predicted from another
+                # table sends no payload (or placeholders) into these buffers
                 if h[0] != _MAGIC or h[1] != seq:
-                    raise TransferError(self.peer, seq, f"malformed transfer header from rank {self.peer} for transfer {seq}: {h}")
+                    raise TransferError(self.peer, seq, f"malformed transfer header from rank {self.peer} for transfer {seq} "
+                                                        f"(step {step}): {h}")
                 if h[2] != step:
                     raise TransferError(
                         self.peer, seq,
                         f"rank {self.peer} sent a transfer of its step {h[2]} while this rank expects step {step}'s: "
-                        "the ranks disagree on which step they run (every rank must call step()/eval_step() in the same order)",
+                        "the ranks disagree on which step they run (every rank must call step()/eval() in the same order)",
                     )
+                if bool(h[6] & _FLAG_TRAIN) != train:
+                    what = ("a training step", "an evaluation step")
+                    raise TransferError(
+                        self.peer, seq,
+                        f"rank {self.peer} sent a transfer of {what[not h[6] & _FLAG_TRAIN]} (step {step}) while this rank runs "
+                        f"{what[not train]}: every rank must call step() or eval() alike, in the same order",
+                    )
+                for w in works:  # the payload (fast) or the sender's placeholders
+                    w.wait()
                 if h[6] & _FLAG_ABORT:
                     # the sender's step failed: it fills every receive of the step this way, so that
                     # no thread stays parked in gloo (the failure itself comes as an abort message)
@@ -816,7 +827,8 @@ class TensorPlane:
             self.sent_slow += 1
         spec = [] if fast else encode_spec(key)
         group = self.pair_groups.get((self.rank, peer))
-        words = [_MAGIC, seq, step, _KINDS.index(kind), stage, mb, _FLAG_FAST if fast else 0, mask, len(spec), 0]
+        flags = (_FLAG_FAST if fast else 0) | (_FLAG_TRAIN if self._send_train else 0)
+        words = [_MAGIC, seq, step, _KINDS.index(kind), stage, mb, flags, mask, len(spec), 0]
         q = self._inflight_sends
         if self.header_group is not None:
             # NCCL: the header (and the shapes when unpredicted) through gloo now, on the host; the
@@ -884,7 +896,8 @@ class TensorPlane:
         prev = self._send_tables.get((peer, self._send_train))
         pred = prev[idx] if prev is not None and idx < len(prev) else None
         self._send_cur.setdefault(peer, []).append(pred if pred is not None else ())
-        words = torch.tensor([_MAGIC, seq, step, 0, 0, 0, _FLAG_ABORT, 0, 0, 0], dtype=torch.int64)
+        flags = _FLAG_ABORT | (_FLAG_TRAIN if self._send_train else 0)
+        words = torch.tensor([_MAGIC, seq, step, 0, 0, 0, flags, 0, 0, 0], dtype=torch.int64)
         q = self._inflight_sends
         if self.header_group is not None:
             q.append((_isend(words, peer, self.header_group, _tag(seq, _HEADER_PART, True)), (words,), peer))

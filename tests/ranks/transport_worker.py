@@ -76,6 +76,8 @@ SCRIPTS: dict[str, list[tuple[bool, list[Spec], list[Spec]]]] = {
         (True, [[((4,), F32, True)], [((3, 5), F32, True), None, ((7,), I64, False)], [(BIG, F64, True)], [((2, 3), BF16, False)],
                 [((0, 4), F32, False)], [((4,), F32, True)]], [[(BIG, F32, False)], [None, None]]),
     ],
+    # only payloads too large to travel packed with their header (every header message is 80 bytes)
+    "big": [(True, _same(2, [(BIG, F32, True)]), _same(2, [(BIG, F32, False)])) for _ in range(3)],
     # tensors whose memory is not their value as it is laid out: a conjugate view (complex), a
     # negative view (real, 0-dim so that it is contiguous), transposed; complex packed and not
     "layouts": [
