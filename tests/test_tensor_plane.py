@@ -11,6 +11,7 @@ count that grows, and ranks that disagree on the step (a clear error).
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,30 @@ async def test_ranks_disagreeing_on_training_or_evaluation_fail_clearly(script: 
     r0, r1 = await _run(script, "--wrong-kind", headers=headers)
     assert "rank 0 sent a transfer of an evaluation step (step 1) while this rank runs a training step" in r1["error"]
     assert "rank 1 sent a transfer of a training step (step 1) while this rank runs an evaluation step" in r0["error"]
+
+
+@pytest.mark.asyncio
+async def test_pipeline_steps_each_in_a_new_event_loop(tmp_path: Path) -> None:
+    """The same through Pipeline: ``asyncio.run(pipe.astep(...))`` per step, an evaluation between
+    (this hung in step 1 while the receiver threads kept the first step's loop)."""
+    script = tmp_path / "loops.py"
+    script.write_text(textwrap.dedent("""
+        import asyncio, os, torch, pipeloom
+        from torch import nn
+        rank = int(os.environ["RANK"])
+        torch.manual_seed(0)
+        pipe = pipeloom.Pipeline(lambda s: nn.Linear(4, 4), schedule="1F1B", num_microbatches=2,
+                                 loss_fn=nn.functional.mse_loss, stall_timeout=20)
+        x, y = torch.randn(8, 4), torch.randn(8, 4)
+        asyncio.run(pipe.astep(x, target=y))
+        first = asyncio.run(pipe.aeval(x))
+        for _ in range(2):
+            asyncio.run(pipe.astep(x, target=y))
+        again = asyncio.run(pipe.aeval(x))
+        assert (first is None) == (rank == 0) and (rank == 0 or torch.equal(first, again))  # no optimizer: same output
+        pipe.close()
+        print("done", rank, flush=True)
+    """))
+    codes, outs, errs = await spawn_ranks(2, [str(script)], timeout=60)
+    assert codes == [0, 0], "\n".join(e[-3000:] for e in errs)
+    assert all(f"done {r}" in outs[r] for r in range(2))
