@@ -21,9 +21,9 @@ decode, validate) -- the part of a step torch's runtime does not pay.  Now
 every rank knows from the schedule how many transfers each peer sends it in a
 step, so at the start of a step it posts them all (a few ahead, on one thread
 per peer): each receive is a small int64 *header* (sequence number, step,
-kind, stage, microbatch, requires-grad bits) plus payload buffers shaped like
-the same-numbered transfer of the previous step of the same kind (training or
-evaluation).  The sender applies the same rule, so it knows what was
+training or evaluation, kind, stage, microbatch, requires-grad bits) plus
+payload buffers shaped like the same-numbered transfer of the previous step
+of the same kind (training or evaluation).  The sender applies the same rule, so it knows what was
 pre-posted: when its shapes match, the payload goes straight into those
 buffers (``fast``); when they differ (the first step, or shapes that change
 between microbatches), it fills them with placeholders and sends the shapes
@@ -40,9 +40,11 @@ releases the GIL, and a point-to-point receive's ``is_completed()`` stays
 False until someone waits.  Each peer therefore gets one daemon thread that
 posts that peer's receives and waits on them in sequence order, handing each
 landed transfer to the event loop with ``call_soon_threadsafe`` (one wake of
-the loop per transfer).  One thread per peer (not a shared pool) because
-receives from one peer complete in order: a pool could fill with receives
-whose data depends on our own progress while the one we need sits queued.
+the loop per transfer) -- the loop that began the step, which each step's
+plan carries (a caller may run every step in a new loop).  One thread per
+peer (not a shared pool) because receives from one peer complete in order: a
+pool could fill with receives whose data depends on our own progress while
+the one we need sits queued.
 Sends are not waited for on the hot path; their ``Work`` is kept (holding the
 tensor alive) and reaped when completed.
 
