@@ -616,6 +616,7 @@ class RankActor:
         try:
             return await self._run_step(inputs, train)
         except BaseException:
+            self.dev.abandon_step()
             try:
                 self.tensors.abort_step()
             except Exception:  # noqa: BLE001 - the failure being raised is what matters

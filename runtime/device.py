@@ -82,6 +82,9 @@ class DevicePolicy:
     def end_step(self) -> None:
         pass
 
+    def abandon_step(self) -> None:
+        """The step failed (``end_step`` is not reached): forget what only held within it."""
+
     def on_stage(self, stage: int) -> contextlib.AbstractContextManager[Any]:
         """The context every compute of ``stage`` runs in (its stream on GPUs)."""
         return contextlib.nullcontext()
@@ -214,6 +217,11 @@ class CudaPolicy(DevicePolicy):
         self._caller = self._cur = torch.cuda.current_stream(self.device)
         for s in self._distinct:
             s.wait_stream(self._caller)
+
+    def abandon_step(self) -> None:
+        # the tracked current stream held only inside the step; a late header landing after the
+        # failure must not restore a stream from it
+        self._cur = None
 
     def end_step(self) -> None:
         caller = self._caller or torch.cuda.current_stream(self.device)

@@ -151,6 +151,18 @@ def test_stream_switches_inside_a_step_nest_and_restore(cuda: FakeCuda) -> None:
     with p.on_stage(3):  # outside a step: torch's own context
         assert cuda.current is s3
     assert cuda.current is cuda.default
+    # a failed step never reaches end_step: abandon_step forgets the tracked stream the same way
+    p.begin_step()
+    try:
+        with p.on_stage(0):
+            raise RuntimeError("an action failed")
+    except RuntimeError:
+        p.abandon_step()  # (what the actor does when the step raises)
+    assert p._cur is None and cuda.current is cuda.default
+    cuda.current = s0  # e.g. user code between steps; a header landing now must not restore a stale stream
+    with p.on_stage(3):
+        assert cuda.current is s3
+    assert cuda.current is s0
 
 
 def test_shared_stream_when_stage_streams_are_off(cuda: FakeCuda) -> None:
