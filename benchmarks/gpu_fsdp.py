@@ -87,13 +87,14 @@ ENGINES = ("pipeloom-overlap", "pipeloom-no-overlap", "torch-fsdp")
 # ---------------------------------------------------------------- model: gpu_pipeline.py's
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import StepTimer  # noqa: E402
 from gpu_pipeline import _loss, _model, _stages_of  # noqa: E402
 
 
 # ---------------------------------------------------------------- measurement
 
 
-class _Env:
+class _Env(StepTimer):
     """What every engine shares: device, mesh, data, and the helpers that depend on the device."""
 
     def __init__(self, args: argparse.Namespace) -> None:
@@ -159,39 +160,6 @@ class _Env:
             assert dp_mesh.mesh.tolist() == self.mesh["dp"].mesh.tolist(), (dp_mesh, self.mesh)
             self._torch_groups = (pp_group, dp_mesh)
         return self._torch_groups
-
-    def sync(self) -> None:
-        import torch
-
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def reduce(self, x: float, op: str = "max") -> float:
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor([x], device=self.device, dtype=torch.float64)
-        dist.all_reduce(t, op={"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}[op])
-        return float(t.item())
-
-    def timed(self, fn: Callable[[], None], steps: int, warmup: int) -> tuple[list[float], int | None]:
-        import torch
-        import torch.distributed as dist
-
-        for _ in range(warmup):
-            fn()
-        self.sync()
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(steps):
-            self.sync()
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            self.sync()
-            times.append(time.perf_counter() - t0)
-        return times, (torch.cuda.max_memory_allocated() if self.cuda else None)
 
     def global_loss(self, losses: list[Any] | None) -> float:
         """Mean loss over microbatches and replicas (the dp ranks holding the last stage contribute); every rank calls this."""

@@ -64,6 +64,9 @@ import time
 import traceback
 from typing import Any, Callable
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import StepTimer  # noqa: E402
+
 __all__ = ["main"]
 
 ENGINES = ("pipeloom-overlap", "pipeloom-no-overlap", "torch-DualPipeV", "pipeloom-1F1B", "pipeloom-Interleaved1F1B")
@@ -119,7 +122,7 @@ def _v_row(s: int, pp: int) -> int:
 # ---------------------------------------------------------------- measurement
 
 
-class _Env:
+class _Env(StepTimer):
     def __init__(self, a: argparse.Namespace) -> None:
         import torch
         import torch.distributed as dist
@@ -165,39 +168,6 @@ class _Env:
                     ep_groups[s] = g
             self._torch_groups = (pp_group, ep_groups, row_group)
         return self._torch_groups
-
-    def sync(self) -> None:
-        import torch
-
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def reduce(self, x: float, op: str = "max") -> float:
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor([x], device=self.device, dtype=torch.float64)
-        dist.all_reduce(t, op={"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}[op])
-        return float(t.item())
-
-    def timed(self, fn: Callable[[], None], steps: int, warmup: int) -> tuple[list[float], int | None]:
-        import torch
-        import torch.distributed as dist
-
-        for _ in range(warmup):
-            fn()
-        self.sync()
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(steps):
-            self.sync()
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            self.sync()
-            times.append(time.perf_counter() - t0)
-        return times, (torch.cuda.max_memory_allocated() if self.cuda else None)
 
     def free(self) -> None:
         import gc
