@@ -93,8 +93,20 @@ _GPT_SIZES = {
 }
 
 
-def _gpt_model(args: argparse.Namespace, num_stages: int, stage: int, device: Any = "cuda", dtype: Any = None) -> Any:
-    """Stage ``stage`` of the GPT: embedding on the first stage, RMSNorm + vocabulary head on the last."""
+_GPT: tuple[Any, Any] | None = None
+
+
+def gpt_classes() -> tuple[Any, Any]:
+    """(Block, Stage) of the GPT family, defined once torch is imported (also used by tune_grid.py).
+
+    ``Block(h, heads)``: RMSNorm, causal attention, RMSNorm, SwiGLU.
+    ``Stage(vocab, hidden, first, last, make_blocks, tail_seed=None)``: the token embedding if
+    ``first``, the blocks ``make_blocks()`` returns (built after the embedding), and, if ``last``,
+    the final RMSNorm and the vocabulary head (after ``torch.manual_seed(tail_seed)`` when given).
+    """
+    global _GPT
+    if _GPT is not None:
+        return _GPT
     import torch
     from torch import nn
     from torch.nn import functional as F
@@ -120,13 +132,14 @@ def _gpt_model(args: argparse.Namespace, num_stages: int, stage: int, device: An
             return x + self.w2(F.silu(g) * u)
 
     class Stage(nn.Module):
-        def __init__(self) -> None:
+        def __init__(self, vocab: int, hidden: int, first: bool, last: bool, make_blocks: Any, tail_seed: int | None = None) -> None:
             super().__init__()
-            self.embed = nn.Embedding(args.vocab, args.hidden) if stage == 0 else None
-            self.blocks = nn.ModuleList(Block(args.hidden, args.heads) for _ in range(args.layers // num_stages))
-            last = stage == num_stages - 1
-            self.norm = nn.RMSNorm(args.hidden) if last else None
-            self.head = nn.Linear(args.hidden, args.vocab, bias=False) if last else None
+            self.embed = nn.Embedding(vocab, hidden) if first else None
+            self.blocks = nn.ModuleList(make_blocks())
+            if tail_seed is not None:
+                torch.manual_seed(tail_seed)
+            self.norm = nn.RMSNorm(hidden) if last else None
+            self.head = nn.Linear(hidden, vocab, bias=False) if last else None
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if self.embed is not None:
@@ -137,8 +150,19 @@ def _gpt_model(args: argparse.Namespace, num_stages: int, stage: int, device: An
                 x = self.head(self.norm(x))
             return x
 
+    _GPT = (Block, Stage)
+    return _GPT
+
+
+def _gpt_model(args: argparse.Namespace, num_stages: int, stage: int, device: Any = "cuda", dtype: Any = None) -> Any:
+    """Stage ``stage`` of the GPT: embedding on the first stage, RMSNorm + vocabulary head on the last."""
+    import torch
+
+    Block, Stage = gpt_classes()
     torch.manual_seed(2000 + stage)
-    return Stage().to(device=device, dtype=dtype or torch.bfloat16)
+    st = Stage(args.vocab, args.hidden, stage == 0, stage == num_stages - 1,
+               lambda: [Block(args.hidden, args.heads) for _ in range(args.layers // num_stages)])
+    return st.to(device=device, dtype=dtype or torch.bfloat16)
 
 
 def _gpt_loss(out: Any, target: Any) -> Any:

@@ -46,6 +46,8 @@ import sys
 import time
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpu_pipeline.py beside this script
+
 NAMES = ("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV", "LoopedBFS", "InterleavedZeroBubble")
 SIZES = {
     # name: (layers, hidden, heads, sequences per step, sequence length, vocabulary)
@@ -59,56 +61,24 @@ def gpt_stage_fn(args: argparse.Namespace, split: list[int], device: Any, dtype:
     also the embedding, the last the final norm and the head).  Blocks are seeded by their index, so every
     split is the same model."""
     import torch
-    from torch import nn
-    from torch.nn import functional as F
 
-    class Block(nn.Module):
-        def __init__(self, h: int, heads: int) -> None:
-            super().__init__()
-            self.heads = heads
-            ffn = 256 * ((8 * h // 3 + 255) // 256)
-            self.n1 = nn.RMSNorm(h)
-            self.qkv = nn.Linear(h, 3 * h, bias=False)
-            self.proj = nn.Linear(h, h, bias=False)
-            self.n2 = nn.RMSNorm(h)
-            self.w13 = nn.Linear(h, 2 * ffn, bias=False)
-            self.w2 = nn.Linear(ffn, h, bias=False)
+    from gpu_pipeline import gpt_classes
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            b, t, h = x.shape
-            q, k, v = self.qkv(self.n1(x)).view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, h)
-            x = x + self.proj(a)
-            g, u = self.w13(self.n2(x)).chunk(2, dim=-1)
-            return x + self.w2(F.silu(g) * u)
+    Block, Stage = gpt_classes()
 
-    class Stage(nn.Module):
-        def __init__(self, first: int, count: int, is_first: bool, is_last: bool) -> None:
-            super().__init__()
-            torch.manual_seed(1)
-            self.embed = nn.Embedding(args.vocab, args.hidden) if is_first else None
-            blocks = []
-            for i in range(first, first + count):
-                torch.manual_seed(100 + i)
-                blocks.append(Block(args.hidden, args.heads))
-            self.blocks = nn.ModuleList(blocks)
-            torch.manual_seed(2)
-            self.norm = nn.RMSNorm(args.hidden) if is_last else None
-            self.head = nn.Linear(args.hidden, args.vocab, bias=False) if is_last else None
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if self.embed is not None:
-                x = self.embed(x)
-            for blk in self.blocks:
-                x = blk(x)
-            if self.head is not None:
-                x = self.head(self.norm(x))
-            return x
+    def blocks(first: int, count: int) -> list[Any]:
+        out = []
+        for i in range(first, first + count):
+            torch.manual_seed(100 + i)
+            out.append(Block(args.hidden, args.heads))
+        return out
 
     starts = [sum(split[:i]) for i in range(len(split))]
 
     def stage_fn(s: int) -> Any:
-        return Stage(starts[s], split[s], s == 0, s == len(split) - 1).to(device=device, dtype=dtype)
+        torch.manual_seed(1)
+        st = Stage(args.vocab, args.hidden, s == 0, s == len(split) - 1, lambda: blocks(starts[s], split[s]), tail_seed=2)
+        return st.to(device=device, dtype=dtype)
 
     return stage_fn
 
