@@ -11,13 +11,12 @@ by hand, whose best split is known.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from ranks.harness import launch_script
 
 from pipeloom.schedules import Costs, generate, lower, simulate
 from pipeloom.tools.cli import main
@@ -54,10 +53,7 @@ SCRIPT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("tune")
-    (d / "job.py").write_text(SCRIPT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELOOM_")}
-    cmd = [sys.executable, "-m", "pipeloom.tools.cli", "launch", "--nproc-per-node", "2", str(d / "job.py"), str(d)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = launch_script(d, SCRIPT, str(d))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return d / "profile.jsonl"
 

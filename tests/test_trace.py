@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 import time
 from collections import Counter
@@ -26,6 +25,8 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
+
+from ranks.harness import launch_script
 
 from pipeloom.schedules import Costs, generate, lower, simulate
 from pipeloom.tools.cli import main
@@ -59,15 +60,8 @@ SCRIPT = textwrap.dedent(
 
 
 def _launch(tmp: Path, *, trace_flag: str | None, env_trace: str | None) -> subprocess.CompletedProcess[str]:
-    script = tmp / "job.py"
-    script.write_text(SCRIPT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELOOM_")}
-    if env_trace is not None:
-        env["PIPELOOM_TRACE"] = env_trace
-    cmd = [sys.executable, "-m", "pipeloom.tools.cli", "launch", "--nproc-per-node", str(RANKS)]
-    if trace_flag is not None:
-        cmd += ["--trace", trace_flag]
-    return subprocess.run(cmd + [str(script)], env=env, capture_output=True, text=True, timeout=150)
+    return launch_script(tmp, SCRIPT, nproc=RANKS, launch_args=("--trace", trace_flag) if trace_flag is not None else (),
+                         env={"PIPELOOM_TRACE": env_trace} if env_trace is not None else None, timeout=150)
 
 
 @pytest.fixture(scope="module")

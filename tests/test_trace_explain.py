@@ -12,14 +12,13 @@ numbers are known.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from ranks.harness import launch_script
 
 from pipeloom.schedules import SCHEDULE_NAMES
 from pipeloom.tools.cli import main
@@ -58,10 +57,7 @@ SCRIPT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("explain")
-    (d / "job.py").write_text(SCRIPT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELOOM_")}
-    cmd = [sys.executable, "-m", "pipeloom.tools.cli", "launch", "--nproc-per-node", "2", str(d / "job.py"), str(d), ",".join(SCHEDULE_NAMES)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = launch_script(d, SCRIPT, str(d), ",".join(SCHEDULE_NAMES))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return d
 

@@ -13,12 +13,26 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 WORKER = Path(__file__).with_name("worker.py")
 REPO = Path(__file__).resolve().parents[2]
+
+
+def launch_script(directory: Path, script: str, *args: str, nproc: int = 2, launch_args: tuple[str, ...] = (),
+                  env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """Write ``script`` to ``directory/job.py`` and run it under ``pipeloom launch --nproc-per-node nproc``
+    (``launch_args`` before the script, ``args`` after it), with no ``PIPELOOM_*`` variable of this
+    process leaking in (``env`` adds some); the completed process, output captured."""
+    job = directory / "job.py"
+    job.write_text(script)
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELOOM_")}
+    run_env.update(env or {})
+    cmd = [sys.executable, "-m", "pipeloom.tools.cli", "launch", "--nproc-per-node", str(nproc), *launch_args, str(job), *args]
+    return subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=timeout)
 
 
 def free_port() -> int:
