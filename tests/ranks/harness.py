@@ -146,6 +146,22 @@ async def _settle(procs: list[asyncio.subprocess.Process], readers: list[asyncio
                 t.cancel()
 
 
+def init_backend() -> str:
+    """In a rank process: the job's process group, on the backend the tests ask for (``PIPELOOM_TEST_BACKEND``:
+    gloo by default; nccl runs the same cases on GPUs, one per rank); returns the backend's name."""
+    import torch
+    import torch.distributed as dist
+
+    backend = os.environ.get("PIPELOOM_TEST_BACKEND", "gloo")
+    if backend == "nccl":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", device_id=dev)
+    else:
+        dist.init_process_group("gloo")
+    return backend
+
+
 def install_stack_dump() -> None:
     """In a rank process: print every thread's stack on SIGUSR1 (the harness sends it on a timeout)."""
     if os.environ.get("PIPELOOM_TEST_STACKS") == "1":

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import install_stack_dump  # noqa: E402
+from harness import init_backend, install_stack_dump  # noqa: E402
 from moe_model import MoEStage, loss_fn, make_batch  # noqa: E402
 
 
@@ -81,12 +81,7 @@ def main() -> None:
     job = json.load(open(sys.argv[1]))
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
-    if os.environ.get("PIPELOOM_TEST_BACKEND", "gloo") == "nccl":
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", device_id=dev)
-    else:
-        dist.init_process_group("gloo")
+    init_backend()
     for cfg in job["cases"]:
         print(f"rank {rank}: case {cfg['id']}", file=sys.stderr, flush=True)
         t0 = time.monotonic()

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from data import make_step_batches  # noqa: E402
-from harness import install_stack_dump  # noqa: E402
+from harness import init_backend, install_stack_dump  # noqa: E402
 from models import apply_freeze, build_stages, loss_fn  # noqa: E402
 
 
@@ -193,13 +193,7 @@ def main() -> None:
     job = json.load(open(sys.argv[1]))
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
-    backend = os.environ.get("PIPELOOM_TEST_BACKEND", "gloo")
-    if backend == "nccl":  # the same cases on GPUs (run on the GPU machine)
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", device_id=dev)
-    else:
-        dist.init_process_group("gloo")
+    init_backend()  # nccl: the same cases on GPUs (run on the GPU machine)
     for cfg in job["cases"]:
         print(f"rank {rank}: case {cfg['id']}", file=sys.stderr, flush=True)  # where a hang happened
         fn = run_torch if cfg.get("engine") == "torch" else run_pipeloom
