@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -229,7 +230,10 @@ def main() -> None:
         dist.barrier()
         dist.destroy_process_group()
     else:
-        os._exit(0)  # the peer may still be sending: do not wait for it
+        # the peer may still be sending: do not wait for it, but give what this rank sent (asynchronously)
+        # time to leave before the connection closes, so the peer reads it rather than a closed connection
+        time.sleep(5.0)
+        os._exit(0)
 
 
 if __name__ == "__main__":
