@@ -23,7 +23,8 @@
 #              UNEVEN_SCHEDULES, workloads UNEVEN_WORKLOADS (lengths fixed/uniform/bimodal/longtail, rank 1 jittered),
 #              pipeloom deterministic vs UNEVEN_RULES (default auto) vs torch, with the simulated gain and ceiling
 #              next to each measured gain; rows in $OUT/uneven.jsonl, table in $OUT/uneven-table.md
-#   tunegrid   benchmarks/tune_grid.py on GPUs VIS2 (0,1): a profiling run of the GPT (size s), `pipeloom schedule tune`'s
+#   tunegrid   benchmarks/tune_grid.py on GPUs VIS2 (0,1): profiling runs of the GPT (size s; Interleaved1F1B m=16,
+#              blocks 2,1,3,2; traced with and without device syncs, then untraced), `pipeloom schedule tune`'s
 #              ranking (with a layer-split search), then a measured grid of >= 15 configurations (5 schedules x
 #              microbatches 8,16,32 + the tuner's splits): measured vs predicted, the pick vs the best (about 3 min);
 #              TUNE_ARGS adds arguments, TUNE_TIMEOUT bounds it (default 300 s); JSON in $OUT/tunegrid/tune_grid.json

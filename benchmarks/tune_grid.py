@@ -6,13 +6,17 @@ run.  This script checks the ranking against measurement, on the GPT of
 vocabulary head on the last: heavier end stages), built here from a layer
 list so that any split of the blocks over the stages can be run:
 
-1. **profile**: 1F1B with ``--profile-m`` microbatches, even split, traced,
-   steps alternating the full and half batch (the tuner separates each
-   action's fixed cost from its per-row cost).  On GPUs the action spans of a
-   trace are host launch times, so this run sets ``check_finite`` (a device
-   sync per action: spans become device time); a second, untraced run of the
-   same configuration measures its real step time, to which the tuner
-   calibrates (:func:`pipeloom.tools.schedule_tune.calibration`);
+1. **profile** (``--profile NAME:M:BLOCKS``, default Interleaved1F1B, 16
+   microbatches, blocks 2,1,3,2: stages holding different numbers of blocks,
+   so that the tuner can tell each action's fixed host time from its layers',
+   :func:`pipeloom.tools.schedule_tune.host_split`), traced twice, steps
+   alternating the full and half batch (the tuner separates each action's
+   fixed cost from its per-row cost): once with ``check_finite`` on GPUs (a
+   device sync per action: the spans are device time), once without (the
+   spans are the host's launch time; :func:`pipeloom.tools.run_costs.with_host_costs`);
+   a third, untraced run of the same configuration measures its real step
+   time, to which the tuner calibrates
+   (:func:`pipeloom.tools.schedule_tune.calibration`);
 2. **tune**: rank 0 ranks schedules x ``--microbatches`` from the profile, with
    the model's layers (embedding, blocks, head; weights = FLOPs per token)
    and a layer-split search for the ``--search`` best;
@@ -26,7 +30,7 @@ list so that any split of the blocks over the stages can be run:
    first pick and how far its measured step is from the best measured one
    (goal: within 3%), and writes it all as JSON to ``--out``.
 
-Run (2 GPUs; about 3 minutes for ``--size s``)::
+Run (2 GPUs; about 80 s for ``--size s``)::
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/tune_grid.py --out /tmp/tunegrid
 
@@ -163,16 +167,19 @@ def _rank_main(args: argparse.Namespace) -> None:
         return out
 
     t_start = time.perf_counter()
-    # 1. profile: traced (synchronised on GPUs), then the same configuration untimed by tracing
-    even = _units_even(args.layers, world)
-    trace = os.path.join(args.out, "profile.jsonl")
-    pipe = build("1F1B", args.profile_m, 1, even, trace=trace, check_finite=gpu)
-    for i in range(args.warmup + 2 * args.profile_steps):
-        half = i >= args.warmup and (i - args.warmup) % 2 == 1
-        pipe.step(x[: args.batch // 2] if half else x, target=y[: args.batch // 2] if half else y)
-    pipe.close()
-    release()
-    pipe = build("1F1B", args.profile_m, 1, even)
+    # 1. profile: traced twice (with device syncs on GPUs: device time; without: host launch time), then the
+    # same configuration untouched by tracing, to which the tuner calibrates
+    pname, pm, pv, psplit = _profile_config(args, world)
+    traces = {"device": os.path.join(args.out, "profile_device.jsonl"), "host": os.path.join(args.out, "profile.jsonl")}
+    for side, path in traces.items():
+        pipe = build(pname, pm, pv, psplit, trace=path, check_finite=gpu and side == "device")
+        for i in range(args.warmup + 2 * args.profile_steps):
+            half = i >= args.warmup and (i - args.warmup) % 2 == 1
+            pipe.step(x[: args.batch // 2] if half else x, target=y[: args.batch // 2] if half else y)
+        pipe.close()
+        del pipe
+        release()
+    pipe = build(pname, pm, pv, psplit)
     prof_real = statistics.median(timed(pipe, args.steps, args.warmup))
     pipe.close()
     del pipe
@@ -185,19 +192,19 @@ def _rank_main(args: argparse.Namespace) -> None:
     plan: list[Any] = [None]
     if rank == 0:
         try:
-            from pipeloom.tools.run_costs import costs_from_trace
+            from pipeloom.tools.run_costs import costs_from_trace, with_host_costs
             from pipeloom.tools.schedule_tune import Layers, tune
             from pipeloom.tools.trace_model import load_trace
 
-            run = costs_from_trace(load_trace(trace))
-            layers = Layers(tuple(layer_weights(args)), _units(even), ends=(1, 1))
+            run = with_host_costs(costs_from_trace(load_trace(traces["device"])), costs_from_trace(load_trace(traces["host"])))
+            layers = Layers(tuple(layer_weights(args)), _units(psplit), ends=(1, 1))
             res = tune(run, schedules=names, microbatches=mbs, stages_per_rank=None, measured_step_ns=prof_real * 1e9,
                        layers=layers, search=args.search)
             cands = [c.to_json() for c in res.candidates]
             if not cands:
                 raise ValueError("no configuration could be simulated: " + "; ".join(res.skipped[:3]))
             plan[0] = {"candidates": cands, "calibration": res.calibration, "sizes_fitted": res.sizes_fitted,
-                       "profile_step_s": prof_real}
+                       "profile_step_s": prof_real, "host_fixed_ns": res.host_fixed_ns}
         except Exception:  # tell rank 1 (waiting in the broadcast) instead of leaving it to NCCL's timeout
             import traceback
 
@@ -205,7 +212,7 @@ def _rank_main(args: argparse.Namespace) -> None:
     dist.broadcast_object_list(plan, src=0)
     if "error" in plan[0]:
         if rank == 0:
-            print(f"the tuner failed on the profile {trace}:\n{plan[0]['error']}", file=sys.stderr, flush=True)
+            print(f"the tuner failed on the profiles {traces['device']}, {traces['host']}:\n{plan[0]['error']}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
         sys.stdout.flush()
         os._exit(1)
@@ -236,8 +243,9 @@ def _rank_main(args: argparse.Namespace) -> None:
         for i, c in enumerate(grid):
             meas = statistics.median(times[i]) * 1e9
             rows.append({**c, "measured_ns": meas, "error": c["step_ns"] / meas - 1})
-        doc = {"profile": {"schedule": "1F1B", "microbatches": args.profile_m, "step_ns": prof_real * 1e9,
-                           "calibration": plan[0]["calibration"], "sizes_fitted": plan[0]["sizes_fitted"]},
+        doc = {"profile": {"schedule": pname, "microbatches": pm, "stages_per_rank": pv, "blocks": psplit,
+                           "step_ns": prof_real * 1e9, "calibration": plan[0]["calibration"],
+                           "sizes_fitted": plan[0]["sizes_fitted"], "host_fixed_ns": plan[0]["host_fixed_ns"]},
                "device": torch.cuda.get_device_name() if gpu else "cpu", "size": args.size, "rows": rows,
                "seconds": {"profile_and_tune": t_profile, "total": time.perf_counter() - t_start}}
         with open(os.path.join(args.out, "tune_grid.json"), "w") as f:
@@ -253,18 +261,35 @@ def _units_even(layers: int, stages: int) -> list[int]:
     return [q + (1 if i < r else 0) for i in range(stages)]
 
 
+def _profile_config(args: argparse.Namespace, world: int) -> tuple[str, int, int, list[int]]:
+    """(schedule, microbatches, stages per rank, blocks per stage) of ``--profile NAME:M[:B1,B2,...]``."""
+    from pipeloom.schedules import default_stages_per_rank
+
+    parts = args.profile.split(":")
+    name, m = parts[0], int(parts[1]) if len(parts) > 1 and parts[1] else 16
+    v = default_stages_per_rank(name)
+    split = [int(b) for b in parts[2].split(",")] if len(parts) > 2 and parts[2] else _units_even(args.layers, world * v)
+    if len(split) != world * v or sum(split) != args.layers or min(split) < 1:
+        raise SystemExit(f"--profile {args.profile}: {name} has {world * v} stages on {world} ranks; the split must give "
+                         f"each at least one of the {args.layers} blocks")
+    return name, m, v, split
+
+
 def format_grid(doc: dict[str, Any]) -> str:
     rows = doc["rows"]
     prof = doc["profile"]
-    lines = [f"device {doc['device']}, GPT size {doc['size']}; profile 1F1B m={prof['microbatches']}: step "
-             f"{prof['step_ns'] / 1e6:.2f} ms, calibration x{prof['calibration']:.3f}, "
-             f"{'fixed + per-row compute' if prof['sizes_fitted'] else 'one size: proportional compute'}",
+    host = prof.get("host_fixed_ns")
+    blocks = ",".join(map(str, prof["blocks"])) if prof.get("blocks") else "even"
+    lines = [f"device {doc['device']}, GPT size {doc['size']}; profile {prof['schedule']} m={prof['microbatches']} "
+             f"(blocks {blocks}): step {prof['step_ns'] / 1e6:.2f} ms, calibration x{prof['calibration']:.3f}, "
+             f"{'fixed + per-row compute' if prof['sizes_fitted'] else 'one size: proportional compute'}, host per "
+             + ("action " + (", ".join(f"{t} {v / 1e6:.3f} ms" for t, v in host.items()) if host else "not separated")),
              f"{'schedule':<22} {'m':>3} {'v':>2} {'blocks per stage':>18} {'measured':>10} {'predicted':>10} {'error':>7} "
              f"{'recal.':>7} {'rank meas/pred':>14}"]
     # the profiled configuration as measured in the grid: the tuner's calibration redone under the grid's
     # conditions (a machine whose speed drifted between the profile and the grid shifts every row alike)
     ref = [r for r in rows if r["schedule"] == prof["schedule"] and r["microbatches"] == prof["microbatches"]
-           and not r["searched"]]
+           and r["stages_per_rank"] == prof.get("stages_per_rank", 1) and not r["searched"]]
     recal = ref[0]["measured_ns"] / ref[0]["step_ns"] if ref else 1.0
     by_meas = sorted(range(len(rows)), key=lambda i: rows[i]["measured_ns"])
     by_pred = sorted(range(len(rows)), key=lambda i: rows[i]["step_ns"])
@@ -297,7 +322,9 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU/gloo (the whole path in seconds)")
     p.add_argument("--names", default="1F1B,GPipe,Interleaved1F1B,ZBVZeroBubble,DualPipeV")
     p.add_argument("--microbatches", default="8,16,32")
-    p.add_argument("--profile-m", type=int, default=16)
+    p.add_argument("--profile", default="Interleaved1F1B:16:2,1,3,2",
+                   help="NAME:MICROBATCHES:BLOCKS of the profiling run; an uneven split (stages holding different "
+                   "numbers of blocks) lets the tuner tell each action's fixed host time from its layers'")
     p.add_argument("--profile-steps", type=int, default=3, help="per batch size")
     p.add_argument("--search", type=int, default=3, help="layer-split search for this many of the best")
     p.add_argument("--rounds", type=int, default=2)
@@ -313,7 +340,7 @@ def main() -> None:
     if args.smoke:
         args.size = "smoke"
         args.microbatches = "4,8,16" if args.microbatches == p.get_default("microbatches") else args.microbatches
-        args.profile_m = 8 if args.profile_m == p.get_default("profile_m") else args.profile_m
+        args.profile = "Interleaved1F1B:8:2,1,3,2" if args.profile == p.get_default("profile") else args.profile
     args.layers, args.hidden, args.heads, args.batch, args.seq, args.vocab = SIZES[args.size]
     os.makedirs(args.out, exist_ok=True)
     _rank_main(args)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from ranks.harness import launch_script
 from pipeloom.schedules import Costs, generate, lower, simulate
 from pipeloom.tools.cli import main
 from pipeloom.tools.run_costs import RunCosts, _affine, costs_from_trace
-from pipeloom.tools.schedule_tune import Layers, _action_costs, calibration, search_split, stage_compute, tune
+from pipeloom.tools.schedule_tune import Layers, _action_costs, calibration, format_tune, search_split, stage_compute, tune
 from pipeloom.tools.trace_model import load_trace, summarize
 
 SCRIPT = textwrap.dedent(
@@ -170,3 +171,93 @@ def test_tune_cli_with_layers(profile: Path, capsys: pytest.CaptureFixture[str])
     assert "layers per stage" in out and "calibrated by" in out
     assert main(["schedule", "tune", "--costs-from", path, "--layer-weights", "1,1,1", "--recorded-split", "2,2"]) == 2
     assert "add up" in capsys.readouterr().err
+
+
+def _layered_costs(stage_costs: dict[str, list[float]], place: list[int], schedule: str = "Interleaved1F1B") -> RunCosts:
+    """A profile of len(place) stages with the given per-stage times by type (no runtime, free transfers)."""
+    compute = {(s, t): c for t, cs in stage_costs.items() for s, c in enumerate(cs)}
+    p = max(place) + 1
+    return RunCosts(costs=Costs(), action_costs={(s, t, None): c for (s, t), c in compute.items()}, compute_ns=compute,
+                    overhead_per_action_ns={r: 0.0 for r in range(p)}, schedule=schedule, num_microbatches=4,
+                    world_size=p, stage_to_rank=place, steps=[1], step_ns=0.0,
+                    runtime_per_action_ns={r: 0.0 for r in range(p)}, send_per_transfer_ns={r: 0.0 for r in range(p)},
+                    compute_fit={k: (c, 0.0) for k, c in compute.items()}, ref_bytes=1)
+
+
+# an embedding, 8 blocks, a head (three classes of layer); recorded on 4 stages: emb+2, 1, 3, 2+head blocks
+WEIGHTS = (0.01,) + (1.0,) * 8 + (2.2,)
+UNEVEN = Layers(WEIGHTS, (3, 1, 3, 3), ends=(1, 1))
+HOST = {"F": (300.0, 20.0, 200.0, 150.0), "B": (500.0, 30.0, 400.0, 250.0)}  # fixed, embedding, block, head
+
+
+def _host_times(t: str, emb: int, blocks: int, head: int) -> float:
+    f, e, b, h = HOST[t]
+    return f + emb * e + blocks * b + head * h
+
+
+def test_host_split_separates_the_fixed_part_per_action() -> None:
+    stages = [(1, 2, 0), (0, 1, 0), (0, 3, 0), (0, 2, 1)]
+    rc = _layered_costs({t: [_host_times(t, *c) for c in stages] for t in HOST}, [0, 1, 0, 1])
+    from pipeloom.tools.schedule_tune import host_split
+
+    hs = host_split(rc, UNEVEN, 1)
+    assert hs is not None
+    assert hs.fixed == pytest.approx({"F": 300.0, "B": 500.0})
+    assert hs.per_layer["F"] == pytest.approx((20.0,) + (200.0,) * 8 + (150.0,))
+    # 1F1B, two stages of emb+4 and 4+head blocks: every action pays the fixed part once
+    a = _action_costs(rc, 2, 1, 4, [0, 1], layers=UNEVEN, split=(5, 5))
+    assert a[(0, "F", None)] == pytest.approx(_host_times("F", 1, 4, 0))
+    assert a[(1, "B", None)] == pytest.approx(_host_times("B", 0, 4, 1))
+    # a split backward (never recorded): I and W are an action each, each paying the backward's fixed part
+    assert a[(1, "I", None)] + a[(1, "W", None)] == pytest.approx(a[(1, "B", None)] + 500.0)
+    # sharing whole stage times by weight (the old rule) moves the fixed part with the layers: this 1F1B stage,
+    # made of all of two recorded stages and a third of another, would pay it more than twice
+    old = stage_compute(rc, 2, 1, layers=UNEVEN, split=(5, 5))
+    assert old[0]["F"] > a[(0, "F", None)] + 300.0
+
+
+def test_host_split_needs_stages_that_hold_different_layers() -> None:
+    from pipeloom.tools.schedule_tune import host_split
+
+    even = Layers(WEIGHTS, (5, 5), ends=(1, 1))
+    rc = _layered_costs({t: [_host_times(t, 1, 4, 0), _host_times(t, 0, 4, 1)] for t in HOST}, [0, 1], "1F1B")
+    assert host_split(rc, even, 1) is None  # 2 stages, 4 unknowns: the old rule, unchanged
+    a = _action_costs(rc, 2, 2, 4, [0, 1, 1, 0], layers=even, split=(3, 2, 2, 3))
+    old = stage_compute(rc, 4, 1, layers=even, split=(3, 2, 2, 3))
+    assert a[(1, "F", None)] == pytest.approx(old[1]["F"])
+    r = tune(rc, schedules=["1F1B"], microbatches=[4], stages_per_rank=[1], layers=even, calibrate=False)
+    assert r.host_fixed_ns is None and not r.host_separate and "not separated" in format_tune(r)
+
+
+def test_host_and_device_recorded_apart() -> None:
+    from pipeloom.tools.run_costs import with_host_costs
+
+    stages = [(1, 2, 0), (0, 1, 0), (0, 3, 0), (0, 2, 1)]
+    host = _layered_costs({t: [_host_times(t, *c) for c in stages] for t in HOST}, [0, 1, 0, 1])
+    host = replace(host, runtime_per_action_ns={0: 7.0, 1: 7.0}, step_ns=123.0, step_ns_median=120.0)
+    # the synced run: host-bound stages look like their host time (+ the sync), the head's B is device-bound
+    dev_b = [_host_times("B", *c) + 10 for c in stages]
+    dev_b[3] = 5000.0
+    device = _layered_costs({"F": [_host_times("F", *c) + 10 for c in stages], "B": dev_b}, [0, 1, 0, 1])
+    run = with_host_costs(device, host)
+    assert run.host is not None and run.step_ns == 123.0 and run.runtime_per_action_ns == {0: 7.0, 1: 7.0}
+    a = _action_costs(run, 2, 1, 4, [0, 1], layers=UNEVEN, split=(5, 5))
+    # host-bound: the host path (launch + the runtime's 7 ns); device-bound: the device time of the layers
+    assert a[(0, "F", None)] == pytest.approx(_host_times("F", 1, 4, 0) + 7.0)
+    dev = stage_compute(replace(device, compute_fit={k: (c - HOST[k[1]][0], 0.0) for k, c in device.compute_ns.items()}),
+                        2, 1, layers=UNEVEN, split=(5, 5))
+    assert dev[1]["B"] > _host_times("B", 0, 4, 1) + 7.0 and a[(1, "B", None)] == pytest.approx(dev[1]["B"])
+    r = tune(run, schedules=["1F1B"], microbatches=[4], stages_per_rank=[1], layers=UNEVEN, calibrate=False)
+    assert r.host_separate and r.host_fixed_ns == pytest.approx({"F": 300.0, "B": 500.0})
+    assert "longer of its host path" in format_tune(r)
+    with pytest.raises(ValueError, match="not the configuration"):
+        with_host_costs(device, replace(host, num_microbatches=8))
+
+
+def test_tune_cli_host_costs(profile: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(profile)
+    assert main(["schedule", "tune", "--costs-from", path, "--host-costs-from", path, "-m", "4", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["host_separate"] and doc["candidates"]
+    assert main(["schedule", "tune", "--costs-from", path, "--host-costs-from", str(profile.parent / "missing.jsonl")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err

@@ -45,14 +45,14 @@ from __future__ import annotations
 
 import bisect
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipeloom.schedules import Costs
 
 from .trace_model import TraceModel, summarize
 
-__all__ = ["RunCosts", "costs_from_trace"]
+__all__ = ["RunCosts", "costs_from_trace", "with_host_costs"]
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,13 @@ class RunCosts:
     transfer itself, without the receiver's own lateness), fitted as ``latency + bytes * link_ns_per_byte``."""
     link_ns_per_byte: float = 0.0
     step_ns_median: float = 0.0
+    """Median step time over the reference steps (robust to a burst of load on a shared machine)."""
     overlap_measured: bool = False
     """The run had OVERLAP_F_B pairs whose halves also ran alone, so ``costs.overlap`` is measured."""
-    """Median step time over the reference steps (robust to a burst of load on a shared machine)."""
+    host: RunCosts | None = None
+    """GPU: the costs of the same configuration recorded *without* device syncs (:func:`with_host_costs`), whose
+    action spans are the host's launch time; this run's own spans (recorded with ``check_finite``, a device sync
+    per action) are then the device side.  None on CPUs, where an action's span is both."""
 
     @property
     def stages_per_rank(self) -> int:
@@ -274,6 +278,30 @@ def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None) -> Ru
         link_latency_ns=link[0],
         link_ns_per_byte=link[1],
     )
+
+
+def with_host_costs(device: RunCosts, host: RunCosts) -> RunCosts:
+    """``device`` (a run recorded with a device sync per action: spans are device time) with ``host`` (the same
+    configuration recorded without: spans are the host's launch time) as its host side.
+
+    On a GPU the host only *launches* an action and runs ahead of the device (``runtime/device.py``), so an
+    action costs the longer of its host path (launch, plus the runtime's dispatching, announcing and sending,
+    which the syncs do not change but which are taken from ``host``, the undisturbed run) and its device time;
+    one traced run cannot show both (without syncs the spans are host time, with them host and device
+    serialised).  The step times are ``host``'s: the syncs slow the step down.  ValueError when the two runs
+    are not of the same configuration.
+    """
+    same = (device.schedule, device.num_microbatches, list(device.stage_to_rank), device.world_size)
+    other = (host.schedule, host.num_microbatches, list(host.stage_to_rank), host.world_size)
+    if same != other:
+        raise ValueError(f"the host-side run ({other[0]} m={other[1]}, stages on ranks {other[2]}) is not the "
+                         f"configuration of the device-side run ({same[0]} m={same[1]}, stages on ranks {same[2]})")
+    if set(host.compute_ns) != set(device.compute_ns):
+        raise ValueError(f"the host-side run has actions {sorted(host.compute_ns)}, the device-side run "
+                         f"{sorted(device.compute_ns)}: record the same configuration twice")
+    return replace(device, host=replace(host, host=None), overhead_per_action_ns=host.overhead_per_action_ns,
+                   runtime_per_action_ns=host.runtime_per_action_ns, send_per_transfer_ns=host.send_per_transfer_ns,
+                   step_ns=host.step_ns, step_ns_median=host.step_ns_median, steps=host.steps)
 
 
 def _affine(samples: list[tuple[int, int]]) -> tuple[float, float] | None:

@@ -149,6 +149,10 @@ def add_parser(subparsers: Any) -> None:
         "scaled to other configurations: see the README.",
     )
     tune_p.add_argument("--costs-from", required=True, metavar="RUN.jsonl", help="a recorded run (trace)")
+    tune_p.add_argument("--host-costs-from", default=None, metavar="RUN.jsonl",
+                        help="GPUs: the same configuration recorded again without device syncs, when --costs-from was "
+                        "recorded with check_finite (a sync per action: its spans are device time, this run's the "
+                        "host's launch time); each action then costs the longer of its host path and its device time")
     tune_p.add_argument("--schedules", default=None, metavar="A,B", help="schedule names to try (default: every named schedule)")
     tune_p.add_argument("--microbatches", "-m", default=None, metavar="M1,M2",
                         help="microbatch counts to try (default: P, 2P, 4P, 8P and the run's)")
@@ -351,7 +355,7 @@ def _load_target(args: argparse.Namespace) -> tuple[Schedule, str, str | None]:
     return _build(name, args, lowered=True, costs=args.costs), name, name
 
 
-def _run_costs(path: str) -> Any:
+def _run_costs(path: str, *, flag: str = "--costs-from") -> Any:
     """:func:`~pipeloom.tools.run_costs.costs_from_trace` of a run, user errors as _UsageError."""
     from .run_costs import costs_from_trace
     from .trace_model import load_trace
@@ -359,7 +363,7 @@ def _run_costs(path: str) -> Any:
     try:
         return costs_from_trace(load_trace(path))
     except ValueError as exc:
-        raise _UsageError(f"--costs-from {path}: {exc}") from None
+        raise _UsageError(f"{flag} {path}: {exc}") from None
 
 
 def _policy_args(args: argparse.Namespace) -> tuple[list[str], tuple[float, float] | None, dict[int, float]]:
@@ -614,6 +618,14 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from .schedule_tune import format_tune, parse_size, tune
 
     run = _run_costs(args.costs_from)
+    if args.host_costs_from is not None:
+        from .run_costs import with_host_costs
+
+        host = _run_costs(args.host_costs_from, flag="--host-costs-from")
+        try:
+            run = with_host_costs(run, host)
+        except ValueError as exc:
+            raise _UsageError(f"--host-costs-from {args.host_costs_from}: {exc}") from None
     names = SCHEDULE_NAMES if args.schedules is None else [canonical_name(n.strip()) for n in args.schedules.split(",") if n.strip()]
     try:
         cap = None if args.memory_cap is None else parse_size(args.memory_cap)

@@ -72,7 +72,8 @@ from pipeloom.schedules import (
 from ..schedules.dataflow import consumer_stage
 from .run_costs import RunCosts
 
-__all__ = ["Candidate", "Layers", "TuneResult", "calibration", "format_tune", "parse_size", "search_split", "stage_compute", "tune"]
+__all__ = ["Candidate", "HostSplit", "Layers", "TuneResult", "calibration", "format_tune", "host_split", "parse_size", "search_split", "stage_compute",
+           "tune"]
 
 
 @dataclass(frozen=True)
@@ -113,13 +114,19 @@ class TuneResult:
     """Factor applied to every simulated step time (:func:`calibration`)."""
     sizes_fitted: bool = False
     """The run had two microbatch sizes, so compute was carried as fixed + per-byte (else proportional)."""
+    host_fixed_ns: dict[str, float] | None = None
+    """Host time per action whatever its layers, by type (:func:`host_split`, at the recorded microbatch size);
+    None where the profile could not separate it (its stages hold the same layers, or no layer model)."""
+    host_separate: bool = False
+    """The profile had a host side recorded apart from the device side (``RunCosts.host``): each action costs the
+    longer of the two."""
 
     def to_json(self) -> dict[str, Any]:
         return {"candidates": [c.to_json() for c in self.candidates], "skipped": list(self.skipped),
                 "recorded": self.recorded.to_json() if self.recorded else None, "measured_step_ns": self.measured_step_ns,
                 "memory_cap": self.memory_cap, "activation_memory": self.activation_memory,
                 "activation_memory_is_proxy": self.activation_memory_is_proxy, "calibration": self.calibration,
-                "sizes_fitted": self.sizes_fitted}
+                "sizes_fitted": self.sizes_fitted, "host_fixed_ns": self.host_fixed_ns, "host_separate": self.host_separate}
 
 
 def parse_size(text: str) -> int:
@@ -273,6 +280,119 @@ def stage_compute(run: RunCosts, n: int, nbytes: float, bounds: Sequence[float] 
     return per_stage
 
 
+@dataclass(frozen=True)
+class HostSplit:
+    """An action's host time as a fixed part per action plus a part per layer it holds (ns, per type).
+
+    Why: on a host-bound GPU run (many small microbatches) an action's time is its host path: the runtime's
+    own work per action (the stage executor, autograd's engine, stream waits) plus launching each layer's
+    kernels.  Sharing a recorded stage's whole time among its layers (:func:`stage_compute`) halves the
+    fixed part with the layers: two stages per rank then look almost free, when each of their twice as
+    many actions pays it in full (measured on 2 x H100: V schedules predicted 20-34% too fast).  The two
+    parts are told apart by least squares over the recorded stages, ``time = fixed + sum over the stage's
+    layers of per_layer[class]`` (layers of equal weight form a class: blocks, an embedding, a head), which
+    needs stages that hold different layers (an uneven split of the profile, see :func:`host_split`).
+    """
+
+    fixed: dict[str, float]
+    """type -> host time per action whatever the layers (F, B, I, W)."""
+    per_layer: dict[str, tuple[float, ...]]
+    """type -> host time of each layer of the model (model order)."""
+
+    def stage(self, first: int, count: int, *, first_stage: bool) -> dict[str, float]:
+        """Host time per type of a stage holding layers ``first .. first + count - 1``."""
+        out = {t: self.fixed[t] + sum(self.per_layer[t][first:first + count]) for t in self.fixed}
+        if "I" not in out and "B" in out:  # a split backward where the run had none: each half one action
+            share = FIRST_I_SHARE if first_stage else I_SHARE
+            layer_part = out["B"] - self.fixed["B"]
+            out["I"] = self.fixed["B"] + share * layer_part
+            out["W"] = self.fixed["B"] + (1 - share) * layer_part
+        if "B" not in out and "I" in out and "W" in out:  # a full backward where the run split it: one action
+            out["B"] = max(self.fixed["I"], self.fixed["W"]) + (out["I"] - self.fixed["I"]) + (out["W"] - self.fixed["W"])
+        return out
+
+
+def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float] | None:
+    """``x`` minimising ``|rows x - ys|`` (normal equations, Gaussian elimination); None when the columns are
+    not independent (the recorded stages cannot tell the unknowns apart)."""
+    k = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(k)] + [sum(r[i] * y for r, y in zip(rows, ys))] for i in range(k)]
+    scale = max((abs(a[i][i]) for i in range(k)), default=0.0) or 1.0
+    for c in range(k):
+        piv = max(range(c, k), key=lambda i: abs(a[i][c]))
+        if abs(a[piv][c]) <= 1e-9 * scale:
+            return None
+        a[c], a[piv] = a[piv], a[c]
+        for i in range(k):
+            if i != c and a[i][c]:
+                f = a[i][c] / a[c][c]
+                a[i] = [x - f * y for x, y in zip(a[i], a[c])]
+    return [a[i][k] / a[i][i] for i in range(k)]
+
+
+def host_split(run: RunCosts, layers: Layers, nbytes: float) -> HostSplit | None:
+    """:class:`HostSplit` of the run's host side (``run.host`` on GPUs, else the run itself) at microbatches of
+    ``nbytes``; None where the recorded stages cannot separate the fixed part (e.g. an even split: every stage
+    holds the same layers) or the fit is not physical (a negative fixed part)."""
+    src = run.host or run
+    stages0 = sorted({s for s, _ in src.compute_ns})
+    if len(layers.recorded) != len(stages0):
+        return None
+    weights = layers.weights
+    classes = sorted({round(w, 9) for w in weights})
+    cls = [classes.index(round(w, 9)) for w in weights]
+    counts: list[list[float]] = []
+    first = 0
+    for cnt in layers.recorded:
+        row = [0.0] * len(classes)
+        for li in range(first, first + cnt):
+            row[cls[li]] += 1
+        counts.append(row)
+        first += cnt
+    types = [t for t in ("F", "B", "I", "W") if all((s, t) in src.compute_ns for s in stages0)]
+    if "F" not in types or not ("B" in types or ("I" in types and "W" in types)):
+        return None
+    fixed: dict[str, float] = {}
+    per_layer: dict[str, tuple[float, ...]] = {}
+    for t in types:
+        ys = []
+        for s in stages0:
+            fit = src.compute_fit.get((s, t))
+            ys.append(fit[0] + fit[1] * nbytes if fit is not None else src.compute_ns[(s, t)])
+        active = [c for c in range(len(classes)) if any(r[c] for r in counts)]
+        while True:
+            sol = _least_squares([[1.0] + [r[c] for c in active] for r in counts], ys)
+            if sol is None or sol[0] < 0:
+                return None
+            neg = [c for c, u in zip(active, sol[1:]) if u < 0]
+            if not neg:
+                break
+            active = [c for c in active if c not in neg]  # a class that costs nothing on the host
+        unit = dict(zip(active, sol[1:]))
+        fixed[t] = sol[0]
+        per_layer[t] = tuple(unit.get(c, 0.0) for c in cls)
+    return HostSplit(fixed, per_layer)
+
+
+def _host_stages(hs: HostSplit, counts: Sequence[int]) -> list[dict[str, float]]:
+    out = []
+    first = 0
+    for j, cnt in enumerate(counts):
+        out.append(hs.stage(first, cnt, first_stage=j == 0))
+        first += cnt
+    return out
+
+
+def _less_fixed(run: RunCosts, fixed: dict[str, float]) -> RunCosts:
+    """``run`` with the host's fixed part per action taken off each action's time (what is left scales with the
+    layers: shared among them by weight)."""
+    if not fixed:
+        return run
+    fit = {(s, t): (max(0.0, a - fixed.get(t, 0.0)), b) for (s, t), (a, b) in run.compute_fit.items()}
+    ns = {(s, t): max(0.0, c - fixed.get(t, 0.0)) for (s, t), c in run.compute_ns.items()}
+    return replace(run, compute_fit=fit, compute_ns=ns)
+
+
 def _crosses(place: Sequence[int], s: int, t: str) -> bool:
     """Whether the output of ``t`` on stage ``s`` is sent to another rank."""
     if t not in ("F", "B", "I"):
@@ -286,7 +406,12 @@ def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | 
                   split: Sequence[int] | None = None) -> dict[tuple[int, str, int | None], float]:
     """Per-stage action costs of a candidate: compute for its microbatch size (fixed + per-byte part, see
     :func:`stage_compute`), plus the rank's runtime time per action, plus one send's blocking time where
-    the output crosses ranks (a fixed cost per send: it did not grow with the payload on CPU)."""
+    the output crosses ranks (a fixed cost per send: it did not grow with the payload on CPU).
+
+    With ``layers`` and a profile whose stages hold different layers, an action's host time is a fixed part
+    per action plus its layers' (:func:`host_split`), and only the rest is shared by layer weight.  With a
+    separate host side (``run.host``: a GPU profile recorded twice, :func:`~pipeloom.tools.run_costs.with_host_costs`)
+    an action costs the longer of its host path (launch + runtime + send) and its device time."""
     m0 = run.num_microbatches or m
     nbytes = run.ref_bytes * m0 / m
     runtime = run.runtime_per_action_ns or run.overhead_per_action_ns
@@ -296,13 +421,30 @@ def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | 
     n = p * v
     place = list(place) if place is not None else [s % p for s in range(n)]
     same_ranks = p == run.world_size
+    hs = host_split(run, layers, nbytes) if layers is not None else None
+    host: list[dict[str, float]] | None = None
+    if hs is not None:
+        counts = list(split) if split is not None else list(layers.even_split(n))  # type: ignore[union-attr]
+        host = _host_stages(hs, counts)
+        device = stage_compute(_less_fixed(run, hs.fixed), n, nbytes, bounds, layers=layers, split=split)
+    elif run.host is not None:
+        host = stage_compute(run.host, n, nbytes, bounds, layers=layers, split=split)
+        device = stage_compute(run, n, nbytes, bounds, layers=layers, split=split)
+    else:
+        device = stage_compute(run, n, nbytes, bounds, layers=layers, split=split)
     out: dict[tuple[int, str, int | None], float] = {}
-    for s, c in enumerate(stage_compute(run, n, nbytes, bounds, layers=layers, split=split)):
+    for s, c in enumerate(device):
         r = place[s]
         o = runtime.get(r, mean_rt) if same_ranks else mean_rt
         snd = sends.get(r, mean_send) if same_ranks else mean_send
         for t, x in c.items():
-            out[(s, t, None)] = x + o + (snd if _crosses(place, s, t) else 0.0)
+            extra = o + (snd if _crosses(place, s, t) else 0.0)
+            if host is None:
+                out[(s, t, None)] = x + extra
+            elif run.host is not None:  # GPU: the host launches ahead of the device; the longer path counts
+                out[(s, t, None)] = max(host[s][t] + extra, x)
+            else:  # CPU: host and device are one; the fixed-plus-per-layer model of the same spans
+                out[(s, t, None)] = host[s][t] + extra
     return out
 
 
@@ -439,8 +581,10 @@ def tune(
                 _, res = _simulate(run, c.schedule, p, c.stages_per_rank, c.microbatches, layers=layers, split=split)
                 cands.append(candidate(c.schedule, c.microbatches, c.stages_per_rank, res, split, True))
     cands.sort(key=lambda c: (not c.fits, c.step_ns))
+    hs = host_split(run, layers, run.ref_bytes) if layers is not None else None
     return TuneResult(tuple(cands), tuple(skipped), recorded, measured_step_ns or run.step_ns_median or run.step_ns,
-                      memory_cap, act0, proxy, calibration=factor, sizes_fitted=run.sizes_fitted)
+                      memory_cap, act0, proxy, calibration=factor, sizes_fitted=run.sizes_fitted,
+                      host_fixed_ns=dict(hs.fixed) if hs is not None else None, host_separate=run.host is not None)
 
 
 def _ms(ns: float) -> str:
@@ -484,6 +628,15 @@ def format_tune(r: TuneResult, *, top: int = 5, source: str = "") -> str:
                  + ("compute carried as fixed + per-byte parts (the run had two microbatch sizes)" if r.sizes_fitted else
                     "one microbatch size recorded: compute taken as proportional to it (record steps of two batch sizes "
                     "to separate each action's fixed cost)"))
+    if r.host_fixed_ns is not None:
+        lines.append("host time per action, whatever its layers: " + ", ".join(f"{t} {_ms(v)}" for t, v in r.host_fixed_ns.items())
+                     + " (the rest shared among the layers)")
+    else:
+        lines.append("host time per action not separated from the layers' (needs a layer model and a profile whose "
+                     "stages hold different layers, e.g. an uneven split): shared among the layers with the rest")
+    if r.host_separate:
+        lines.append("host and device recorded apart (a run without and one with device syncs): each action costs the "
+                     "longer of its host path and its device time")
     if r.activation_memory_is_proxy:
         lines.append(f"activation memory per recorded microbatch-stage: {_size(r.activation_memory)} = the stage-boundary "
                      "activation (a lower bound; give --activation-memory for the real figure)")
