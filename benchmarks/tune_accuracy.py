@@ -72,8 +72,21 @@ def _grid(args: argparse.Namespace) -> list[tuple[str, int, int]]:
 def _profile_config(args: argparse.Namespace) -> tuple[str, int, int]:
     from pipeloom.schedules import default_stages_per_rank
 
-    name, _, m = args.profile.partition(":")
+    name, _, rest = args.profile.partition(":")
+    m = rest.partition(":")[0]
     return name, int(m or 8), default_stages_per_rank(name)
+
+
+def _profile_split(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """Blocks per stage of the profile (``--profile NAME:M:B1,B2``); None: the even split."""
+    parts = args.profile.split(":")
+    if len(parts) < 3 or not parts[2]:
+        return None
+    split = tuple(int(b) for b in parts[2].split(","))
+    name, _, v = _profile_config(args)
+    if len(split) != 2 * v or sum(split) != args.layers or min(split) < 1:
+        raise SystemExit(f"--profile {args.profile}: {name} has {2 * v} stages; give each at least one of the {args.layers} blocks")
+    return split
 
 
 def config_tag(name: str, m: int, v: int) -> str:
@@ -94,13 +107,14 @@ def _rank_main(args: argparse.Namespace) -> None:
     x = torch.randn(args.batch, args.dim, generator=g)
     y = torch.randn(args.batch, args.dim, generator=g)
 
-    def build(name: str, m: int, v: int, path: str) -> Any:
+    def build(name: str, m: int, v: int, path: str, split: tuple[int, ...] | None = None) -> Any:
         torch.manual_seed(0)
         blocks = [nn.Sequential(nn.Linear(args.dim, args.dim), nn.GELU(), nn.Linear(args.dim, args.dim))
                   for _ in range(args.layers)]
         n = 2 * v
-        per = args.layers // n
-        stages = [nn.Sequential(*blocks[s * per:(s + 1) * per]) for s in range(n)]
+        counts = split or (args.layers // n,) * n
+        starts = [sum(counts[:s]) for s in range(n)]
+        stages = [nn.Sequential(*blocks[starts[s]:starts[s] + counts[s]]) for s in range(n)]
         return pipeloom.Pipeline(lambda s: stages[s], schedule=name, num_microbatches=m, stages_per_rank=v,
                                  loss_fn=nn.functional.mse_loss, trace=path)
 
@@ -110,7 +124,7 @@ def _rank_main(args: argparse.Namespace) -> None:
     for r in range(args.rounds):
         # The profile, alive all round: first steps alternating the full and half batch (fixed and per-row
         # costs told apart), then a full and a half step around each step of every configuration (pairs).
-        prof = build(pname, pm, pv, os.path.join(args.out, f"profile.r{r}.jsonl"))
+        prof = build(pname, pm, pv, os.path.join(args.out, f"profile.r{r}.jsonl"), _profile_split(args))
         pstep = 0
         for i in range(1 + 2 * args.profile_steps):
             d = 1 if i % 2 == 0 else 2
@@ -164,7 +178,7 @@ def _exists(path: str) -> bool:
 def analyze(out: str, args: argparse.Namespace) -> dict[str, object]:
     from pipeloom.schedules import generate, lower, simulate
     from pipeloom.tools.run_costs import costs_from_trace
-    from pipeloom.tools.schedule_tune import tune
+    from pipeloom.tools.schedule_tune import Layers, tune
     from pipeloom.tools.trace_model import load_trace, summarize
 
     grid = _grid(args)
@@ -175,13 +189,19 @@ def analyze(out: str, args: argparse.Namespace) -> dict[str, object]:
     pred_ratio: dict[tuple[tuple[str, int, int], int], float] = {}
     prof_steps: dict[int, dict[int, int]] = {}
     profiles = []
+    hosts: list[dict[str, float]] = []
     for r in rounds:
         model = load_trace(os.path.join(out, f"profile.r{r}.jsonl"))
         prof_steps[r] = dict(model.windows and summarize(model, critical=False).step_times_ns)
         profile = costs_from_trace(model)
         profiles.append(profile)
+        split = _profile_split(args)
+        # with an uneven profile, the tuner knows the blocks (equal weights): it can tell each action's fixed
+        # time from its blocks' (schedule_tune.host_split); the grid's stages hold equal block counts (even split)
+        layers = Layers((1.0,) * args.layers, split) if split is not None else None
         result = tune(profile, schedules=sorted({g[0] for g in grid}), microbatches=sorted({g[1] for g in grid}),
-                      stages_per_rank=sorted({g[2] for g in grid}))
+                      stages_per_rank=sorted({g[2] for g in grid}), layers=layers)
+        hosts.append(result.host_fixed_ns or {})
         own = result.recorded.step_ns if result.recorded is not None else profile.step_ns
         for c in result.candidates:
             key = (c.schedule, c.microbatches, c.stages_per_rank)
@@ -227,7 +247,9 @@ def analyze(out: str, args: argparse.Namespace) -> dict[str, object]:
         r["measured_rank"], r["predicted_rank"] = a, b
     return {"profile": {"schedule": profiles[0].schedule, "microbatches": profiles[0].num_microbatches,
                         "step_ms": statistics.median(p.step_ns_median for p in profiles) / 1e6, "rounds": len(profiles),
-                        "sizes_fitted": all(p.sizes_fitted for p in profiles)},
+                        "sizes_fitted": all(p.sizes_fitted for p in profiles),
+                        "host_fixed_ms": {t: statistics.median(h[t] for h in hosts if t in h) / 1e6
+                                          for t in sorted({t for h in hosts for t in h})}},
             "rows": rows}
 
 
@@ -235,7 +257,9 @@ def format_table(res: dict[str, object]) -> str:
     rows: list[dict[str, object]] = res["rows"]  # type: ignore[assignment]
     prof = res["profile"]
     lines = [f"profile: {prof['schedule']} m={prof['microbatches']}, {prof['rounds']} rounds, step "  # type: ignore[index]
-             f"{prof['step_ms']:.2f} ms (median of the rounds' medians)",  # type: ignore[index]
+             f"{prof['step_ms']:.2f} ms (median of the rounds' medians); fixed time per action: "  # type: ignore[index]
+             + (", ".join(f"{t} {v:.3f} ms" for t, v in prof["host_fixed_ms"].items())  # type: ignore[index]
+                if prof.get("host_fixed_ms") else "not separated (an even profile)"),  # type: ignore[attr-defined]
              "columns: measured = median step; predicted = the tuner's (median over the rounds' profiles); "
              "ratio = step / the profiled configuration's step (measured: median of the adjacent pairs)",
              f"{'schedule':<22} {'m':>3} {'v':>2} {'measured':>10} {'predicted':>10} {'error':>7} "
@@ -263,7 +287,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=4, help="traced steps per configuration and round (after one warm-up)")
-    p.add_argument("--profile", default="1F1B:8", help="NAME:MICROBATCHES of the profiling run")
+    p.add_argument("--profile", default="1F1B:8", help="NAME:MICROBATCHES[:BLOCKS] of the profiling run (BLOCKS: blocks "
+                   "per stage, e.g. 3,5; uneven, the tuner separates each action's fixed time from its blocks')")
     p.add_argument("--profile-steps", type=int, default=2, help="per size and round, before the pairs")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--dim", type=int, default=512)

@@ -14,8 +14,11 @@ list so that any split of the blocks over the stages can be run:
    fixed cost from its per-row cost): once with ``check_finite`` on GPUs (a
    device sync per action: the spans are device time), once without (the
    spans are the host's launch time; :func:`pipeloom.tools.run_costs.with_host_costs`);
-   a third, untraced run of the same configuration measures its real step
-   time, to which the tuner calibrates
+   then the same for ``--profile-iw`` (default ZBVZeroBubble, same blocks),
+   whose I and W actions the tuner takes as measured
+   (:func:`pipeloom.tools.run_costs.merge_types`: on the host a split
+   backward costs more than a full one); a last, untraced run of the first
+   configuration measures its real step time, to which the tuner calibrates
    (:func:`pipeloom.tools.schedule_tune.calibration`);
 2. **tune**: rank 0 ranks schedules x ``--microbatches`` from the profile, with
    the model's layers (embedding, blocks, head; weights = FLOPs per token)
@@ -65,7 +68,6 @@ def gpt_stage_fn(args: argparse.Namespace, split: list[int], device: Any, dtype:
     also the embedding, the last the final norm and the head).  Blocks are seeded by their index, so every
     split is the same model."""
     import torch
-
     from gpu_pipeline import gpt_classes
 
     Block, Stage = gpt_classes()
@@ -120,9 +122,9 @@ def _loss(out: Any, target: Any) -> Any:
 def _rank_main(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
+    from pipeloom.schedules import ScheduleError, generate
 
     import pipeloom
-    from pipeloom.schedules import ScheduleError, generate
 
     gpu = torch.cuda.is_available() and not args.smoke
     if gpu:
@@ -169,16 +171,23 @@ def _rank_main(args: argparse.Namespace) -> None:
     t_start = time.perf_counter()
     # 1. profile: traced twice (with device syncs on GPUs: device time; without: host launch time), then the
     # same configuration untouched by tracing, to which the tuner calibrates
-    pname, pm, pv, psplit = _profile_config(args, world)
-    traces = {"device": os.path.join(args.out, "profile_device.jsonl"), "host": os.path.join(args.out, "profile.jsonl")}
-    for side, path in traces.items():
-        pipe = build(pname, pm, pv, psplit, trace=path, check_finite=gpu and side == "device")
-        for i in range(args.warmup + 2 * args.profile_steps):
-            half = i >= args.warmup and (i - args.warmup) % 2 == 1
-            pipe.step(x[: args.batch // 2] if half else x, target=y[: args.batch // 2] if half else y)
-        pipe.close()
-        del pipe
-        release()
+    pname, pm, pv, psplit = _profile_config(args.profile, args, world)
+    profiles = {"": (pname, pm, pv, psplit)}
+    if args.profile_iw:
+        profiles["_iw"] = _profile_config(args.profile_iw, args, world)
+        if profiles["_iw"][3] != psplit:
+            raise SystemExit(f"--profile-iw {args.profile_iw}: give it the blocks of --profile ({psplit})")
+    traces: dict[str, str] = {}
+    for tag, (name, m, v, split) in profiles.items():
+        for side in ("device", "host"):
+            path = traces[side + tag] = os.path.join(args.out, f"profile{tag}_{side}.jsonl")
+            pipe = build(name, m, v, split, trace=path, check_finite=gpu and side == "device")
+            for i in range(args.warmup + 2 * args.profile_steps):
+                half = i >= args.warmup and (i - args.warmup) % 2 == 1
+                pipe.step(x[: args.batch // 2] if half else x, target=y[: args.batch // 2] if half else y)
+            pipe.close()
+            del pipe
+            release()
     pipe = build(pname, pm, pv, psplit)
     prof_real = statistics.median(timed(pipe, args.steps, args.warmup))
     pipe.close()
@@ -192,11 +201,21 @@ def _rank_main(args: argparse.Namespace) -> None:
     plan: list[Any] = [None]
     if rank == 0:
         try:
-            from pipeloom.tools.run_costs import costs_from_trace, with_host_costs
+            from pipeloom.tools.run_costs import (
+                costs_from_trace,
+                merge_types,
+                with_host_costs,
+            )
             from pipeloom.tools.schedule_tune import Layers, tune
             from pipeloom.tools.trace_model import load_trace
 
-            run = with_host_costs(costs_from_trace(load_trace(traces["device"])), costs_from_trace(load_trace(traces["host"])))
+            def costs(tag: str) -> Any:
+                return with_host_costs(costs_from_trace(load_trace(traces["device" + tag])),
+                                       costs_from_trace(load_trace(traces["host" + tag])))
+
+            run = costs("")
+            if "_iw" in profiles:
+                run = merge_types(run, costs("_iw"))  # I and W as measured, not shares of B
             layers = Layers(tuple(layer_weights(args)), _units(psplit), ends=(1, 1))
             res = tune(run, schedules=names, microbatches=mbs, stages_per_rank=None, measured_step_ns=prof_real * 1e9,
                        layers=layers, search=args.search)
@@ -212,7 +231,7 @@ def _rank_main(args: argparse.Namespace) -> None:
     dist.broadcast_object_list(plan, src=0)
     if "error" in plan[0]:
         if rank == 0:
-            print(f"the tuner failed on the profiles {traces['device']}, {traces['host']}:\n{plan[0]['error']}", file=sys.stderr, flush=True)
+            print(f"the tuner failed on the profiles {', '.join(traces.values())}:\n{plan[0]['error']}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
         sys.stdout.flush()
         os._exit(1)
@@ -244,6 +263,7 @@ def _rank_main(args: argparse.Namespace) -> None:
             meas = statistics.median(times[i]) * 1e9
             rows.append({**c, "measured_ns": meas, "error": c["step_ns"] / meas - 1})
         doc = {"profile": {"schedule": pname, "microbatches": pm, "stages_per_rank": pv, "blocks": psplit,
+                           "split_backward_from": args.profile_iw or None,
                            "step_ns": prof_real * 1e9, "calibration": plan[0]["calibration"],
                            "sizes_fitted": plan[0]["sizes_fitted"], "host_fixed_ns": plan[0]["host_fixed_ns"]},
                "device": torch.cuda.get_device_name() if gpu else "cpu", "size": args.size, "rows": rows,
@@ -261,16 +281,16 @@ def _units_even(layers: int, stages: int) -> list[int]:
     return [q + (1 if i < r else 0) for i in range(stages)]
 
 
-def _profile_config(args: argparse.Namespace, world: int) -> tuple[str, int, int, list[int]]:
-    """(schedule, microbatches, stages per rank, blocks per stage) of ``--profile NAME:M[:B1,B2,...]``."""
+def _profile_config(spec: str, args: argparse.Namespace, world: int) -> tuple[str, int, int, list[int]]:
+    """(schedule, microbatches, stages per rank, blocks per stage) of a profile ``NAME:M[:B1,B2,...]``."""
     from pipeloom.schedules import default_stages_per_rank
 
-    parts = args.profile.split(":")
+    parts = spec.split(":")
     name, m = parts[0], int(parts[1]) if len(parts) > 1 and parts[1] else 16
     v = default_stages_per_rank(name)
     split = [int(b) for b in parts[2].split(",")] if len(parts) > 2 and parts[2] else _units_even(args.layers, world * v)
     if len(split) != world * v or sum(split) != args.layers or min(split) < 1:
-        raise SystemExit(f"--profile {args.profile}: {name} has {world * v} stages on {world} ranks; the split must give "
+        raise SystemExit(f"profile {spec}: {name} has {world * v} stages on {world} ranks; the split must give "
                          f"each at least one of the {args.layers} blocks")
     return name, m, v, split
 
@@ -283,7 +303,8 @@ def format_grid(doc: dict[str, Any]) -> str:
     lines = [f"device {doc['device']}, GPT size {doc['size']}; profile {prof['schedule']} m={prof['microbatches']} "
              f"(blocks {blocks}): step {prof['step_ns'] / 1e6:.2f} ms, calibration x{prof['calibration']:.3f}, "
              f"{'fixed + per-row compute' if prof['sizes_fitted'] else 'one size: proportional compute'}, host per "
-             + ("action " + (", ".join(f"{t} {v / 1e6:.3f} ms" for t, v in host.items()) if host else "not separated")),
+             + ("action " + (", ".join(f"{t} {v / 1e6:.3f} ms" for t, v in host.items()) if host else "not separated"))
+             + (f"; I, W measured on {prof['split_backward_from']}" if prof.get("split_backward_from") else ""),
              f"{'schedule':<22} {'m':>3} {'v':>2} {'blocks per stage':>18} {'measured':>10} {'predicted':>10} {'error':>7} "
              f"{'recal.':>7} {'rank meas/pred':>14}"]
     # the profiled configuration as measured in the grid: the tuner's calibration redone under the grid's
@@ -325,6 +346,9 @@ def main() -> None:
     p.add_argument("--profile", default="Interleaved1F1B:16:2,1,3,2",
                    help="NAME:MICROBATCHES:BLOCKS of the profiling run; an uneven split (stages holding different "
                    "numbers of blocks) lets the tuner tell each action's fixed host time from its layers'")
+    p.add_argument("--profile-iw", default="ZBVZeroBubble:16:2,1,3,2",
+                   help="NAME:MICROBATCHES:BLOCKS of a second profile with a split backward (I and W; same blocks), "
+                   "whose I and W the tuner takes as measured ('' : none: I and W as shares of B)")
     p.add_argument("--profile-steps", type=int, default=3, help="per batch size")
     p.add_argument("--search", type=int, default=3, help="layer-split search for this many of the best")
     p.add_argument("--rounds", type=int, default=2)
@@ -341,6 +365,7 @@ def main() -> None:
         args.size = "smoke"
         args.microbatches = "4,8,16" if args.microbatches == p.get_default("microbatches") else args.microbatches
         args.profile = "Interleaved1F1B:8:2,1,3,2" if args.profile == p.get_default("profile") else args.profile
+        args.profile_iw = "ZBVZeroBubble:8:2,1,3,2" if args.profile_iw == p.get_default("profile_iw") else args.profile_iw
     args.layers, args.hidden, args.heads, args.batch, args.seq, args.vocab = SIZES[args.size]
     os.makedirs(args.out, exist_ok=True)
     _rank_main(args)

@@ -21,8 +21,17 @@ from ranks.harness import launch_script
 
 from pipeloom.schedules import Costs, generate, lower, simulate
 from pipeloom.tools.cli import main
-from pipeloom.tools.run_costs import RunCosts, _affine, costs_from_trace
-from pipeloom.tools.schedule_tune import Layers, _action_costs, calibration, format_tune, search_split, stage_compute, tune
+from pipeloom.tools.run_costs import RunCosts, _affine, costs_from_trace, merge_types, with_host_costs
+from pipeloom.tools.schedule_tune import (
+    Layers,
+    _action_costs,
+    calibration,
+    fixed_per_action,
+    format_tune,
+    search_split,
+    stage_compute,
+    tune,
+)
 from pipeloom.tools.trace_model import load_trace, summarize
 
 SCRIPT = textwrap.dedent(
@@ -195,16 +204,11 @@ def _host_times(t: str, emb: int, blocks: int, head: int) -> float:
     return f + emb * e + blocks * b + head * h
 
 
-def test_host_split_separates_the_fixed_part_per_action() -> None:
+def test_fixed_part_per_action_paid_once_per_action() -> None:
     stages = [(1, 2, 0), (0, 1, 0), (0, 3, 0), (0, 2, 1)]
     rc = _layered_costs({t: [_host_times(t, *c) for c in stages] for t in HOST}, [0, 1, 0, 1])
-    from pipeloom.tools.schedule_tune import host_split
-
-    hs = host_split(rc, UNEVEN, 1)
-    assert hs is not None
-    assert hs.fixed == pytest.approx({"F": 300.0, "B": 500.0})
-    assert hs.per_layer["F"] == pytest.approx((20.0,) + (200.0,) * 8 + (150.0,))
-    # 1F1B, two stages of emb+4 and 4+head blocks: every action pays the fixed part once
+    assert fixed_per_action(rc, UNEVEN, 1) == pytest.approx({"F": 300.0, "B": 500.0, "I": 500.0, "W": 500.0})
+    # 1F1B, two stages of emb+4 and 4+head blocks: every action pays the fixed part once, the rest by layer
     a = _action_costs(rc, 2, 1, 4, [0, 1], layers=UNEVEN, split=(5, 5))
     assert a[(0, "F", None)] == pytest.approx(_host_times("F", 1, 4, 0))
     assert a[(1, "B", None)] == pytest.approx(_host_times("B", 0, 4, 1))
@@ -214,24 +218,48 @@ def test_host_split_separates_the_fixed_part_per_action() -> None:
     # made of all of two recorded stages and a third of another, would pay it more than twice
     old = stage_compute(rc, 2, 1, layers=UNEVEN, split=(5, 5))
     assert old[0]["F"] > a[(0, "F", None)] + 300.0
+    r = tune(rc, schedules=["1F1B"], microbatches=[4], stages_per_rank=[1], layers=UNEVEN, calibrate=False)
+    assert r.host_fixed_ns == pytest.approx({"F": 300.0, "B": 500.0, "I": 500.0, "W": 500.0})
+    assert "host time per action, whatever its layers: F 0.000 ms" in format_tune(r)
 
 
-def test_host_split_needs_stages_that_hold_different_layers() -> None:
-    from pipeloom.tools.schedule_tune import host_split
-
+def test_fixed_part_needs_stages_that_hold_different_layers() -> None:
     even = Layers(WEIGHTS, (5, 5), ends=(1, 1))
     rc = _layered_costs({t: [_host_times(t, 1, 4, 0), _host_times(t, 0, 4, 1)] for t in HOST}, [0, 1], "1F1B")
-    assert host_split(rc, even, 1) is None  # 2 stages, 4 unknowns: the old rule, unchanged
+    assert fixed_per_action(rc, even, 1) is None  # 2 stages, 4 unknowns: the old rule, unchanged
     a = _action_costs(rc, 2, 2, 4, [0, 1, 1, 0], layers=even, split=(3, 2, 2, 3))
     old = stage_compute(rc, 4, 1, layers=even, split=(3, 2, 2, 3))
     assert a[(1, "F", None)] == pytest.approx(old[1]["F"])
     r = tune(rc, schedules=["1F1B"], microbatches=[4], stages_per_rank=[1], layers=even, calibrate=False)
     assert r.host_fixed_ns is None and not r.host_separate and "not separated" in format_tune(r)
+    # one class of layer (equal weights) and two stages of 3 and 5 layers: fixed and per-layer told apart
+    rc = _layered_costs({"F": [100 + 3 * 40, 100 + 5 * 40], "B": [200 + 3 * 80, 200 + 5 * 80]}, [0, 1], "1F1B")
+    assert fixed_per_action(rc, Layers((1.0,) * 8, (3, 5)), 1) == pytest.approx({"F": 100.0, "B": 200.0, "I": 200.0, "W": 200.0})
+    # a negative fixed part (noise; the larger stage more than proportionally slower) is none: the old rule
+    rc = _layered_costs({"F": [100.0, 300.0], "B": [200 + 3 * 80, 200 + 5 * 80]}, [0, 1], "1F1B")
+    assert fixed_per_action(rc, Layers((1.0,) * 8, (3, 5)), 1) == pytest.approx({"F": 0.0, "B": 200.0, "I": 200.0, "W": 200.0})
+
+
+def test_split_backward_measured_in_a_second_profile() -> None:
+    stages = [(1, 2, 0), (0, 1, 0), (0, 3, 0), (0, 2, 1)]
+    host = dict(HOST, I=(400.0, 0.0, 300.0, 200.0), W=(450.0, 0.0, 250.0, 100.0))
+    times = {t: [host[t][0] + e * host[t][1] + b * host[t][2] + h * host[t][3] for e, b, h in stages] for t in host}
+    fb = _layered_costs({t: times[t] for t in ("F", "B")}, [0, 1, 0, 1])
+    fiw = _layered_costs({t: times[t] for t in ("F", "I", "W")}, [0, 1, 1, 0], "ZBVZeroBubble")
+    fiw = replace(fiw, compute_fit={**fiw.compute_fit, (0, "I"): (50.0, 0.0)}, compute_ns={**fiw.compute_ns, (0, "I"): 50.0})
+    run = merge_types(fb, fiw)
+    assert {t for _, t in run.compute_ns} == {"F", "B", "I", "W"} and run.schedule == "Interleaved1F1B"
+    assert run.compute_ns[(0, "F")] == fb.compute_ns[(0, "F")]
+    # the first stage's I (no input gradient: 50 ns here) is left out of the fit
+    assert fixed_per_action(run, UNEVEN, 1) == pytest.approx({"F": 300.0, "B": 500.0, "I": 400.0, "W": 450.0})
+    a = _action_costs(run, 2, 2, 4, [0, 1, 1, 0], layers=UNEVEN, split=(3, 2, 2, 3))
+    assert a[(2, "I", None)] == pytest.approx(400.0 + 2 * 300.0) and a[(2, "W", None)] == pytest.approx(450.0 + 2 * 250.0)
+    assert a[(2, "B", None)] == pytest.approx(500.0 + 2 * 400.0)  # measured, not I + W
+    with pytest.raises(ValueError, match="same stages"):
+        merge_types(fb, _layered_costs({"F": [1.0, 1.0], "I": [1.0, 1.0], "W": [1.0, 1.0]}, [0, 1], "1F1B"))
 
 
 def test_host_and_device_recorded_apart() -> None:
-    from pipeloom.tools.run_costs import with_host_costs
-
     stages = [(1, 2, 0), (0, 1, 0), (0, 3, 0), (0, 2, 1)]
     host = _layered_costs({t: [_host_times(t, *c) for c in stages] for t in HOST}, [0, 1, 0, 1])
     host = replace(host, runtime_per_action_ns={0: 7.0, 1: 7.0}, step_ns=123.0, step_ns_median=120.0)
@@ -248,7 +276,7 @@ def test_host_and_device_recorded_apart() -> None:
                         2, 1, layers=UNEVEN, split=(5, 5))
     assert dev[1]["B"] > _host_times("B", 0, 4, 1) + 7.0 and a[(1, "B", None)] == pytest.approx(dev[1]["B"])
     r = tune(run, schedules=["1F1B"], microbatches=[4], stages_per_rank=[1], layers=UNEVEN, calibrate=False)
-    assert r.host_separate and r.host_fixed_ns == pytest.approx({"F": 300.0, "B": 500.0})
+    assert r.host_separate and r.host_fixed_ns == pytest.approx({"F": 300.0, "B": 500.0, "I": 500.0, "W": 500.0})
     assert "longer of its host path" in format_tune(r)
     with pytest.raises(ValueError, match="not the configuration"):
         with_host_costs(device, replace(host, num_microbatches=8))

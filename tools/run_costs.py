@@ -52,7 +52,7 @@ from pipeloom.schedules import Costs
 
 from .trace_model import TraceModel, summarize
 
-__all__ = ["RunCosts", "costs_from_trace", "with_host_costs"]
+__all__ = ["RunCosts", "costs_from_trace", "merge_types", "with_host_costs"]
 
 
 @dataclass(frozen=True)
@@ -302,6 +302,33 @@ def with_host_costs(device: RunCosts, host: RunCosts) -> RunCosts:
     return replace(device, host=replace(host, host=None), overhead_per_action_ns=host.overhead_per_action_ns,
                    runtime_per_action_ns=host.runtime_per_action_ns, send_per_transfer_ns=host.send_per_transfer_ns,
                    step_ns=host.step_ns, step_ns_median=host.step_ns_median, steps=host.steps)
+
+
+def merge_types(run: RunCosts, other: RunCosts) -> RunCosts:
+    """``run`` with the action types it did not record taken from ``other``, a run of the same stages under
+    another schedule (e.g. 1F1B's or Interleaved1F1B's F and B, and ZBVZeroBubble's I and W).
+
+    Why: a split backward is not a full one cut in two.  On the host, pipeloom's I also plans the weight-gradient
+    work and W replays it, so a schedule of I and W pays more per microbatch than one of B, and no fixed share
+    carries one to the other; a profile that ran both measures both.  Everything else (runtime, transfers,
+    step times, the calibration's configuration) stays ``run``'s.  ValueError when the two runs do not have the
+    same stages and ranks.
+    """
+    stages, others = sorted({s for s, _ in run.compute_ns}), sorted({s for s, _ in other.compute_ns})
+    if stages != others or run.world_size != other.world_size:
+        raise ValueError(f"the runs do not have the same stages and ranks ({len(stages)} stages on {run.world_size} "
+                         f"ranks, and {len(others)} on {other.world_size})")
+    have = {t for _, t in run.compute_ns}
+    add = {k: v for k, v in other.compute_ns.items() if k[1] not in have}
+    fit = dict(run.compute_fit)
+    fit.update({k: v for k, v in other.compute_fit.items() if k[1] not in have})
+    acts = dict(run.action_costs)
+    acts.update({k: v for k, v in other.action_costs.items() if k[1] not in have})
+    merged = replace(run, compute_ns={**run.compute_ns, **add}, compute_fit=fit, action_costs=acts,
+                     sizes_fitted=run.sizes_fitted and other.sizes_fitted)
+    if run.host is not None and other.host is not None:
+        merged = replace(merged, host=merge_types(run.host, other.host))
+    return merged
 
 
 def _affine(samples: list[tuple[int, int]]) -> tuple[float, float] | None:

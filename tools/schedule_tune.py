@@ -72,7 +72,7 @@ from pipeloom.schedules import (
 from ..schedules.dataflow import consumer_stage
 from .run_costs import RunCosts
 
-__all__ = ["Candidate", "HostSplit", "Layers", "TuneResult", "calibration", "format_tune", "host_split", "parse_size", "search_split", "stage_compute",
+__all__ = ["Candidate", "Layers", "TuneResult", "calibration", "fixed_per_action", "format_tune", "parse_size", "search_split", "stage_compute",
            "tune"]
 
 
@@ -115,7 +115,7 @@ class TuneResult:
     sizes_fitted: bool = False
     """The run had two microbatch sizes, so compute was carried as fixed + per-byte (else proportional)."""
     host_fixed_ns: dict[str, float] | None = None
-    """Host time per action whatever its layers, by type (:func:`host_split`, at the recorded microbatch size);
+    """Host time per action whatever its layers, by type (:func:`fixed_per_action`, at the recorded microbatch size);
     None where the profile could not separate it (its stages hold the same layers, or no layer model)."""
     host_separate: bool = False
     """The profile had a host side recorded apart from the device side (``RunCosts.host``): each action costs the
@@ -244,6 +244,10 @@ def stage_compute(run: RunCosts, n: int, nbytes: float, bounds: Sequence[float] 
     shares = [rec[k]["I"] / rec[k]["B"] for k in range(1, n0) if "I" in rec[k] and rec[k]["B"] > 0]
     share = sum(shares) / len(shares) if shares else I_SHARE
     first_share = rec[0]["I"] / rec[0]["B"] if n0 and "I" in rec[0] and rec[0]["B"] > 0 else FIRST_I_SHARE
+    # I and W carried as measured where the run had both B and a split backward (profiles of two schedules,
+    # :func:`~pipeloom.tools.run_costs.merge_types`): a split backward need not cost what a full one does
+    # (on the host, I also plans the weight work and W replays it)
+    types = ("F", "B", "I", "W") if all((s, t) in run.compute_ns for s in stages0 for t in ("B", "I", "W")) else ("F", "B")
     if layers is not None:
         if len(layers.recorded) != n0:
             raise ValueError(f"the recorded split {list(layers.recorded)} has {len(layers.recorded)} stages, the run {n0}")
@@ -253,7 +257,7 @@ def stage_compute(run: RunCosts, n: int, nbytes: float, bounds: Sequence[float] 
             w = list(layers.weights[first:first + cnt])
             if not sum(w):
                 w = [1.0] * cnt  # a stage of weightless layers: its cost shared evenly
-            unit += [(rec[k]["F"] * x / sum(w), rec[k]["B"] * x / sum(w)) for x in w]
+            unit += [{t: rec[k][t] * x / sum(w) for t in types} for x in w]
             first += cnt
         counts = list(split) if split is not None else list(layers.even_split(n))
         if len(counts) != n or sum(counts) != len(unit) or min(counts) < 1:
@@ -261,55 +265,24 @@ def stage_compute(run: RunCosts, n: int, nbytes: float, bounds: Sequence[float] 
         per_stage = []
         first = 0
         for cnt in counts:
-            per_stage.append({"F": sum(u[0] for u in unit[first:first + cnt]), "B": sum(u[1] for u in unit[first:first + cnt])})
+            per_stage.append({t: sum(u[t] for u in unit[first:first + cnt]) for t in types})
             first += cnt
     else:
         b = list(bounds) if bounds is not None else [j / n for j in range(n + 1)]
         per_stage = []
         for j in range(n):
-            c = {"F": 0.0, "B": 0.0}
+            c = dict.fromkeys(types, 0.0)
             for k in range(n0):
                 f = _overlap(b[j], b[j + 1], k / n0, (k + 1) / n0) * n0
                 if f:
-                    c["F"] += f * rec[k]["F"]
-                    c["B"] += f * rec[k]["B"]
+                    for t in types:
+                        c[t] += f * rec[k][t]
             per_stage.append(c)
-    for j, c in enumerate(per_stage):
-        c["I"] = c["B"] * (first_share if j == 0 else share)
-        c["W"] = c["B"] - c["I"]
+    if "I" not in types:
+        for j, c in enumerate(per_stage):
+            c["I"] = c["B"] * (first_share if j == 0 else share)
+            c["W"] = c["B"] - c["I"]
     return per_stage
-
-
-@dataclass(frozen=True)
-class HostSplit:
-    """An action's host time as a fixed part per action plus a part per layer it holds (ns, per type).
-
-    Why: on a host-bound GPU run (many small microbatches) an action's time is its host path: the runtime's
-    own work per action (the stage executor, autograd's engine, stream waits) plus launching each layer's
-    kernels.  Sharing a recorded stage's whole time among its layers (:func:`stage_compute`) halves the
-    fixed part with the layers: two stages per rank then look almost free, when each of their twice as
-    many actions pays it in full (measured on 2 x H100: V schedules predicted 20-34% too fast).  The two
-    parts are told apart by least squares over the recorded stages, ``time = fixed + sum over the stage's
-    layers of per_layer[class]`` (layers of equal weight form a class: blocks, an embedding, a head), which
-    needs stages that hold different layers (an uneven split of the profile, see :func:`host_split`).
-    """
-
-    fixed: dict[str, float]
-    """type -> host time per action whatever the layers (F, B, I, W)."""
-    per_layer: dict[str, tuple[float, ...]]
-    """type -> host time of each layer of the model (model order)."""
-
-    def stage(self, first: int, count: int, *, first_stage: bool) -> dict[str, float]:
-        """Host time per type of a stage holding layers ``first .. first + count - 1``."""
-        out = {t: self.fixed[t] + sum(self.per_layer[t][first:first + count]) for t in self.fixed}
-        if "I" not in out and "B" in out:  # a split backward where the run had none: each half one action
-            share = FIRST_I_SHARE if first_stage else I_SHARE
-            layer_part = out["B"] - self.fixed["B"]
-            out["I"] = self.fixed["B"] + share * layer_part
-            out["W"] = self.fixed["B"] + (1 - share) * layer_part
-        if "B" not in out and "I" in out and "W" in out:  # a full backward where the run split it: one action
-            out["B"] = max(self.fixed["I"], self.fixed["W"]) + (out["I"] - self.fixed["I"]) + (out["W"] - self.fixed["W"])
-        return out
 
 
 def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float] | None:
@@ -330,10 +303,23 @@ def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float] | No
     return [a[i][k] / a[i][i] for i in range(k)]
 
 
-def host_split(run: RunCosts, layers: Layers, nbytes: float) -> HostSplit | None:
-    """:class:`HostSplit` of the run's host side (``run.host`` on GPUs, else the run itself) at microbatches of
-    ``nbytes``; None where the recorded stages cannot separate the fixed part (e.g. an even split: every stage
-    holds the same layers) or the fit is not physical (a negative fixed part)."""
+def fixed_per_action(run: RunCosts, layers: Layers, nbytes: float) -> dict[str, float] | None:
+    """The host's time per action whatever the layers the action's stage holds, by type (ns, at microbatches of
+    ``nbytes``); None where the recorded stages cannot tell it from the layers' time.
+
+    Why: an action's host time is the runtime's own work per action (the stage executor, autograd's engine,
+    stream waits) plus launching each of its layers' kernels.  Sharing a recorded stage's whole time among
+    its layers (:func:`stage_compute`) moves the fixed part with the layers: halve the layers per stage and
+    it halves, when each of the twice as many actions pays it in full (on a host-bound GPU run, two stages
+    per rank were predicted 20-34% too fast).  Fitted by least squares over the recorded stages of the run's
+    host side (``run.host`` on GPUs, else the run itself): ``time = fixed + sum over the stage's layers of
+    unit[class]``, layers of equal weight forming a class (blocks; an embedding; a head), which needs stages
+    that hold different numbers of layers of a class (an uneven split of the profile: 2,1,3,2 blocks on four
+    stages, or 3,5 on two).  The first stage's I and W are left out of their fits: with no input gradient to
+    compute, its I and W are not the same work as elsewhere.  A type the run did not record takes the fixed
+    part of the one it is split from or merged into (I and W: B's; B: the larger of I's and W's).  A fit with
+    a negative fixed part (noise, or a device-bound run) gives 0 for that type: the old rule.
+    """
     src = run.host or run
     stages0 = sorted({s for s, _ in src.compute_ns})
     if len(layers.recorded) != len(stages0):
@@ -353,41 +339,33 @@ def host_split(run: RunCosts, layers: Layers, nbytes: float) -> HostSplit | None
     if "F" not in types or not ("B" in types or ("I" in types and "W" in types)):
         return None
     fixed: dict[str, float] = {}
-    per_layer: dict[str, tuple[float, ...]] = {}
     for t in types:
+        use = [k for k in range(len(stages0)) if not (t in ("I", "W") and k == 0 and len(stages0) > 1)]
         ys = []
-        for s in stages0:
-            fit = src.compute_fit.get((s, t))
-            ys.append(fit[0] + fit[1] * nbytes if fit is not None else src.compute_ns[(s, t)])
-        active = [c for c in range(len(classes)) if any(r[c] for r in counts)]
+        for k in use:
+            fit = src.compute_fit.get((stages0[k], t))
+            ys.append(fit[0] + fit[1] * nbytes if fit is not None else src.compute_ns[(stages0[k], t)])
+        rows = [counts[k] for k in use]
+        active = [c for c in range(len(classes)) if any(r[c] for r in rows)]
         while True:
-            sol = _least_squares([[1.0] + [r[c] for c in active] for r in counts], ys)
-            if sol is None or sol[0] < 0:
+            sol = _least_squares([[1.0] + [r[c] for c in active] for r in rows], ys)
+            if sol is None:
                 return None
             neg = [c for c, u in zip(active, sol[1:]) if u < 0]
             if not neg:
                 break
-            active = [c for c in active if c not in neg]  # a class that costs nothing on the host
-        unit = dict(zip(active, sol[1:]))
-        fixed[t] = sol[0]
-        per_layer[t] = tuple(unit.get(c, 0.0) for c in cls)
-    return HostSplit(fixed, per_layer)
-
-
-def _host_stages(hs: HostSplit, counts: Sequence[int]) -> list[dict[str, float]]:
-    out = []
-    first = 0
-    for j, cnt in enumerate(counts):
-        out.append(hs.stage(first, cnt, first_stage=j == 0))
-        first += cnt
-    return out
+            active = [c for c in active if c not in neg]  # a class that costs the host nothing
+        fixed[t] = max(0.0, sol[0])  # a negative fixed part (noise): none, the whole time shared by the layers
+    if "B" not in fixed:
+        fixed["B"] = max(fixed["I"], fixed["W"])
+    fixed.setdefault("I", fixed["B"])
+    fixed.setdefault("W", fixed["B"])
+    return fixed
 
 
 def _less_fixed(run: RunCosts, fixed: dict[str, float]) -> RunCosts:
-    """``run`` with the host's fixed part per action taken off each action's time (what is left scales with the
-    layers: shared among them by weight)."""
-    if not fixed:
-        return run
+    """``run`` with the host's fixed part per action taken off each action's time: what is left scales with the
+    layers and is shared among them by weight (:func:`stage_compute`)."""
     fit = {(s, t): (max(0.0, a - fixed.get(t, 0.0)), b) for (s, t), (a, b) in run.compute_fit.items()}
     ns = {(s, t): max(0.0, c - fixed.get(t, 0.0)) for (s, t), c in run.compute_ns.items()}
     return replace(run, compute_fit=fit, compute_ns=ns)
@@ -408,8 +386,8 @@ def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | 
     :func:`stage_compute`), plus the rank's runtime time per action, plus one send's blocking time where
     the output crosses ranks (a fixed cost per send: it did not grow with the payload on CPU).
 
-    With ``layers`` and a profile whose stages hold different layers, an action's host time is a fixed part
-    per action plus its layers' (:func:`host_split`), and only the rest is shared by layer weight.  With a
+    With ``layers`` and a profile whose stages hold different layers, each action pays the host's fixed time
+    per action once (:func:`fixed_per_action`), and only the rest is shared by layer weight.  With a
     separate host side (``run.host``: a GPU profile recorded twice, :func:`~pipeloom.tools.run_costs.with_host_costs`)
     an action costs the longer of its host path (launch + runtime + send) and its device time."""
     m0 = run.num_microbatches or m
@@ -421,12 +399,14 @@ def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | 
     n = p * v
     place = list(place) if place is not None else [s % p for s in range(n)]
     same_ranks = p == run.world_size
-    hs = host_split(run, layers, nbytes) if layers is not None else None
+    fixed = fixed_per_action(run, layers, nbytes) if layers is not None else None
     host: list[dict[str, float]] | None = None
-    if hs is not None:
-        counts = list(split) if split is not None else list(layers.even_split(n))  # type: ignore[union-attr]
-        host = _host_stages(hs, counts)
-        device = stage_compute(_less_fixed(run, hs.fixed), n, nbytes, bounds, layers=layers, split=split)
+    if fixed is not None:
+        host = stage_compute(_less_fixed(run.host or run, fixed), n, nbytes, bounds, layers=layers, split=split)
+        for c in host:
+            for t in c:
+                c[t] += fixed[t]
+        device = stage_compute(_less_fixed(run, fixed), n, nbytes, bounds, layers=layers, split=split)
     elif run.host is not None:
         host = stage_compute(run.host, n, nbytes, bounds, layers=layers, split=split)
         device = stage_compute(run, n, nbytes, bounds, layers=layers, split=split)
@@ -581,10 +561,10 @@ def tune(
                 _, res = _simulate(run, c.schedule, p, c.stages_per_rank, c.microbatches, layers=layers, split=split)
                 cands.append(candidate(c.schedule, c.microbatches, c.stages_per_rank, res, split, True))
     cands.sort(key=lambda c: (not c.fits, c.step_ns))
-    hs = host_split(run, layers, run.ref_bytes) if layers is not None else None
+    fixed = fixed_per_action(run, layers, run.ref_bytes) if layers is not None else None
     return TuneResult(tuple(cands), tuple(skipped), recorded, measured_step_ns or run.step_ns_median or run.step_ns,
                       memory_cap, act0, proxy, calibration=factor, sizes_fitted=run.sizes_fitted,
-                      host_fixed_ns=dict(hs.fixed) if hs is not None else None, host_separate=run.host is not None)
+                      host_fixed_ns=fixed, host_separate=run.host is not None)
 
 
 def _ms(ns: float) -> str:
