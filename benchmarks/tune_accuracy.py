@@ -259,7 +259,7 @@ def format_table(res: dict[str, object]) -> str:
     lines = [f"profile: {prof['schedule']} m={prof['microbatches']}, {prof['rounds']} rounds, step "  # type: ignore[index]
              f"{prof['step_ms']:.2f} ms (median of the rounds' medians); fixed time per action: "  # type: ignore[index]
              + (", ".join(f"{t} {v:.3f} ms" for t, v in prof["host_fixed_ms"].items())  # type: ignore[index]
-                if prof.get("host_fixed_ms") else "not separated (an even profile)"),  # type: ignore[attr-defined]
+                if prof.get("host_fixed_ms") else "not separated (a CPU profile: see schedule_tune.fixed_per_action)"),  # type: ignore[attr-defined]
              "columns: measured = median step; predicted = the tuner's (median over the rounds' profiles); "
              "ratio = step / the profiled configuration's step (measured: median of the adjacent pairs)",
              f"{'schedule':<22} {'m':>3} {'v':>2} {'measured':>10} {'predicted':>10} {'error':>7} "

@@ -208,7 +208,12 @@ def test_fixed_part_per_action_paid_once_per_action() -> None:
     stages = [(1, 2, 0), (0, 1, 0), (0, 3, 0), (0, 2, 1)]
     rc = _layered_costs({t: [_host_times(t, *c) for c in stages] for t in HOST}, [0, 1, 0, 1])
     assert fixed_per_action(rc, UNEVEN, 1) == pytest.approx({"F": 300.0, "B": 500.0, "I": 500.0, "W": 500.0})
-    # 1F1B, two stages of emb+4 and 4+head blocks: every action pays the fixed part once, the rest by layer
+    # a CPU profile (no host side recorded apart) keeps the old rule: see fixed_per_action's docstring
+    cpu = _action_costs(rc, 2, 1, 4, [0, 1], layers=UNEVEN, split=(5, 5))
+    assert cpu[(0, "F", None)] == pytest.approx(stage_compute(rc, 2, 1, layers=UNEVEN, split=(5, 5))[0]["F"])
+    # a GPU profile, here host-bound (device time = host time): every action pays the fixed part once, the
+    # rest by layer (1F1B, two stages of emb+4 and 4+head blocks)
+    rc = with_host_costs(rc, rc)
     a = _action_costs(rc, 2, 1, 4, [0, 1], layers=UNEVEN, split=(5, 5))
     assert a[(0, "F", None)] == pytest.approx(_host_times("F", 1, 4, 0))
     assert a[(1, "B", None)] == pytest.approx(_host_times("B", 0, 4, 1))
@@ -219,7 +224,7 @@ def test_fixed_part_per_action_paid_once_per_action() -> None:
     old = stage_compute(rc, 2, 1, layers=UNEVEN, split=(5, 5))
     assert old[0]["F"] > a[(0, "F", None)] + 300.0
     r = tune(rc, schedules=["1F1B"], microbatches=[4], stages_per_rank=[1], layers=UNEVEN, calibrate=False)
-    assert r.host_fixed_ns == pytest.approx({"F": 300.0, "B": 500.0, "I": 500.0, "W": 500.0})
+    assert r.host_fixed_ns == pytest.approx({"F": 300.0, "B": 500.0, "I": 500.0, "W": 500.0}) and r.host_separate
     assert "host time per action, whatever its layers: F 0.000 ms" in format_tune(r)
 
 
@@ -247,8 +252,9 @@ def test_split_backward_measured_in_a_second_profile() -> None:
     fb = _layered_costs({t: times[t] for t in ("F", "B")}, [0, 1, 0, 1])
     fiw = _layered_costs({t: times[t] for t in ("F", "I", "W")}, [0, 1, 1, 0], "ZBVZeroBubble")
     fiw = replace(fiw, compute_fit={**fiw.compute_fit, (0, "I"): (50.0, 0.0)}, compute_ns={**fiw.compute_ns, (0, "I"): 50.0})
-    run = merge_types(fb, fiw)
+    run = merge_types(with_host_costs(fb, fb), with_host_costs(fiw, fiw))
     assert {t for _, t in run.compute_ns} == {"F", "B", "I", "W"} and run.schedule == "Interleaved1F1B"
+    assert run.host is not None and set(run.host.compute_ns) == set(run.compute_ns)
     assert run.compute_ns[(0, "F")] == fb.compute_ns[(0, "F")]
     # the first stage's I (no input gradient: 50 ns here) is left out of the fit
     assert fixed_per_action(run, UNEVEN, 1) == pytest.approx({"F": 300.0, "B": 500.0, "I": 400.0, "W": 450.0})
@@ -278,6 +284,12 @@ def test_host_and_device_recorded_apart() -> None:
     r = tune(run, schedules=["1F1B"], microbatches=[4], stages_per_rank=[1], layers=UNEVEN, calibrate=False)
     assert r.host_separate and r.host_fixed_ns == pytest.approx({"F": 300.0, "B": 500.0, "I": 500.0, "W": 500.0})
     assert "longer of its host path" in format_tune(r)
+    # an OVERLAP_F_B pair (DualPipeV) pays the runtime's 7 ns per action once, not once per half
+    from pipeloom.tools.schedule_tune import _pair_overlap
+
+    ac = _action_costs(run, 2, 2, 4, [0, 1, 1, 0], layers=UNEVEN, split=(3, 2, 2, 3))
+    short = sum(min(ac[(s, "F", None)], ac[(s, "B", None)]) for s in range(4)) / 4
+    assert _pair_overlap(run, ac) == pytest.approx(1 - 7.0 / short)
     with pytest.raises(ValueError, match="not the configuration"):
         with_host_costs(device, replace(host, num_microbatches=8))
 

@@ -38,7 +38,28 @@ off by -65% .. +430%):
   schedule (1-2 ms for 1F1B, 5-16 ms for LoopedBFS on the same machine), so
   it fits the recorded run and nothing else;
 * **OVERLAP_F_B** takes its measured overlap, or sequential halves where the
-  run had none (``UNMEASURED_OVERLAP``; measured 0.72-0.93 on CPU);
+  run had none (``UNMEASURED_OVERLAP``; measured 0.72-0.93 on CPU); on a GPU
+  profile the pair pays the runtime's time per action once, not once per half;
+* **host and device apart (GPUs)**: the host only launches an action and runs
+  ahead of the device (``runtime/device.py``), and one traced run cannot
+  show both sides: with a device sync per action (``check_finite``) the
+  spans hold host and device serialised, without them only the launch.  A
+  GPU profile is recorded both ways
+  (:func:`~pipeloom.tools.run_costs.with_host_costs`) and each action costs
+  the longer of its host path (launch + runtime + sends) and its device time;
+  the step times (and the runtime's time per action) are the unsynced run's,
+  which is why the calibration no longer has to absorb the syncs (x0.73 on
+  2 x H100 with the synced profile alone);
+* **the host's fixed time per action** (GPU profiles, with a layer model):
+  fitted over the recorded stages when they hold different numbers of layers
+  (:func:`fixed_per_action`), subtracted before a stage's time is shared among
+  its layers and paid once by every candidate action, so that twice the
+  stages per rank means twice the fixed host work (V schedules were predicted
+  20-34% too fast on a host-bound GPU run without it);
+* **a split backward measured** where the profile had one
+  (:func:`~pipeloom.tools.run_costs.merge_types`: a second profile run of a
+  zero-bubble schedule): on the host pipeloom's I plans the weight work and W
+  replays it, so I + W is not B;
 * **calibration**: every simulated step time is multiplied by the recorded
   configuration's measured (median) over simulated step time
   (:func:`calibration`), so the tuner reproduces the run it was given and
@@ -319,6 +340,13 @@ def fixed_per_action(run: RunCosts, layers: Layers, nbytes: float) -> dict[str, 
     compute, its I and W are not the same work as elsewhere.  A type the run did not record takes the fixed
     part of the one it is split from or merged into (I and W: B's; B: the larger of I's and W's).  A fit with
     a negative fixed part (noise, or a device-bound run) gives 0 for that type: the old rule.
+
+    The tuner applies it to GPU profiles only (a host side recorded apart, ``run.host``).  On the CPU
+    benchmark (``benchmarks/tune_accuracy.py --profile 1F1B:8:3,5``: 2 gloo ranks on a shared 2-core
+    machine) the two stages' difference held the ranks' different speeds more than any fixed part (F: none,
+    B: 2.4-5.5 ms of a 21 ms action, varying by round), and the paired errors grew from a median of 4.7% to
+    11.4% on the same traces; a CPU action is mostly its compute, and two ranks of one busy machine do not
+    run alike.
     """
     src = run.host or run
     stages0 = sorted({s for s, _ in src.compute_ns})
@@ -386,10 +414,11 @@ def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | 
     :func:`stage_compute`), plus the rank's runtime time per action, plus one send's blocking time where
     the output crosses ranks (a fixed cost per send: it did not grow with the payload on CPU).
 
-    With ``layers`` and a profile whose stages hold different layers, each action pays the host's fixed time
-    per action once (:func:`fixed_per_action`), and only the rest is shared by layer weight.  With a
-    separate host side (``run.host``: a GPU profile recorded twice, :func:`~pipeloom.tools.run_costs.with_host_costs`)
-    an action costs the longer of its host path (launch + runtime + send) and its device time."""
+    With a separate host side (``run.host``: a GPU profile recorded with and without device syncs,
+    :func:`~pipeloom.tools.run_costs.with_host_costs`) an action costs the longer of its host path (launch +
+    runtime + send) and its device time; there, with ``layers`` and a profile whose stages hold different
+    layers, each action pays the host's fixed time per action once (:func:`fixed_per_action`), and only the
+    rest is shared by layer weight.  Not on CPUs: see :func:`fixed_per_action`."""
     m0 = run.num_microbatches or m
     nbytes = run.ref_bytes * m0 / m
     runtime = run.runtime_per_action_ns or run.overhead_per_action_ns
@@ -399,10 +428,11 @@ def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | 
     n = p * v
     place = list(place) if place is not None else [s % p for s in range(n)]
     same_ranks = p == run.world_size
-    fixed = fixed_per_action(run, layers, nbytes) if layers is not None else None
+    fixed = fixed_per_action(run, layers, nbytes) if layers is not None and run.host is not None else None
     host: list[dict[str, float]] | None = None
-    if fixed is not None:
-        host = stage_compute(_less_fixed(run.host or run, fixed), n, nbytes, bounds, layers=layers, split=split)
+    host: list[dict[str, float]] | None = None
+    if run.host is not None and fixed is not None:
+        host = stage_compute(_less_fixed(run.host, fixed), n, nbytes, bounds, layers=layers, split=split)
         for c in host:
             for t in c:
                 c[t] += fixed[t]
@@ -419,12 +449,8 @@ def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | 
         snd = sends.get(r, mean_send) if same_ranks else mean_send
         for t, x in c.items():
             extra = o + (snd if _crosses(place, s, t) else 0.0)
-            if host is None:
-                out[(s, t, None)] = x + extra
-            elif run.host is not None:  # GPU: the host launches ahead of the device; the longer path counts
-                out[(s, t, None)] = max(host[s][t] + extra, x)
-            else:  # CPU: host and device are one; the fixed-plus-per-layer model of the same spans
-                out[(s, t, None)] = host[s][t] + extra
+            # GPU: the host launches ahead of the device, the longer path counts; CPU: an action is its work
+            out[(s, t, None)] = x + extra if host is None else max(host[s][t] + extra, x)
     return out
 
 
@@ -454,7 +480,21 @@ def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layer
         if lowered is not None:
             lowered[key] = (sched, low)
     ac = _action_costs(run, p, v, m, sched.stage_to_rank, layers=layers, split=split)
+    if run.host is not None and not run.overlap_measured:
+        costs = replace(costs, overlap=_pair_overlap(run, ac))
     return sched, simulate(low, costs, action_costs=ac)
+
+
+def _pair_overlap(run: RunCosts, ac: dict[tuple[int, str, int | None], float]) -> float:
+    """``Costs.overlap`` of an unmeasured OVERLAP_F_B on a GPU profile: its halves one after the other on the host,
+    but the runtime's time per action (dispatch, wake-up), in each half's cost, paid once for the pair:
+    ``max + overlap x min = both - runtime``, with the mean runtime and the mean of the shorter halves."""
+    rt = run.runtime_per_action_ns or run.overhead_per_action_ns
+    o = sum(rt.values()) / max(len(rt), 1)
+    stages = sorted({s for s, _, _ in ac})
+    mins = [min(ac[(s, "F", None)], ac[(s, "B", None)]) for s in stages if (s, "F", None) in ac and (s, "B", None) in ac]
+    short = sum(mins) / len(mins) if mins else 0.0
+    return max(0.0, 1.0 - o / short) if short > 0 else UNMEASURED_OVERLAP
 
 
 def calibration(run: RunCosts, *, measured_step_ns: float | None = None, layers: Layers | None = None) -> float:
@@ -561,7 +601,7 @@ def tune(
                 _, res = _simulate(run, c.schedule, p, c.stages_per_rank, c.microbatches, layers=layers, split=split)
                 cands.append(candidate(c.schedule, c.microbatches, c.stages_per_rank, res, split, True))
     cands.sort(key=lambda c: (not c.fits, c.step_ns))
-    fixed = fixed_per_action(run, layers, run.ref_bytes) if layers is not None else None
+    fixed = fixed_per_action(run, layers, run.ref_bytes) if layers is not None and run.host is not None else None
     return TuneResult(tuple(cands), tuple(skipped), recorded, measured_step_ns or run.step_ns_median or run.step_ns,
                       memory_cap, act0, proxy, calibration=factor, sizes_fitted=run.sizes_fitted,
                       host_fixed_ns=fixed, host_separate=run.host is not None)
@@ -612,8 +652,9 @@ def format_tune(r: TuneResult, *, top: int = 5, source: str = "") -> str:
         lines.append("host time per action, whatever its layers: " + ", ".join(f"{t} {_ms(v)}" for t, v in r.host_fixed_ns.items())
                      + " (the rest shared among the layers)")
     else:
-        lines.append("host time per action not separated from the layers' (needs a layer model and a profile whose "
-                     "stages hold different layers, e.g. an uneven split): shared among the layers with the rest")
+        lines.append("host time per action not separated from the layers' (needs a GPU profile with its host side "
+                     "(--host-costs-from), a layer model and recorded stages holding different layers, e.g. an uneven "
+                     "split): shared among the layers with the rest")
     if r.host_separate:
         lines.append("host and device recorded apart (a run without and one with device syncs): each action costs the "
                      "longer of its host path and its device time")
