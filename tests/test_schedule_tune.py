@@ -284,6 +284,14 @@ def test_host_and_device_recorded_apart() -> None:
     r = tune(run, schedules=["1F1B"], microbatches=[4], stages_per_rank=[1], layers=UNEVEN, calibrate=False)
     assert r.host_separate and r.host_fixed_ns == pytest.approx({"F": 300.0, "B": 500.0, "I": 500.0, "W": 500.0})
     assert "longer of its host path" in format_tune(r)
+    # with two microbatch sizes, the device time is the part of a synced span that grows with the rows: the
+    # sync, the checks and the host's launch (here a 5000 ns intercept everywhere) are not device time
+    fit = {k: (5000.0, 0.0) for k in device.compute_fit}
+    fit[(3, "B")] = (5000.0, 6000.0)
+    sized = with_host_costs(replace(device, compute_fit=fit, sizes_fitted=True), host)
+    b = _action_costs(sized, 2, 1, 4, [0, 1], layers=UNEVEN, split=(5, 5))
+    assert b[(0, "F", None)] == pytest.approx(_host_times("F", 1, 4, 0) + 7.0)
+    assert b[(1, "B", None)] == pytest.approx(6000.0)  # all of recorded stage 3's B, per byte x 1 byte
     # an OVERLAP_F_B pair (DualPipeV) pays the runtime's 7 ns per action once, not once per half
     from pipeloom.tools.schedule_tune import _pair_overlap
 

@@ -288,8 +288,10 @@ def with_host_costs(device: RunCosts, host: RunCosts) -> RunCosts:
     action costs the longer of its host path (launch, plus the runtime's dispatching, announcing and sending,
     which the syncs do not change but which are taken from ``host``, the undisturbed run) and its device time;
     one traced run cannot show both (without syncs the spans are host time, with them host and device
-    serialised).  The step times are ``host``'s: the syncs slow the step down.  ValueError when the two runs
-    are not of the same configuration.
+    serialised).  The step times and the transfers are ``host``'s: the syncs slow the step down, and on NCCL a
+    receive's trace span ends when its header has come and the payload's receive is posted (committed), a
+    host-side latency that the syncs only lengthen.  ValueError when the two runs are not of the same
+    configuration.
     """
     same = (device.schedule, device.num_microbatches, list(device.stage_to_rank), device.world_size)
     other = (host.schedule, host.num_microbatches, list(host.stage_to_rank), host.world_size)
@@ -301,7 +303,8 @@ def with_host_costs(device: RunCosts, host: RunCosts) -> RunCosts:
                          f"{sorted(device.compute_ns)}: record the same configuration twice")
     return replace(device, host=replace(host, host=None), overhead_per_action_ns=host.overhead_per_action_ns,
                    runtime_per_action_ns=host.runtime_per_action_ns, send_per_transfer_ns=host.send_per_transfer_ns,
-                   step_ns=host.step_ns, step_ns_median=host.step_ns_median, steps=host.steps)
+                   step_ns=host.step_ns, step_ns_median=host.step_ns_median, steps=host.steps, costs=host.costs,
+                   link_latency_ns=host.link_latency_ns, link_ns_per_byte=host.link_ns_per_byte)
 
 
 def merge_types(run: RunCosts, other: RunCosts) -> RunCosts:

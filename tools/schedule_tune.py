@@ -399,6 +399,19 @@ def _less_fixed(run: RunCosts, fixed: dict[str, float]) -> RunCosts:
     return replace(run, compute_fit=fit, compute_ns=ns)
 
 
+def _device_side(run: RunCosts, fixed: dict[str, float] | None) -> RunCosts:
+    """The device time of a GPU profile's actions: the part of its synced spans that grows with the microbatch.
+
+    A span recorded with a device sync per action (``check_finite``) holds the host's launch where the host was
+    the slower, the sync itself and the finiteness checks' own launches and kernels; none of these grows with
+    the rows, the device's compute does.  Where the profile had one microbatch size (nothing to tell them
+    apart), the span less the host's fixed part per action."""
+    if run.sizes_fitted:
+        fit = {k: (0.0, b) for k, (_, b) in run.compute_fit.items()}
+        return replace(run, compute_fit=fit, compute_ns={k: b * run.ref_bytes for k, (_, b) in fit.items()})
+    return _less_fixed(run, fixed or {})
+
+
 def _crosses(place: Sequence[int], s: int, t: str) -> bool:
     """Whether the output of ``t`` on stage ``s`` is sent to another rank."""
     if t not in ("F", "B", "I"):
@@ -431,15 +444,15 @@ def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | 
     fixed = fixed_per_action(run, layers, nbytes) if layers is not None and run.host is not None else None
     host: list[dict[str, float]] | None = None
     host: list[dict[str, float]] | None = None
-    if run.host is not None and fixed is not None:
-        host = stage_compute(_less_fixed(run.host, fixed), n, nbytes, bounds, layers=layers, split=split)
-        for c in host:
-            for t in c:
-                c[t] += fixed[t]
-        device = stage_compute(_less_fixed(run, fixed), n, nbytes, bounds, layers=layers, split=split)
-    elif run.host is not None:
-        host = stage_compute(run.host, n, nbytes, bounds, layers=layers, split=split)
-        device = stage_compute(run, n, nbytes, bounds, layers=layers, split=split)
+    if run.host is not None:
+        if fixed is not None:
+            host = stage_compute(_less_fixed(run.host, fixed), n, nbytes, bounds, layers=layers, split=split)
+            for c in host:
+                for t in c:
+                    c[t] += fixed[t]
+        else:
+            host = stage_compute(run.host, n, nbytes, bounds, layers=layers, split=split)
+        device = stage_compute(_device_side(run, fixed), n, nbytes, bounds, layers=layers, split=split)
     else:
         device = stage_compute(run, n, nbytes, bounds, layers=layers, split=split)
     out: dict[tuple[int, str, int | None], float] = {}
