@@ -6,7 +6,10 @@ activation stalls everything behind it even when a weight-gradient (W) or
 another microbatch's backward could run.  Here the list is a *priority order*:
 the dispatcher runs the highest-priority action whose dependencies are met,
 and sleeps only when nothing is ready.  Arrivals (a receive completing on a
-waiter thread, a control message) wake it.
+waiter thread, a control message) wake it; landed transfers queue up in
+``runtime/landing.py``'s queue, which the dispatcher drains before each
+choice and, on CPU, waits on directly for a short bounded slice when nothing
+is ready (no event-loop round trip per transfer).
 
 Invariants:
 - Pairing order of point-to-point transfers is decided by the sender alone
@@ -50,6 +53,7 @@ from ..transport.control import ControlPlane
 from ..transport.tensor import Landed, SendError, TensorPlane, TransferError
 from .device import make_policy
 from .errors import PeerLostError, PipelineError, RemoteRankError, StageError
+from .landing import LandingQueue
 from .liveness import PeerLiveness
 from .options import RuntimeOptions
 from .stage import StageExecutor
@@ -67,6 +71,9 @@ _DP = frozenset({ActionType.UNSHARD, ActionType.RESHARD, ActionType.REDUCE_GRAD}
 #: confirm that the peer is gone (its connection's close is read every heartbeat interval)
 _CONFIRM_LOST = 1.5
 #: words of a transport error that says the connection to the peer broke (gloo's messages)
+#: CPU, no collectives: the longest the dispatcher runs actions without giving the event loop a
+#: turn (control messages: a peer's abort, a bye)
+_YIELD_EVERY = 1e-3
 _CONNECTION_BROKE = ("Connection closed", "Connection reset", "Broken pipe", "Connection refused", "Socket closed")
 
 
@@ -228,6 +235,8 @@ class RankActor:
         #: CPU: transfers announced by their sender, not yet arrived
         self._announced: set[tuple[int, str, int, int]] = set()
         self._wake = Wakeup()
+        #: how the receiver threads' landings reach the dispatcher (runtime/landing.py), per step
+        self._landings: LandingQueue | None = None
         self._remote_error: PipelineError | None = None
         self._local_failure: BaseException | None = None
         self._started = False
@@ -266,6 +275,7 @@ class RankActor:
         #: options.profile_ranges: a profiler range per action, by this name
         self._profile_ranges = options.profile_ranges
         self._range_names: dict[Action, str] = {}
+        self._names: dict[Action, str] = {}
         #: the actions of the step in progress not yet run (for debug_state)
         self._pending: list[Action] = []
         _LIVE.add(self)
@@ -557,6 +567,13 @@ class RankActor:
         with self.dev.on_stage(a.stage):
             self._compute(a, step, inputs, train, results, losses)
 
+    def _name(self, a: Action) -> str:
+        """``str(a)``, once per action (the state the heartbeats report is set twice per action)."""
+        name = self._names.get(a)
+        if name is None:
+            name = self._names[a] = str(a)
+        return name
+
     def _range_name(self, a: Action) -> str:
         name = self._range_names.get(a)
         if name is None:
@@ -616,6 +633,8 @@ class RankActor:
         try:
             return await self._run_step(inputs, train)
         except BaseException:
+            if self._landings is not None:
+                self._landings.release()  # later landings (a peer's failure) still reach the loop
             self.dev.abandon_step()
             try:
                 self.tensors.abort_step()
@@ -633,9 +652,14 @@ class RankActor:
         self.liveness.start_step()
         self._liveness_interval = self.liveness.check_interval
         pending = self._pending = list(self.train_actions if train else self.eval_actions)
-        # post this step's receives (gloo) or headers (NCCL): each peer's count is known from the schedule
+        # post this step's receives (gloo) or headers (NCCL): each peer's count is known from the schedule;
+        # their landings queue up for the dispatcher (runtime/landing.py)
+        landings = self._landings = LandingQueue(asyncio.get_running_loop())
         self.tensors.begin_step(step, train, self._recvs_per_peer[train], self._sends_per_peer[train], self._landed,
-                                self._announce if self._dispatch[train].rule == "guarded" else None)
+                                self._announce if self._dispatch[train].rule == "guarded" else None, loop=landings)
+        # CPU on gloo, no collectives (whose completions come through the loop): wait for a
+        # landing on the dispatcher's thread first, for a bounded slice
+        park = self.options.gloo_park_ms * 1e-3 if not self._commit_ahead and self.collectives is None else 0.0
         coll = self.collectives
         if coll is not None:
             coll.begin_step(self.train_actions if train else self.eval_actions)
@@ -658,7 +682,12 @@ class RankActor:
         trace = self.trace
         step_start = clock_ns() if trace is not None else 0
         last_liveness = time.monotonic()
+        landings.inline()  # back to the loop after the step, or in run_step after a failure
+        lazy_yield = coll is None and not commit_ahead
+        last_yield = time.perf_counter()
         while pending:
+            if landings:
+                landings.drain()
             if self._remote_error is not None:
                 raise self._annotate_wait(self._remote_error, pending, step)
             # GPU: commit only while the device time queued is under the horizon, so what is
@@ -672,16 +701,23 @@ class RankActor:
                     waits += 1
                 wake.clear()
                 t0 = time.perf_counter()
-                self.state = ("waiting", str(pending[0]), time.monotonic())
+                self.state = ("waiting", self._name(pending[0]), time.monotonic())
                 w0 = clock_ns() if trace is not None else 0
                 waiting_for = self.describe_wait(pending, step, train) if trace is not None else None
                 # Held by the commit horizon: re-check when about that much device time has run.
                 timeout = max(hold * 1e-3, 2e-4) if hold else self._liveness_interval
-                if not await wake.wait_for(timeout):
-                    now = time.monotonic()
-                    if now - last_liveness >= self._liveness_interval:
-                        last_liveness = now
-                        self._check_liveness(pending, step)
+                if park and landings.park(park):
+                    pass  # a transfer landed while this thread waited for it (drained at the top)
+                elif landings.to_loop():
+                    try:
+                        woken = await wake.wait_for(timeout)
+                    finally:
+                        landings.inline()
+                    if not woken:
+                        now = time.monotonic()
+                        if now - last_liveness >= self._liveness_interval:
+                            last_liveness = now
+                            self._check_liveness(pending, step)
                 if trace is not None:
                     trace.wait(step, w0, clock_ns(), waiting_for)  # type: ignore[arg-type]
                 idle += time.perf_counter() - t0
@@ -689,7 +725,7 @@ class RankActor:
             a = pending.pop(pick)
             if pick:
                 out_of_order += 1
-            self.state = ("busy", str(a), time.monotonic())
+            self.state = ("busy", self._name(a), time.monotonic())
             a0 = clock_ns() if trace is not None else 0
             leaves = a.leaves()
             tkey = (a.type, leaves[0].stage)
@@ -732,9 +768,17 @@ class RankActor:
                     elif leaf.type is _B or leaf.type is _W:
                         live -= 1
                 peak = max(peak, live)
-            # Let the loop deliver arrivals (control messages, completions)
-            # that came in while this action ran, before choosing the next.
+            # Let the loop deliver arrivals (control messages, completions) that came in while this
+            # action ran, before choosing the next.  Landed transfers need no loop turn (the
+            # landing queue is drained above), so on CPU without collectives the loop gets a turn
+            # at least every ``_YIELD_EVERY`` seconds (and whenever the dispatcher waits).
+            if lazy_yield:
+                now = time.perf_counter()
+                if now - last_yield < _YIELD_EVERY:
+                    continue
+                last_yield = now
             await asyncio.sleep(0)
+        landings.release()
         if coll is not None and coll.outstanding:
             # Reductions still in flight: wait for them without blocking the loop.
             self.state = ("waiting", "data-parallel collectives", time.monotonic())

@@ -117,6 +117,13 @@ class RuntimeOptions:
     lands in about a fifth of the time.  Larger: back-to-back sends (GPipe's forwards) find
     their receives posted; each costs one payload's memory while posted."""
 
+    gloo_park_ms: float = 2.0
+    """CPU (gloo payloads, no data-parallel collectives): when nothing is ready, the dispatcher's
+    thread first waits for the next landed transfer directly, for at most this many milliseconds,
+    before sleeping on the event loop (``runtime/landing.py``): a landing then wakes it with one
+    thread switch instead of a round trip through the loop's selector.  Control messages and the
+    liveness check wait at most this long.  0: always sleep on the loop."""
+
     p2p_max_ctas: int | None = None
     """NCCL only: cap on the CTAs (thread blocks) each pair group's communicator uses; None:
     NCCL's default.  Environment: ``PIPELOOM_P2P_MAX_CTAS``."""
@@ -178,6 +185,8 @@ class RuntimeOptions:
             problems.append(f"first_step_stall_timeout must be a positive number of seconds or None (got {v!r})")
         if isinstance(self.gloo_prepost_depth, bool) or not isinstance(self.gloo_prepost_depth, int) or self.gloo_prepost_depth < 1:
             problems.append(f"gloo_prepost_depth must be an int >= 1 (got {self.gloo_prepost_depth!r})")
+        if isinstance(self.gloo_park_ms, bool) or not isinstance(self.gloo_park_ms, (int, float)) or not 0 <= self.gloo_park_ms <= 100:
+            problems.append(f"gloo_park_ms must be a number of milliseconds in [0, 100] (got {self.gloo_park_ms!r})")
         if isinstance(self.gpu_commit_ms, bool) or not isinstance(self.gpu_commit_ms, (int, float)) or not self.gpu_commit_ms >= 0:
             problems.append(f"gpu_commit_ms must be a number of milliseconds >= 0 (got {self.gpu_commit_ms!r})")
         if self.p2p_max_ctas is not None and (

@@ -39,9 +39,12 @@ Completion.  gloo's ``Work`` has no ``get_future()``; ``wait()`` blocks but
 releases the GIL, and a point-to-point receive's ``is_completed()`` stays
 False until someone waits.  Each peer therefore gets one daemon thread that
 posts that peer's receives and waits on them in sequence order, handing each
-landed transfer to the event loop with ``call_soon_threadsafe`` (one wake of
-the loop per transfer) -- the loop that began the step, which each step's
-plan carries (a caller may run every step in a new loop).  One thread per
+landed transfer to the loop's thread through ``call_soon_threadsafe`` of the
+object each step's plan carries: the loop that began the step (a caller may
+run every step in a new loop), or the actor's landing queue
+(``runtime/landing.py``), which the dispatcher drains itself and wakes the loop
+only when it sleeps there.  The thread posts the next receive before handing
+one over, so that its hand-off is its last Python before it waits again.  One thread per
 peer (not a shared pool) because receives from one peer complete in order: a
 pool could fill with receives whose data depends on our own progress while
 the one we need sits queued.
@@ -70,6 +73,7 @@ import asyncio
 import atexit
 import logging
 import queue
+import struct
 import threading
 import time
 from collections import deque
@@ -108,6 +112,10 @@ def _tag(seq: int, part: int, fast: bool) -> int:
 #: and one spare (80 bytes: a payload packed after it stays aligned for every dtype)
 _HEADER_WORDS = 10
 _HEADER_BYTES = _HEADER_WORDS * 8
+#: gloo: headers are written and read as bytes (native int64, what a CPU int64 tensor holds) in a
+#: ``bytearray`` that a tensor shares through ``torch.frombuffer``: a struct call instead of three
+#: or four torch operations (a few microseconds each) per transfer on each side
+_HEADER = struct.Struct(f"={_HEADER_WORDS}q")
 #: a predicted transfer of one tensor of at most this many bytes travels packed after its header,
 #: one message instead of two (the copy costs less than a gloo send and receive)
 _PACK_MAX = 64 << 10
@@ -196,29 +204,60 @@ def decode_spec(words: Sequence[int]) -> _Key:
         raise ValueError("truncated") from None
 
 
+#: _packed's answers by key (a step's transfers repeat a few keys)
+_PACKED: dict[_Key, int | None] = {}
+
+
 def _packed(key: _Key | None) -> int | None:
     """Payload bytes if a transfer predicted as ``key`` travels packed after its header, else None."""
     if key is None:
         return None
+    try:
+        return _PACKED[key]
+    except KeyError:
+        pass
     real = [e for e in key if e is not None]
-    if len(real) != 1:
-        return None
-    shape, dt = real[0]
-    n = dtype_from_name(dt).itemsize
-    for d in shape:
-        n *= d
-    return n if n <= _PACK_MAX else None
+    size: int | None = None
+    if len(real) == 1:
+        shape, dt = real[0]
+        n = dtype_from_name(dt).itemsize
+        for d in shape:
+            n *= d
+        size = n if n <= _PACK_MAX else None
+    if len(_PACKED) < 4096:
+        _PACKED[key] = size
+    return size
 
 
-def _unpack(buf: torch.Tensor, key: _Key) -> list[torch.Tensor | None]:
-    """Views of a packed receive buffer's payload, by tensor position (see :func:`_packed`)."""
+def _unpack(raw: bytearray, buf: torch.Tensor, key: _Key) -> list[torch.Tensor | None]:
+    """The payload of a packed receive buffer (``buf`` shares ``raw``), by tensor position (see :func:`_packed`)."""
     out: list[torch.Tensor | None] = []
     for ent in key:
         if ent is None:
             out.append(None)
-        else:
-            out.append(buf[_HEADER_BYTES:].view(dtype_from_name(ent[1])).view(ent[0]))
+            continue
+        shape, dt = ent
+        dtype = dtype_from_name(dt)
+        n = len(raw) - _HEADER_BYTES
+        if n:
+            out.append(torch.frombuffer(raw, dtype=dtype, offset=_HEADER_BYTES, count=n // dtype.itemsize).view(shape))
+        else:  # (frombuffer refuses an empty range)
+            out.append(buf[_HEADER_BYTES:].view(dtype).view(shape))
     return out
+
+
+def _header_buffer(words: Sequence[int] | None = None) -> tuple[bytearray, torch.Tensor]:
+    """gloo: a header's bytes and the int64 tensor that shares them (filled with ``words`` if given)."""
+    raw = bytearray(_HEADER_BYTES)
+    if words is not None:
+        _HEADER.pack_into(raw, 0, *words)
+    return raw, torch.frombuffer(raw, dtype=torch.int64)
+
+
+def _packed_buffer(size: int) -> tuple[bytearray, torch.Tensor]:
+    """gloo: the bytes of a header with a packed payload of ``size`` bytes after it, and a uint8 tensor sharing them."""
+    raw = bytearray(_HEADER_BYTES + size)
+    return raw, torch.frombuffer(raw, dtype=torch.uint8)
 
 
 #: id(process group), global rank -> (the group, the rank's number in it); the group stays
@@ -378,7 +417,7 @@ class GlooReceiver:
         self._device = device
         self._depth = max(1, depth)
         # the step being received: where its transfers go (set from its plan, on the thread)
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: Any = None  #: anything with call_soon_threadsafe (an event loop, a LandingQueue)
         self._deliver: Callable[[Landed | None, TransferError | None], None] | None = None
         self._announce: Callable[[tuple[int, str, int, int]], None] | None = None
         #: per kind of step (train?): the shapes of the previous step's transfers, by position
@@ -393,7 +432,7 @@ class GlooReceiver:
         train: bool,
         seq0: int,
         n: int,
-        loop: asyncio.AbstractEventLoop,
+        loop: Any,
         deliver: Callable[[Landed | None, TransferError | None], None],
         announce: Callable[[tuple[int, str, int, int]], None] | None = None,
     ) -> None:
@@ -424,17 +463,19 @@ class GlooReceiver:
     def _irecv(self, buf: torch.Tensor, seq: int, part: int, fast: bool) -> Any:
         return _irecv(buf, self.peer, self._group, _tag(seq, part, fast))
 
-    def _post(self, seq: int, pred: _Key | None) -> tuple[int, _Key | None, torch.Tensor, Any, list[torch.Tensor | None], list[Any]]:
+    def _post(self, seq: int, pred: _Key | None) -> tuple[int, _Key | None, torch.Tensor | bytearray, Any, list[torch.Tensor | None], list[Any]]:
+        # the header: a tensor (headers only, NCCL) or the bytes a gloo header lands in
         if not self._payload:
             header = torch.empty(_HEADER_WORDS, dtype=torch.int64)
             return seq, pred, header, self._irecv(header, seq, _HEADER_PART, True), [], []
         size = _packed(pred)
         if size is not None:  # header and payload in one message
             assert pred is not None
-            buf = torch.empty(_HEADER_BYTES + size, dtype=torch.uint8)
-            return seq, pred, buf[:_HEADER_BYTES].view(torch.int64), self._irecv(buf, seq, _HEADER_PART, True), _unpack(buf, pred), []
-        header = torch.empty(_HEADER_WORDS, dtype=torch.int64)
-        hwork = self._irecv(header, seq, _HEADER_PART, True)
+            raw, buf = _packed_buffer(size)
+            return seq, pred, raw, self._irecv(buf, seq, _HEADER_PART, True), _unpack(raw, buf, pred), []
+        raw, ht = _header_buffer()
+        hwork = self._irecv(ht, seq, _HEADER_PART, True)
+        header = raw
         buffers = _alloc(pred, self._device) if pred is not None else []
         works = [self._irecv(b, seq, i, True) for i, b in enumerate(x for x in buffers if x is not None)]
         return seq, pred, header, hwork, buffers, works
@@ -442,18 +483,24 @@ class GlooReceiver:
     def _receive_step(self, step: int, train: bool, seq0: int, n: int) -> None:
         prev = self._tables.get(train, [])
         cur: list[_Key] = []
-        posted: deque[tuple[int, _Key | None, torch.Tensor, Any, list[torch.Tensor | None], list[Any]]] = deque()
+        posted: deque[tuple[int, _Key | None, torch.Tensor | bytearray, Any, list[torch.Tensor | None], list[Any]]] = deque()
         i = 0
         seq = seq0
         try:
-            while i < n or posted:
-                while i < n and len(posted) < self._depth:
-                    posted.append(self._post(seq0 + i, prev[i] if i < len(prev) else None))
-                    i += 1
+            while i < n and len(posted) < self._depth:
+                posted.append(self._post(seq0 + i, prev[i] if i < len(prev) else None))
+                i += 1
+            while posted:
                 seq, pred, header, hwork, buffers, works = posted.popleft()
                 hwork.wait()
                 header_ns = time.monotonic_ns()
-                h = header.tolist()
+                # Keep ``depth`` posted, now rather than after the hand-off: the hand-off is this
+                # thread's last Python before it waits again, so the loop thread it wakes finds the
+                # GIL free instead of blocking on it while this thread posts.
+                while i < n and len(posted) < self._depth:
+                    posted.append(self._post(seq0 + i, prev[i] if i < len(prev) else None))
+                    i += 1
+                h = _HEADER.unpack_from(header) if isinstance(header, bytearray) else header.tolist()
                 # checked before waiting for the payload: a sender that predicted from another
                 # table sends no payload (or placeholders) into these buffers
                 if h[0] != _MAGIC or h[1] != seq:
@@ -752,13 +799,17 @@ class TensorPlane:
         send_counts: dict[int, int],
         deliver: Callable[[Landed | None, TransferError | None], None],
         announce: Callable[[tuple[int, str, int, int]], None] | None = None,
+        loop: Any = None,
     ) -> None:
         """Start a step in which each peer ``p`` sends ``recv_counts[p]`` transfers to this rank.
 
         ``send_counts``: how many this rank sends each peer (for :meth:`abort_step`).
+        ``loop``: what the receiver threads hand landings to, through its
+        ``call_soon_threadsafe``: the running loop by default, or the actor's
+        ``runtime.landing.LandingQueue``, which drains them on the loop's thread.
 
         Queues their receives on the peers' receiver threads (``deliver`` is
-        called on the running loop as each lands) and turns the previous
+        called on the loop's thread as each lands) and turns the previous
         step's sends into the prediction of this step's.  Must be called by
         every rank at the start of every step, in the same order of steps.
         """
@@ -768,7 +819,8 @@ class TensorPlane:
         self._send_train = train
         self._send_base = dict(self._send_seq)
         self._send_step = (step, dict(send_counts))
-        loop = asyncio.get_running_loop()
+        if loop is None:
+            loop = asyncio.get_running_loop()
         for peer, n in sorted(recv_counts.items()):
             if n <= 0:
                 continue
@@ -845,16 +897,16 @@ class TensorPlane:
         size = _packed(pred)
         if size is not None:
             # the peer posted one buffer for header and payload: fill it (with the payload when fast)
-            buf = torch.empty(_HEADER_BYTES + size, dtype=torch.uint8)
-            buf[:_HEADER_BYTES].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
-            if fast:
+            raw, buf = _packed_buffer(size)
+            _HEADER.pack_into(raw, 0, *words)
+            if fast and size:
                 buf[_HEADER_BYTES:].copy_(real[0].reshape(-1).view(torch.uint8))
             q.append((_isend(buf, peer, group, _tag(seq, _HEADER_PART, True)), (buf,), peer))
             if fast:
                 self._reap_sends()
                 return seq, size, True
         else:
-            header = torch.tensor(words, dtype=torch.int64)
+            header = _header_buffer(words)[1]
             q.append((_isend(header, peer, group, _tag(seq, _HEADER_PART, True)), (header,), peer))
             if not fast and pred is not None:  # release the buffers the peer posted ahead
                 for j, ent in enumerate(e for e in pred if e is not None):
@@ -907,8 +959,8 @@ class TensorPlane:
         group = self.pair_groups.get((self.rank, peer))
         size = _packed(pred)
         if size is not None:
-            buf = torch.empty(_HEADER_BYTES + size, dtype=torch.uint8)
-            buf[:_HEADER_BYTES].view(torch.int64).copy_(words)
+            raw, buf = _packed_buffer(size)
+            raw[:_HEADER_BYTES] = _HEADER.pack(*words.tolist())
             q.append((_isend(buf, peer, group, _tag(seq, _HEADER_PART, True)), (buf,), peer))
             return
         q.append((_isend(words, peer, group, _tag(seq, _HEADER_PART, True)), (words,), peer))
