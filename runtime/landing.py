@@ -85,6 +85,11 @@ class LandingQueue:
         self._loop.call_soon_threadsafe(self._scheduled_drain)
 
     # -- loop thread ---------------------------------------------------------
+    @property
+    def parked(self) -> bool:
+        """Whether the loop thread is blocked in :meth:`park` now (a hint for the receiver threads)."""
+        return self._parked
+
     def __bool__(self) -> bool:
         """Whether items wait to be drained (a racy hint: :meth:`drain` is always safe)."""
         return bool(self._items)

@@ -43,8 +43,9 @@ landed transfer to the loop's thread through ``call_soon_threadsafe`` of the
 object each step's plan carries: the loop that began the step (a caller may
 run every step in a new loop), or the actor's landing queue
 (``runtime/landing.py``), which the dispatcher drains itself and wakes the loop
-only when it sleeps there.  The thread posts the next receive before handing
-one over, so that its hand-off is its last Python before it waits again.  One thread per
+only when it sleeps there.  While the dispatcher's thread is parked waiting for
+a hand-off, the thread posts the next receive first, so that the hand-off is
+its last Python before it waits again.  One thread per
 peer (not a shared pool) because receives from one peer complete in order: a
 pool could fill with receives whose data depends on our own progress while
 the one we need sits queued.
@@ -487,19 +488,22 @@ class GlooReceiver:
         i = 0
         seq = seq0
         try:
-            while i < n and len(posted) < self._depth:
-                posted.append(self._post(seq0 + i, prev[i] if i < len(prev) else None))
-                i += 1
-            while posted:
-                seq, pred, header, hwork, buffers, works = posted.popleft()
-                hwork.wait()
-                header_ns = time.monotonic_ns()
-                # Keep ``depth`` posted, now rather than after the hand-off: the hand-off is this
-                # thread's last Python before it waits again, so the loop thread it wakes finds the
-                # GIL free instead of blocking on it while this thread posts.
+            while i < n or posted:
                 while i < n and len(posted) < self._depth:
                     posted.append(self._post(seq0 + i, prev[i] if i < len(prev) else None))
                     i += 1
+                seq, pred, header, hwork, buffers, works = posted.popleft()
+                hwork.wait()
+                header_ns = time.monotonic_ns()
+                if getattr(self._loop, "parked", False):
+                    # The loop thread is blocked waiting for this hand-off (runtime/landing.py): keep
+                    # ``depth`` posted now rather than after it, so that the hand-off is this thread's
+                    # last Python before it waits again and the woken loop thread finds the GIL free.
+                    # (When the loop thread is busy, the hand-off goes first: each receive posted
+                    # releases the GIL, which the busy thread takes, delaying the hand-off.)
+                    while i < n and len(posted) < self._depth:
+                        posted.append(self._post(seq0 + i, prev[i] if i < len(prev) else None))
+                        i += 1
                 h = _HEADER.unpack_from(header) if isinstance(header, bytearray) else header.tolist()
                 # checked before waiting for the payload: a sender that predicted from another
                 # table sends no payload (or placeholders) into these buffers
