@@ -208,6 +208,32 @@ def _timed(fn: Any, steps: int, warmup: int) -> tuple[list[float], int]:
     return times, torch.cuda.max_memory_allocated()
 
 
+def _host_times(fn: Any, steps: int, idle: Any = None) -> list[dict[str, float]]:
+    """``--host-times``: per rank, the median host time of a step (``fn`` returned, GPU not waited
+    for), the step with the GPU drained, and (pipeloom) the dispatcher's idle time; gathered."""
+    import torch
+    import torch.distributed as dist
+
+    host, full, idl = [], [], []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        host.append(t1 - t0)
+        full.append(t2 - t0)
+        if idle is not None:
+            idl.append(idle())
+    mine = {"host_ms": statistics.median(host) * 1e3, "step_ms": statistics.median(full) * 1e3,
+            "idle_ms": statistics.median(idl) * 1e3 if idl else None}
+    allr: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(allr, mine)
+    return allr
+
+
 def _reduce_max(x: float) -> float:
     import torch
     import torch.distributed as dist
@@ -341,7 +367,7 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
 
         torch.cuda.synchronize()
         dist.barrier()
-        prof = cProfile.Profile() if rank == 0 else None
+        prof = cProfile.Profile() if rank == args.cprofile_rank else None
         if prof is not None:
             prof.enable()
         for _ in range(args.cprofile):
@@ -352,7 +378,7 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
             text = "\n".join(line[:160] for line in buf.getvalue().splitlines() if line.strip())
-            print(f"--- cProfile, rank 0, {engine} {name} {model_name}, {args.cprofile} steps ---\n{text}", flush=True)
+            print(f"--- cProfile, rank {rank}, {engine} {name} {model_name}, {args.cprofile} steps ---\n{text}", flush=True)
         dist.barrier()
 
     def profile(engine: str, fn: Any) -> dict[str, Any] | None:
@@ -418,6 +444,7 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
             st = pipe.statistics
             return {"out_of_order": st.out_of_order if st else None}
 
+        fn.idle = lambda: pipe.statistics.idle_seconds  # type: ignore[attr-defined]
         return fn, pipe.close, extra
 
     def build_torch() -> tuple[Any, Any, Any]:
@@ -477,7 +504,9 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         pipe = pipeloom.Pipeline(lambda s: mods[s], schedule=name, num_microbatches=n, loss_fn=loss_fn,
                                  options=RuntimeOptions.from_env(**fields))
         x_in, y_in = torch.cat(xs), torch.cat(ys)
-        return (lambda: pipe.step(x_in, target=y_in)), pipe.close, lambda: {"variant": args.x_options}
+        fn = lambda: pipe.step(x_in, target=y_in)  # noqa: E731
+        fn.idle = lambda: pipe.statistics.idle_seconds  # type: ignore[attr-defined]
+        return fn, pipe.close, lambda: {"variant": args.x_options}
 
     builders = {"pipeloom": build_pipeloom, "torch": build_torch, "pipeloom-1s": build_pipeloom_one_stream,
                 "pipeloom-x": build_pipeloom_x}
@@ -504,8 +533,13 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         for e in engines:
             fn, close, extra = built[e]
             prof = profile(e, fn)
+            ht = {"host_times": _host_times(fn, args.host_times, getattr(fn, "idle", None))} if args.host_times else {}
+            if ht and rank == 0:
+                print(f"host times {e} {name}: " + "; ".join(
+                    f"r{i} host {h['host_ms']:.1f} step {h['step_ms']:.1f}" + (f" idle {h['idle_ms']:.1f}" if h['idle_ms'] is not None else "")
+                    for i, h in enumerate(ht["host_times"])), flush=True)
             record(e, times[e], peaks[e], {"order": args.engines, "alternate": args.alternate, "floor_ms_start": floor_start * 1e3,
-                                           **extra(), **(prof or {})})
+                                           **extra(), **(prof or {}), **ht})
             if close is not None:
                 close()
         for m in mods.values():
@@ -573,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", default="l", choices=sorted(_GPT_SIZES), help="GPT size (sets layers, hidden, heads, microbatches)")
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--profile", type=int, default=0, help="profile this many more steps per engine and attribute compute gaps")
+    ap.add_argument("--cprofile-rank", type=int, default=0, help="the rank --cprofile profiles")
+    ap.add_argument("--host-times", type=int, default=0, help="after timing, this many more steps per engine: each rank's host time, step time and (pipeloom) idle time")
     ap.add_argument("--cprofile", type=int, default=0, help="run this many more steps per engine under cProfile on rank 0 and print the top functions")
     ap.add_argument("--profile-dir", default=None, help="keep the gzipped traces of the first and last rank here")
     ap.add_argument("--profile-schedules", default="1F1B", help="which schedules --profile applies to (comma-separated)")
