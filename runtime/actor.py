@@ -50,7 +50,7 @@ import torch
 from ..schedules import Action, ActionType, Dataflow, Schedule, consumer_stage, producer_stage
 from ..schedules.dispatch import Dispatcher, choose_rule, plan_ranks
 from ..transport.control import ControlPlane
-from ..transport.tensor import Landed, SendError, TensorPlane, TransferError
+from ..transport.tensor import END, Landed, SendError, TensorPlane, TransferError, signature
 from .device import make_policy
 from .errors import PeerLostError, PipelineError, RemoteRankError, StageError
 from .landing import LandingQueue
@@ -104,6 +104,8 @@ class ActorStatistics:
     idle_waits: int  #: times the dispatcher slept with nothing ready
     idle_seconds: float
     peak_live_microbatches: int
+    #: transfers this rank sent without a header (NCCL, ``static_shapes``, after the first step of a kind)
+    headerless_sends: int = 0
 
 
 class Wakeup:
@@ -152,6 +154,16 @@ def _expire(f: asyncio.Future[bool]) -> None:
 
 
 _AUTO_RULES: dict[tuple[Any, ...], str] = {}
+
+
+def _describe_sig(sig: Any, mask: int) -> str:
+    parts = []
+    for j, ent in enumerate(sig):
+        if ent is None:
+            parts.append("None")
+        else:
+            parts.append(f"{ent[1]}{list(ent[0])}{' requires_grad' if mask >> j & 1 else ''}")
+    return "(" + ", ".join(parts) + ")"
 
 
 def _auto_rule(schedule: Schedule) -> str:
@@ -206,15 +218,7 @@ class RankActor:
         if collectives is not None:
             collectives.attach(self)
         self.last_stage = schedule.num_stages - 1
-        # Only compute drives execution; sends and receives are derived from
-        # it (they happen when producers finish and announcements arrive), and
-        # UNSHARD/RESHARD/REDUCE_GRAD are no-ops without data parallelism.
-        keep = _DP if collectives is not None else ()
-        self.train_actions = [a for a in schedule.actions[row] if a.is_compute or a.type in keep]
-        self.eval_actions = [
-            leaf for a in self.train_actions for leaf in a.leaves()
-            if leaf.type is _F or (leaf.type in keep and leaf.type is not ActionType.REDUCE_GRAD)
-        ]
+        self.train_actions, self.eval_actions = self._row_actions(row)
         #: the dispatch rule per step kind (train?): schedules/dispatch.py, which argues the guarantees
         rule = "list" if self.deterministic else options.dispatch
         if rule == "auto":
@@ -230,6 +234,18 @@ class RankActor:
         #: at the step's start: transport/tensor.py)
         self._recvs_per_peer = {train: self._count_inputs(acts) for train, acts in ((True, self.train_actions), (False, self.eval_actions))}
         self._sends_per_peer = {train: self.flow.sends_per_peer(rank, acts) for train, acts in ((True, self.train_actions), (False, self.eval_actions))}
+        #: NCCL with options.static_shapes: from the second step of a kind on, transfers without
+        #: headers, sent and received in list order ("Static shapes" in the module docstring)
+        self._static = bool(options.static_shapes) and tensor_plane.header_group is not None
+        #: this step runs without headers / is a training step
+        self._spec = False
+        self._train_now = True
+        #: static shapes: the first pending action (the only one committed on remote inputs not yet sent)
+        self._head: Action | None = None
+        #: static shapes: the peers whose end-of-step header has landed
+        self._ends: set[int] = set()
+        if self._static:
+            self._init_static(row)
         self.step_index = 0
         self._inbox: dict[tuple[int, str, int, int], list[torch.Tensor | None]] = {}
         #: CPU: transfers announced by their sender, not yet arrived
@@ -261,7 +277,7 @@ class RankActor:
         self._commit_ahead = self.dev.commit_ahead
         #: NCCL: headers through gloo, payloads received when their header lands (posted, committed)
         self._headers = tensor_plane.header_group is not None
-        if self._headers and not self._commit_ahead:
+        if self._headers and not self._commit_ahead and not options.emulate_nccl_transport:
             raise ValueError("a tensor plane with a header group needs the GPU device policy (payloads on NCCL)")
         #: GPU: receives posted (committed), not yet consumed: buffers, Works, spec
         self._posted: dict[tuple[int, str, int, int], tuple[list[torch.Tensor | None], list[Any], Any]] = {}
@@ -282,6 +298,69 @@ class RankActor:
         #: what the loop is doing now, read by the heartbeat thread:
         #: ("idle" | "busy" | "waiting", action or wait description, since monotonic)
         self.state: tuple[str, str, float] = ("idle", "", time.monotonic())
+
+    def _row_actions(self, row: int) -> tuple[list[Action], list[Action]]:
+        """The training and evaluation action lists of schedule row ``row`` as this runtime runs them."""
+        # Only compute drives execution; sends and receives are derived from it (they happen
+        # when producers finish and receives are posted), and UNSHARD/RESHARD/REDUCE_GRAD are
+        # no-ops without data parallelism.
+        keep = _DP if self.collectives is not None else ()
+        train = [a for a in self.schedule.actions[row] if a.is_compute or a.type in keep]
+        ev = [
+            leaf for a in train for leaf in a.leaves()
+            if leaf.type is _F or (leaf.type in keep and leaf.type is not ActionType.REDUCE_GRAD)
+        ]
+        return train, ev
+
+    def _sends_in_order(self, actions: Sequence[Action], src: int) -> dict[int, list[tuple[str, int, int]]]:
+        """Per peer, the transfers global rank ``src`` sends it when running ``actions`` in list order."""
+        out: dict[int, list[tuple[str, int, int]]] = {}
+        for a in actions:
+            for leaf in a.leaves():
+                k = self.flow.output_key(leaf, 0)
+                if k is None:
+                    continue
+                dst = self.stage_to_rank[k.stage]
+                if dst != src:
+                    out.setdefault(dst, []).append((k.kind, k.stage, k.microbatch))
+        return out
+
+    def _init_static(self, row: int) -> None:
+        """Static shapes: every peer's send order (its list order), and the tables the first steps fill."""
+        rows = {}  # global rank -> schedule row (the same stages)
+        for s, g in enumerate(self.stage_to_rank):
+            rows[g] = self.schedule.stage_to_rank[s]
+        Key = tuple[str, int, int]
+        #: per kind (train?), per peer: what this rank sends it, in order
+        self._send_order: dict[bool, dict[int, list[Key]]] = {}
+        #: per kind, per peer: what it sends this rank, in order, and each one's position
+        self._recv_order: dict[bool, dict[int, list[Key]]] = {True: {}, False: {}}
+        self._recv_pos: dict[bool, dict[int, dict[Key, int]]] = {True: {}, False: {}}
+        mine = {True: self.train_actions, False: self.eval_actions}
+        for train in (True, False):
+            self._send_order[train] = self._sends_in_order(mine[train], self.rank)
+        for g, r in rows.items():
+            if g == self.rank:
+                continue
+            lists = dict(zip((True, False), self._row_actions(r)))
+            for train in (True, False):
+                seq = self._sends_in_order(lists[train], g).get(self.rank, [])
+                if seq:
+                    self._recv_order[train][g] = seq
+                    self._recv_pos[train][g] = {k: i for i, k in enumerate(seq)}
+        #: (kind, consuming stage) whose input comes from another rank
+        self._remote_in = {(k[0], k[1]) for by in self._recv_order.values() for seq in by.values() for k in seq}
+        #: learned in the first step of each kind: per transfer, (shapes, requires-grad bits) as
+        #: received / (shapes, requires-grad mask) as sent
+        self._rx_sig: dict[bool, dict[Key, tuple[Any, tuple[bool, ...]]]] = {True: {}, False: {}}
+        self._tx_sig: dict[bool, dict[Key, tuple[Any, int]]] = {True: {}, False: {}}
+        #: a step of this kind ran with headers and every table is filled
+        self._learned = {True: False, False: False}
+        # per step without headers: next position per peer (sent / received), outputs held
+        # until every earlier transfer to their peer is sent
+        self._tx_next: dict[int, int] = {}
+        self._tx_held: dict[int, dict[Key, tuple[int, Sequence[torch.Tensor | None]]]] = {}
+        self._rx_next: dict[int, int] = {}
 
     def _count_inputs(self, actions: Sequence[Action]) -> dict[int, int]:
         out: dict[int, int] = {}
@@ -362,6 +441,10 @@ class RankActor:
             lost = self._lost_peer(err.peer, f"receiving transfer {err.seq} from rank {err.peer}", err)
             self._fail_remote(lost if lost is not None else PeerLostError(str(err), rank=self.rank, peer=err.peer))
             return
+        if got.kind == END:  # static shapes: the peer sent all of the step's payloads
+            self._ends.add(got.src)
+            self._wake.set()
+            return
         key = (got.step, got.kind, got.stage, got.microbatch)
         if got.stage not in self.stages or self.flow.recv_rank(got.kind, got.stage, self.rank) != got.src:
             self._fail_remote(PeerLostError(
@@ -373,6 +456,8 @@ class RankActor:
         if self._headers:
             # NCCL: the header came through gloo; post the payload's receive now, committed (the
             # consumer's stream waits on it), in header order = the order the peer sent
+            if self._static:
+                self._rx_sig[self._train_now][(got.kind, got.stage, got.microbatch)] = (got.shapes, got.requires_grad)
             with self.dev.posting(got.stage):
                 buffers, works = self.tensors.recv_payload(got.src, got.shapes)
             self._posted[key] = (buffers, works, got.requires_grad)
@@ -417,6 +502,8 @@ class RankActor:
                 if token is not None:
                     self.dev.take_handed(token, stage, got)
             return got
+        if self._spec and key not in self._posted:
+            self._post_static(key)
         buffers, works, rgs = self._posted.pop(key)
         self.dev.consume(stage, buffers, works)
         if key[1] == "F":
@@ -424,6 +511,36 @@ class RankActor:
                 if b is not None and rg:
                     b.requires_grad_(True)
         return buffers
+
+    def _post_static(self, key: tuple[int, str, int, int]) -> None:
+        """Static shapes: post the receives of the peer's transfers up to ``key``, in its send order.
+
+        Each on its consumer's stream, shaped as in the first step of this kind; nothing has
+        to have been sent yet (the consumer's stream waits for the data on the device).
+        """
+        step, kind, stage, mb = key
+        src = self.flow.recv_rank(kind, stage, self.rank)
+        train = self._train_now
+        pos = self._recv_pos[train].get(src, {}).get((kind, stage, mb)) if src is not None else None
+        first = self._rx_next.get(src, 0) if src is not None else 0
+        if pos is None or pos < first:
+            raise PipelineError(
+                f"rank {self.rank}: static shapes: {kind} of stage {stage} microbatch {mb} (step {step}) is not "
+                f"the next transfer expected from rank {src} (internal error: the send orders disagree)"
+            )
+        order = self._recv_order[train][src]
+        sig = self._rx_sig[train]
+        for i in range(first, pos + 1):
+            k = order[i]
+            shapes, rg = sig[k]
+            with self.dev.posting(k[1]):
+                buffers, works = self.tensors.recv_payload(src, shapes)
+            self._posted[(step, *k)] = (buffers, works, rg)
+            if self.trace is not None:
+                t = clock_ns()
+                nbytes = sum(b.numel() * b.element_size() for b in buffers if b is not None)
+                self.trace.transfer("recv", step, src, k[1], k[2], k[0], i, nbytes, t, t)
+        self._rx_next[src] = pos + 1
 
     def _in_flight(self, a: Action) -> bool:
         """Whether an input ``a`` lacks is announced by its sender (the transfer is under way)."""
@@ -436,7 +553,14 @@ class RankActor:
                 return True
         return False
 
-    def _ready(self, a: Action, step: int, live: int, train: bool) -> bool:
+    def _ready(self, a: Action, step: int, live: int, train: bool, head: bool = False) -> bool:
+        """Whether ``a`` can run (CPU) or be committed (GPU) now.
+
+        Static shapes: an input from another rank counts as ready (its receive is posted
+        when the consumer is committed, before the sender has even produced it) only for the
+        list's first pending action (``head``): committing a later one ahead of it could put
+        a wait on a peer in front of work that peer needs (both engines of a pair blocked).
+        """
         c = self.collectives
         if c is not None and not c.ready(a):  # DP events; computes of a stage not yet unsharded
             return False
@@ -445,17 +569,20 @@ class RankActor:
             if train and live >= self.memory_limit:
                 return False
             key = self.flow.input_key(a, step)
-            return key is None or self._have(key)
+            return key is None or self._have(key) or (
+                (head or a is self._head) and ("F", a.stage) in self._remote_in)
         if t is _B or t is _I:
             if (a.stage, a.microbatch) not in self._fwd_done:
                 return False
             key = self.flow.input_key(a, step)
-            return key is None or self._have(key)
+            return key is None or self._have(key) or (
+                (head or a is self._head) and ("B", a.stage) in self._remote_in)
         if t is _W:
             return (a.stage, a.microbatch) in self._i_done
         if t is _OVL:
             f, b = a.sub_actions
-            return self._ready(f, step, live, train) and self._ready(b, step, live, train)
+            h = head or a is self._head
+            return self._ready(f, step, live, train, h) and self._ready(b, step, live, train, h)
         return True
 
     # ------------------------------------------------------------ execution
@@ -472,6 +599,12 @@ class RankActor:
             if self._commit_ahead:
                 self._handoff[key] = self.dev.handed(from_stage)
             return
+        if self._spec:
+            self._send_in_order(dst, from_stage, step, (kind, to_stage, mb), tensors)
+            return
+        if self._static:  # a step with headers: learn what the later steps send without them
+            _, sig, mask = signature(tensors, kind, to_stage, mb)
+            self._tx_sig[self._train_now][(kind, to_stage, mb)] = (sig, mask)
         t0 = clock_ns() if self.trace is not None else 0
         try:
             with self.dev.on_stage(from_stage):  # NCCL orders the payload's send after the producer's stream
@@ -485,6 +618,53 @@ class RankActor:
             raise err from exc
         if self.trace is not None:
             self.trace.transfer("send", step, dst, to_stage, mb, kind, seq, nbytes, t0, clock_ns())
+
+    def _send_in_order(self, dst: int, from_stage: int, step: int, k: tuple[str, int, int], tensors: Sequence[torch.Tensor | None]) -> None:
+        """Static shapes: send ``k`` once every transfer before it in the list order to ``dst`` is sent.
+
+        The peer posts its receives in that order without headers, so an output produced out
+        of order waits here (its data stays on the device) for the ones before it.
+        """
+        held = self._tx_held.setdefault(dst, {})
+        held[k] = (from_stage, tensors)
+        order = self._send_order[self._train_now].get(dst, ())
+        i = self._tx_next.get(dst, 0)
+        while i < len(order) and order[i] in held:
+            nk = order[i]
+            fs, ts = held.pop(nk)
+            self._tx_next[dst] = i = i + 1
+            self._send_static(dst, fs, step, i - 1, nk, ts)
+
+    def _send_static(self, dst: int, from_stage: int, step: int, pos: int, k: tuple[str, int, int],
+                     tensors: Sequence[torch.Tensor | None]) -> None:
+        kind, to_stage, mb = k
+        train = self._train_now
+        exp, exp_mask = self._tx_sig[train][k]
+        real, sig, mask = signature(tensors, kind, to_stage, mb)
+        if sig != exp or mask != exp_mask:
+            with self.dev.on_stage(from_stage):
+                self.tensors.send_placeholder(dst, exp)  # the peer's posted receive completes
+            what = "activation" if kind == "F" else "gradient"
+            raise ValueError(
+                f"static_shapes=True, but the {what} that stage {from_stage} sends to stage {to_stage} "
+                f"(rank {dst}) for microbatch {mb} in step {step} has {_describe_sig(sig, mask)}, while the first "
+                f"{'training' if train else 'evaluation'} step's had {_describe_sig(exp, exp_mask)}; every step of a kind must "
+                "hand over the same shapes, dtypes and requires_grad with static shapes: pass "
+                "RuntimeOptions(static_shapes=False) when they change between steps"
+            )
+        t0 = clock_ns() if self.trace is not None else 0
+        try:
+            with self.dev.on_stage(from_stage):  # NCCL orders the send after the producer's stream
+                nbytes = self.tensors.send(dst, real)
+        except RuntimeError as exc:
+            err = self._lost_peer(dst, f"sending {kind} of stage {to_stage} microbatch {mb} (step {step})", exc)
+            if err is None:
+                raise
+            self._remote_error = err
+            self.broadcast_abort(err, None, step)
+            raise err from exc
+        if self.trace is not None:
+            self.trace.transfer("send", step, dst, to_stage, mb, kind, pos, nbytes, t0, clock_ns())
 
     def _peer_failure(self, exc: BaseException, a: Action, step: int) -> PipelineError | None:
         """A compute whose collective broke (an MoE all-to-all over gloo): the peer's failure, if that is the cause.
@@ -652,11 +832,22 @@ class RankActor:
         self.liveness.start_step()
         self._liveness_interval = self.liveness.check_interval
         pending = self._pending = list(self.train_actions if train else self.eval_actions)
-        # post this step's receives (gloo) or headers (NCCL): each peer's count is known from the schedule;
+        self._train_now = train
+        spec = self._spec = self._static and self._learned[train]
+        self._head = None
         # their landings queue up for the dispatcher (runtime/landing.py)
         landings = self._landings = LandingQueue(asyncio.get_running_loop())
-        self.tensors.begin_step(step, train, self._recvs_per_peer[train], self._sends_per_peer[train], self._landed,
-                                self._announce if self._dispatch[train].rule == "guarded" else None, loop=landings)
+        if spec:
+            # static shapes, a step after the first of its kind: no headers (transfers in list
+            # order) but one per peer at the end, which says that all of them were sent
+            self._tx_next, self._tx_held, self._rx_next = {}, {}, {}
+            self._ends = set()
+            self.tensors.begin_step(step, train, dict.fromkeys(self._recv_order[train], 1),
+                                    dict.fromkeys(self._send_order[train], 1), self._landed, loop=landings)
+        else:
+            # post this step's receives (gloo) or headers (NCCL): each peer's count is known from the schedule
+            self.tensors.begin_step(step, train, self._recvs_per_peer[train], self._sends_per_peer[train], self._landed,
+                                    self._announce if self._dispatch[train].rule == "guarded" else None, loop=landings)
         # CPU on gloo, no collectives (whose completions come through the loop): wait for a
         # landing on the dispatcher's thread first, for a bounded slice
         park = self.options.gloo_park_ms * 1e-3 if not self._commit_ahead and self.collectives is None else 0.0
@@ -695,6 +886,8 @@ class RankActor:
             hold = dev.wait_ms() if commit_ahead else 0.0
             # The rule (schedules/dispatch.py) picks among ready actions; forwards stay in list
             # order under the live-microbatch cap, so no rule holds more than the list would.
+            if spec:
+                self._head = pending[0]
             pick = -1 if hold else dispatcher.pick(pending, lambda a: self._ready(a, step, live, train), live, in_flight)
             if pick < 0:
                 if not hold:
@@ -779,6 +972,13 @@ class RankActor:
                 last_yield = now
             await asyncio.sleep(0)
         landings.release()
+        if spec:
+            if any(self._tx_held.values()):
+                left = {d: sorted(h) for d, h in self._tx_held.items() if h}
+                raise PipelineError(f"rank {self.rank} step {step}: static shapes: transfers never sent (internal error): {left}")
+            for peer in self._send_order[train]:
+                self.tensors.send_end(peer, step)
+            await self._await_ends(step, train)
         if coll is not None and coll.outstanding:
             # Reductions still in flight: wait for them without blocking the loop.
             self.state = ("waiting", "data-parallel collectives", time.monotonic())
@@ -804,6 +1004,8 @@ class RankActor:
             if trace is not None:
                 trace.wait(step, d0, clock_ns(), ["sends to complete"])
         dev.end_step()
+        if self._static and not spec:
+            self._learn_done(train)
         self.state = ("idle", "", time.monotonic())
         if trace is not None:
             if self.device.type == "cuda":
@@ -811,9 +1013,38 @@ class RankActor:
             else:
                 trace.memory(step, peak)
             trace.step(step, step_start, clock_ns(), train=train)
-        self.statistics = ActorStatistics(ran, out_of_order, waits, idle, peak)
+        self.statistics = ActorStatistics(ran, out_of_order, waits, idle, peak,
+                                          sum(self._tx_next.values()) if spec else 0)
         self.control.steps_done = self.step_index
         return results, losses
+
+    async def _await_ends(self, step: int, train: bool) -> None:
+        """Static shapes: wait until every peer that sends to this rank said its sends are done.
+
+        A peer whose transfer could not be sent as predicted fails its step instead (its
+        abort reaches this rank): without this wait this rank could finish the step on
+        the placeholder it received.
+        """
+        want = self._recv_order[train].keys()
+        if self._ends.issuperset(want):
+            return
+        self.state = ("waiting", "peers' end of step", time.monotonic())
+        last = time.monotonic()
+        while not self._ends.issuperset(want):
+            if self._remote_error is not None:
+                raise self._remote_error
+            self._wake.clear()
+            if not await self._wake.wait_for(self._liveness_interval) and time.monotonic() - last >= self._liveness_interval:
+                last = time.monotonic()
+                self._check_liveness([], step)
+
+    def _learn_done(self, train: bool) -> None:
+        """Static shapes: a step with headers completed; later steps of its kind go without them."""
+        missing = [(p, k) for p, seq in self._recv_order[train].items() for k in seq if k not in self._rx_sig[train]]
+        missing += [(p, k) for p, seq in self._send_order[train].items() for k in seq if k not in self._tx_sig[train]]
+        if missing:  # every rank ran the whole step: each transfer was sent and received
+            raise PipelineError(f"rank {self.rank}: static shapes: transfers not seen in a whole step (internal error): {missing[:4]}")
+        self._learned[train] = True
 
     def describe_wait(self, pending: Sequence[Action], step: int, train: bool = True) -> list[str]:
         """What the first few pending actions are waiting for, by stage and microbatch."""

@@ -124,6 +124,12 @@ class DevicePolicy:
 class HostPolicy(DevicePolicy):
     """CPU / gloo: an action runs when its inputs have arrived."""
 
+    def consume(self, stage: int, buffers: Sequence[torch.Tensor | None], works: Sequence[Any]) -> None:
+        # only with ``emulate_nccl_transport``: a receive the loop posted (the NCCL protocol on
+        # gloo); the host waits for it, as torch's runtime does
+        for w in works:
+            w.wait()
+
 
 class _Timing:
     """Per (type, stage) GPU time in ms, learned from events over the first steps."""

@@ -143,6 +143,26 @@ class RuntimeOptions:
     measured to slow compute by 3% (``gpu_commit_ms`` 10) to 30% (50) on 2 H100s.
     Environment: ``PIPELOOM_GPU_EARLY_RECEIVES=1``."""
 
+    static_shapes: bool = False
+    """NCCL: every step of a kind (training, evaluation) hands over tensors of the same shapes,
+    dtypes and requires-grad flags as the first step of that kind (as torch's runtime assumes).
+    From the second step of each kind on, no transfer header travels: each rank sends to a
+    peer in its list order, and the receiver posts each receive and commits its consumer
+    before the sender has even launched the producer, so neither host waits for the other
+    (see ``runtime/actor.py``, "Static shapes").  A transfer whose shapes differ fails the
+    step on both ranks with an error naming the stage, microbatch and both shapes (it is
+    never received into the wrong buffers).  The dynamic order then applies to local work
+    only.  Ignored on gloo (receives are posted ahead there anyway).  Without headers, ranks
+    that disagree on the order of step()/eval() calls are caught by the stall timeout rather
+    than at the first transfer.  Environment: ``PIPELOOM_STATIC_SHAPES=1``."""
+
+    emulate_nccl_transport: bool = False
+    """gloo, for tests: run the NCCL transfer protocol on CPU ranks (headers through a gloo group
+    of their own, payloads through two-rank groups, received by the event loop when the header
+    has landed or, with ``static_shapes``, without headers), so that the gloo test suite covers
+    it.  The loop blocks on each receive when its consumer runs, as torch's runtime does: a
+    stalled peer is then caught by gloo's timeout, not by the stall timeout.  Not for jobs."""
+
     overlap_streams: bool = True
     """GPUs: one compute stream per local stage (True), so OVERLAP_F_B's forward and backward
     halves (two stages) run concurrently, or every stage on the caller's stream (False).
@@ -296,6 +316,7 @@ ENV_VARS: dict[str, tuple[str, Any]] = {
     "PIPELOOM_GPU_COMMIT_MS": ("gpu_commit_ms", _ms),
     "PIPELOOM_GPU_EARLY_RECEIVES": ("gpu_early_receives", _flag),
     "PIPELOOM_OVERLAP_STREAMS": ("overlap_streams", _flag),
+    "PIPELOOM_STATIC_SHAPES": ("static_shapes", _flag),
     "PIPELOOM_PROFILE_RANGES": ("profile_ranges", _flag),
     "PIPELOOM_OVERLAP_COLLECTIVES": ("overlap_collectives", _flag),
     "PIPELOOM_FSDP_REDUCE": ("fsdp_reduce", str),

@@ -378,7 +378,8 @@ class Pipeline:
         # Control traffic (object collectives) on gloo, also on NCCL jobs.
         obj_group = self._obj_group = dist.new_group(backend="gloo") if backend == "nccl" else None
         # NCCL: transfer headers travel through gloo (transport/tensor.py), in a group of their own
-        self._header_group = dist.new_group(backend="gloo") if backend == "nccl" else None
+        nccl_protocol = backend == "nccl" or opts.emulate_nccl_transport
+        self._header_group = dist.new_group(backend="gloo") if nccl_protocol else None
         lay = self.layout
         if self._ep_groups is not None and not opts.deterministic:
             # the ep peers of a stage must issue their all-to-alls in the same order (expert_parallel.py)
@@ -440,7 +441,7 @@ class Pipeline:
         self._control.connect([str(e) for e in endpoints])
         self._trace_sink, recorder = self._open_trace(opts.trace, opts.trace_endpoint, secret[0].encode())
         pair_groups = None
-        if backend == "nccl" or opts.pair_groups:
+        if nccl_protocol or opts.pair_groups:
             columns = [[row[j] for row in lay.grid] for j in range(lay.dp)] if lay else [list(range(self.world_size))]
             links = Dataflow(self.schedule.stage_to_rank).links()  # in schedule rows
             # every replica's pipeline edges, in global ranks
@@ -519,11 +520,14 @@ class Pipeline:
             from .data_parallel import lower_for_data_parallel
 
             self.schedule = lower_for_data_parallel(self.schedule, fsdp=fsdp, prefetch=prefetch)
-        return config_record(
+        rec = config_record(
             world_size=self.world_size, schedule=self.schedule, pp_size=self.pp_size, data_parallel=data_parallel,
             fsdp=fsdp, mesh_grid=grid, scale_grads=scale_grads,
             dp_options=dict(dp_options, prefetch=prefetch) if self._with_dp else None,
         )
+        # (the transfer protocol of the later steps depends on it: every rank must agree)
+        rec = {"static_shapes": self.options.static_shapes, "emulate_nccl_transport": self.options.emulate_nccl_transport, **rec}
+        return rec
 
     def _make_stages(self, stage_fn: Callable[[int], nn.Module], backend: str, *, data_parallel: int,
                      mesh: Any) -> dict[int, nn.Module]:

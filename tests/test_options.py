@@ -50,6 +50,7 @@ def test_from_env_maps_every_variable() -> None:
         "PIPELOOM_OVERLAP_COLLECTIVES": "off",
         "PIPELOOM_FSDP_REDUCE": "fsdp",
         "PIPELOOM_DISPATCH": "ready",
+        "PIPELOOM_STATIC_SHAPES": "1",
         "UNRELATED": "x",
     }
     assert set(env) - {"UNRELATED"} == set(ENV_VARS)
@@ -58,6 +59,7 @@ def test_from_env_maps_every_variable() -> None:
         backend="gloo", heartbeat_timeout=7.5, stall_timeout=12.0, first_step_stall_timeout=600.0, trace="/tmp/t.json",
         trace_endpoint="tcp://127.0.0.1:5555", pair_groups=True, p2p_max_ctas=4, gpu_commit_ms=3.0, gpu_early_receives=True,
         overlap_streams=False, profile_ranges=True, overlap_collectives=False, fsdp_reduce="fsdp", dispatch="ready",
+        static_shapes=True,
     )
 
 

@@ -94,6 +94,34 @@ AWKWARD_SCHEDULES = {2: ["1F1B", "ZBVZeroBubble", "InterleavedZeroBubble", "Dual
 _FREEZE = [["lin.weight"], [], ["cell.0.weight", "cell.0.bias", "gain"]]
 
 
+def _nccl_protocol_cases(world: int, table: dict[str, list[int]]) -> list[dict[str, Any]]:
+    """The NCCL transfer protocol (on gloo: ``emulate_nccl_transport``): headers, and static shapes.
+
+    Static shapes: the first step of each kind (training, evaluation) learns the shapes with
+    headers, the later ones run without (each rank sends in list order, receives posted before
+    the sender has produced), so 3 steps with evaluation after each.
+    """
+    out = []
+    for name, mbs in table.items():
+        n = mbs[-1]
+        base = dict(schedule=name, microbatches=n, dim=4, batch=2 * n, steps=3, eval=True)
+        out.append({**base, "id": f"static-{name}", "options": {"static_shapes": True, "emulate_nccl_transport": True}})
+        if world == 2:
+            out.append({**base, "id": f"nccl-headers-{name}", "steps": 2, "options": {"emulate_nccl_transport": True}})
+    if world == 2:
+        opts = {"static_shapes": True, "emulate_nccl_transport": True}
+        out += [
+            # several tensors per transfer, kwargs, an uneven last microbatch (shapes differ between microbatches)
+            dict(id="static-multi-kwargs-uneven", schedule="Interleaved1F1B", microbatches=4, dim=4, batch=66, multi=True, kwargs=True,
+                 steps=3, eval=True, options=opts),
+            dict(id="static-awkward-zbv", schedule="ZBVZeroBubble", microbatches=4, dim=4, batch=8, model="awkward", steps=3, options=opts),
+            dict(id="static-deterministic-dualpipev", schedule="DualPipeV", microbatches=6, dim=4, batch=12, steps=3, deterministic=True,
+                 options=opts),
+            dict(id="static-critical-zbv", schedule="ZBVZeroBubble", microbatches=6, dim=4, batch=12, steps=3, dispatch="critical", options=opts),
+        ]
+    return out
+
+
 def _awkward_cases(world: int) -> list[dict[str, Any]]:
     out = []
     for name in AWKWARD_SCHEDULES[world]:
@@ -128,8 +156,8 @@ def _oracle_cases(names: list[str], n: int) -> list[dict[str, Any]]:
 # the 4-rank pool only where 4 GPUs are visible); the default is gloo on CPU.
 BACKEND = os.environ.get("PIPELOOM_TEST_BACKEND", "gloo")
 CASES = {
-    2: _cases(2, MICROBATCHES_2) + _special_cases_2() + _oracle_cases(ORACLE_2, 4),
-    4: _cases(4, MICROBATCHES_4) + _oracle_cases(ORACLE_4, 8) + _awkward_cases(4) + [
+    2: _cases(2, MICROBATCHES_2) + _special_cases_2() + _oracle_cases(ORACLE_2, 4) + _nccl_protocol_cases(2, MICROBATCHES_2),
+    4: _cases(4, MICROBATCHES_4) + _oracle_cases(ORACLE_4, 8) + _awkward_cases(4) + _nccl_protocol_cases(4, MICROBATCHES_4) + [
         dict(id="dispatch-guarded-dualpipev-4", schedule="DualPipeV", microbatches=8, dim=4, batch=16, seq="per_mb", steps=2, dispatch="guarded"),
         # one process group per ordered rank pair, as on NCCL (connected in one global order at
         # construction), incl. the loop edge 3 -> 0; last: the worker keeps the variable set
@@ -206,16 +234,30 @@ def _check_against_reference(world: int, cfg: dict[str, Any], results: list[dict
             assert all(o is None for o in r["outputs"])
 
 
+def _check_headerless(world: int, cfg: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    """Static shapes: the first step learned with headers, every later one sent without."""
+    if not cfg.get("options", {}).get("static_shapes"):
+        return
+    for step in range(cfg["steps"]):
+        sent = [r["stats"][step]["headerless_sends"] for r in results]
+        if step == 0:
+            assert sent == [0] * world, f"step 0 must learn the shapes with headers: {sent}"
+        else:
+            assert all(n > 0 for n in sent), f"step {step}: some rank sent with headers: {sent}"
+
+
 @pytest.mark.parametrize("case_id", _ids(2))
 def test_two_ranks_match_unsplit_model(pool_results: Any, case_id: str) -> None:
     cfg = next(c for c in CASES[2] if c["id"] == case_id)
     _check_against_reference(2, cfg, pool_results[2][case_id])
+    _check_headerless(2, cfg, pool_results[2][case_id])
 
 
 @pytest.mark.parametrize("case_id", _ids(4) if 4 in CASES else [])
 def test_four_ranks_match_unsplit_model(pool_results: Any, case_id: str) -> None:
     cfg = next(c for c in CASES[4] if c["id"] == case_id)
     _check_against_reference(4, cfg, pool_results[4][case_id])
+    _check_headerless(4, cfg, pool_results[4][case_id])
 
 
 @pytest.mark.parametrize("world,name", [(2, n) for n in ORACLE_2] + ([(4, n) for n in ORACLE_4] if 4 in CASES else []))

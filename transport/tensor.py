@@ -94,6 +94,8 @@ __all__ = [
     "WorkWaiter",
     "decode_spec",
     "encode_spec",
+    "signature",
+    "END",
     "abort_communicators",
     "dtype_from_name",
     "dtype_name",
@@ -123,6 +125,9 @@ _PACK_MAX = 64 << 10
 _MAGIC = 0x706C6F6F6D  # "ploom"
 _FLAG_FAST = 1  #: the payload went into the pre-posted buffers
 _FLAG_ABORT = 2  #: no payload: the sender's step failed (it fills what was posted for it)
+_FLAG_END = 8  #: no payload: the sender's step ended with every transfer sent (NCCL, static shapes)
+#: the kind of the Landed that an end-of-step header delivers
+END = "E"
 _FLAG_TRAIN = 4  #: sent in a training step (the sender predicted from its training table)
 _HEADER_PART = _MAX_PARTS - 1  #: tag part of the header (pre-posted, fast tag space)
 _SPEC_PART = _MAX_PARTS - 1  #: tag part of the spec of an unpredicted transfer (slow tag space)
@@ -344,6 +349,36 @@ def _sendable(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def signature(tensors: Sequence[torch.Tensor | None], kind: str, stage: int, mb: int) -> tuple[list[torch.Tensor], _Key, int]:
+    """A transfer's sendable tensors, its shapes and dtypes by position, and its requires-grad bits.
+
+    Raises ValueError (naming the stage and microbatch) for what the tensor plane cannot send.
+    """
+    if len(tensors) > _MAX_TENSORS:
+        raise ValueError(
+            f"a stage output of {len(tensors)} tensors cannot be sent (at most {_MAX_TENSORS}): "
+            f"stage {stage} microbatch {mb}; return fewer tensors (e.g. stack them)"
+        )
+    real: list[torch.Tensor] = []
+    key_l: list[tuple[tuple[int, ...], str] | None] = []
+    mask = 0
+    for j, t in enumerate(tensors):
+        if t is None:
+            key_l.append(None)
+            continue
+        if t.dtype not in _DTYPE_CODE:
+            raise ValueError(
+                f"the {'activation' if kind == 'F' else 'gradient'} for stage {stage} microbatch {mb} holds a tensor of "
+                f"dtype {dtype_name(t.dtype)} (position {j}), which the tensor plane cannot send; supported: {', '.join(_DTYPES)}"
+            )
+        if t.requires_grad:
+            mask |= 1 << j
+        t = _sendable(t.detach())
+        real.append(t)
+        key_l.append((tuple(t.shape), dtype_name(t.dtype)))
+    return real, tuple(key_l), mask
+
+
 def _alloc(key: _Key, device: torch.device) -> list[torch.Tensor | None]:
     return [None if ent is None else torch.empty(ent[0], dtype=dtype_from_name(ent[1]), device=device) for ent in key]
 
@@ -529,6 +564,11 @@ class GlooReceiver:
                     # the sender's step failed: it fills every receive of the step this way, so that
                     # no thread stays parked in gloo (the failure itself comes as an abort message)
                     cur.append(pred if pred is not None else ())
+                    continue
+                if h[6] & _FLAG_END:
+                    # static shapes (headers mode only): the sender sent all of the step's payloads
+                    cur.append(())
+                    self._call(self._deliver, Landed(self.peer, seq, step, END, -1, -1, [], (), header_ns, header_ns, False), None)
                     continue
                 if not 0 <= h[3] < len(_KINDS):
                     raise TransferError(self.peer, seq, f"malformed transfer header from rank {self.peer}: kind {h[3]}")
@@ -847,32 +887,10 @@ class TensorPlane:
         position's shapes in our previous step of this kind); otherwise the
         header says so and the shapes and payload follow under other tags.
         """
-        if len(tensors) > _MAX_TENSORS:
-            raise ValueError(
-                f"a stage output of {len(tensors)} tensors cannot be sent (at most {_MAX_TENSORS}): "
-                f"stage {stage} microbatch {mb}; return fewer tensors (e.g. stack them)"
-            )
         # Whatever can refuse the tensors does so before the transfer takes its sequence number:
         # a number taken is a transfer the peer's thread waits for, and abort_step fills only
         # the numbers not taken.
-        real: list[torch.Tensor] = []
-        key_l: list[tuple[tuple[int, ...], str] | None] = []
-        mask = 0
-        for j, t in enumerate(tensors):
-            if t is None:
-                key_l.append(None)
-                continue
-            if t.dtype not in _DTYPE_CODE:
-                raise ValueError(
-                    f"the {'activation' if kind == 'F' else 'gradient'} for stage {stage} microbatch {mb} holds a tensor of "
-                    f"dtype {dtype_name(t.dtype)} (position {j}), which the tensor plane cannot send; supported: {', '.join(_DTYPES)}"
-                )
-            if t.requires_grad:
-                mask |= 1 << j
-            t = _sendable(t.detach())
-            real.append(t)
-            key_l.append((tuple(t.shape), dtype_name(t.dtype)))
-        key = tuple(key_l)
+        real, key, mask = signature(tensors, kind, stage, mb)
         seq = self.next_send_seq(peer)
         idx = seq - self._send_base.get(peer, 0)
         prev = self._send_tables.get((peer, self._send_train))
@@ -948,6 +966,18 @@ class TensorPlane:
         self._send_step = (step, {})
         return filled
 
+    def send_end(self, peer: int, step: int) -> None:
+        """NCCL, static shapes: tell ``peer`` that every payload of this step to it is posted.
+
+        Its one header of the step: the peer does not finish its step without it (or an abort
+        header, when this rank's step fails), so a step whose transfer could not be sent as
+        predicted never completes on the receiving rank either.
+        """
+        seq = self.next_send_seq(peer)
+        flags = _FLAG_END | (_FLAG_TRAIN if self._send_train else 0)
+        words = torch.tensor([_MAGIC, seq, step, 0, 0, 0, flags, 0, 0, 0], dtype=torch.int64)
+        self._inflight_sends.append((_isend(words, peer, self.header_group, _tag(seq, _HEADER_PART, True)), (words,), peer))
+
     def _send_abort(self, peer: int, step: int) -> None:
         seq = self.next_send_seq(peer)
         idx = seq - self._send_base.get(peer, 0)
@@ -991,6 +1021,11 @@ class TensorPlane:
             self._inflight_sends.append((work, (t,), peer))
         self._reap_sends()
         return nbytes
+
+    def send_placeholder(self, peer: int, expected: _Key) -> None:
+        """NCCL, static shapes: fill the receive the peer posted with ``expected`` shapes (a transfer
+        that cannot be sent as predicted), so that no receive kernel waits forever on its GPU."""
+        self.send(peer, [b for b in _alloc(expected, self.device) if b is not None])
 
     def _reap_sends(self) -> None:
         q = self._inflight_sends

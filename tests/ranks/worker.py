@@ -83,7 +83,8 @@ def run_pipeloom(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
         deterministic=cfg.get("deterministic", False),
         **{k: cfg[k] for k in ("data_parallel", "fsdp", "trace", "bucket_bytes") if k in cfg},
         **_wrap_policy(cfg),
-        **({"options": pipeloom.RuntimeOptions(dispatch=cfg["dispatch"])} if "dispatch" in cfg else {}),
+        **({"options": pipeloom.RuntimeOptions(**cfg.get("options", {}), **({"dispatch": cfg["dispatch"]} if "dispatch" in cfg else {}))}
+           if "dispatch" in cfg or "options" in cfg else {}),
     )
     # a mixed layout (DTensor shards beside replicated tensors) needs the optimizer's per-tensor path
     mixed = cfg.get("fsdp_wrap") == "linears"

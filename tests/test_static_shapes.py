@@ -1,0 +1,59 @@
+"""``static_shapes``: a transfer whose shapes differ from the first step's fails both ranks loudly.
+
+The gradients of the static-shapes protocol are checked with every schedule in
+tests/test_runtime_gradients.py (cases ``static-*``, 2 and 4 ranks); here, what must
+never be silent: after the first step the receiver posts its receives with the first
+step's shapes before the sender has produced anything, so a changed shape must stop
+the job on both ranks with an error naming the transfer and both shapes (the sender
+fills the posted receive first, so nothing hangs).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "ranks"))
+from harness import spawn_ranks  # noqa: E402
+
+WORKER = str(Path(__file__).parent / "ranks" / "static_worker.py")
+
+
+async def _run(tmp_path: Path, mode: str) -> list[dict]:
+    codes, _, errs = await spawn_ranks(2, [WORKER, str(tmp_path), mode], timeout=90)
+    recs = []
+    for r in range(2):
+        p = tmp_path / f"rank{r}.json"
+        assert p.exists(), f"rank {r} wrote no record (exit {codes[r]}):\n{errs[r][-3000:]}"
+        recs.append(json.loads(p.read_text()))
+    assert codes == [1, 1], (codes, [e[-2000:] for e in errs])
+    return recs
+
+
+@pytest.mark.parametrize("mode,sender,what,expect", [
+    # the activation rank 0 sends: 3 rows per microbatch instead of 2
+    ("batch", 0, "activation", "float64[3, 4] requires_grad"),
+    # the activation no longer requires grad (rank 1 would compute no input gradient)
+    ("rg", 0, "activation", "(float64[2, 4])"),
+])
+async def test_changed_transfer_fails_both_ranks(tmp_path: Path, mode: str, sender: int, what: str, expect: str) -> None:
+    recs = await _run(tmp_path, mode)
+    for r in recs:
+        assert r["status"] == "error", r
+        assert r["headerless"] == [0, 4], r  # step 1 ran without headers (4 microbatches, one transfer each way)
+    s = recs[sender]
+    assert s["type"] == "StageError", s
+    msg = s["message"]
+    assert msg.startswith(f"rank {sender}, step 2, stage 0, microbatch 0, action 0F0"), msg
+    assert "static_shapes=True" in msg and f"the {what} that stage 0 sends to stage 1" in msg, msg
+    assert expect in msg and "float64[2, 4] requires_grad" in msg, msg
+    # the receiver never completes the step on the placeholder it got: it fails with the
+    # sender's error, or with its own if its stage chokes on the placeholder first
+    other = recs[1 - sender]
+    assert other["type"] in ("RemoteRankError", "StageError"), other
+    if other["type"] == "RemoteRankError":
+        assert "static_shapes=True" in other["message"], other
+    assert abs(other["t"] - s["t"]) < 10, (other["t"], s["t"])
