@@ -93,8 +93,8 @@ from pipeloom.schedules import (
 from ..schedules.dataflow import consumer_stage
 from .run_costs import RunCosts
 
-__all__ = ["Candidate", "Layers", "TuneResult", "calibration", "fixed_per_action", "format_tune", "parse_size", "search_split", "stage_compute",
-           "tune"]
+__all__ = ["Candidate", "Layers", "TuneResult", "calibration", "fixed_per_action", "format_tune", "parse_size",
+           "search_split", "stage_compute", "tune"]
 
 
 @dataclass(frozen=True)
