@@ -37,10 +37,12 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import traceback
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -156,6 +158,29 @@ def _expire(f: asyncio.Future[bool]) -> None:
 _AUTO_RULES: dict[tuple[Any, ...], str] = {}
 
 
+#: static shapes, auto: input layouts remembered per kind (their transfer tables), the oldest evicted
+_KNOWN_LAYOUTS = 16
+
+
+def _layout(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return ("T", tuple(v.shape), str(v.dtype), v.requires_grad)
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, tuple)):
+        return tuple(_layout(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((str(k), _layout(x)) for k, x in v.items()))
+    return type(v).__qualname__
+
+
+def input_signature(inputs: StepInputs) -> int:
+    """A 63-bit digest of a step's input layout: every tensor's shape, dtype and requires_grad in
+    every microbatch's args, kwargs and target, and plain scalars' values (same on every process)."""
+    text = repr((_layout(inputs.args), _layout(inputs.kwargs), _layout(inputs.targets)))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
 def _describe_sig(sig: Any, mask: int) -> str:
     parts = []
     for j, ent in enumerate(sig):
@@ -236,7 +261,11 @@ class RankActor:
         self._sends_per_peer = {train: self.flow.sends_per_peer(rank, acts) for train, acts in ((True, self.train_actions), (False, self.eval_actions))}
         #: NCCL with options.static_shapes: from the second step of a kind on, transfers without
         #: headers, sent and received in list order ("Static shapes" in the module docstring)
-        self._static = bool(options.static_shapes) and tensor_plane.header_group is not None
+        self._static = options.static_shapes is not False and tensor_plane.header_group is not None
+        #: static_shapes=None: the ranks agree at each step's start on their inputs' layout
+        #: (``agree``: every rank's input signature, from one all-gather; set by the Pipeline)
+        self._auto = options.static_shapes is None
+        self.agree: Any = None
         #: this step runs without headers / is a training step
         self._spec = False
         self._train_now = True
@@ -350,12 +379,14 @@ class RankActor:
                     self._recv_pos[train][g] = {k: i for i, k in enumerate(seq)}
         #: (kind, consuming stage) whose input comes from another rank
         self._remote_in = {(k[0], k[1]) for by in self._recv_order.values() for seq in by.values() for k in seq}
-        #: learned in the first step of each kind: per transfer, (shapes, requires-grad bits) as
-        #: received / (shapes, requires-grad mask) as sent
-        self._rx_sig: dict[bool, dict[Key, tuple[Any, tuple[bool, ...]]]] = {True: {}, False: {}}
-        self._tx_sig: dict[bool, dict[Key, tuple[Any, int]]] = {True: {}, False: {}}
-        #: a step of this kind ran with headers and every table is filled
-        self._learned = {True: False, False: False}
+        #: learned in a step with headers, per (kind, every rank's input signature) (auto) or per
+        #: kind: per transfer, (shapes, requires-grad bits) as received and (shapes, requires-grad
+        #: mask) as sent; the last _KNOWN_LAYOUTS, oldest first (every rank evicts alike)
+        self._known: OrderedDict[tuple[bool, Any], tuple[dict[Key, Any], dict[Key, Any]]] = OrderedDict()
+        #: the tables of the step in progress (being learned, or used), and their key
+        self._cur_rx: dict[Key, tuple[Any, tuple[bool, ...]]] = {}
+        self._cur_tx: dict[Key, tuple[Any, int]] = {}
+        self._cur_layout: tuple[bool, Any] = (True, None)
         # per step without headers: next position per peer (sent / received), outputs held
         # until every earlier transfer to their peer is sent
         self._tx_next: dict[int, int] = {}
@@ -457,7 +488,7 @@ class RankActor:
             # NCCL: the header came through gloo; post the payload's receive now, committed (the
             # consumer's stream waits on it), in header order = the order the peer sent
             if self._static:
-                self._rx_sig[self._train_now][(got.kind, got.stage, got.microbatch)] = (got.shapes, got.requires_grad)
+                self._cur_rx[(got.kind, got.stage, got.microbatch)] = (got.shapes, got.requires_grad)
             with self.dev.posting(got.stage):
                 buffers, works = self.tensors.recv_payload(got.src, got.shapes)
             self._posted[key] = (buffers, works, got.requires_grad)
@@ -529,7 +560,7 @@ class RankActor:
                 f"the next transfer expected from rank {src} (internal error: the send orders disagree)"
             )
         order = self._recv_order[train][src]
-        sig = self._rx_sig[train]
+        sig = self._cur_rx
         for i in range(first, pos + 1):
             k = order[i]
             shapes, rg = sig[k]
@@ -604,7 +635,7 @@ class RankActor:
             return
         if self._static:  # a step with headers: learn what the later steps send without them
             _, sig, mask = signature(tensors, kind, to_stage, mb)
-            self._tx_sig[self._train_now][(kind, to_stage, mb)] = (sig, mask)
+            self._cur_tx[(kind, to_stage, mb)] = (sig, mask)
         t0 = clock_ns() if self.trace is not None else 0
         try:
             with self.dev.on_stage(from_stage):  # NCCL orders the payload's send after the producer's stream
@@ -639,18 +670,21 @@ class RankActor:
                      tensors: Sequence[torch.Tensor | None]) -> None:
         kind, to_stage, mb = k
         train = self._train_now
-        exp, exp_mask = self._tx_sig[train][k]
+        exp, exp_mask = self._cur_tx[k]
         real, sig, mask = signature(tensors, kind, to_stage, mb)
         if sig != exp or mask != exp_mask:
             with self.dev.on_stage(from_stage):
                 self.tensors.send_placeholder(dst, exp)  # the peer's posted receive completes
             what = "activation" if kind == "F" else "gradient"
             raise ValueError(
-                f"static_shapes=True, but the {what} that stage {from_stage} sends to stage {to_stage} "
+                f"static shapes (static_shapes={self.options.static_shapes}), but the {what} that stage {from_stage} sends to stage {to_stage} "
                 f"(rank {dst}) for microbatch {mb} in step {step} has {_describe_sig(sig, mask)}, while the first "
-                f"{'training' if train else 'evaluation'} step's had {_describe_sig(exp, exp_mask)}; every step of a kind must "
-                "hand over the same shapes, dtypes and requires_grad with static shapes: pass "
-                "RuntimeOptions(static_shapes=False) when they change between steps"
+                f"{'training' if train else 'evaluation'} step{' with the same inputs' if self._auto else ''} had "
+                f"{_describe_sig(exp, exp_mask)}; "
+                + ("a stage whose outputs change shape while its inputs do not (data-dependent shapes) needs "
+                   "RuntimeOptions(static_shapes=False)" if self._auto else
+                   "with static_shapes=True every step of a kind must hand over the same shapes: pass static_shapes=None "
+                   "(auto) or False when they change")
             )
         t0 = clock_ns() if self.trace is not None else 0
         try:
@@ -833,7 +867,18 @@ class RankActor:
         self._liveness_interval = self.liveness.check_interval
         pending = self._pending = list(self.train_actions if train else self.eval_actions)
         self._train_now = train
-        spec = self._spec = self._static and self._learned[train]
+        spec = False
+        if self._static:
+            layout = (train, await self._agree_layout(inputs, step) if self._auto else None)
+            tables = self._known.get(layout)
+            spec = tables is not None
+            if spec:
+                self._known.move_to_end(layout)
+                self._cur_rx, self._cur_tx = tables
+            else:
+                self._cur_rx, self._cur_tx = {}, {}
+            self._cur_layout = layout
+        self._spec = spec
         self._head = None
         # their landings queue up for the dispatcher (runtime/landing.py)
         landings = self._landings = LandingQueue(asyncio.get_running_loop())
@@ -1039,12 +1084,37 @@ class RankActor:
                 self._check_liveness([], step)
 
     def _learn_done(self, train: bool) -> None:
-        """Static shapes: a step with headers completed; later steps of its kind go without them."""
-        missing = [(p, k) for p, seq in self._recv_order[train].items() for k in seq if k not in self._rx_sig[train]]
-        missing += [(p, k) for p, seq in self._send_order[train].items() for k in seq if k not in self._tx_sig[train]]
+        """Static shapes: a step with headers completed; later steps of its layout go without them."""
+        missing = [(p, k) for p, seq in self._recv_order[train].items() for k in seq if k not in self._cur_rx]
+        missing += [(p, k) for p, seq in self._send_order[train].items() for k in seq if k not in self._cur_tx]
         if missing:  # every rank ran the whole step: each transfer was sent and received
             raise PipelineError(f"rank {self.rank}: static shapes: transfers not seen in a whole step (internal error): {missing[:4]}")
-        self._learned[train] = True
+        self._known[self._cur_layout] = (self._cur_rx, self._cur_tx)
+        while len(self._known) > _KNOWN_LAYOUTS:
+            self._known.popitem(last=False)
+
+    async def _agree_layout(self, inputs: StepInputs, step: int) -> tuple[int, ...]:
+        """Static shapes, auto: every rank's input signature, gathered (one all-gather per step).
+
+        Keyed by all of them, because a rank's transfers depend on other ranks' inputs (the
+        first stage's batch shapes every activation) and a rank may be given no inputs.
+        """
+        sig = input_signature(inputs)
+        if self.agree is None:  # (an actor built without a Pipeline: its own inputs only)
+            return (sig,)
+        fut = asyncio.get_running_loop().run_in_executor(None, self.agree, sig)
+        if not fut.done():
+            self.state = ("waiting", "the ranks' input layouts", time.monotonic())
+            last = time.monotonic()
+            fut.add_done_callback(lambda _f: self._wake.set())
+            while not fut.done():
+                if self._remote_error is not None:
+                    raise self._remote_error
+                self._wake.clear()
+                if not await self._wake.wait_for(self._liveness_interval) and time.monotonic() - last >= self._liveness_interval:
+                    last = time.monotonic()
+                    self._check_liveness([], step)
+        return tuple(fut.result())
 
     def describe_wait(self, pending: Sequence[Action], step: int, train: bool = True) -> list[str]:
         """What the first few pending actions are waiting for, by stage and microbatch."""

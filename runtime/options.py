@@ -143,18 +143,30 @@ class RuntimeOptions:
     measured to slow compute by 3% (``gpu_commit_ms`` 10) to 30% (50) on 2 H100s.
     Environment: ``PIPELOOM_GPU_EARLY_RECEIVES=1``."""
 
-    static_shapes: bool = False
-    """NCCL: every step of a kind (training, evaluation) hands over tensors of the same shapes,
-    dtypes and requires-grad flags as the first step of that kind (as torch's runtime assumes).
-    From the second step of each kind on, no transfer header travels: each rank sends to a
-    peer in its list order, and the receiver posts each receive and commits its consumer
-    before the sender has even launched the producer, so neither host waits for the other
-    (see ``runtime/actor.py``, "Static shapes").  A transfer whose shapes differ fails the
-    step on both ranks with an error naming the stage, microbatch and both shapes (it is
-    never received into the wrong buffers).  The dynamic order then applies to local work
-    only.  Ignored on gloo (receives are posted ahead there anyway).  Without headers, ranks
-    that disagree on the order of step()/eval() calls are caught by the stall timeout rather
-    than at the first transfer.  Environment: ``PIPELOOM_STATIC_SHAPES=1``."""
+    static_shapes: bool | None = None
+    """NCCL: hand over activations and gradients without per-transfer headers once their
+    shapes are known (``runtime/actor.py``, "Static shapes").  A step runs *headerless* when a
+    step of the same kind (training, evaluation) with the same inputs ran before: each rank
+    sends to a peer in its list order, and the receiver posts each receive and commits its
+    consumer before the sender has even produced it, so no host waits for another's (torch's
+    runtime works this way, with static shapes throughout).  Otherwise the step learns the
+    shapes with headers, as on the first step.
+
+    ``None`` (auto, default): "the same inputs" is agreed by all ranks at each step's start
+    (one small all-gather on a gloo group): the shapes, dtypes and requires_grad of every
+    tensor in every microbatch's inputs and targets on every rank, and the values of plain
+    scalars; the last 16 such input layouts per kind are remembered, so a few recurring
+    shapes (bucketed lengths, a smaller last batch) run headerless after their first step.
+    ``True``: every step after the first of its kind runs headerless, without the agreement
+    (for jobs whose inputs never change shape).  ``False``: always headers (the receiver
+    learns each transfer's shapes from it).  With ``None`` or ``True``, a stage whose output
+    shapes change while its inputs' do not (data-dependent shapes) fails the step on both
+    ranks with an error naming the transfer and both shapes (never a silent mis-pairing);
+    pass ``False`` for such models.  The dynamic order then applies among actions whose
+    inputs are local or already arrived; a remote input not yet sent counts as ready only for
+    the list's first pending action.  Ignored on gloo (receives are posted ahead there
+    anyway) unless ``emulate_nccl_transport``.  Environment: ``PIPELOOM_STATIC_SHAPES``
+    (``auto``, ``1`` or ``0``)."""
 
     emulate_nccl_transport: bool = False
     """gloo, for tests: run the NCCL transfer protocol on CPU ranks (headers through a gloo group
@@ -215,6 +227,8 @@ class RuntimeOptions:
             problems.append(f"p2p_max_ctas must be an int >= 1 or None (got {self.p2p_max_ctas!r})")
         if self.dispatch not in ("auto", "ready", "critical", "guarded"):
             problems.append(f"dispatch must be 'auto', 'ready', 'critical' or 'guarded' (got {self.dispatch!r}; deterministic=True runs the list order)")
+        if self.static_shapes not in (None, True, False):
+            problems.append(f"static_shapes must be None (auto), True or False (got {self.static_shapes!r})")
         if self.fsdp_reduce not in ("auto", "fsdp"):
             problems.append(f"fsdp_reduce must be 'auto' or 'fsdp' (got {self.fsdp_reduce!r})")
         if problems:
@@ -289,6 +303,15 @@ def _seconds(raw: str) -> float:
         raise ValueError("expected a number of seconds") from None
 
 
+def _auto_flag(raw: str) -> bool | None:
+    if raw.lower() == "auto":
+        return None
+    try:
+        return _flag(raw)
+    except ValueError:
+        raise ValueError(f"expected auto or one of {', '.join(_TRUE + _FALSE)}") from None
+
+
 def _ms(raw: str) -> float:
     try:
         return float(raw)
@@ -316,7 +339,7 @@ ENV_VARS: dict[str, tuple[str, Any]] = {
     "PIPELOOM_GPU_COMMIT_MS": ("gpu_commit_ms", _ms),
     "PIPELOOM_GPU_EARLY_RECEIVES": ("gpu_early_receives", _flag),
     "PIPELOOM_OVERLAP_STREAMS": ("overlap_streams", _flag),
-    "PIPELOOM_STATIC_SHAPES": ("static_shapes", _flag),
+    "PIPELOOM_STATIC_SHAPES": ("static_shapes", _auto_flag),
     "PIPELOOM_PROFILE_RANGES": ("profile_ranges", _flag),
     "PIPELOOM_OVERLAP_COLLECTIVES": ("overlap_collectives", _flag),
     "PIPELOOM_FSDP_REDUCE": ("fsdp_reduce", str),

@@ -58,6 +58,18 @@ class Microbatches(list):  # type: ignore[type-arg]
     """
 
 
+def _gather_ints(group: Any) -> Callable[[int], list[int]]:
+    """A blocking all-gather of one int64 per rank over the gloo ``group`` (None: the default group)."""
+
+    def gather(value: int) -> list[int]:
+        mine = torch.tensor([value], dtype=torch.int64)
+        out = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, mine, group=group)
+        return [int(t) for t in out]
+
+    return gather
+
+
 def _new_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
@@ -463,6 +475,8 @@ class Pipeline:
             stage_to_rank=self.stage_to_rank,
             collectives=self._collectives,
         )
+        if self._actor._static and self._actor._auto:
+            self._actor.agree = _gather_ints(obj_group)  # static shapes: the ranks' input layouts, each step
         self._control.start_heartbeats(opts.heartbeat_interval, lambda: self._actor.state)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._bound_loop: asyncio.AbstractEventLoop | None = None

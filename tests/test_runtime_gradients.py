@@ -107,10 +107,21 @@ def _nccl_protocol_cases(world: int, table: dict[str, list[int]]) -> list[dict[s
         base = dict(schedule=name, microbatches=n, dim=4, batch=2 * n, steps=3, eval=True)
         out.append({**base, "id": f"static-{name}", "options": {"static_shapes": True, "emulate_nccl_transport": True}})
         if world == 2:
-            out.append({**base, "id": f"nccl-headers-{name}", "steps": 2, "options": {"emulate_nccl_transport": True}})
+            out.append({**base, "id": f"nccl-headers-{name}", "steps": 2, "options": {"static_shapes": False, "emulate_nccl_transport": True}})
+            # auto (the default): headerless from the second step with the same inputs
+            out.append({**base, "id": f"auto-{name}", "options": {"emulate_nccl_transport": True}, "headerless": [False, True, True]})
     if world == 2:
         opts = {"static_shapes": True, "emulate_nccl_transport": True}
+        auto = {"emulate_nccl_transport": True}
         out += [
+            # auto: two input layouts that recur (a batch size, a sequence length): each learned once
+            dict(id="auto-batch-recurs", schedule="1F1B", microbatches=4, dim=4, batch=[8, 12, 8, 12, 8], steps=5, eval=True,
+                 options=auto, headerless=[False, False, True, True, True]),
+            dict(id="auto-seq-recurs-zbv", schedule="ZBVZeroBubble", microbatches=4, dim=4, batch=8, seq=[3, 5, 3, 5], steps=4,
+                 eval=True, options=auto, headerless=[False, False, True, True]),
+            # auto: every step's microbatch lengths differ from the last ones': always headers
+            dict(id="auto-per-mb-dualpipev", schedule="DualPipeV", microbatches=4, dim=4, batch=8, seq="per_mb", steps=3,
+                 options=auto, headerless=[False, False, False]),
             # several tensors per transfer, kwargs, an uneven last microbatch (shapes differ between microbatches)
             dict(id="static-multi-kwargs-uneven", schedule="Interleaved1F1B", microbatches=4, dim=4, batch=66, multi=True, kwargs=True,
                  steps=3, eval=True, options=opts),
@@ -235,13 +246,16 @@ def _check_against_reference(world: int, cfg: dict[str, Any], results: list[dict
 
 
 def _check_headerless(world: int, cfg: dict[str, Any], results: list[dict[str, Any]]) -> None:
-    """Static shapes: the first step learned with headers, every later one sent without."""
-    if not cfg.get("options", {}).get("static_shapes"):
-        return
+    """Static shapes: which steps ran without headers (True: all after the first; auto: as listed)."""
+    want = cfg.get("headerless")
+    if want is None:
+        if not cfg.get("options", {}).get("static_shapes"):
+            return
+        want = [step > 0 for step in range(cfg["steps"])]
     for step in range(cfg["steps"]):
         sent = [r["stats"][step]["headerless_sends"] for r in results]
-        if step == 0:
-            assert sent == [0] * world, f"step 0 must learn the shapes with headers: {sent}"
+        if not want[step]:
+            assert sent == [0] * world, f"step {step} must learn the shapes with headers: {sent}"
         else:
             assert all(n > 0 for n in sent), f"step {step}: some rank sent with headers: {sent}"
 

@@ -34,10 +34,12 @@ async def _run(tmp_path: Path, mode: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("mode,sender,what,expect", [
-    # the activation rank 0 sends: 3 rows per microbatch instead of 2
+    # static_shapes=True: the activation rank 0 sends: 3 rows per microbatch instead of 2
     ("batch", 0, "activation", "float64[3, 4] requires_grad"),
-    # the activation no longer requires grad (rank 1 would compute no input gradient)
+    # static_shapes=True: the activation no longer requires grad (rank 1 would compute no input gradient)
     ("rg", 0, "activation", "(float64[2, 4])"),
+    # auto: same inputs, but stage 0's output doubles its rows (data-dependent shapes)
+    ("datadep", 0, "activation", "float64[4, 4] requires_grad"),
 ])
 async def test_changed_transfer_fails_both_ranks(tmp_path: Path, mode: str, sender: int, what: str, expect: str) -> None:
     recs = await _run(tmp_path, mode)
@@ -48,12 +50,24 @@ async def test_changed_transfer_fails_both_ranks(tmp_path: Path, mode: str, send
     assert s["type"] == "StageError", s
     msg = s["message"]
     assert msg.startswith(f"rank {sender}, step 2, stage 0, microbatch 0, action 0F0"), msg
-    assert "static_shapes=True" in msg and f"the {what} that stage 0 sends to stage 1" in msg, msg
+    assert "static shapes (static_shapes=" in msg and f"the {what} that stage 0 sends to stage 1" in msg, msg
+    assert ("static_shapes=False" if mode == "datadep" else "static_shapes=None") in msg, msg
     assert expect in msg and "float64[2, 4] requires_grad" in msg, msg
     # the receiver never completes the step on the placeholder it got: it fails with the
     # sender's error, or with its own if its stage chokes on the placeholder first
     other = recs[1 - sender]
     assert other["type"] in ("RemoteRankError", "StageError"), other
     if other["type"] == "RemoteRankError":
-        assert "static_shapes=True" in other["message"], other
+        assert "static shapes" in other["message"], other
     assert abs(other["t"] - s["t"]) < 10, (other["t"], s["t"])
+
+
+async def test_auto_relearns_when_the_inputs_change(tmp_path: Path) -> None:
+    """static_shapes=None (auto): a larger batch in step 2 runs with headers again, and exactly."""
+    codes, _, errs = await spawn_ranks(2, [WORKER, str(tmp_path), "batch-auto"], timeout=90)
+    assert codes == [0, 0], [e[-2000:] for e in errs]
+    recs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in recs:
+        assert r["status"] == "ok", r
+        assert r["headerless"] == [0, 4, 0], r  # step 2's inputs are new: learned with headers
+    assert all(isinstance(x, float) for x in recs[0]["losses"]), recs[0]
