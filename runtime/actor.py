@@ -1035,10 +1035,12 @@ class RankActor:
             self.state = ("waiting", "sends to complete", time.monotonic())
             d0 = clock_ns() if trace is not None else 0
             try:
-                if self._cuda:
-                    self.tensors.drain_sends()  # NCCL: orders the caller's stream, never blocks the host
+                if self._cuda or self.tensors.sends_landed():
+                    # NCCL: orders the caller's stream, never blocks the host; gloo: every send has
+                    # landed at its peer (the peers' headers said so): completes at once
+                    self.tensors.drain_sends()
                 else:
-                    await asyncio.to_thread(self.tensors.drain_sends)
+                    await self._drain_sends(landings, park, step)
             except SendError as exc:
                 err = self._lost_peer(exc.peer, f"completing the sends to rank {exc.peer} (step {step})", exc)
                 if err is None:
@@ -1115,6 +1117,61 @@ class RankActor:
                     last = time.monotonic()
                     self._check_liveness([], step)
         return tuple(fut.result())
+
+    async def _drain_sends(self, landings: LandingQueue, park: float, step: int) -> None:
+        """gloo, end of a step: wait until its sends have completed; SendError as ``drain_sends`` raises it.
+
+        The waits run on an executor thread (a send to a peer that never posts
+        its receive would block the loop, and gloo's wait cannot be given up);
+        the thread's completion comes back through the landing queue, which the
+        dispatcher's thread parks on as it does for a landing (a round trip
+        through the loop's selector and an asyncio future cost a few hundred
+        microseconds at the end of every step on a loaded 2-core machine).
+        While it waits on the loop, the liveness check runs as in the step.
+        """
+        done: list[BaseException | None] = []
+        wake = self._wake
+
+        def finished(err: BaseException | None) -> None:
+            done.append(err)
+            wake.set()
+
+        def work() -> None:
+            err: BaseException | None = None
+            try:
+                self.tensors.drain_sends()
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop's thread
+                err = exc
+            try:
+                landings.call_soon_threadsafe(finished, err)
+            except RuntimeError:  # the loop is closed: the job is being torn down
+                pass
+
+        landings.inline()
+        try:
+            asyncio.get_running_loop().run_in_executor(None, work)
+            last_liveness = time.monotonic()
+            while not done:
+                wake.clear()
+                if park and landings.park(park):
+                    landings.drain()
+                    continue
+                if not landings.to_loop():
+                    landings.drain()
+                    continue
+                try:
+                    woken = await wake.wait_for(self._liveness_interval)
+                finally:
+                    landings.inline()
+                landings.drain()
+                now = time.monotonic()
+                if not woken and now - last_liveness >= self._liveness_interval:
+                    last_liveness = now
+                    self._check_liveness([], step)
+        finally:
+            landings.release()
+        if done[0] is not None:
+            raise done[0]
 
     def describe_wait(self, pending: Sequence[Action], step: int, train: bool = True) -> list[str]:
         """What the first few pending actions are waiting for, by stage and microbatch."""

@@ -182,3 +182,41 @@ async def test_pipeline_steps_each_in_a_new_event_loop(tmp_path: Path) -> None:
     codes, outs, errs = await spawn_ranks(2, [str(script)], timeout=60)
     assert codes == [0, 0], "\n".join(e[-3000:] for e in errs)
     assert all(f"done {r}" in outs[r] for r in range(2))
+
+
+@pytest.mark.asyncio
+async def test_headers_tell_the_sender_which_of_its_transfers_landed(tmp_path: Path) -> None:
+    """A gloo header carries how many of the receiver's transfers its sender has landed, so a rank
+    knows which of its sends completed without waiting for them (the end of a step then needs no
+    thread).  1F1B on 2 ranks: rank 1's last gradient of a step comes after it landed every
+    activation of rank 0, which therefore knows all its sends landed; nothing comes back to rank 1
+    after its last gradient, so it does not know that (and waits for the sends on a thread)."""
+    script = tmp_path / "acks.py"
+    script.write_text(textwrap.dedent("""
+        import os, torch, pipeloom
+        from torch import nn
+        rank = int(os.environ["RANK"])
+        torch.manual_seed(0)
+        pipe = pipeloom.Pipeline(lambda s: nn.Linear(4, 4), schedule="1F1B", num_microbatches=3,
+                                 loss_fn=nn.functional.mse_loss, stall_timeout=20)
+        x, y = torch.randn(12, 4), torch.randn(12, 4)
+        for _ in range(2):
+            pipe.step(x, target=y)
+        t = pipe._tensors
+        rx = t._receivers[1 - rank]
+        print("acks", rank, t.sends_landed(), rx.acked, rx.landed, t._send_seq[1 - rank], flush=True)
+        pipe.close()
+    """))
+    codes, outs, errs = await spawn_ranks(2, [str(script)], timeout=60)
+    assert codes == [0, 0], "\n".join(e[-3000:] for e in errs)
+    got = {}
+    for r in range(2):
+        line = next(ln for ln in outs[r].splitlines() if ln.startswith("acks"))
+        _, rank, landed, acked, from_peer, sent = line.split()
+        got[int(rank)] = (landed == "True", int(acked), int(from_peer), int(sent))
+    assert got[0] == (True, 6, 6, 6)  # 3 activations a step, all landed at rank 1 before its last gradient
+    landed1, acked1, from0, sent1 = got[1]
+    assert not landed1 and sent1 == 6 and from0 == 6
+    # rank 0's last activation (F2, after B0 in 1F1B's order F0 F1 B0 F2 B1 B2) acknowledged step 1's
+    # three gradients and step 2's first
+    assert acked1 == 4

@@ -50,7 +50,14 @@ peer (not a shared pool) because receives from one peer complete in order: a
 pool could fill with receives whose data depends on our own progress while
 the one we need sits queued.
 Sends are not waited for on the hot path; their ``Work`` is kept (holding the
-tensor alive) and reaped when completed.
+tensor alive) and waited for at the end of the step.  A gloo send's ``Work``
+says it completed only once waited for, and a wait for a send whose receive the
+peer never posts cannot be given up, so that wait runs on a thread -- unless
+the peer's headers already said that every transfer sent to it has landed
+(each gloo header carries how many of the receiver's transfers its sender has
+landed: :meth:`TensorPlane.sends_landed`); then the waits return at once, on
+the loop's thread.  In a pipeline the rank that finishes a step last has
+usually heard so from its peer.
 
 NCCL.  Two things differ on GPUs.  (1) NCCL runs a pair's point-to-point ops
 in order on one stream, so a send from A to B posted before A's receive from
@@ -112,7 +119,9 @@ def _tag(seq: int, part: int, fast: bool) -> int:
 
 #: gloo transfer header, int64 words: magic, seq, step, kind (0 F, 1 B), consuming stage,
 #: microbatch, flags, requires-grad bits (by tensor position), words of the spec that follows,
-#: and one spare (80 bytes: a payload packed after it stays aligned for every dtype)
+#: and (gloo) how many of the receiver's transfers the sender has landed so far, which tells the
+#: receiver that its sends below that number have completed (80 bytes: a payload packed after
+#: it stays aligned for every dtype)
 _HEADER_WORDS = 10
 _HEADER_BYTES = _HEADER_WORDS * 8
 #: gloo: headers are written and read as bytes (native int64, what a CPU int64 tensor holds) in a
@@ -458,6 +467,10 @@ class GlooReceiver:
         self._announce: Callable[[tuple[int, str, int, int]], None] | None = None
         #: per kind of step (train?): the shapes of the previous step's transfers, by position
         self._tables: dict[bool, list[_Key]] = {}
+        #: gloo: the peer's transfers landed here (every one below this sequence number), and how
+        #: many of ours the peer said it had landed (its headers' last word); see TensorPlane.sends_landed
+        self.landed = 0
+        self.acked = 0
         self._plans: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"pipeloom-recv-r{rank}-from{peer}", daemon=True)
         self._thread.start()
@@ -560,6 +573,10 @@ class GlooReceiver:
                     )
                 for w in works:  # the payload (fast) or the sender's placeholders
                     w.wait()
+                # (read by the loop's thread: its sends to the peer below h[9] have landed there;
+                # the peer's below seq + 1 have landed here)
+                self.acked = max(self.acked, h[9])
+                self.landed = seq + 1
                 if h[6] & _FLAG_ABORT:
                     # the sender's step failed: it fills every receive of the step this way, so that
                     # no thread stays parked in gloo (the failure itself comes as an abort message)
@@ -904,7 +921,8 @@ class TensorPlane:
         spec = [] if fast else encode_spec(key)
         group = self.pair_groups.get((self.rank, peer))
         flags = (_FLAG_FAST if fast else 0) | (_FLAG_TRAIN if self._send_train else 0)
-        words = [_MAGIC, seq, step, _KINDS.index(kind), stage, mb, flags, mask, len(spec), 0]
+        rx = self._receivers.get(peer)
+        words = [_MAGIC, seq, step, _KINDS.index(kind), stage, mb, flags, mask, len(spec), rx.landed if rx is not None else 0]
         q = self._inflight_sends
         if self.header_group is not None:
             # NCCL: the header (and the shapes when unpredicted) through gloo now, on the host; the
@@ -1045,6 +1063,20 @@ class TensorPlane:
             except RuntimeError as exc:
                 raise SendError(peer, exc) from exc
         self._reap_recvs()
+
+    def sends_landed(self) -> bool:
+        """gloo: whether every transfer posted so far has landed at its peer, as the peers' headers said.
+
+        Then :meth:`drain_sends` cannot block on a peer (each send's data has
+        arrived; at most its completion is being recorded by this process's
+        gloo thread), so it may run on the loop's thread.
+        """
+        for peer, n in self._send_seq.items():
+            if n:
+                rx = self._receivers.get(peer)
+                if rx is None or rx.acked < n:
+                    return False
+        return True
 
     @property
     def pending_sends(self) -> int:
