@@ -32,6 +32,31 @@ Invariants:
 - Failures: an exception in an action is wrapped with rank, step, stage,
   microbatch and action, broadcast to every peer as an ``abort`` message, and
   raised; a peer's abort is raised here as :class:`RemoteRankError`.
+
+Static shapes (NCCL; ``RuntimeOptions.static_shapes``).  With a header per
+transfer, a receiver commits a consumer only once the sender's header has
+landed, so on a host-bound GPU job (many small microbatches) each host waits
+for the other's at every cross-rank dependency: measured on 2 H100s (GPT,
+32 microbatches, 1F1B), rank 0's dispatcher sat idle 20-40 ms of a 240-280 ms
+step where torch's host never waits.  torch posts a receive before the
+sender has produced anything and lets the device wait; it can because its
+shapes are fixed and its order is the list's.  Here, once the transfers of a
+step with the same inputs have been seen (auto: every rank's input layout,
+agreed by one all-gather at the step's start; ``True``: every step after the
+first of its kind), a step runs *headerless*: each rank sends to each peer in
+its list order (an output produced out of order waits, on the device, for
+the ones before it), and the receiver posts the receive with the learned
+shapes and commits the consumer - but only for the first pending action of
+the list, so every wait on a peer is one torch's static order would also
+make at that point and the validator's deadlock freedom carries over (the
+other actions still need inputs that are local or already posted).  A
+transfer that does not match what was learned is never received into the
+wrong buffers: its sender fills the posted receive with a placeholder and
+fails the step; every sender ends a headerless step with one end header per
+peer, which its peers wait for before finishing theirs, so no rank completes
+a step on a placeholder.  Alternatives: predicting shapes but keeping the
+headers (the host hop stays on the critical path), or posting receives
+early on a separate stream (spinning NCCL kernels slowed compute by 3-30%).
 """
 
 from __future__ import annotations

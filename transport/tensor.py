@@ -73,6 +73,13 @@ headers travel as on gloo, through a
 gloo group of their own (CPU memory: the receiver's thread reads them without
 touching the GPU); when one lands the loop posts the payload's receive on the
 consumer's stream, in header order, which is the order the peer sent in.
+(4) With static shapes (``runtime/actor.py``, "Static shapes") a step whose
+transfers are known carries no headers: the sender posts payloads in its list
+order (:meth:`TensorPlane.send`), the receiver posts them in that order with
+the learned shapes (:meth:`TensorPlane.recv_payload`), and the only header of
+the step is one *end* header per peer (:meth:`TensorPlane.send_end`; an
+abort header instead when the sender's step fails), which the peer waits for
+before it finishes the step.
 """
 
 from __future__ import annotations
