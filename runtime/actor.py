@@ -661,10 +661,16 @@ class RankActor:
         if self._static:  # a step with headers: learn what the later steps send without them
             _, sig, mask = signature(tensors, kind, to_stage, mb)
             self._cur_tx[(kind, to_stage, mb)] = (sig, mask)
+        self._send_one(dst, from_stage, step, kind, to_stage, mb,
+                       lambda: self.tensors.send_transfer(dst, step, kind, to_stage, mb, tensors)[:2])
+
+    def _send_one(self, dst: int, from_stage: int, step: int, kind: str, to_stage: int, mb: int, send: Any) -> None:
+        """Run ``send`` (-> sequence number or position, bytes) on the producer's stream; a broken
+        connection becomes the peer's loss (broadcast), and the send is traced."""
         t0 = clock_ns() if self.trace is not None else 0
         try:
             with self.dev.on_stage(from_stage):  # NCCL orders the payload's send after the producer's stream
-                seq, nbytes, _ = self.tensors.send_transfer(dst, step, kind, to_stage, mb, tensors)
+                seq, nbytes = send()
         except RuntimeError as exc:
             err = self._lost_peer(dst, f"sending {kind} of stage {to_stage} microbatch {mb} (step {step})", exc)
             if err is None:
@@ -711,19 +717,7 @@ class RankActor:
                    "with static_shapes=True every step of a kind must hand over the same shapes: pass static_shapes=None "
                    "(auto) or False when they change")
             )
-        t0 = clock_ns() if self.trace is not None else 0
-        try:
-            with self.dev.on_stage(from_stage):  # NCCL orders the send after the producer's stream
-                nbytes = self.tensors.send(dst, real)
-        except RuntimeError as exc:
-            err = self._lost_peer(dst, f"sending {kind} of stage {to_stage} microbatch {mb} (step {step})", exc)
-            if err is None:
-                raise
-            self._remote_error = err
-            self.broadcast_abort(err, None, step)
-            raise err from exc
-        if self.trace is not None:
-            self.trace.transfer("send", step, dst, to_stage, mb, kind, pos, nbytes, t0, clock_ns())
+        self._send_one(dst, from_stage, step, kind, to_stage, mb, lambda: (pos, self.tensors.send(dst, real)))
 
     def _peer_failure(self, exc: BaseException, a: Action, step: int) -> PipelineError | None:
         """A compute whose collective broke (an MoE all-to-all over gloo): the peer's failure, if that is the cause.
