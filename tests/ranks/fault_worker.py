@@ -64,8 +64,11 @@ def main() -> None:
                                  loss_fn=nn.functional.mse_loss, heartbeat_timeout=float(os.environ.get("HB_TIMEOUT", "10")),
                                  data_parallel=int(os.environ.get("DP", "1")), fsdp=os.environ.get("FSDP") == "1")
         if MODE == "garbage":
-            with open(os.path.join(OUT, f"endpoint{RANK}"), "w") as f:
+            # written whole, then renamed: the test polls for the file and reads it at once
+            tmp = os.path.join(OUT, f"endpoint{RANK}.tmp")
+            with open(tmp, "w") as f:
                 f.write(pipe._control.endpoint)
+            os.replace(tmp, os.path.join(OUT, f"endpoint{RANK}"))
             time.sleep(1.0)
         x, y = torch.randn(16, 8), torch.randn(16, 8)
         steps = 20 if MODE == "garbage" else 3
