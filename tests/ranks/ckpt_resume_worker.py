@@ -76,6 +76,9 @@ def run(mode: str, out: str, steps: int, restart: int) -> None:
         sched.step()
         if (step + 1) % 2 == 0:
             if mode == "kill" and restart == 0 and rank == 1 and step + 1 == KILL_IN_SAVE:
+                # the patch is process-wide: step 2's save, still writing in the background on a
+                # loaded machine, would die in it instead (the restart then resumed from step 0)
+                pipeloom.wait_checkpoints()
                 die_after_writing()
             pipeloom.save_checkpoint(ckpt, pipe, opt, step=step + 1, extra={"sched": sched.state_dict()}, async_save=True)
     pipeloom.wait_checkpoints()
