@@ -1092,11 +1092,16 @@ class RankActor:
         the placeholder it received.
         """
         want = self._recv_order[train].keys()
-        if self._ends.issuperset(want):
+        await self._wait_until(lambda: self._ends.issuperset(want), step, "peers' end of step")
+
+    async def _wait_until(self, done: Any, step: int, what: str) -> None:
+        """Sleep on the wake-up until ``done()``: a peer's failure raises, a lost peer is named
+        (liveness checked every interval).  ``done`` must turn true only when ``_wake`` is set."""
+        if done():
             return
-        self.state = ("waiting", "peers' end of step", time.monotonic())
+        self.state = ("waiting", what, time.monotonic())
         last = time.monotonic()
-        while not self._ends.issuperset(want):
+        while not done():
             if self._remote_error is not None:
                 raise self._remote_error
             self._wake.clear()
@@ -1124,17 +1129,8 @@ class RankActor:
         if self.agree is None:  # (an actor built without a Pipeline: its own inputs only)
             return (sig,)
         fut = asyncio.get_running_loop().run_in_executor(None, self.agree, sig)
-        if not fut.done():
-            self.state = ("waiting", "the ranks' input layouts", time.monotonic())
-            last = time.monotonic()
-            fut.add_done_callback(lambda _f: self._wake.set())
-            while not fut.done():
-                if self._remote_error is not None:
-                    raise self._remote_error
-                self._wake.clear()
-                if not await self._wake.wait_for(self._liveness_interval) and time.monotonic() - last >= self._liveness_interval:
-                    last = time.monotonic()
-                    self._check_liveness([], step)
+        fut.add_done_callback(lambda _f: self._wake.set())
+        await self._wait_until(fut.done, step, "the ranks' input layouts")
         return tuple(fut.result())
 
     async def _drain_sends(self, landings: LandingQueue, park: float, step: int) -> None:

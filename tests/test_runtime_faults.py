@@ -25,7 +25,7 @@ import pytest
 import zmq
 
 sys.path.insert(0, str(Path(__file__).parent / "ranks"))
-from harness import rank_env, free_port, spawn_ranks  # noqa: E402
+from harness import free_port, linear_job, rank_env, spawn_ranks  # noqa: E402
 
 WORKER = str(Path(__file__).parent / "ranks" / "fault_worker.py")
 
@@ -117,14 +117,7 @@ async def test_a_rank_that_left_early_is_named_at_once(tmp_path: Path) -> None:
     # rank 1 fails outside a step (an exception after step 0): its Pipeline closes at exit and
     # says so; rank 0, in step 1, must not wait for the 60 s heartbeat timeout
     script = tmp_path / "leave.py"
-    script.write_text(textwrap.dedent("""
-        import os, time, torch, pipeloom
-        from torch import nn
-        rank = int(os.environ["RANK"])
-        torch.manual_seed(0)
-        pipe = pipeloom.Pipeline(lambda s: nn.Linear(4, 4), schedule="1F1B", num_microbatches=2,
-                                 loss_fn=nn.functional.mse_loss, heartbeat_timeout=60)
-        x, y = torch.randn(4, 4), torch.randn(4, 4)
+    script.write_text(linear_job("""
         pipe.step(x, target=y)
         if rank == 1:
             raise RuntimeError("checkpoint failed")   # outside any step
@@ -133,7 +126,7 @@ async def test_a_rank_that_left_early_is_named_at_once(tmp_path: Path) -> None:
             pipe.step(x, target=y)
         finally:
             print(f"rank 0 stopped after {time.time() - t0:.2f} s", flush=True)
-    """))
+    """, microbatches=2, rows=4, pipe_args="heartbeat_timeout=60", imports=", time"))
     codes, outs, errs = await spawn_ranks(2, [str(script)], timeout=50)
     assert codes == [1, 1], errs
     assert "checkpoint failed" in errs[1]

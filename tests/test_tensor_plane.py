@@ -18,7 +18,7 @@ import pytest
 
 from pipeloom.transport.tensor import decode_spec, encode_spec
 
-from ranks.harness import spawn_ranks
+from ranks.harness import linear_job, spawn_ranks
 
 WORKER = Path(__file__).with_name("ranks") / "transport_worker.py"
 
@@ -162,14 +162,7 @@ async def test_pipeline_steps_each_in_a_new_event_loop(tmp_path: Path) -> None:
     """The same through Pipeline: ``asyncio.run(pipe.astep(...))`` per step, an evaluation between
     (this hung in step 1 while the receiver threads kept the first step's loop)."""
     script = tmp_path / "loops.py"
-    script.write_text(textwrap.dedent("""
-        import asyncio, os, torch, pipeloom
-        from torch import nn
-        rank = int(os.environ["RANK"])
-        torch.manual_seed(0)
-        pipe = pipeloom.Pipeline(lambda s: nn.Linear(4, 4), schedule="1F1B", num_microbatches=2,
-                                 loss_fn=nn.functional.mse_loss, stall_timeout=20)
-        x, y = torch.randn(8, 4), torch.randn(8, 4)
+    script.write_text(linear_job("""
         asyncio.run(pipe.astep(x, target=y))
         first = asyncio.run(pipe.aeval(x))
         for _ in range(2):
@@ -178,7 +171,7 @@ async def test_pipeline_steps_each_in_a_new_event_loop(tmp_path: Path) -> None:
         assert (first is None) == (rank == 0) and (rank == 0 or torch.equal(first, again))  # no optimizer: same output
         pipe.close()
         print("done", rank, flush=True)
-    """))
+    """, microbatches=2, rows=8, pipe_args="stall_timeout=20", imports=", asyncio"))
     codes, outs, errs = await spawn_ranks(2, [str(script)], timeout=60)
     assert codes == [0, 0], "\n".join(e[-3000:] for e in errs)
     assert all(f"done {r}" in outs[r] for r in range(2))
@@ -192,21 +185,14 @@ async def test_headers_tell_the_sender_which_of_its_transfers_landed(tmp_path: P
     activation of rank 0, which therefore knows all its sends landed; nothing comes back to rank 1
     after its last gradient, so it does not know that (and waits for the sends on a thread)."""
     script = tmp_path / "acks.py"
-    script.write_text(textwrap.dedent("""
-        import os, torch, pipeloom
-        from torch import nn
-        rank = int(os.environ["RANK"])
-        torch.manual_seed(0)
-        pipe = pipeloom.Pipeline(lambda s: nn.Linear(4, 4), schedule="1F1B", num_microbatches=3,
-                                 loss_fn=nn.functional.mse_loss, stall_timeout=20)
-        x, y = torch.randn(12, 4), torch.randn(12, 4)
+    script.write_text(linear_job("""
         for _ in range(2):
             pipe.step(x, target=y)
         t = pipe._tensors
         rx = t._receivers[1 - rank]
         print("acks", rank, t.sends_landed(), rx.acked, rx.landed, t._send_seq[1 - rank], flush=True)
         pipe.close()
-    """))
+    """, microbatches=3, rows=12, pipe_args="stall_timeout=20"))
     codes, outs, errs = await spawn_ranks(2, [str(script)], timeout=60)
     assert codes == [0, 0], "\n".join(e[-3000:] for e in errs)
     got = {}

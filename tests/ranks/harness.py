@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+import textwrap
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,21 @@ def launch_script(directory: Path, script: str, *args: str, nproc: int = 2, laun
     run_env.update(env or {})
     cmd = [sys.executable, "-m", "pipeloom.tools.cli", "launch", "--nproc-per-node", str(nproc), *launch_args, str(job), *args]
     return subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=timeout)
+
+
+def linear_job(body: str, *, microbatches: int, rows: int, pipe_args: str, imports: str = "") -> str:
+    """A 2-rank job script: ``nn.Linear(4, 4)`` stages, 1F1B, MSE loss, seed 0, ``rank``, and
+    ``x``, ``y`` of ``rows`` rows, then ``body`` (dedented; ``pipe_args``: more Pipeline keywords)."""
+    head = textwrap.dedent(f"""\
+        import os, torch, pipeloom{imports}
+        from torch import nn
+        rank = int(os.environ["RANK"])
+        torch.manual_seed(0)
+        pipe = pipeloom.Pipeline(lambda s: nn.Linear(4, 4), schedule="1F1B", num_microbatches={microbatches},
+                                 loss_fn=nn.functional.mse_loss, {pipe_args})
+        x, y = torch.randn({rows}, 4), torch.randn({rows}, 4)
+    """)
+    return head + textwrap.dedent(body)
 
 
 def free_port() -> int:
