@@ -377,6 +377,9 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
             prof.disable()
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
+            if args.profile_dir:  # the whole profile, for callers/callees offline
+                os.makedirs(args.profile_dir, exist_ok=True)
+                prof.dump_stats(os.path.join(args.profile_dir, f"cprofile-{engine}-{name}-{model_name}-r{rank}.pstats"))
             text = "\n".join(line[:160] for line in buf.getvalue().splitlines() if line.strip())
             print(f"--- cProfile, rank {rank}, {engine} {name} {model_name}, {args.cprofile} steps ---\n{text}", flush=True)
         dist.barrier()
@@ -488,12 +491,14 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         x_in, y_in = torch.cat(xs), torch.cat(ys)
         return (lambda: pipe.step(x_in, target=y_in)), pipe.close, lambda: {"variant": "one stream"}
 
-    def build_pipeloom_x() -> tuple[Any, Any, Any]:
-        """pipeloom with the RuntimeOptions fields of --x-options (e.g. gpu_commit_ms=50)."""
+    def build_pipeloom_x(which: int = 0) -> tuple[Any, Any, Any]:
+        """pipeloom with the RuntimeOptions fields of --x-options (e.g. gpu_commit_ms=50); engine
+        ``pipeloom-xN`` takes the N-th of several sets separated by ``;`` (``pipeloom-x`` the first)."""
         from pipeloom.runtime.options import RuntimeOptions
 
+        variant = args.x_options.split(";")[which]
         fields: dict[str, Any] = {}
-        for kv in filter(None, args.x_options.split(",")):
+        for kv in filter(None, variant.split(",")):
             k, v = kv.split("=", 1)
             fields[k] = {"true": True, "false": False}.get(v.lower(), v)
             if isinstance(fields[k], str):
@@ -506,10 +511,12 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         x_in, y_in = torch.cat(xs), torch.cat(ys)
         fn = lambda: pipe.step(x_in, target=y_in)  # noqa: E731
         fn.idle = lambda: pipe.statistics.idle_seconds  # type: ignore[attr-defined]
-        return fn, pipe.close, lambda: {"variant": args.x_options}
+        return fn, pipe.close, lambda: {"variant": variant}
 
     builders = {"pipeloom": build_pipeloom, "torch": build_torch, "pipeloom-1s": build_pipeloom_one_stream,
                 "pipeloom-x": build_pipeloom_x}
+    for i in range(1, len(args.x_options.split(";"))):
+        builders[f"pipeloom-x{i + 1}"] = lambda i=i: build_pipeloom_x(i)
     engines = [e.strip() for e in args.engines.split(",")]
     if args.alternate:
         # Both engines alive, blocks of steps alternating between them, so a drift in the
@@ -571,7 +578,7 @@ def table(path: str) -> str:
     for r in rows:
         case = (r.get("model", "transformer") + " " + ("varlen" if r["varlen"] else "fixed")
                 + (f" {r['label']}" if r.get("label") else "") + (f" [{r['code']}]" if r.get("code") else ""))
-        if r["engine"] in ("pipeloom-1s", "pipeloom-x"):  # a variant: its own row, beside the same process's torch
+        if r["engine"] == "pipeloom-1s" or r["engine"].startswith("pipeloom-x"):  # a variant: its own row, beside the same process's torch
             v = " one-stream" if r["engine"] == "pipeloom-1s" else f" {r.get('variant', 'x')}"
             by.setdefault((r.get("gpus", 2), r["schedule"], case + v), {})["pipeloom"] = r
             r["_base_case"] = case
@@ -623,7 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--varlen", action="store_true")
-    ap.add_argument("--x-options", default="gpu_commit_ms=50", help="RuntimeOptions fields of engine pipeloom-x (k=v,...)")
+    ap.add_argument("--x-options", default="gpu_commit_ms=50", help="RuntimeOptions fields of engine pipeloom-x (k=v,...); several sets separated by ';' "
+                    "are engines pipeloom-x, pipeloom-x2, ...")
     ap.add_argument("--alternate", type=int, default=0,
                     help="rounds: keep both engines alive and alternate blocks of steps/ROUNDS steps between them")
     ap.add_argument("--label", default="", help="a tag for this row's variant (e.g. the PIPELOOM_* settings tried)")
