@@ -208,13 +208,29 @@ def _timed(fn: Any, steps: int, warmup: int) -> tuple[list[float], int]:
     return times, torch.cuda.max_memory_allocated()
 
 
-def _host_times(fn: Any, steps: int, idle: Any = None) -> list[dict[str, float]]:
+def _host_times(fn: Any, steps: int, idle: Any = None, usage: bool = False) -> list[dict[str, Any]]:
     """``--host-times``: per rank, the median host time of a step (``fn`` returned, GPU not waited
     for), the step with the GPU drained, and (pipeloom) the dispatcher's idle time; gathered."""
     import torch
     import torch.distributed as dist
 
+    import gc
+
+    gcs = [0, 0, 0]
+    gc_s = [0.0, 0.0]
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:  # the garbage collector's passes and their time
+        if phase == "start":
+            gc_s[1] = time.perf_counter()
+        else:
+            gcs[info["generation"]] += 1
+            gc_s[0] += time.perf_counter() - gc_s[1]
+
     host, full, idl = [], [], []
+    before = _thread_cpu() if usage else {}
+    w0 = time.perf_counter()
+    if usage:
+        gc.callbacks.append(on_gc)
     for _ in range(steps):
         torch.cuda.synchronize()
         dist.barrier()
@@ -227,11 +243,39 @@ def _host_times(fn: Any, steps: int, idle: Any = None) -> list[dict[str, float]]
         full.append(t2 - t0)
         if idle is not None:
             idl.append(idle())
-    mine = {"host_ms": statistics.median(host) * 1e3, "step_ms": statistics.median(full) * 1e3,
-            "idle_ms": statistics.median(idl) * 1e3 if idl else None}
+    if usage:
+        gc.callbacks.remove(on_gc)
+    wall = time.perf_counter() - w0
+    mine: dict[str, Any] = {"host_ms": statistics.median(host) * 1e3, "step_ms": statistics.median(full) * 1e3,
+                            "idle_ms": statistics.median(idl) * 1e3 if idl else None}
+    if usage:  # which threads burn CPU beside the launching one, and the collector's passes
+        after = _thread_cpu()
+        busy = sorted(((after[k] - before.get(k, 0.0)) / wall, k) for k in after)
+        mine["threads"] = [(k, round(v, 3)) for v, k in reversed(busy) if v >= 0.02][:8]
+        mine["gc_by_gen"], mine["gc_ms"], mine["gc_objects"] = gcs, gc_s[0] * 1e3, len(gc.get_objects())
     allr: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(allr, mine)
     return allr
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds used so far by each thread of this process, by name (Linux /proc)."""
+    import threading
+
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    py = {str(t.native_id): t.name for t in threading.enumerate()}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        key = f"{py.get(tid, name)}:{tid}"
+        out[key] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
 
 
 def _reduce_max(x: float) -> float:
@@ -527,6 +571,11 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         for e in engines:
             for _ in range(args.warmup):
                 built[e][0]()
+        if args.gc_freeze:  # every object alive now out of the collector's way (both engines alike)
+            import gc
+
+            gc.collect()
+            gc.freeze()
         times: dict[str, list[float]] = {e: [] for e in engines}
         peaks: dict[str, int] = {e: 0 for e in engines}
         per = max(1, args.steps // args.alternate)
@@ -540,11 +589,12 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         for e in engines:
             fn, close, extra = built[e]
             prof = profile(e, fn)
-            ht = {"host_times": _host_times(fn, args.host_times, getattr(fn, "idle", None))} if args.host_times else {}
-            if ht and rank == 0:
-                print(f"host times {e} {name}: " + "; ".join(
-                    f"r{i} host {h['host_ms']:.1f} step {h['step_ms']:.1f}" + (f" idle {h['idle_ms']:.1f}" if h['idle_ms'] is not None else "")
-                    for i, h in enumerate(ht["host_times"])), flush=True)
+            ht = ({"host_times": _host_times(fn, args.host_times, getattr(fn, "idle", None), usage=args.thread_cpu)}
+                  if args.host_times else {})
+            if ht and rank == 0 and args.thread_cpu:
+                for i, u in enumerate(ht["host_times"]):
+                    print(f"thread cpu {e} {name} r{i} (gc {u['gc_by_gen']} {u['gc_ms']:.1f} ms, {u['gc_objects']} objects): "
+                          + ", ".join(f"{k} {v:.2f}" for k, v in u["threads"]), flush=True)
             record(e, times[e], peaks[e], {"order": args.engines, "alternate": args.alternate, "floor_ms_start": floor_start * 1e3,
                                            **extra(), **(prof or {}), **ht})
             if close is not None:
@@ -616,6 +666,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=int, default=0, help="profile this many more steps per engine and attribute compute gaps")
     ap.add_argument("--cprofile-rank", type=int, default=0, help="the rank --cprofile profiles")
     ap.add_argument("--host-times", type=int, default=0, help="after timing, this many more steps per engine: each rank's host time, step time and (pipeloom) idle time")
+    ap.add_argument("--thread-cpu", action="store_true", help="with --host-times: each busy thread's CPU share and the garbage collector's passes (Linux)")
+    ap.add_argument("--gc-freeze", action="store_true", help="--alternate: gc.freeze() after the warm-up steps (both engines)")
     ap.add_argument("--cprofile", type=int, default=0, help="run this many more steps per engine under cProfile on rank 0 and print the top functions")
     ap.add_argument("--profile-dir", default=None, help="keep the gzipped traces of the first and last rank here")
     ap.add_argument("--profile-schedules", default="1F1B", help="which schedules --profile applies to (comma-separated)")

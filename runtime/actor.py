@@ -327,6 +327,7 @@ class RankActor:
             stage_streams=(collectives is None or self._coll_on_stage) and options.overlap_streams,
             horizon_ms=options.gpu_commit_ms,
             early_receives=options.gpu_early_receives,
+            launches=options.gpu_commit_launches,
         )
         self._commit_ahead = self.dev.commit_ahead
         #: NCCL: headers through gloo, payloads received when their header lands (posted, committed)
@@ -938,7 +939,7 @@ class RankActor:
         step_start = clock_ns() if trace is not None else 0
         last_liveness = time.monotonic()
         landings.inline()  # back to the loop after the step, or in run_step after a failure
-        lazy_yield = coll is None and not commit_ahead
+        lazy_yield = coll is None
         last_yield = time.perf_counter()
         while pending:
             if landings:
@@ -986,7 +987,11 @@ class RankActor:
             a0 = clock_ns() if trace is not None else 0
             leaves = a.leaves()
             tkey = (a.type, leaves[0].stage)
-            token = self._token = dev.start(tkey) if commit_ahead else None
+            if commit_ahead:
+                h0 = time.perf_counter()
+                token = self._token = dev.start(tkey)
+            else:
+                token = self._token = None
             try:
                 if self._profile_ranges:  # (options.profile_ranges: a profiler range per action)
                     with torch.profiler.record_function(self._range_name(a)):
@@ -1017,6 +1022,8 @@ class RankActor:
                 raise
             except Exception as exc:
                 raise self._abort(exc, a, step) from exc
+            if commit_ahead:
+                dev.host_time(tkey, time.perf_counter() - h0)
             ran += 1
             if train:
                 for leaf in leaves:
@@ -1027,8 +1034,10 @@ class RankActor:
                 peak = max(peak, live)
             # Let the loop deliver arrivals (control messages, completions) that came in while this
             # action ran, before choosing the next.  Landed transfers need no loop turn (the
-            # landing queue is drained above), so on CPU without collectives the loop gets a turn
-            # at least every ``_YIELD_EVERY`` seconds (and whenever the dispatcher waits).
+            # landing queue is drained above), so without collectives (whose completions come
+            # through the loop) the loop gets a turn at least every ``_YIELD_EVERY`` seconds and
+            # whenever the dispatcher waits: on a host-bound GPU job a turn per action is host
+            # time the device waits for.
             if lazy_yield:
                 now = time.perf_counter()
                 if now - last_yield < _YIELD_EVERY:

@@ -255,3 +255,32 @@ def test_action_time_is_learned_from_events_after_the_input_waits(cuda: FakeCuda
     assert p.start(key) is None
     p.launched(key, [3], None)
     assert p.queued_ms() == pytest.approx(4.0)  # (the first one's end event is done)
+
+
+def test_horizon_grows_to_cover_the_slowest_learned_launch(cuda: FakeCuda) -> None:
+    # step 0's launches are not learned (one-time work); step 1's are; after step 1 (learn_steps 2)
+    # the horizon covers 3 launches of the slowest action type's mean: max(10, 3 x 12) = 36 ms
+    p = _policy(cuda, horizon_ms=10.0, default_ms=1.0, learn_steps=2, launches=3.0)
+    for step, times in enumerate([{("B", 3): [0.5], ("F", 0): [0.5]}, {("B", 3): [0.010, 0.014], ("F", 0): [0.004]}]):
+        p.begin_step()
+        for key, seconds in times.items():
+            for t in seconds:
+                p.host_time(key, t)
+        assert p.horizon_ms == 10.0  # not before the learning steps end
+        p.end_step()
+    assert p._timing.host_ms() == pytest.approx(12.0)
+    assert p.horizon_ms == pytest.approx(36.0)
+    # later launches change nothing
+    p.begin_step()
+    p.host_time(("B", 3), 1.0)
+    p.end_step()
+    assert p.horizon_ms == pytest.approx(36.0)
+    assert "3 x the slowest action's host launch time" in p.describe()
+
+
+def test_horizon_rule_floor_cap_and_off() -> None:
+    assert devmod.commit_horizon(10.0, 3.0, 2.0, 250.0) == 10.0  # fast launches: the configured floor
+    assert devmod.commit_horizon(10.0, 3.0, 12.0, 250.0) == pytest.approx(36.0)
+    assert devmod.commit_horizon(10.0, 3.0, 500.0, 250.0) == 250.0  # a stalled learning step: capped
+    assert devmod.commit_horizon(300.0, 3.0, 500.0, 250.0) == 300.0  # never below what was configured
+    assert devmod.commit_horizon(10.0, 0.0, 12.0, 250.0) == 10.0  # off
