@@ -489,7 +489,9 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
 
         def extra() -> dict[str, Any]:
             st = pipe.statistics
-            return {"out_of_order": st.out_of_order if st else None}
+            # (private, for the record: the commit horizon the GPU policy settled on)
+            return {"out_of_order": st.out_of_order if st else None,
+                    "horizon_ms": getattr(getattr(pipe._actor, "dev", None), "horizon_ms", None)}
 
         fn.idle = lambda: pipe.statistics.idle_seconds  # type: ignore[attr-defined]
         return fn, pipe.close, extra
@@ -555,7 +557,7 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         x_in, y_in = torch.cat(xs), torch.cat(ys)
         fn = lambda: pipe.step(x_in, target=y_in)  # noqa: E731
         fn.idle = lambda: pipe.statistics.idle_seconds  # type: ignore[attr-defined]
-        return fn, pipe.close, lambda: {"variant": variant}
+        return fn, pipe.close, lambda: {"variant": variant, "horizon_ms": getattr(getattr(pipe._actor, "dev", None), "horizon_ms", None)}
 
     builders = {"pipeloom": build_pipeloom, "torch": build_torch, "pipeloom-1s": build_pipeloom_one_stream,
                 "pipeloom-x": build_pipeloom_x}
