@@ -79,6 +79,7 @@ from ..schedules.dispatch import Dispatcher, choose_rule, plan_ranks
 from ..transport.control import ControlPlane
 from ..transport.tensor import END, Landed, SendError, TensorPlane, TransferError, signature
 from .device import make_policy
+from .direct_wait import DirectWait
 from .errors import PeerLostError, PipelineError, RemoteRankError, StageError
 from .landing import LandingQueue
 from .liveness import PeerLiveness
@@ -332,8 +333,17 @@ class RankActor:
         self._commit_ahead = self.dev.commit_ahead
         #: NCCL: headers through gloo, payloads received when their header lands (posted, committed)
         self._headers = tensor_plane.header_group is not None
-        if self._headers and not self._commit_ahead and not options.emulate_nccl_transport:
-            raise ValueError("a tensor plane with a header group needs the GPU device policy (payloads on NCCL)")
+        if self._headers and not self._commit_ahead and not (options.emulate_nccl_transport or options.static_shapes is True):
+            raise ValueError("a tensor plane with a header group needs the GPU device policy (payloads on NCCL), "
+                             "or static_shapes=True on gloo")
+        #: gloo with that protocol (static_shapes=True): the loop thread waits for its payloads
+        #: itself, watched by a thread that keeps the liveness check running (runtime/direct_wait.py)
+        self._direct: DirectWait | None = None
+        if self._headers and not self._commit_ahead:
+            self._direct = DirectWait(name=f"pipeloom-watch-r{rank}", check=self._check_for_loop,
+                                      breaker=tensor_plane.break_receives)
+        #: gloo, static shapes: per peer, how many of its step's payloads the loop has consumed
+        self._rx_used: dict[int, int] = {}
         #: GPU: receives posted (committed), not yet consumed: buffers, Works, spec
         self._posted: dict[tuple[int, str, int, int], tuple[list[torch.Tensor | None], list[Any], Any]] = {}
         #: GPU: local hand-offs between stage streams: the producer's event
@@ -548,7 +558,9 @@ class RankActor:
 
     # ------------------------------------------------------------ readiness
     def _have(self, key: tuple[int, str, int, int]) -> bool:
-        return key in self._inbox or key in self._posted
+        # (gloo, static shapes: a receive posted ahead has not landed; only the list's head may
+        # wait for it -- see _ready)
+        return key in self._inbox or (key in self._posted and not (self._spec and self._direct is not None))
 
     def _take(self, key: tuple[int, str, int, int], stage: int) -> list[torch.Tensor | None]:
         """An input of ``stage``: arrived, or (GPU) committed, with the stage's stream ordered after it."""
@@ -562,12 +574,69 @@ class RankActor:
         if self._spec and key not in self._posted:
             self._post_static(key)
         buffers, works, rgs = self._posted.pop(key)
-        self.dev.consume(stage, buffers, works)
+        if self._direct is not None:
+            self._wait_direct(key, works)
+        else:
+            self.dev.consume(stage, buffers, works)
         if key[1] == "F":
             for b, rg in zip(buffers, rgs):
                 if b is not None and rg:
                     b.requires_grad_(True)
         return buffers
+
+    def _wait_direct(self, key: tuple[int, str, int, int], works: list[Any]) -> None:
+        """gloo, NCCL protocol: wait on this thread for the payload of ``key`` (runtime/direct_wait.py).
+
+        The rank reports itself waiting meanwhile (its heartbeats must not make it look
+        stalled in an action to the other peers); a peer lost during the wait is named.
+        Static shapes: then keeps ``gloo_prepost_depth`` of the peer's next payloads posted.
+        """
+        step, kind, stage, mb = key
+        src = self.flow.recv_rank(kind, stage, self.rank)
+        assert src is not None and self._direct is not None
+        busy = self.state
+        self.state = ("waiting", busy[1], time.monotonic())
+        try:
+            self._direct.wait(works, src)
+        except PipelineError as err:  # the watchdog broke the wait: the peer is lost, or a rank failed
+            if isinstance(err, PeerLostError):
+                self._remote_error = err
+                self.broadcast_abort(err, None, step)
+            raise self._annotate_wait(err, self._pending, step) from None
+        except RuntimeError as exc:  # gloo: the connection closed
+            what = f"receiving {kind} of stage {stage} microbatch {mb} (step {step}) from rank {src}"
+            err = self._lost_peer(src, what, exc) or PeerLostError(f"{what} failed: {exc}", rank=self.rank, peer=src)
+            self._remote_error = err
+            self.broadcast_abort(err, None, step)
+            raise err from exc
+        finally:
+            self.state = busy
+        if self._spec:
+            used = self._rx_used[src] = self._rx_used.get(src, 0) + 1
+            self._post_ahead(src, step, used)
+
+    def _post_ahead(self, src: int, step: int, used: int) -> None:
+        """gloo, static shapes: keep ``gloo_prepost_depth`` of ``src``'s next payloads posted (a gloo
+        receive posted before its data is sent lands in about a fifth of the time)."""
+        order = self._recv_order[self._train_now].get(src, ())
+        last = min(len(order), used + self.options.gloo_prepost_depth) - 1
+        if last >= self._rx_next.get(src, 0):
+            self._post_static((step, *order[last]))
+
+    def _check_for_loop(self, peer: int) -> BaseException | None:
+        """The watchdog, while this rank's loop thread waits in gloo for ``peer``: read the control
+        plane and judge the peer's liveness on the loop's behalf (runtime/direct_wait.py)."""
+        self.control.drain()
+        if self._remote_error is not None:  # a rank failed (its abort came), or a peer was found lost
+            return self._remote_error
+        lost = self.liveness.check(self.step_index - 1, disconnected=self.control.disconnected,
+                                   events_read_at=self.control.monitors_read_at, needed={peer})
+        return None if lost is None else PeerLostError(lost.reason, rank=self.rank, peer=lost.peer)
+
+    def close(self) -> None:
+        """Stop this actor's threads (the watchdog of direct waits)."""
+        if self._direct is not None:
+            self._direct.close()
 
     def _post_static(self, key: tuple[int, str, int, int]) -> None:
         """Static shapes: post the receives of the peer's transfers up to ``key``, in its send order.
@@ -909,6 +978,11 @@ class RankActor:
             self._ends = set()
             self.tensors.begin_step(step, train, dict.fromkeys(self._recv_order[train], 1),
                                     dict.fromkeys(self._send_order[train], 1), self._landed, loop=landings)
+            if self._direct is not None:
+                # gloo: post each peer's first payloads now, before it sends them
+                self._rx_used = {}
+                for src in self._recv_order[train]:
+                    self._post_ahead(src, step, 0)
         else:
             # post this step's receives (gloo) or headers (NCCL): each peer's count is known from the schedule
             self.tensors.begin_step(step, train, self._recvs_per_peer[train], self._sends_per_peer[train], self._landed,

@@ -390,7 +390,8 @@ class Pipeline:
         # Control traffic (object collectives) on gloo, also on NCCL jobs.
         obj_group = self._obj_group = dist.new_group(backend="gloo") if backend == "nccl" else None
         # NCCL: transfer headers travel through gloo (transport/tensor.py), in a group of their own
-        nccl_protocol = backend == "nccl" or opts.emulate_nccl_transport
+        # gloo with static_shapes=True: the same protocol, the loop waiting for its payloads itself
+        nccl_protocol = backend == "nccl" or opts.emulate_nccl_transport or opts.static_shapes is True
         self._header_group = dist.new_group(backend="gloo") if nccl_protocol else None
         lay = self.layout
         if self._ep_groups is not None and not opts.deterministic:
@@ -801,6 +802,7 @@ class Pipeline:
         warn_pending()  # an asynchronous save still writing needs the process group
         if self._trace_sink is not None:
             self._trace_sink.close()
+        self._actor.close()
         self._control.stop()  # unregisters the socket's reader from the loop
         self._control.close()
         # After an abort the waiter threads may poll Works that never complete: do not wait for them.

@@ -38,7 +38,14 @@ def _records(out: Path, world: int) -> list[dict[str, Any]]:
     return recs
 
 
-async def test_user_exception_stops_every_rank_with_the_root_cause(tmp_path: Path) -> None:
+#: fault_worker.py's environment: the default protocol, and static_shapes=True (on gloo the loop
+#: thread then waits in gloo itself for its payloads, watched by runtime/direct_wait.py)
+PROTOCOLS = pytest.mark.parametrize("static", ["", "1"], ids=["headers", "static"])
+
+
+@PROTOCOLS
+async def test_user_exception_stops_every_rank_with_the_root_cause(tmp_path: Path, static: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STATIC", static)
     t0 = time.monotonic()
     codes, _, errs = await spawn_ranks(2, [WORKER, "raise", str(tmp_path)], timeout=60)
     elapsed = time.monotonic() - t0
@@ -54,7 +61,9 @@ async def test_user_exception_stops_every_rank_with_the_root_cause(tmp_path: Pat
     assert elapsed < 30
 
 
-async def test_killed_rank_is_named_on_the_survivor(tmp_path: Path) -> None:
+@PROTOCOLS
+async def test_killed_rank_is_named_on_the_survivor(tmp_path: Path, static: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STATIC", static)
     os.environ["HB_TIMEOUT"] = "2"
     try:
         codes, _, errs = await spawn_ranks(2, [WORKER, "kill", str(tmp_path)], timeout=60)
@@ -137,9 +146,11 @@ async def test_a_rank_that_left_early_is_named_at_once(tmp_path: Path) -> None:
     assert waited < 5.0, outs[0]
 
 
-async def test_stopped_rank_is_detected_by_heartbeats(tmp_path: Path) -> None:
+@PROTOCOLS
+async def test_stopped_rank_is_detected_by_heartbeats(tmp_path: Path, static: str) -> None:
+    # (static: rank 0's loop thread is blocked in gloo on rank 1's payload; the watchdog names it)
     port = free_port()
-    env = {"HB_TIMEOUT": "2"}
+    env = {"HB_TIMEOUT": "2", "STATIC": static}
     procs = [
         await asyncio.create_subprocess_exec(
             sys.executable, WORKER, "stop", str(tmp_path), env=rank_env(r, 2, port, env),

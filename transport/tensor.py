@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import datetime
 import logging
 import queue
 import struct
@@ -117,6 +118,7 @@ __all__ = [
 ]
 
 _SLOW = 1 << 30  #: tag offset of payloads sent outside a pre-posted receive
+_BREAK_TAG = (1 << 31) - 1  #: tag of the receive that closes a pair on purpose (never sent)
 _MAX_PARTS = 64  #: tensors per transfer that get distinct tags
 
 
@@ -1105,6 +1107,22 @@ class TensorPlane:
         self._inflight_recvs.extend(works)
         self._reap_recvs()
         return buffers, works
+
+    def break_receives(self, peer: int) -> None:
+        """gloo: make a receive from ``peer`` that a thread is blocked in raise, by closing the pair.
+
+        A gloo wait cannot be given up, and torch binds no ``Work.abort()``; but a wait
+        whose timeout expires closes its pair's connection, failing every operation pending
+        on it.  So a receive of nothing, waited for 1 ms, does it (``runtime/direct_wait.py``:
+        a peer declared lost while the loop thread waits for it).  The pair is unusable after.
+        """
+        pg, r = _peer(self.pair_groups.get((peer, self.rank)), peer)
+        if pg is dist.group.WORLD:
+            raise RuntimeError("break_receives needs the pair groups (it would close the default group)")
+        try:
+            pg.recv([torch.empty(1)], r, _BREAK_TAG).wait(datetime.timedelta(milliseconds=1))
+        except RuntimeError:
+            pass  # expected: the wait expired and the pair is closed
 
     def _reap_recvs(self) -> None:
         q = self._inflight_recvs

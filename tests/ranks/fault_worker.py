@@ -9,6 +9,9 @@ argv: MODE OUT_DIR.  Modes:
 - ``garbage``: every rank publishes its control endpoint; the test sprays it
   with malformed messages while the ranks train; they must finish correctly.
 - ``badcsv``: the schedule file is malformed.
+With ``STATIC=1`` in the environment the job runs with ``static_shapes=True`` (on gloo: no
+headers after the first step, the loop thread waiting in gloo itself, watched by
+``runtime/direct_wait.py``).
 Each rank writes ``{OUT}/rank{R}.json``: how it ended (ok / error type and
 message) and when, so the test can check what every rank reported.
 """
@@ -62,7 +65,8 @@ def main() -> None:
     try:
         pipe = pipeloom.Pipeline(lambda s: stages[s], schedule=schedule, num_microbatches=4,
                                  loss_fn=nn.functional.mse_loss, heartbeat_timeout=float(os.environ.get("HB_TIMEOUT", "10")),
-                                 data_parallel=int(os.environ.get("DP", "1")), fsdp=os.environ.get("FSDP") == "1")
+                                 data_parallel=int(os.environ.get("DP", "1")), fsdp=os.environ.get("FSDP") == "1",
+                                 options=pipeloom.RuntimeOptions(static_shapes=True) if os.environ.get("STATIC") == "1" else None)
         if MODE == "garbage":
             # written whole, then renamed: the test polls for the file and reads it at once
             tmp = os.path.join(OUT, f"endpoint{RANK}.tmp")
