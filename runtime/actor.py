@@ -57,6 +57,18 @@ peer, which its peers wait for before finishing theirs, so no rank completes
 a step on a placeholder.  Alternatives: predicting shapes but keeping the
 headers (the host hop stays on the critical path), or posting receives
 early on a separate stream (spinning NCCL kernels slowed compute by 3-30%).
+
+Static shapes on gloo (``static_shapes=True``).  The same protocol on CPU, where
+"committing" cannot mean a device wait: after the first step the loop thread posts
+each peer's next ``gloo_prepost_depth`` payloads ahead (a gloo receive posted before
+its send lands in a fifth of the time) and, when the list's head needs one, waits
+for it in gloo itself (``_wait_direct``): one thread hop per transfer, as torch's
+runtime, instead of gloo's thread -> a receiver thread -> the dispatcher's.  A posted
+receive is not an arrived input, so only the head may wait on one (the same rule as
+above).  Such a wait cannot be given up, so ``runtime/direct_wait.py``'s watchdog
+stands in for the loop meanwhile (reads the control plane, judges the peer's
+liveness) and breaks the wait, closing that pair, when a rank failed or the peer is
+lost.  Measured in ``benchmarks/RESULTS.md`` ("CPU host path, round 5").
 """
 
 from __future__ import annotations

@@ -173,16 +173,25 @@ class RuntimeOptions:
     ranks with an error naming the transfer and both shapes (never a silent mis-pairing);
     pass ``False`` for such models.  The dynamic order then applies among actions whose
     inputs are local or already arrived; a remote input not yet sent counts as ready only for
-    the list's first pending action.  Ignored on gloo (receives are posted ahead there
-    anyway) unless ``emulate_nccl_transport``.  Environment: ``PIPELOOM_STATIC_SHAPES``
+    the list's first pending action.
+
+    gloo: ``True`` runs the same protocol on CPU (headers through a gloo group for the first
+    step, payloads through two-rank groups): after the first step the loop thread posts each
+    peer's next ``gloo_prepost_depth`` payloads ahead and waits in gloo itself for the one its
+    next action needs, one thread hop per transfer as in torch's runtime, watched by a thread
+    that judges liveness meanwhile (``runtime/direct_wait.py``; a wait on a lost peer is broken
+    by closing that pair); measured in ``benchmarks/RESULTS.md`` ("CPU host path, round 5").  ``None``
+    (auto) and ``False`` keep gloo's default protocol (headers posted ahead on receiver
+    threads) unless ``emulate_nccl_transport``.  Environment: ``PIPELOOM_STATIC_SHAPES``
     (``auto``, ``1`` or ``0``)."""
 
     emulate_nccl_transport: bool = False
     """gloo, for tests: run the NCCL transfer protocol on CPU ranks (headers through a gloo group
     of their own, payloads through two-rank groups, received by the event loop when the header
     has landed or, with ``static_shapes``, without headers), so that the gloo test suite covers
-    it.  The loop blocks on each receive when its consumer runs, as torch's runtime does: a
-    stalled peer is then caught by gloo's timeout, not by the stall timeout.  Not for jobs."""
+    it.  The loop waits for each receive itself when its consumer runs, as torch's runtime
+    does, watched by ``runtime/direct_wait.py`` (as with ``static_shapes=True`` on gloo).
+    Not for jobs."""
 
     overlap_streams: bool = True
     """GPUs: one compute stream per local stage (True), so OVERLAP_F_B's forward and backward

@@ -79,7 +79,10 @@ order (:meth:`TensorPlane.send`), the receiver posts them in that order with
 the learned shapes (:meth:`TensorPlane.recv_payload`), and the only header of
 the step is one *end* header per peer (:meth:`TensorPlane.send_end`; an
 abort header instead when the sender's step fails), which the peer waits for
-before it finishes the step.
+before it finishes the step.  (5) ``static_shapes=True`` on gloo runs (3) and (4)
+on CPU: the loop thread posts the payload receives and waits for them itself
+(``runtime/direct_wait.py``; :meth:`TensorPlane.break_receives` frees a wait on a
+lost peer).
 """
 
 from __future__ import annotations
