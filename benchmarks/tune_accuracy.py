@@ -193,7 +193,7 @@ def analyze(out: str, args: argparse.Namespace) -> dict[str, object]:
     for r in rounds:
         model = load_trace(os.path.join(out, f"profile.r{r}.jsonl"))
         prof_steps[r] = dict(model.windows and summarize(model, critical=False).step_times_ns)
-        profile = costs_from_trace(model)
+        profile = costs_from_trace(model, typical=args.costs == "typical")
         profiles.append(profile)
         split = _profile_split(args)
         # with an uneven profile, the tuner knows the blocks (equal weights): it can tell each action's fixed
@@ -298,6 +298,9 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--analyze", metavar="DIR", default=None)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--costs", choices=("typical", "all"), default="typical",
+                   help="the profile's costs from its typical steps (at most the median of their size; the tuner's "
+                   "default, run_costs.TYPICAL) or from all of them (before)")
     args = p.parse_args()
     if "RANK" in os.environ:
         _rank_main(args)

@@ -206,24 +206,33 @@ def _rank_main(args: argparse.Namespace) -> None:
                 merge_types,
                 with_host_costs,
             )
-            from pipeloom.tools.schedule_tune import Layers, tune
+            from pipeloom.tools.schedule_tune import Layers, _simulate, calibration, tune
             from pipeloom.tools.trace_model import load_trace
 
             def costs(tag: str) -> Any:
-                return with_host_costs(costs_from_trace(load_trace(traces["device" + tag])),
-                                       costs_from_trace(load_trace(traces["host" + tag])))
+                # the typical steps' costs (run_costs.TYPICAL), as `pipeloom schedule tune` takes them
+                return with_host_costs(costs_from_trace(load_trace(traces["device" + tag]), typical=True),
+                                       costs_from_trace(load_trace(traces["host" + tag]), typical=True))
 
             run = costs("")
             if "_iw" in profiles:
                 run = merge_types(run, costs("_iw"))  # I and W as measured, not shares of B
             layers = Layers(tuple(layer_weights(args)), _units(psplit), ends=(1, 1))
             res = tune(run, schedules=names, microbatches=mbs, stages_per_rank=None, measured_step_ns=prof_real * 1e9,
-                       layers=layers, search=args.search)
+                       layers=layers, search=args.search, device_model=args.device_model)
             cands = [c.to_json() for c in res.candidates]
             if not cands:
                 raise ValueError("no configuration could be simulated: " + "; ".join(res.skipped[:3]))
+            # the other device model's prediction of the same candidates, side by side (same profile, same grid)
+            other = "max" if args.device_model == "lanes" else "lanes"
+            cal_other = calibration(run, measured_step_ns=prof_real * 1e9, layers=layers, device_model=other)
+            for c in cands:
+                _, sim = _simulate(run, c["schedule"], world, c["stages_per_rank"], c["microbatches"], layers=layers,
+                                   split=tuple(c["split"]), device_model=other)
+                c["step_ns_" + other] = sim.makespan * cal_other
             plan[0] = {"candidates": cands, "calibration": res.calibration, "sizes_fitted": res.sizes_fitted,
-                       "profile_step_s": prof_real, "host_fixed_ns": res.host_fixed_ns}
+                       "profile_step_s": prof_real, "host_fixed_ns": res.host_fixed_ns, "device_model": args.device_model,
+                       "other_model": other, "calibration_other": cal_other}
         except Exception:  # tell rank 1 (waiting in the broadcast) instead of leaving it to NCCL's timeout
             import traceback
 
@@ -261,11 +270,14 @@ def _rank_main(args: argparse.Namespace) -> None:
         rows = []
         for i, c in enumerate(grid):
             meas = statistics.median(times[i]) * 1e9
-            rows.append({**c, "measured_ns": meas, "error": c["step_ns"] / meas - 1})
+            rows.append({**c, "measured_ns": meas, "error": c["step_ns"] / meas - 1,
+                         "spread": [min(times[i]) * 1e9 / meas - 1, max(times[i]) * 1e9 / meas - 1]})
         doc = {"profile": {"schedule": pname, "microbatches": pm, "stages_per_rank": pv, "blocks": psplit,
                            "split_backward_from": args.profile_iw or None,
                            "step_ns": prof_real * 1e9, "calibration": plan[0]["calibration"],
-                           "sizes_fitted": plan[0]["sizes_fitted"], "host_fixed_ns": plan[0]["host_fixed_ns"]},
+                           "sizes_fitted": plan[0]["sizes_fitted"], "host_fixed_ns": plan[0]["host_fixed_ns"],
+                           "device_model": plan[0]["device_model"], "other_model": plan[0]["other_model"],
+                           "calibration_other": plan[0]["calibration_other"]},
                "device": torch.cuda.get_device_name() if gpu else "cpu", "size": args.size, "rows": rows,
                "seconds": {"profile_and_tune": t_profile, "total": time.perf_counter() - t_start}}
         with open(os.path.join(args.out, "tune_grid.json"), "w") as f:
@@ -299,14 +311,19 @@ def format_grid(doc: dict[str, Any]) -> str:
     rows = doc["rows"]
     prof = doc["profile"]
     host = prof.get("host_fixed_ns")
+    model, other = prof.get("device_model", "max"), prof.get("other_model")
+    key_o = f"step_ns_{other}" if other else None
+    has_other = key_o is not None and all(key_o in r for r in rows)
     blocks = ",".join(map(str, prof["blocks"])) if prof.get("blocks") else "even"
     lines = [f"device {doc['device']}, GPT size {doc['size']}; profile {prof['schedule']} m={prof['microbatches']} "
-             f"(blocks {blocks}): step {prof['step_ns'] / 1e6:.2f} ms, calibration x{prof['calibration']:.3f}, "
+             f"(blocks {blocks}): step {prof['step_ns'] / 1e6:.2f} ms, calibration x{prof['calibration']:.3f}"
+             + (f" ({model}; {other}: x{prof['calibration_other']:.3f})" if has_other else "") + ", "
              f"{'fixed + per-row compute' if prof['sizes_fitted'] else 'one size: proportional compute'}, host per "
              + ("action " + (", ".join(f"{t} {v / 1e6:.3f} ms" for t, v in host.items()) if host else "not separated"))
              + (f"; I, W measured on {prof['split_backward_from']}" if prof.get("split_backward_from") else ""),
              f"{'schedule':<22} {'m':>3} {'v':>2} {'blocks per stage':>18} {'measured':>10} {'predicted':>10} {'error':>7} "
-             f"{'recal.':>7} {'rank meas/pred':>14}"]
+             f"{'recal.':>7} {'rank meas/pred':>14}" + (f" {other + ' model':>11} {'error':>7}" if has_other else "")
+             + f" {'spread':>12}"]
     # the profiled configuration as measured in the grid: the tuner's calibration redone under the grid's
     # conditions (a machine whose speed drifted between the profile and the grid shifts every row alike)
     ref = [r for r in rows if r["schedule"] == prof["schedule"] and r["microbatches"] == prof["microbatches"]
@@ -319,20 +336,32 @@ def format_grid(doc: dict[str, Any]) -> str:
     for i in by_pred:
         r = rows[i]
         split = ",".join(map(str, _blocks(tuple(r["split"])))) + (" *" if r["searched"] else "")
+        sp = r.get("spread")
         lines.append(f"{r['schedule']:<22} {r['microbatches']:>3} {r['stages_per_rank']:>2} {split:>18} "
                      f"{r['measured_ns'] / 1e6:>8.2f}ms {r['step_ns'] / 1e6:>8.2f}ms {r['error']:>+7.1%} "
-                     f"{r['step_ns'] * recal / r['measured_ns'] - 1:>+7.1%} {rm[i]:>6}/{rp[i]:<7}")
+                     f"{r['step_ns'] * recal / r['measured_ns'] - 1:>+7.1%} {rm[i]:>6}/{rp[i]:<7}"
+                     + (f" {r[key_o] / 1e6:>9.2f}ms {r[key_o] / r['measured_ns'] - 1:>+7.1%}" if has_other else "")
+                     + (f" {sp[0]:+.0%}..{sp[1]:+.0%}" if sp else ""))
+
+    def stats(errs: list[float]) -> str:
+        return f"largest {max(errs):.1%}, median {statistics.median(errs):.1%}, {sum(e <= 0.10 for e in errs)} within 10%"
+
     errs = [abs(r["error"]) for r in rows]
     rerrs = [abs(r["step_ns"] * recal / r["measured_ns"] - 1) for r in rows]
     pick, best = rows[by_pred[0]], rows[by_meas[0]]
-    lines.append(f"{len(rows)} configurations (* = the tuner's layer split); largest error {max(errs):.1%}, median "
-                 f"{statistics.median(errs):.1%}, {sum(e <= 0.10 for e in errs)} within 10%; recalibrated to the grid's "
-                 f"{prof['schedule']} m={prof['microbatches']} (x{recal:.3f}): largest {max(rerrs):.1%}, median "
-                 f"{statistics.median(rerrs):.1%}, {sum(e <= 0.10 for e in rerrs)} within 10%")
+    lines.append(f"{len(rows)} configurations (* = the tuner's layer split); {model} model: error {stats(errs)}; "
+                 f"recalibrated to the grid's {prof['schedule']} m={prof['microbatches']} (x{recal:.3f}): {stats(rerrs)}")
     lines.append(f"tuner's first pick {pick['schedule']} m={pick['microbatches']} ({','.join(map(str, _blocks(tuple(pick['split']))))}): "
                  f"measured {pick['measured_ns'] / 1e6:.2f} ms; best measured {best['schedule']} m={best['microbatches']} "
                  f"({','.join(map(str, _blocks(tuple(best['split']))))}): {best['measured_ns'] / 1e6:.2f} ms; "
                  f"pick is {pick['measured_ns'] / best['measured_ns'] - 1:+.1%} from the best (goal: within 3%)")
+    if has_other:
+        assert key_o is not None
+        oerrs = [abs(r[key_o] / r["measured_ns"] - 1) for r in rows]
+        opick = min(rows, key=lambda r: r[key_o])
+        lines.append(f"{other} model on the same grid: error {stats(oerrs)}; its pick {opick['schedule']} "
+                     f"m={opick['microbatches']} ({','.join(map(str, _blocks(tuple(opick['split']))))}) is "
+                     f"{opick['measured_ns'] / best['measured_ns'] - 1:+.1%} from the best")
     lines.append(f"time: profile + tune {doc['seconds']['profile_and_tune']:.0f} s, total {doc['seconds']['total']:.0f} s")
     return "\n".join(lines)
 
@@ -351,6 +380,9 @@ def main() -> None:
                    "whose I and W the tuner takes as measured ('' : none: I and W as shares of B)")
     p.add_argument("--profile-steps", type=int, default=3, help="per batch size")
     p.add_argument("--search", type=int, default=3, help="layer-split search for this many of the best")
+    p.add_argument("--device-model", choices=("lanes", "max"), default="lanes",
+                   help="the tuner's model of host and device (schedule_tune.DEVICE_MODELS); the other one's "
+                   "predictions are printed beside it")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)

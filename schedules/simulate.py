@@ -41,8 +41,30 @@ without it):
   backward: B, or W when the backward is split (I computes the input
   gradient, but W still reads the activations).
 
-``busy`` is compute-lane time (compute, RESHARD, REDUCE_GRAD); ``idle`` is the
-rest of the makespan; ``bubble_fraction`` is ``idle / makespan`` per rank.
+**Committing ahead (GPUs, ``device_costs``).**  On a GPU pipeloom's host only
+*launches* an action and commits ahead of the device (``runtime/device.py``):
+an action whose inputs are committed is enqueued while the device time queued
+and not yet run is at most ``commit_horizon``, and CUDA stream waits enforce
+the data dependencies; with static shapes (every step after the first) a
+receive is posted and its consumer committed before the sender has produced,
+so no host waits for another's.  One lane per rank that charges each action
+the longer of its host and device time gets this wrong both ways: where F is
+host-bound and B device-bound (or the reverse) the host's launches overlap
+the device's work, and the sum of per-action maxima over-predicts (the GPU
+profile simulated 1.4x its measured step, calibration x0.715 on 2 x H100).
+With ``device_costs`` each rank has two lanes: the *host lane* runs the list
+in order, each action for its ``action_costs`` (launch, the runtime's own
+time, its sends), starting no earlier than when the queued device work falls
+to ``commit_horizon``; the *device lane* runs it when the device is free,
+the launch has begun and its inputs have landed (a local producer's device
+end; a transfer ``device_transfer`` after both its producer's device end and
+the receiver's device position where the receive was posted: NCCL queues the
+receive behind its stream's work), and it ends no earlier than its launch.
+The step ends when both lanes are done.  Without ``device_costs`` (CPUs: an
+action *is* its work) one lane, as above.
+
+``busy`` is compute-lane time (compute, RESHARD, REDUCE_GRAD; the device lane
+with ``device_costs``); ``idle`` is the rest of the makespan; ``bubble_fraction`` is ``idle / makespan`` per rank.
 With uniform costs and free communication this reproduces the textbook bubble
 fractions exactly: ``(p-1)/(m+p-1)`` for GPipe and 1F1B and ``(p-1)/(v*m+p-1)``
 for interleaved 1F1B.
@@ -51,7 +73,7 @@ for interleaved 1F1B.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from functools import partial
 from operator import itemgetter
@@ -216,13 +238,22 @@ ActionCosts = Mapping[tuple[int, str, "int | None"], float]
 """Durations by ``(stage, type, microbatch)``; microbatch None: every microbatch of that stage and type."""
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None, *, action_costs: ActionCosts | None = None) -> SimulationResult:
+def simulate(schedule: Schedule, costs: Costs | None = None, *, action_costs: ActionCosts | None = None,
+             device_costs: ActionCosts | None = None, commit_horizon: float = math.inf,
+             device_transfer: float | None = None) -> SimulationResult:
     """Simulate ``schedule`` under ``costs`` (default :class:`Costs`).
 
     ``action_costs`` overrides the compute costs of F, B, I and W per stage
     (key ``(stage, "F", None)``) or per stage and microbatch (``(stage, "F",
     3)``, looked up first): costs measured on a recorded run differ by stage
     (an embedding, a vocabulary head) and by microbatch (varying lengths).
+
+    ``device_costs`` (same keys): the device time of each action; then
+    ``action_costs`` (or ``costs``) are the host's launch time, and the ranks
+    commit ahead (module docstring): ``commit_horizon`` is how much queued
+    device time the host may run ahead by (pipeloom's ``gpu_commit_ms``),
+    ``device_transfer`` a transfer's time on the device lane (default
+    ``costs.transfer``).  The events are the device lane's.
 
     Accepts compute-only and lowered schedules, with or without FSDP actions,
     ``REDUCE_GRAD`` and ``OVERLAP_F_B``.  Raises :class:`ScheduleError` when
@@ -231,7 +262,10 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, action_costs: Ac
     """
     costs = Costs() if costs is None else costs
     lowered = any(a.is_comm for acts in schedule.actions.values() for a in acts)
-    return _run(schedule, costs, lowered=lowered, marks=None, record=True, action_costs=action_costs)
+    if device_costs is not None and not commit_horizon >= 0:
+        raise ValueError(f"commit_horizon must be >= 0 (got {commit_horizon!r})")
+    return _run(schedule, costs, lowered=lowered, marks=None, record=True, action_costs=action_costs,
+                device_costs=device_costs, horizon=commit_horizon, device_transfer=device_transfer)
 
 
 def lane_times(schedule: Schedule, costs: Costs | None = None) -> dict[int, list[float]]:
@@ -255,6 +289,9 @@ def _run(
     marks: dict[int, list[float]] | None,
     record: bool,
     action_costs: ActionCosts | None = None,
+    device_costs: ActionCosts | None = None,
+    horizon: float = math.inf,
+    device_transfer: float | None = None,
 ) -> SimulationResult:
     """The simulation proper; ``marks`` collects lane clocks, ``record`` the events."""
     actions = schedule.actions
@@ -266,21 +303,12 @@ def _run(
     N = S * M
     xfer = costs.transfer
     leaf_cost = {_F: costs.F, _B: costs.B, _I: costs.I, _W: costs.W}
-    if action_costs:
-        by_type = {t.value: t for t in (_F, _B, _I, _W)}
-        table: dict[tuple[int, ActionType, int | None], float] = {}
-        for (st, typ, mb), v in action_costs.items():
-            if typ not in by_type or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"action cost {(st, typ, mb)!r} = {v!r}: needs a type F, B, I or W and a finite cost >= 0")
-            table[(st, by_type[typ], mb)] = float(v)
-
-        def cost_of(leaf: Action) -> float:
-            v = table.get((leaf.stage, leaf.type, leaf.microbatch))
-            if v is None:
-                v = table.get((leaf.stage, leaf.type, None))
-            return leaf_cost[leaf.type] if v is None else v
-    else:
-        cost_of = None  # type: ignore[assignment]
+    cost_of = _cost_lookup(action_costs, leaf_cost) if action_costs else None
+    two_lane = device_costs is not None
+    dev_cost = _cost_lookup(device_costs, leaf_cost) if two_lane else None
+    dev_xfer = (costs.transfer if device_transfer is None else device_transfer) if two_lane else 0.0
+    dclock = {r: 0.0 for r in schedule.actions}  # device lane (two_lane): when it is free
+    queued: dict[int, list[tuple[float, float]]] = {r: [] for r in schedule.actions}  # committed (device end, duration)
     overlap = costs.overlap
 
     # value[kind * N + k]: when the value became available (None: not yet).
@@ -391,7 +419,36 @@ def _run(
                     dur = max(c1, c2) + overlap * min(c1, c2)
                 else:
                     dur = leaf_cost[t] if cost_of is None else cost_of(a)
-                end = start + dur
+                if dev_cost is not None:
+                    # host: launches in list order once the queued device work is down to the horizon (its
+                    # inputs are committed: a local producer earlier in the list; a remote one posted)
+                    if subs:
+                        dur = c1 + c2  # the host launches both halves; their kernels overlap on the device
+                        d1, d2 = dev_cost(subs[0]), dev_cost(subs[1])
+                        ddur = max(d1, d2) + overlap * min(d1, d2)
+                    else:
+                        ddur = dev_cost(a)
+                    q = queued[rank]  # device ends are in commit order (one lane): the queue drains front first
+                    k0 = 0
+                    while k0 < len(q) and q[k0][0] <= now:
+                        k0 += 1
+                    del q[:k0]  # finished before the host got here: never counted again
+                    load = sum(d for _, d in q)
+                    hstart = now
+                    for e, d in q:
+                        if load <= horizon:
+                            break
+                        hstart, load = e, load - d
+                    hend = hstart + dur
+                    dstart = max(start, dclock[rank], hstart)
+                    end = max(dstart + ddur, hend)
+                    q.append((end, ddur))
+                    dclock[rank] = end
+                    if evs is not None:
+                        evs(new_event((rank, a, dstart, end, "compute")))
+                    busy[rank] += ddur
+                    start, dur, now = dstart, 0.0, hend  # the device lane's span is recorded; the host moves on
+                end = start + dur if dev_cost is None else dclock[rank]
                 for leaf in leaves:
                     ls, lt, lm, _ = leaf
                     k = ls * M + (lm or 0)  # input_time checked the microbatch
@@ -407,10 +464,11 @@ def _run(
                         if lt is _B:
                             publish(_END_G * N + k, end)
                         live[rank] -= 1
-                if evs is not None:
-                    evs(new_event((rank, a, start, end, "compute")))
-                busy[rank] += dur
-                now = end
+                if dev_cost is None:
+                    if evs is not None:
+                        evs(new_event((rank, a, start, end, "compute")))
+                    busy[rank] += dur
+                    now = end
             elif not lowered and (t is _SEND_F or t is _SEND_B or t is _RECV_F or t is _RECV_B):
                 pass  # transfers are implied by the compute dependencies
             elif t is _SEND_F or t is _SEND_B:
@@ -431,14 +489,14 @@ def _run(
                     blocked_on[rank] = need
                     pos[rank], clock[rank] = i, now
                     return
-                send_post[slot] = (max(now, produced), a)
+                send_post[slot] = (produced if two_lane else max(now, produced), a)  # two lanes: on the device
                 if slot in recv_post:
                     land(slot)
             elif t is _RECV_F or t is _RECV_B:
                 if m is None:
                     raise ScheduleError(f"cannot simulate {a} on rank {rank}: a transfer needs a microbatch")
                 slot = s * M + m + (0 if t is _RECV_F else N)
-                recv_post[slot] = (now, a)
+                recv_post[slot] = (dclock[rank] if two_lane else now, a)  # NCCL: behind its stream's queued work
                 if slot in send_post:
                     land(slot)
             elif t is _UNSHARD:
@@ -462,6 +520,8 @@ def _run(
         pos[rank], clock[rank] = i, now
         if now > makespan:
             makespan = now
+        if dclock[rank] > makespan:
+            makespan = dclock[rank]
         blocked_on.pop(rank, None)
 
     def land(slot: int) -> None:
@@ -470,7 +530,7 @@ def _run(
         sent, send = send_post[slot]
         posted, recv = recv_post[slot]
         start = sent if sent > posted else posted
-        end = start + xfer
+        end = start + (dev_xfer if two_lane else xfer)
         if end > makespan:
             makespan = end
         if record:
@@ -505,6 +565,24 @@ def _run(
         peak_live_activations=peak,
         events=all_events,
     )
+
+
+def _cost_lookup(action_costs: ActionCosts, leaf_cost: Mapping[ActionType, float]) -> Callable[[Action], float]:
+    """``action -> cost`` from ``(stage, type, microbatch or None) -> cost`` (ValueError on a bad entry)."""
+    by_type = {t.value: t for t in (_F, _B, _I, _W)}
+    table: dict[tuple[int, ActionType, int | None], float] = {}
+    for (st, typ, mb), v in action_costs.items():
+        if typ not in by_type or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"action cost {(st, typ, mb)!r} = {v!r}: needs a type F, B, I or W and a finite cost >= 0")
+        table[(st, by_type[typ], mb)] = float(v)
+
+    def cost_of(leaf: Action) -> float:
+        v = table.get((leaf.stage, leaf.type, leaf.microbatch))
+        if v is None:
+            v = table.get((leaf.stage, leaf.type, None))
+        return leaf_cost[leaf.type] if v is None else v
+
+    return cost_of
 
 
 def _describe_wait(key: int | None, n: int, m_count: int) -> str:

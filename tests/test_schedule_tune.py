@@ -90,6 +90,22 @@ def test_costs_of_a_profile_with_two_batch_sizes(profile: Path) -> None:
     assert {(c.schedule, c.stages_per_rank) for c in r.candidates} == {("1F1B", 1), ("DualPipeV", 2)}
 
 
+def test_costs_from_the_typical_steps(profile: Path) -> None:
+    """``typical``: actions and transfers measured on the steps at most the median of their size; the step times
+    (what the tuner calibrates to) stay every reference step's."""
+    model = load_trace(str(profile))
+    every, typ = costs_from_trace(model), costs_from_trace(model, typical=True)
+    st = summarize(model, skip_warmup=1, critical=False).step_times_ns
+    full, half = sorted((2, 4, 6), key=lambda s: st[s]), sorted((1, 3, 5), key=lambda s: st[s])
+    assert typ.steps == sorted(full[:2] + half[:2])  # the slowest step of each size is left out
+    assert typ.step_ns_median == every.step_ns_median and typ.step_ns == every.step_ns
+    for (stage, t), mean in typ.compute_ns.items():
+        d = [a.duration for r in model.ranks for a in model.actions.get(r, [])
+             if a.step in full[:2] and a.stage == stage and a.type == t]
+        assert mean == pytest.approx(sum(d) / len(d))
+    assert typ.sizes_fitted and set(typ.compute_fit) == set(every.compute_fit)
+
+
 def test_compute_carried_as_fixed_plus_per_byte(profile: Path) -> None:
     rc = costs_from_trace(load_trace(str(profile)))
     for m, rows in ((4, 8), (8, 4), (2, 16)):
@@ -283,7 +299,15 @@ def test_host_and_device_recorded_apart() -> None:
     assert dev[1]["B"] > _host_times("B", 0, 4, 1) + 7.0 and a[(1, "B", None)] == pytest.approx(dev[1]["B"])
     r = tune(run, schedules=["1F1B"], microbatches=[4], stages_per_rank=[1], layers=UNEVEN, calibrate=False)
     assert r.host_separate and r.host_fixed_ns == pytest.approx({"F": 300.0, "B": 500.0, "I": 500.0, "W": 500.0})
-    assert "longer of its host path" in format_tune(r)
+    assert r.device_model == "lanes" and "committing ahead of its device" in format_tune(r)
+    assert "longer of its host path" in format_tune(tune(run, schedules=["1F1B"], microbatches=[4], stages_per_rank=[1],
+                                                         layers=UNEVEN, calibrate=False, device_model="max"))
+    # two lanes: the host path and the device time apart, each what the one-lane model takes the longer of
+    host_c, dev_c = _action_costs(run, 2, 1, 4, [0, 1], layers=UNEVEN, split=(5, 5), lanes=True)
+    assert host_c[(0, "F", None)] == pytest.approx(_host_times("F", 1, 4, 0) + 7.0)
+    assert dev_c[(1, "B", None)] == pytest.approx(dev[1]["B"])
+    for k in host_c:
+        assert max(host_c[k], dev_c[k]) == pytest.approx(a[k])
     # with two microbatch sizes, the device time is the part of a synced span that grows with the rows: the
     # sync, the checks and the host's launch (here a 5000 ns intercept everywhere) are not device time
     fit = {k: (5000.0, 0.0) for k in device.compute_fit}

@@ -265,3 +265,56 @@ def test_costs_parse() -> None:
     ]:
         with pytest.raises(ValueError, match=match):
             Costs.parse(bad)
+
+
+# -- committing ahead (GPUs): a host lane and a device lane per rank
+
+
+def _lane_costs(f: float, b: float, stages: int = 1) -> dict[tuple[int, str, None], float]:
+    return {(s, t, None): (f if t == "F" else b) for s in range(stages) for t in ("F", "B")}
+
+
+def test_two_lanes_commit_horizon_by_hand() -> None:
+    """One rank, F0 F1 F2 B0 B1 B2; host F 1, B 3; device F 3, B 1 (worked out by hand).
+
+    Unbounded: the host launches F0-F2 at 0..3 and B0-B2 at 3..12; the device runs the Fs at 0..9, B0 at
+    9..10, B1 at 10..11, and B2 ends with its launch: 12.  Horizon 3 (ms of queued device time): F1 is
+    committed at once (3 queued), F2 waits for F0's end (3), B0 for F1's (6), then the launches of B are the
+    longer path: 15.  Horizon 0: each action waits for the device to drain, so it costs the longer of its
+    host and device time: 3 x 6 = 18, the one-lane model's sum of maxima."""
+    s = named("GPipe", 1, 3)
+    host, dev = _lane_costs(1, 3), _lane_costs(3, 1)
+    got = {h: simulate(s, Costs(), action_costs=host, device_costs=dev, commit_horizon=h).makespan
+           for h in (float("inf"), 3.0, 0.0)}
+    assert got == {float("inf"): 12.0, 3.0: 15.0, 0.0: 18.0}
+    one_lane = simulate(s, Costs(), action_costs={k: max(host[k], dev[k]) for k in host})
+    assert one_lane.makespan == 18.0
+    res = simulate(s, Costs(), action_costs=host, device_costs=dev)
+    assert res.busy[0] == 12.0  # the device lane's work: 3 x 3 + 3 x 1
+    ev = [e for e in res.events if e.lane == "compute"]
+    assert [(str(e.action), e.start, e.end) for e in ev][:4] == [("0F0", 0, 3), ("0F1", 3, 6), ("0F2", 6, 9), ("0B0", 9, 10)]
+
+
+@pytest.mark.parametrize("name,v", [("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2)])
+def test_two_lanes_reduce_to_one_when_launches_are_free(name: str, v: int) -> None:
+    """Host time 0: the device lane is the one-lane simulation of the device costs, transfers included."""
+    low = lower(named(name, 2, 4, v), comms=True, recv_placement="early")
+    c = Costs(F=1, B=2, I=1, W=1, send_latency=0.25)
+    dev = {(s, t, None): x for s in range(4 if v == 2 else 2) for t, x in (("F", 1.0), ("B", 2.0), ("I", 1.0), ("W", 1.0))}
+    zero = {k: 0.0 for k in dev}
+    assert simulate(low, c, action_costs=zero, device_costs=dev).makespan == pytest.approx(
+        simulate(low, c, action_costs=dev).makespan)
+
+
+def test_two_lanes_hosts_never_wait_for_each_other() -> None:
+    """Device time 0: the host-bound step is the busiest host's launches, with no pipeline bubble on the host
+    (a receive is posted and its consumer committed before the sender has produced: static shapes); one lane
+    puts the whole pipeline's waits on it."""
+    low = lower(named("1F1B", 2, 4), comms=True, recv_placement="early")
+    c = Costs(send_latency=0.1)
+    host, zero = _lane_costs(1, 2, 2), {k: 0.0 for k in _lane_costs(1, 2, 2)}
+    two = simulate(low, c, action_costs=host, device_costs=zero)
+    assert two.makespan == pytest.approx(4 * (1 + 2) + 0.1)  # rank 1's launches, after rank 0's first F lands
+    assert simulate(low, c, action_costs=host).makespan > two.makespan + 2
+    with pytest.raises(ValueError, match="commit_horizon"):
+        simulate(low, c, action_costs=host, device_costs=zero, commit_horizon=-1.0)

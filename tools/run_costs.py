@@ -102,6 +102,10 @@ class RunCosts:
     """GPU: the costs of the same configuration recorded *without* device syncs (:func:`with_host_costs`), whose
     action spans are the host's launch time; this run's own spans (recorded with ``check_finite``, a device sync
     per action) are then the device side.  None on CPUs, where an action's span is both."""
+    device_link_ns: tuple[float, float] | None = None
+    """GPU (:func:`with_host_costs`): the device-side run's link, (latency ns, ns per byte), a transfer's time on
+    the device lane of the two-lane model (the top-level link is the host run's: when a receiver's host learns of
+    the data)."""
 
     @property
     def stages_per_rank(self) -> int:
@@ -122,8 +126,11 @@ class RunCosts:
         }
 
 
-def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None) -> RunCosts:
-    """Per-stage, per-type costs and transfer times of a recorded run (ValueError if it is a plan or has no actions)."""
+def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None, typical: bool = False) -> RunCosts:
+    """Per-stage, per-type costs and transfer times of a recorded run (ValueError if it is a plan or has no actions).
+
+    ``typical``: measure on the steps whose time is at most the median of the steps of their size (the typical
+    steps), not on all of them: see :data:`TYPICAL`."""
     if model.source == "simulation":
         raise ValueError("costs come from a recorded run; this trace is a simulated plan")
     train = model.train_steps
@@ -147,6 +154,11 @@ def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None) -> Ru
         step_size[st] = max(step_size.get(st, 0), b)
     ref_bytes = max(step_size.values(), default=0)
     ref_steps = {st for st in chosen if step_size.get(st, ref_bytes) >= 0.95 * ref_bytes} or chosen
+    all_ref = ref_steps  # the step times (mean, median) stay those of every reference step
+    if typical:
+        quiet = _typical_steps(summary.step_times_ns, step_size, ref_bytes)
+        chosen, ref_steps = quiet, (ref_steps & quiet) or ref_steps
+        steps = sorted(chosen)
     durations: dict[tuple[int, str], list[int]] = {}
     ovl: list[tuple[str, str, int]] = []
     n_actions: dict[int, int] = {}
@@ -178,7 +190,16 @@ def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None) -> Ru
     runtime: dict[int, float] = {}
     per_send: dict[int, float] = {}
     n_sends = {r: sum(1 for t in model.transfers.get(r, []) if t.kind == "send" and t.step in chosen) for r in model.ranks}
-    for att in summary.attribution:
+    attribution = summary.attribution
+    if typical:
+        from .trace_analysis import Attribution
+
+        sums: dict[int, Any] = {}
+        for st, a1 in summary.per_step:
+            if st in chosen:
+                sums.setdefault(a1.rank, Attribution(a1.rank)).add(a1)
+        attribution = tuple(sums.values())
+    for att in attribution:
         n = n_actions.get(att.rank, 0)
         sends = att.sends_ns + att.by_cause().get("sends", 0)
         rt = att.runtime_ns + att.by_cause().get("wakeup", 0)
@@ -253,7 +274,7 @@ def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None) -> Ru
                 if isinstance(e.get("peak"), int):
                     peak_bytes[r] = max(peak_bytes.get(r, 0), e["peak"])
     world = model.header.get("world_size")
-    ref_times = [summary.step_times_ns[st] for st in sorted(ref_steps) if st in summary.step_times_ns]
+    ref_times = [summary.step_times_ns[st] for st in sorted(all_ref) if st in summary.step_times_ns]
     return RunCosts(
         costs=costs,
         action_costs=action_costs,
@@ -268,8 +289,8 @@ def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None) -> Ru
         steps=steps,
         overlap_measured=bool(fac),
         step_ns_median=statistics.median(ref_times) if ref_times else 0.0,
-        step_ns=(sum(summary.step_times_ns[st] for st in ref_steps if st in summary.step_times_ns)
-                 / max(1, sum(1 for st in ref_steps if st in summary.step_times_ns))) or summary.mean_step_ns,
+        step_ns=(sum(summary.step_times_ns[st] for st in all_ref if st in summary.step_times_ns)
+                 / max(1, sum(1 for st in all_ref if st in summary.step_times_ns))) or summary.mean_step_ns,
         peak_live_mb=peak_live,
         peak_bytes=peak_bytes,
         compute_fit=compute_fit,
@@ -278,6 +299,32 @@ def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None) -> Ru
         link_latency_ns=link[0],
         link_ns_per_byte=link[1],
     )
+
+
+TYPICAL = 0.5
+"""With ``typical``, the share of each size's steps costs are measured on: the fastest half (at most the median).
+
+Why: on a shared machine a burst of load stretches a whole step, its actions and its transfers together, and
+the tails are not alike: transfers that landed while their receiver waited took 0.2-24 ms on the CPU benchmark
+(median 1.9 ms, mean 3.0 ms), actions' means were 1.2-1.4x their medians.  The tuner predicts the *typical*
+(median) step and calibrates to the recorded run's median step; costs averaged over every step carry each
+burst into the terms by their own tail, so a configuration with more exposed transfers was predicted slower
+than one with more compute.  Means over the typical steps keep "a step is a sum: predict it with means" and
+drop the bursts.  On a GPU, whose steps are steady, it changes little."""
+
+
+def _typical_steps(times: dict[int, int], size: dict[int, int], ref_bytes: int) -> set[int]:
+    """The steps at most the median time of the steps of their size (sizes within 5% pooled)."""
+    groups: dict[int, list[int]] = {}
+    for st in times:
+        b = size.get(st, ref_bytes)
+        key = next((k for k in groups if abs(k - b) <= 0.05 * max(k, b, 1)), b)
+        groups.setdefault(key, []).append(st)
+    out: set[int] = set()
+    for sts in groups.values():
+        med = statistics.median(times[st] for st in sts)
+        out.update(st for st in sts if times[st] <= med)
+    return out
 
 
 def with_host_costs(device: RunCosts, host: RunCosts) -> RunCosts:
@@ -304,7 +351,8 @@ def with_host_costs(device: RunCosts, host: RunCosts) -> RunCosts:
     return replace(device, host=replace(host, host=None), overhead_per_action_ns=host.overhead_per_action_ns,
                    runtime_per_action_ns=host.runtime_per_action_ns, send_per_transfer_ns=host.send_per_transfer_ns,
                    step_ns=host.step_ns, step_ns_median=host.step_ns_median, steps=host.steps, costs=host.costs,
-                   link_latency_ns=host.link_latency_ns, link_ns_per_byte=host.link_ns_per_byte)
+                   link_latency_ns=host.link_latency_ns, link_ns_per_byte=host.link_ns_per_byte,
+                   device_link_ns=(device.link_latency_ns, device.link_ns_per_byte))
 
 
 def merge_types(run: RunCosts, other: RunCosts) -> RunCosts:

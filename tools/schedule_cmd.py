@@ -152,7 +152,14 @@ def add_parser(subparsers: Any) -> None:
     tune_p.add_argument("--host-costs-from", default=None, metavar="RUN.jsonl",
                         help="GPUs: the same configuration recorded again without device syncs, when --costs-from was "
                         "recorded with check_finite (a sync per action: its spans are device time, this run's the "
-                        "host's launch time); each action then costs the longer of its host path and its device time")
+                        "host's launch time); each rank's host then launches ahead of its device (see --device-model)")
+    tune_p.add_argument("--device-model", choices=("lanes", "max"), default="lanes",
+                        help="with --host-costs-from: 'lanes' (default) each rank's host launches its list, committing "
+                        "ahead of the device by --commit-ms of queued device work, and the device runs each action once "
+                        "launched and its inputs landed (what the runtime does); 'max' one lane, each action the longer "
+                        "of its host path and its device time (the older model)")
+    tune_p.add_argument("--commit-ms", type=float, default=10.0, metavar="MS",
+                        help="with --device-model lanes: the runtime's gpu_commit_ms the candidates run with (default 10)")
     tune_p.add_argument("--schedules", default=None, metavar="A,B", help="schedule names to try (default: every named schedule)")
     tune_p.add_argument("--microbatches", "-m", default=None, metavar="M1,M2",
                         help="microbatch counts to try (default: P, 2P, 4P, 8P and the run's)")
@@ -355,13 +362,13 @@ def _load_target(args: argparse.Namespace) -> tuple[Schedule, str, str | None]:
     return _build(name, args, lowered=True, costs=args.costs), name, name
 
 
-def _run_costs(path: str, *, flag: str = "--costs-from") -> Any:
+def _run_costs(path: str, *, flag: str = "--costs-from", typical: bool = False) -> Any:
     """:func:`~pipeloom.tools.run_costs.costs_from_trace` of a run, user errors as _UsageError."""
     from .run_costs import costs_from_trace
     from .trace_model import load_trace
 
     try:
-        return costs_from_trace(load_trace(path))
+        return costs_from_trace(load_trace(path), typical=typical)
     except ValueError as exc:
         raise _UsageError(f"{flag} {path}: {exc}") from None
 
@@ -617,11 +624,12 @@ def _tune_layers(args: argparse.Namespace, run: Any) -> Any:
 def _cmd_tune(args: argparse.Namespace) -> int:
     from .schedule_tune import format_tune, parse_size, tune
 
-    run = _run_costs(args.costs_from)
+    # the tuner predicts the typical (median) step: costs from the typical steps (run_costs.TYPICAL)
+    run = _run_costs(args.costs_from, typical=True)
     if args.host_costs_from is not None:
         from .run_costs import with_host_costs
 
-        host = _run_costs(args.host_costs_from, flag="--host-costs-from")
+        host = _run_costs(args.host_costs_from, flag="--host-costs-from", typical=True)
         try:
             run = with_host_costs(run, host)
         except ValueError as exc:
@@ -638,7 +646,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         raise _UsageError("--search-split needs the layers: give --layers N or --layer-weights")
     result = tune(run, schedules=names, microbatches=_int_list(args.microbatches, "--microbatches"),
                   stages_per_rank=_int_list(args.stages_per_rank, "--stages-per-rank") or [1, 2],
-                  memory_cap=cap, activation_memory=act, calibrate=not args.no_calibrate, layers=layers, search=search)
+                  memory_cap=cap, activation_memory=act, calibrate=not args.no_calibrate, layers=layers, search=search,
+                  device_model=args.device_model, commit_ms=args.commit_ms)
     if not result.candidates:
         raise _UsageError("no candidate configuration could be simulated: " + "; ".join(result.skipped[:3]))
     if args.json:

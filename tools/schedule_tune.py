@@ -139,15 +139,17 @@ class TuneResult:
     """Host time per action whatever its layers, by type (:func:`fixed_per_action`, at the recorded microbatch size);
     None where the profile could not separate it (its stages hold the same layers, or no layer model)."""
     host_separate: bool = False
-    """The profile had a host side recorded apart from the device side (``RunCosts.host``): each action costs the
-    longer of the two."""
+    """The profile had a host side recorded apart from the device side (``RunCosts.host``)."""
+    device_model: str | None = None
+    """With a host side: how host and device made a step (:data:`DEVICE_MODELS`)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"candidates": [c.to_json() for c in self.candidates], "skipped": list(self.skipped),
                 "recorded": self.recorded.to_json() if self.recorded else None, "measured_step_ns": self.measured_step_ns,
                 "memory_cap": self.memory_cap, "activation_memory": self.activation_memory,
                 "activation_memory_is_proxy": self.activation_memory_is_proxy, "calibration": self.calibration,
-                "sizes_fitted": self.sizes_fitted, "host_fixed_ns": self.host_fixed_ns, "host_separate": self.host_separate}
+                "sizes_fitted": self.sizes_fitted, "host_fixed_ns": self.host_fixed_ns, "host_separate": self.host_separate,
+                "device_model": self.device_model}
 
 
 def parse_size(text: str) -> int:
@@ -175,6 +177,24 @@ I_SHARE = 0.35
 pipeloom's W replays the parameter side of the graph, measured at 0.32-0.42 of ``I + W`` on Linear stacks
 on CPU.  The first stage needs no input gradient: there ``I`` is ``FIRST_I_SHARE`` of the backward."""
 FIRST_I_SHARE = 0.05
+UNMEASURED_DEVICE_OVERLAP = 1.0
+"""``Costs.overlap`` of an unmeasured OVERLAP_F_B on the device lane (two-lane model): its halves' kernels on two
+streams share the SMs; taken as one after the other until measured."""
+COMMIT_MS = 10.0
+"""How far the runtime commits ahead of the device, in ms of queued device time: ``PipelineOptions.gpu_commit_ms``'s
+default (the two-lane model's ``commit_horizon``)."""
+DEVICE_MODELS = ("lanes", "max")
+"""How a GPU profile's host and device sides make a step (profiles recorded with a host side, ``RunCosts.host``):
+
+* ``lanes`` (default): each rank's host launches its list in order, committing ahead of the device by at most
+  :data:`COMMIT_MS` of queued device work, and its device runs each action once launched and its inputs have
+  landed (:func:`~pipeloom.schedules.simulate`'s ``device_costs``), as ``runtime/device.py`` does; with static
+  shapes no host waits for another's.  Host work of one action overlaps the device work of the ones before;
+* ``max``: one lane per rank, each action the longer of its host path and its device time (the model before):
+  the sum of per-action maxima, which over-predicts wherever the host is the slower side for some actions and
+  the device for others, and puts the pipeline's cross-rank waits on the host.
+
+CPU profiles have no host side: one lane, an action is its work."""
 UNMEASURED_OVERLAP = 1.0
 """``Costs.overlap`` where the run had no OVERLAP_F_B to measure: its halves one after the other (measured
 0.72-0.93 on CPU, where one thread runs both)."""
@@ -422,7 +442,7 @@ def _crosses(place: Sequence[int], s: int, t: str) -> bool:
 
 def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | None = None,
                   bounds: Sequence[float] | None = None, *, layers: Layers | None = None,
-                  split: Sequence[int] | None = None) -> dict[tuple[int, str, int | None], float]:
+                  split: Sequence[int] | None = None, lanes: bool = False) -> Any:
     """Per-stage action costs of a candidate: compute for its microbatch size (fixed + per-byte part, see
     :func:`stage_compute`), plus the rank's runtime time per action, plus one send's blocking time where
     the output crosses ranks (a fixed cost per send: it did not grow with the payload on CPU).
@@ -431,7 +451,10 @@ def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | 
     :func:`~pipeloom.tools.run_costs.with_host_costs`) an action costs the longer of its host path (launch +
     runtime + send) and its device time; there, with ``layers`` and a profile whose stages hold different
     layers, each action pays the host's fixed time per action once (:func:`fixed_per_action`), and only the
-    rest is shared by layer weight.  Not on CPUs: see :func:`fixed_per_action`."""
+    rest is shared by layer weight.  Not on CPUs: see :func:`fixed_per_action`.
+
+    ``lanes`` (with a host side): (host costs, device costs) apart, for :func:`~pipeloom.schedules.simulate`'s
+    ``device_costs`` (the runtime commits ahead: :data:`DEVICE_MODELS`), instead of the longer of the two."""
     m0 = run.num_microbatches or m
     nbytes = run.ref_bytes * m0 / m
     runtime = run.runtime_per_action_ns or run.overhead_per_action_ns
@@ -456,15 +479,20 @@ def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | 
     else:
         device = stage_compute(run, n, nbytes, bounds, layers=layers, split=split)
     out: dict[tuple[int, str, int | None], float] = {}
+    dev: dict[tuple[int, str, int | None], float] = {}
     for s, c in enumerate(device):
         r = place[s]
         o = runtime.get(r, mean_rt) if same_ranks else mean_rt
         snd = sends.get(r, mean_send) if same_ranks else mean_send
         for t, x in c.items():
             extra = o + (snd if _crosses(place, s, t) else 0.0)
-            # GPU: the host launches ahead of the device, the longer path counts; CPU: an action is its work
-            out[(s, t, None)] = x + extra if host is None else max(host[s][t] + extra, x)
-    return out
+            if host is None:  # CPU: an action is its work
+                out[(s, t, None)] = x + extra
+            elif lanes:  # GPU, committing ahead: the host's launch path and the device time, each on its lane
+                out[(s, t, None)], dev[(s, t, None)] = host[s][t] + extra, x
+            else:  # GPU, one lane: the longer path counts
+                out[(s, t, None)] = max(host[s][t] + extra, x)
+    return (out, dev) if lanes and host is not None else out
 
 
 def _link_costs(run: RunCosts, m: int) -> Costs:
@@ -480,7 +508,8 @@ def _link_costs(run: RunCosts, m: int) -> Costs:
 
 
 def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layers | None = None,
-              split: Sequence[int] | None = None, lowered: dict[Any, Any] | None = None) -> tuple[Any, Any]:
+              split: Sequence[int] | None = None, lowered: dict[Any, Any] | None = None,
+              device_model: str = "lanes", commit_ns: float = COMMIT_MS * 1e6) -> tuple[Any, Any]:
     """(schedule, simulation) of one candidate with ``run``'s costs carried to it (ScheduleError if rejected).
     ``lowered``: a cache of lowered schedules by (name, p, v, m) (the split changes only the action costs)."""
     costs = _link_costs(run, m)
@@ -492,10 +521,20 @@ def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layer
         low = lower(sched, comms=True, recv_placement="early", costs=costs)
         if lowered is not None:
             lowered[key] = (sched, low)
-    ac = _action_costs(run, p, v, m, sched.stage_to_rank, layers=layers, split=split)
-    if run.host is not None and not run.overlap_measured:
-        costs = replace(costs, overlap=_pair_overlap(run, ac))
-    return sched, simulate(low, costs, action_costs=ac)
+    lanes = device_model == "lanes" and run.host is not None
+    ac = _action_costs(run, p, v, m, sched.stage_to_rank, layers=layers, split=split, lanes=lanes)
+    if not lanes:
+        if run.host is not None and not run.overlap_measured:
+            costs = replace(costs, overlap=_pair_overlap(run, ac))
+        return sched, simulate(low, costs, action_costs=ac)
+    host, dev = ac
+    if not run.overlap_measured:
+        # the halves of an OVERLAP_F_B run on two stage streams: concurrent on the device, one after the other
+        # on the host (which the two-lane model charges as it is: both launches)
+        costs = replace(costs, overlap=UNMEASURED_DEVICE_OVERLAP)
+    lat, per_byte = run.device_link_ns if run.device_link_ns is not None else (0.0, 0.0)
+    return sched, simulate(low, costs, action_costs=host, device_costs=dev, commit_horizon=commit_ns,
+                           device_transfer=lat + per_byte * costs.activation_bytes)
 
 
 def _pair_overlap(run: RunCosts, ac: dict[tuple[int, str, int | None], float]) -> float:
@@ -510,7 +549,8 @@ def _pair_overlap(run: RunCosts, ac: dict[tuple[int, str, int | None], float]) -
     return max(0.0, 1.0 - o / short) if short > 0 else UNMEASURED_OVERLAP
 
 
-def calibration(run: RunCosts, *, measured_step_ns: float | None = None, layers: Layers | None = None) -> float:
+def calibration(run: RunCosts, *, measured_step_ns: float | None = None, layers: Layers | None = None,
+                device_model: str = "lanes", commit_ms: float = COMMIT_MS) -> float:
     """Measured over simulated step time of the run's own configuration, with the costs as carried to
     other configurations (1.0 where it cannot be simulated): what the cost model misses on the
     machine as a whole (contention, the runtime's reordering) is assumed to scale every step alike.
@@ -523,21 +563,24 @@ def calibration(run: RunCosts, *, measured_step_ns: float | None = None, layers:
         return 1.0
     try:
         _, res = _simulate(run, run.schedule, run.world_size, run.stages_per_rank, run.num_microbatches,
-                           layers=layers, split=layers.recorded if layers is not None else None)
+                           layers=layers, split=layers.recorded if layers is not None else None,
+                           device_model=device_model, commit_ns=commit_ms * 1e6)
     except (ScheduleError, ValueError):
         return 1.0
     return measured / res.makespan if res.makespan else 1.0
 
 
 def search_split(run: RunCosts, name: str, p: int, v: int, m: int, layers: Layers, *,
-                 max_simulations: int = 300) -> tuple[tuple[int, ...], float]:
+                 max_simulations: int = 300, device_model: str = "lanes",
+                 commit_ms: float = COMMIT_MS) -> tuple[tuple[int, ...], float]:
     """The layer split of ``p * v`` stages with the shortest simulated step, by local search from the even
     split: move one layer across one boundary at a time while that shortens the step (each move one
     simulation, a few milliseconds).  Returns (layers per stage, simulated step time, uncalibrated)."""
     n = p * v
     cache: dict[Any, Any] = {}
     cur = list(layers.even_split(n))
-    best = _simulate(run, name, p, v, m, layers=layers, split=cur, lowered=cache)[1].makespan
+    kw: dict[str, Any] = {"device_model": device_model, "commit_ns": commit_ms * 1e6}
+    best = _simulate(run, name, p, v, m, layers=layers, split=cur, lowered=cache, **kw)[1].makespan
     sims, improved = 1, True
     while improved and sims < max_simulations:
         improved = False
@@ -548,7 +591,7 @@ def search_split(run: RunCosts, name: str, p: int, v: int, m: int, layers: Layer
                 cand[j + 1] -= d
                 if min(cand[j], cand[j + 1]) < 1:
                     continue
-                t = _simulate(run, name, p, v, m, layers=layers, split=cand, lowered=cache)[1].makespan
+                t = _simulate(run, name, p, v, m, layers=layers, split=cand, lowered=cache, **kw)[1].makespan
                 sims += 1
                 if t < best * (1 - 1e-9):
                     cur, best, improved = cand, t, True
@@ -567,6 +610,8 @@ def tune(
     measured_step_ns: float | None = None,
     layers: Layers | None = None,
     search: int = 0,
+    device_model: str = "lanes",
+    commit_ms: float = COMMIT_MS,
 ) -> TuneResult:
     """Simulate every candidate configuration with ``run``'s costs; see the module docstring.
 
@@ -574,7 +619,12 @@ def tune(
     ``layers``: the model's layers (see :class:`Layers`), so that each candidate's stages hold whole layers
     (the even split); with ``search`` > 0 the ``search`` fastest candidates also get the best split
     :func:`search_split` finds, as extra candidates (``split`` set, ``searched`` True).
+    ``device_model``: one of :data:`DEVICE_MODELS` (GPU profiles with a host side; ignored on CPU profiles);
+    ``commit_ms``: the runtime's ``gpu_commit_ms`` the candidates will run with.
     """
+    if device_model not in DEVICE_MODELS:
+        raise ValueError(f"device_model must be one of {', '.join(DEVICE_MODELS)} (got {device_model!r})")
+    kw: dict[str, Any] = {"device_model": device_model, "commit_ns": commit_ms * 1e6}
     p = run.world_size
     m0 = run.num_microbatches or 1
     v0 = run.stages_per_rank
@@ -582,7 +632,8 @@ def tune(
         microbatches = sorted({p, 2 * p, 4 * p, 8 * p, m0})
     act0 = activation_memory if activation_memory is not None else run.costs.activation_bytes
     proxy = activation_memory is None
-    factor = calibration(run, measured_step_ns=measured_step_ns, layers=layers) if calibrate else 1.0
+    factor = (calibration(run, measured_step_ns=measured_step_ns, layers=layers, device_model=device_model,
+                          commit_ms=commit_ms) if calibrate else 1.0)
     cands: list[Candidate] = []
     skipped: list[str] = []
     recorded: Candidate | None = None
@@ -598,7 +649,7 @@ def tune(
             for m in microbatches:
                 try:
                     split = layers.even_split(p * v) if layers is not None else None
-                    sched, res = _simulate(run, name, p, v, m, layers=layers, split=split)
+                    sched, res = _simulate(run, name, p, v, m, layers=layers, split=split, **kw)
                 except (ScheduleError, ValueError) as exc:
                     skipped.append(f"{name} m={m} v={v}: {exc}")
                     continue
@@ -609,15 +660,17 @@ def tune(
     if layers is not None and search > 0:
         base = sorted((c for c in cands if c.fits), key=lambda c: c.step_ns)[:search]
         for c in base:
-            split, _ = search_split(run, c.schedule, p, c.stages_per_rank, c.microbatches, layers)
+            split, _ = search_split(run, c.schedule, p, c.stages_per_rank, c.microbatches, layers,
+                                    device_model=device_model, commit_ms=commit_ms)
             if split != c.split:
-                _, res = _simulate(run, c.schedule, p, c.stages_per_rank, c.microbatches, layers=layers, split=split)
+                _, res = _simulate(run, c.schedule, p, c.stages_per_rank, c.microbatches, layers=layers, split=split, **kw)
                 cands.append(candidate(c.schedule, c.microbatches, c.stages_per_rank, res, split, True))
     cands.sort(key=lambda c: (not c.fits, c.step_ns))
     fixed = fixed_per_action(run, layers, run.ref_bytes) if layers is not None and run.host is not None else None
     return TuneResult(tuple(cands), tuple(skipped), recorded, measured_step_ns or run.step_ns_median or run.step_ns,
                       memory_cap, act0, proxy, calibration=factor, sizes_fitted=run.sizes_fitted,
-                      host_fixed_ns=fixed, host_separate=run.host is not None)
+                      host_fixed_ns=fixed, host_separate=run.host is not None,
+                      device_model=device_model if run.host is not None else None)
 
 
 def _ms(ns: float) -> str:
@@ -669,8 +722,9 @@ def format_tune(r: TuneResult, *, top: int = 5, source: str = "") -> str:
                      "(--host-costs-from), a layer model and recorded stages holding different layers, e.g. an uneven "
                      "split): shared among the layers with the rest")
     if r.host_separate:
-        lines.append("host and device recorded apart (a run without and one with device syncs): each action costs the "
-                     "longer of its host path and its device time")
+        how = ("each rank's host launches its list, committing ahead of its device (two lanes)" if r.device_model == "lanes"
+               else "each action costs the longer of its host path and its device time (one lane)")
+        lines.append(f"host and device recorded apart (a run without and one with device syncs): {how}")
     if r.activation_memory_is_proxy:
         lines.append(f"activation memory per recorded microbatch-stage: {_size(r.activation_memory)} = the stage-boundary "
                      "activation (a lower bound; give --activation-memory for the real figure)")
