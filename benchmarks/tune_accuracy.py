@@ -178,7 +178,7 @@ def _exists(path: str) -> bool:
 def analyze(out: str, args: argparse.Namespace) -> dict[str, object]:
     from pipeloom.schedules import generate, lower, simulate
     from pipeloom.tools.run_costs import costs_from_trace
-    from pipeloom.tools.schedule_tune import Layers, tune
+    from pipeloom.tools.schedule_tune import SAMPLES, Layers, tune
     from pipeloom.tools.trace_model import load_trace, summarize
 
     grid = _grid(args)
@@ -200,7 +200,8 @@ def analyze(out: str, args: argparse.Namespace) -> dict[str, object]:
         # time from its blocks' (schedule_tune.host_split); the grid's stages hold equal block counts (even split)
         layers = Layers((1.0,) * args.layers, split) if split is not None else None
         result = tune(profile, schedules=sorted({g[0] for g in grid}), microbatches=sorted({g[1] for g in grid}),
-                      stages_per_rank=sorted({g[2] for g in grid}), layers=layers)
+                      stages_per_rank=sorted({g[2] for g in grid}), layers=layers,
+                      samples=SAMPLES if args.samples is None else args.samples)
         hosts.append(result.host_fixed_ns or {})
         own = result.recorded.step_ns if result.recorded is not None else profile.step_ns
         for c in result.candidates:
@@ -298,6 +299,8 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--analyze", metavar="DIR", default=None)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--samples", type=int, default=None, help="the tuner's simulations per candidate with drawn "
+                   "action costs (default schedule_tune.SAMPLES; 0: the mean costs, as before)")
     p.add_argument("--costs", choices=("typical", "all"), default="typical",
                    help="the profile's costs from its typical steps (at most the median of their size; the tuner's "
                    "default, run_costs.TYPICAL) or from all of them (before)")

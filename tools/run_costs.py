@@ -98,6 +98,10 @@ class RunCosts:
     """Median step time over the reference steps (robust to a burst of load on a shared machine)."""
     overlap_measured: bool = False
     """The run had OVERLAP_F_B pairs whose halves also ran alone, so ``costs.overlap`` is measured."""
+    dispersion: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    """type -> quantiles (:data:`DISPERSION_QUANTILES` of them) of an action's duration over the mean of its stage
+    and type, on the reference steps: how much the same action varies from one microbatch and step to the next
+    (a loaded CPU: 0.3-3x; a GPU: close to 1).  The tuner draws from it (:data:`~pipeloom.tools.schedule_tune.SAMPLES`)."""
     host: RunCosts | None = None
     """GPU: the costs of the same configuration recorded *without* device syncs (:func:`with_host_costs`), whose
     action spans are the host's launch time; this run's own spans (recorded with ``check_finite``, a device sync
@@ -178,6 +182,11 @@ def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None, typic
     if not durations and not ovl:
         raise ValueError("the trace has no F/B/I/W actions to measure")
     compute = {k: sum(v) / len(v) for k, v in durations.items()}
+    ratios: dict[str, list[float]] = {}
+    for (stage, typ), v in durations.items():
+        if compute[(stage, typ)] > 0:
+            ratios.setdefault(typ, []).extend(d / compute[(stage, typ)] for d in v)
+    dispersion = {t: _quantiles(v, DISPERSION_QUANTILES) for t, v in ratios.items()}
     sizes = sorted({b for v in sized.values() for b, _ in v})
     fitted = len(sizes) > 1 and sizes[0] > 0 and sizes[-1] >= 1.25 * sizes[0]
     compute_fit: dict[tuple[int, str], tuple[float, float]] = {}
@@ -294,6 +303,7 @@ def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None, typic
         peak_live_mb=peak_live,
         peak_bytes=peak_bytes,
         compute_fit=compute_fit,
+        dispersion=dispersion,
         sizes_fitted=fitted,
         ref_bytes=ref_bytes,
         link_latency_ns=link[0],
@@ -311,6 +321,17 @@ the tails are not alike: transfers that landed while their receiver waited took 
 burst into the terms by their own tail, so a configuration with more exposed transfers was predicted slower
 than one with more compute.  Means over the typical steps keep "a step is a sum: predict it with means" and
 drop the bursts.  On a GPU, whose steps are steady, it changes little."""
+
+
+DISPERSION_QUANTILES = 32
+
+
+def _quantiles(values: list[float], n: int) -> tuple[float, ...]:
+    """``n`` evenly spaced quantiles (midpoints) of ``values``, rescaled so that their mean is that of ``values``."""
+    v = sorted(values)
+    q = [v[min(len(v) - 1, int((i + 0.5) * len(v) / n))] for i in range(n)]
+    mean, qm = sum(v) / len(v), sum(q) / len(q)
+    return tuple(x * mean / qm for x in q) if qm > 0 else tuple(q)
 
 
 def _typical_steps(times: dict[int, int], size: dict[int, int], ref_bytes: int) -> set[int]:
@@ -376,6 +397,7 @@ def merge_types(run: RunCosts, other: RunCosts) -> RunCosts:
     acts = dict(run.action_costs)
     acts.update({k: v for k, v in other.action_costs.items() if k[1] not in have})
     merged = replace(run, compute_ns={**run.compute_ns, **add}, compute_fit=fit, action_costs=acts,
+                     dispersion={**{t: q for t, q in other.dispersion.items() if t not in have}, **run.dispersion},
                      sizes_fitted=run.sizes_fitted and other.sizes_fitted)
     if run.host is not None and other.host is not None:
         merged = replace(merged, host=merge_types(run.host, other.host))

@@ -94,7 +94,7 @@ from ..schedules.dataflow import consumer_stage
 from .run_costs import RunCosts
 
 __all__ = ["Candidate", "Layers", "TuneResult", "calibration", "fixed_per_action", "format_tune", "parse_size",
-           "search_split", "stage_compute", "tune"]
+           "sampled_runs", "search_split", "stage_compute", "tune"]
 
 
 @dataclass(frozen=True)
@@ -180,6 +180,16 @@ FIRST_I_SHARE = 0.05
 UNMEASURED_DEVICE_OVERLAP = 1.0
 """``Costs.overlap`` of an unmeasured OVERLAP_F_B on the device lane (two-lane model): its halves' kernels on two
 streams share the SMs; taken as one after the other until measured."""
+SAMPLES = 15
+"""CPU profiles: each candidate is simulated this many times with every action's cost drawn from its type's
+recorded dispersion (``RunCosts.dispersion``), and its step is the median of those makespans.
+
+Why: a pipeline step is a network of waits, and the expected length of a network whose durations vary is longer
+than the network of their means (a rank waits for the *later* of two things: E[max] >= max of E).  Checked on the
+recorded runs of ``benchmarks/sim_accuracy.py`` (2 gloo ranks on a loaded 2-core machine, actions 0.3-3x their
+mean): with mean costs every schedule was simulated 3-15% under its own measured mean step, most where a rank
+waits on the other most often (two stages per rank: -9..-15%); drawing the durations halved that (-0.5..-9%).
+On GPU profiles (a host side recorded apart) the means are used: their actions hardly vary."""
 COMMIT_MS = 10.0
 """How far the runtime commits ahead of the device, in ms of queued device time: ``PipelineOptions.gpu_commit_ms``'s
 default (the two-lane model's ``commit_horizon``)."""
@@ -507,9 +517,38 @@ def _link_costs(run: RunCosts, m: int) -> Costs:
     return replace(run.costs, activation_bytes=nbytes)
 
 
+def sampled_runs(low: Any, costs: Costs, ac: dict[tuple[int, str, int | None], float],
+                 dispersion: dict[str, tuple[float, ...]], m: int, samples: int, *, seed: str) -> list[Any]:
+    """``samples`` simulations of ``low`` whose every action (stage, type, microbatch) costs its ``ac`` cost times a
+    draw from the recorded dispersion of its type (``RunCosts.dispersion``; :data:`SAMPLES` says why), sorted by
+    makespan; seeded by ``seed``, so repeatable."""
+    import random
+    import zlib
+
+    rng = random.Random(zlib.crc32(seed.encode()))
+    fallback = dispersion.get("B") or next(iter(dispersion.values()))
+    results = []
+    for _ in range(samples):
+        drawn: dict[tuple[int, str, int | None], float] = {}
+        for (s, t, _), c in ac.items():
+            q = dispersion.get(t) or fallback
+            for mb in range(m):
+                drawn[(s, t, mb)] = c * rng.choice(q)
+        results.append(simulate(low, costs, action_costs=drawn))
+    results.sort(key=lambda r: r.makespan)
+    return results
+
+
+def _sampled(low: Any, costs: Costs, ac: dict[tuple[int, str, int | None], float], dispersion: dict[str, tuple[float, ...]],
+             m: int, samples: int, *, seed: str) -> Any:
+    """The simulation of median makespan among :func:`sampled_runs`."""
+    runs = sampled_runs(low, costs, ac, dispersion, m, samples, seed=seed)
+    return runs[len(runs) // 2]
+
+
 def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layers | None = None,
               split: Sequence[int] | None = None, lowered: dict[Any, Any] | None = None,
-              device_model: str = "lanes", commit_ns: float = COMMIT_MS * 1e6) -> tuple[Any, Any]:
+              device_model: str = "lanes", commit_ns: float = COMMIT_MS * 1e6, samples: int = 0) -> tuple[Any, Any]:
     """(schedule, simulation) of one candidate with ``run``'s costs carried to it (ScheduleError if rejected).
     ``lowered``: a cache of lowered schedules by (name, p, v, m) (the split changes only the action costs)."""
     costs = _link_costs(run, m)
@@ -526,6 +565,8 @@ def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layer
     if not lanes:
         if run.host is not None and not run.overlap_measured:
             costs = replace(costs, overlap=_pair_overlap(run, ac))
+        if samples > 1 and run.host is None and run.dispersion:
+            return sched, _sampled(low, costs, ac, run.dispersion, m, samples, seed=f"{name}:{p}:{v}:{m}")
         return sched, simulate(low, costs, action_costs=ac)
     host, dev = ac
     if not run.overlap_measured:
@@ -550,7 +591,7 @@ def _pair_overlap(run: RunCosts, ac: dict[tuple[int, str, int | None], float]) -
 
 
 def calibration(run: RunCosts, *, measured_step_ns: float | None = None, layers: Layers | None = None,
-                device_model: str = "lanes", commit_ms: float = COMMIT_MS) -> float:
+                device_model: str = "lanes", commit_ms: float = COMMIT_MS, samples: int = SAMPLES) -> float:
     """Measured over simulated step time of the run's own configuration, with the costs as carried to
     other configurations (1.0 where it cannot be simulated): what the cost model misses on the
     machine as a whole (contention, the runtime's reordering) is assumed to scale every step alike.
@@ -564,7 +605,7 @@ def calibration(run: RunCosts, *, measured_step_ns: float | None = None, layers:
     try:
         _, res = _simulate(run, run.schedule, run.world_size, run.stages_per_rank, run.num_microbatches,
                            layers=layers, split=layers.recorded if layers is not None else None,
-                           device_model=device_model, commit_ns=commit_ms * 1e6)
+                           device_model=device_model, commit_ns=commit_ms * 1e6, samples=samples)
     except (ScheduleError, ValueError):
         return 1.0
     return measured / res.makespan if res.makespan else 1.0
@@ -612,6 +653,7 @@ def tune(
     search: int = 0,
     device_model: str = "lanes",
     commit_ms: float = COMMIT_MS,
+    samples: int = SAMPLES,
 ) -> TuneResult:
     """Simulate every candidate configuration with ``run``'s costs; see the module docstring.
 
@@ -620,11 +662,13 @@ def tune(
     (the even split); with ``search`` > 0 the ``search`` fastest candidates also get the best split
     :func:`search_split` finds, as extra candidates (``split`` set, ``searched`` True).
     ``device_model``: one of :data:`DEVICE_MODELS` (GPU profiles with a host side; ignored on CPU profiles);
-    ``commit_ms``: the runtime's ``gpu_commit_ms`` the candidates will run with.
+    ``commit_ms``: the runtime's ``gpu_commit_ms`` the candidates will run with.  ``samples``: simulations per
+    candidate with drawn action costs, the median kept (:data:`SAMPLES`; CPU profiles only; 0 or 1: the means).
+    The layer-split search compares splits on the means (hundreds of simulations).
     """
     if device_model not in DEVICE_MODELS:
         raise ValueError(f"device_model must be one of {', '.join(DEVICE_MODELS)} (got {device_model!r})")
-    kw: dict[str, Any] = {"device_model": device_model, "commit_ns": commit_ms * 1e6}
+    kw: dict[str, Any] = {"device_model": device_model, "commit_ns": commit_ms * 1e6, "samples": samples}
     p = run.world_size
     m0 = run.num_microbatches or 1
     v0 = run.stages_per_rank
@@ -633,7 +677,7 @@ def tune(
     act0 = activation_memory if activation_memory is not None else run.costs.activation_bytes
     proxy = activation_memory is None
     factor = (calibration(run, measured_step_ns=measured_step_ns, layers=layers, device_model=device_model,
-                          commit_ms=commit_ms) if calibrate else 1.0)
+                          commit_ms=commit_ms, samples=samples) if calibrate else 1.0)
     cands: list[Candidate] = []
     skipped: list[str] = []
     recorded: Candidate | None = None
