@@ -31,7 +31,11 @@ list so that any split of the blocks over the stages can be run:
    median of its steps;
 4. prints measured vs predicted per configuration, the error, the tuner's
    first pick and how far its measured step is from the best measured one
-   (goal: within 3%), and writes it all as JSON to ``--out``.
+   (goal: within 3%), and writes it all as JSON to ``--out``.  The tuner's
+   device model (``--device-model``, default ``lanes``: the host commits ahead
+   of the device, :data:`pipeloom.tools.schedule_tune.DEVICE_MODELS`) makes the
+   pick; the other model's prediction of every row, its errors and its pick
+   are printed beside it (same profile, same measurements).
 
 Run (2 GPUs; about 80 s for ``--size s``)::
 
