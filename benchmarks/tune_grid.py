@@ -258,7 +258,11 @@ def _rank_main(args: argparse.Namespace) -> None:
         grid.append(c)
     # 3. measure the grid: every configuration built once (one set of communicators each) and warmed up, then
     # timed in rounds of alternating order, so that a drift of the machine hits them alike
-    pipes = [build(c["schedule"], c["microbatches"], c["stages_per_rank"], _blocks(tuple(c["split"]))) for c in grid]
+    # --trace-grid: every configuration traced (its host side, for `pipeloom trace compare` against the tuner's plan;
+    # off by default: the timed steps would then carry the recording)
+    pipes = [build(c["schedule"], c["microbatches"], c["stages_per_rank"], _blocks(tuple(c["split"])),
+                   **({"trace": os.path.join(args.out, f"grid{i:02d}.jsonl")} if args.trace_grid else {}))
+             for i, c in enumerate(grid)]
     for pipe in pipes:
         timed(pipe, 0, args.warmup)
     times: dict[int, list[float]] = {}
@@ -275,7 +279,8 @@ def _rank_main(args: argparse.Namespace) -> None:
         for i, c in enumerate(grid):
             meas = statistics.median(times[i]) * 1e9
             rows.append({**c, "measured_ns": meas, "error": c["step_ns"] / meas - 1,
-                         "spread": [min(times[i]) * 1e9 / meas - 1, max(times[i]) * 1e9 / meas - 1]})
+                         "spread": [min(times[i]) * 1e9 / meas - 1, max(times[i]) * 1e9 / meas - 1],
+                         **({"trace": f"grid{i:02d}.jsonl"} if args.trace_grid else {})})
         doc = {"profile": {"schedule": pname, "microbatches": pm, "stages_per_rank": pv, "blocks": psplit,
                            "split_backward_from": args.profile_iw or None,
                            "step_ns": prof_real * 1e9, "calibration": plan[0]["calibration"],
@@ -384,6 +389,8 @@ def main() -> None:
                    "whose I and W the tuner takes as measured ('' : none: I and W as shares of B)")
     p.add_argument("--profile-steps", type=int, default=3, help="per batch size")
     p.add_argument("--search", type=int, default=3, help="layer-split search for this many of the best")
+    p.add_argument("--trace-grid", action="store_true", help="trace every grid configuration (grid00.jsonl ... under "
+                   "--out, row i of tune_grid.json in gridI.jsonl); the timed steps then carry the recording")
     p.add_argument("--device-model", choices=("lanes", "max"), default="lanes",
                    help="the tuner's model of host and device (schedule_tune.DEVICE_MODELS); the other one's "
                    "predictions are printed beside it")
