@@ -240,7 +240,7 @@ ActionCosts = Mapping[tuple[int, str, "int | None"], float]
 
 def simulate(schedule: Schedule, costs: Costs | None = None, *, action_costs: ActionCosts | None = None,
              device_costs: ActionCosts | None = None, commit_horizon: float = math.inf,
-             device_transfer: float | None = None) -> SimulationResult:
+             device_transfer: float | None = None, host_overlap: float = 1.0) -> SimulationResult:
     """Simulate ``schedule`` under ``costs`` (default :class:`Costs`).
 
     ``action_costs`` overrides the compute costs of F, B, I and W per stage
@@ -253,7 +253,9 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, action_costs: Ac
     commit ahead (module docstring): ``commit_horizon`` is how much queued
     device time the host may run ahead by (pipeloom's ``gpu_commit_ms``),
     ``device_transfer`` a transfer's time on the device lane (default
-    ``costs.transfer``).  The events are the device lane's.
+    ``costs.transfer``), ``host_overlap`` the host's ``overlap`` of an
+    ``OVERLAP_F_B`` (1: it launches both halves; ``costs.overlap`` is the
+    device's).  The events are the device lane's.
 
     Accepts compute-only and lowered schedules, with or without FSDP actions,
     ``REDUCE_GRAD`` and ``OVERLAP_F_B``.  Raises :class:`ScheduleError` when
@@ -265,7 +267,8 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, action_costs: Ac
     if device_costs is not None and not commit_horizon >= 0:
         raise ValueError(f"commit_horizon must be >= 0 (got {commit_horizon!r})")
     return _run(schedule, costs, lowered=lowered, marks=None, record=True, action_costs=action_costs,
-                device_costs=device_costs, horizon=commit_horizon, device_transfer=device_transfer)
+                device_costs=device_costs, horizon=commit_horizon, device_transfer=device_transfer,
+                host_overlap=host_overlap)
 
 
 def lane_times(schedule: Schedule, costs: Costs | None = None) -> dict[int, list[float]]:
@@ -292,6 +295,7 @@ def _run(
     device_costs: ActionCosts | None = None,
     horizon: float = math.inf,
     device_transfer: float | None = None,
+    host_overlap: float = 1.0,
 ) -> SimulationResult:
     """The simulation proper; ``marks`` collects lane clocks, ``record`` the events."""
     actions = schedule.actions
@@ -423,7 +427,7 @@ def _run(
                     # host: launches in list order once the queued device work is down to the horizon (its
                     # inputs are committed: a local producer earlier in the list; a remote one posted)
                     if subs:
-                        dur = c1 + c2  # the host launches both halves; their kernels overlap on the device
+                        dur = max(c1, c2) + host_overlap * min(c1, c2)  # the host launches both halves
                         d1, d2 = dev_cost(subs[0]), dev_cost(subs[1])
                         ddur = max(d1, d2) + overlap * min(d1, d2)
                     else:

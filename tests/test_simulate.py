@@ -318,3 +318,20 @@ def test_two_lanes_hosts_never_wait_for_each_other() -> None:
     assert simulate(low, c, action_costs=host).makespan > two.makespan + 2
     with pytest.raises(ValueError, match="commit_horizon"):
         simulate(low, c, action_costs=host, device_costs=zero, commit_horizon=-1.0)
+
+
+def test_two_lanes_overlap_pair_on_the_host() -> None:
+    """An OVERLAP_F_B's host time is ``max + host_overlap x min`` of its halves' launches (1: both in full);
+    its device time takes ``costs.overlap``."""
+    low = lower(named("DualPipeV", 2, 4, 2), comms=True, recv_placement="early")
+    host = {(s, t, None): 1.0 for s in range(4) for t in ("F", "B", "I", "W")}
+    zero = {k: 0.0 for k in host}
+    pairs = sum(1 for a in low.actions[0] if a.sub_actions)
+    assert pairs > 0
+    # host-bound with no host waiting on another's: the step is the busiest host's launches, each pair
+    # max + host_overlap x min of its two unit launches
+    for h in (1.0, 0.5, 0.0):
+        launches = max(sum((1.0 + h) if a.sub_actions else 1.0 for a in acts if a.is_compute) for acts in low.actions.values())
+        got = simulate(low, Costs(), action_costs=host, device_costs=zero, host_overlap=h).makespan
+        assert got == pytest.approx(launches)
+    assert simulate(low, Costs(), action_costs=host, device_costs=zero).makespan == pytest.approx(16.0 + pairs)

@@ -575,7 +575,8 @@ def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layer
         costs = replace(costs, overlap=UNMEASURED_DEVICE_OVERLAP)
     lat, per_byte = run.device_link_ns if run.device_link_ns is not None else (0.0, 0.0)
     return sched, simulate(low, costs, action_costs=host, device_costs=dev, commit_horizon=commit_ns,
-                           device_transfer=lat + per_byte * costs.activation_bytes)
+                           device_transfer=lat + per_byte * costs.activation_bytes,
+                           host_overlap=_pair_overlap(run, host))  # the host's time per action paid once per pair
 
 
 def _pair_overlap(run: RunCosts, ac: dict[tuple[int, str, int | None], float]) -> float:
