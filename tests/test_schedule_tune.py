@@ -303,8 +303,9 @@ def test_host_and_device_recorded_apart() -> None:
     assert "longer of its host path" in format_tune(tune(run, schedules=["1F1B"], microbatches=[4], stages_per_rank=[1],
                                                          layers=UNEVEN, calibrate=False, device_model="max"))
     # two lanes: the host path and the device time apart, each what the one-lane model takes the longer of
-    host_c, dev_c = _action_costs(run, 2, 1, 4, [0, 1], layers=UNEVEN, split=(5, 5), lanes=True)
+    host_c, dev_c, launch = _action_costs(run, 2, 1, 4, [0, 1], layers=UNEVEN, split=(5, 5), lanes=True)
     assert host_c[(0, "F", None)] == pytest.approx(_host_times("F", 1, 4, 0) + 7.0)
+    assert launch == pytest.approx(max(v - 7.0 for v in host_c.values()))  # no sends here: the slowest launch
     assert dev_c[(1, "B", None)] == pytest.approx(dev[1]["B"])
     for k in host_c:
         assert max(host_c[k], dev_c[k]) == pytest.approx(a[k])
@@ -333,3 +334,14 @@ def test_tune_cli_host_costs(profile: Path, capsys: pytest.CaptureFixture[str]) 
     assert doc["host_separate"] and doc["candidates"]
     assert main(["schedule", "tune", "--costs-from", path, "--host-costs-from", str(profile.parent / "missing.jsonl")]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
+
+
+def test_commit_horizon_is_the_runtimes() -> None:
+    """The tuner's copy of the runtime's commit horizon (it must not import torch) gives the runtime's values."""
+    from pipeloom.runtime.device import commit_horizon as runtime_horizon
+    from pipeloom.tools.schedule_tune import commit_horizon
+
+    for args in ((10.0, 3.0, 1.0, 250.0), (10.0, 3.0, 10.0, 250.0), (10.0, 3.0, 120.0, 250.0), (10.0, 0.0, 50.0, 250.0),
+                 (300.0, 3.0, 50.0, 250.0), (10.0, 3.0, 0.0, 250.0)):
+        assert commit_horizon(*args) == runtime_horizon(*args)
+    assert commit_horizon(10.0, 3.0, 10.0) == 30.0 and commit_horizon(10.0, 3.0, 120.0) == 250.0

@@ -93,7 +93,7 @@ from pipeloom.schedules import (
 from ..schedules.dataflow import consumer_stage
 from .run_costs import RunCosts
 
-__all__ = ["Candidate", "Layers", "TuneResult", "calibration", "fixed_per_action", "format_tune", "parse_size",
+__all__ = ["Candidate", "Layers", "TuneResult", "calibration", "commit_horizon", "fixed_per_action", "format_tune", "parse_size",
            "sampled_runs", "search_split", "stage_compute", "tune"]
 
 
@@ -191,14 +191,28 @@ mean): with mean costs every schedule was simulated 3-15% under its own measured
 waits on the other most often (two stages per rank: -9..-15%); drawing the durations halved that (-0.5..-9%).
 On GPU profiles (a host side recorded apart) the means are used: their actions hardly vary."""
 COMMIT_MS = 10.0
-"""How far the runtime commits ahead of the device, in ms of queued device time: ``PipelineOptions.gpu_commit_ms``'s
-default (the two-lane model's ``commit_horizon``)."""
+"""How far the runtime commits ahead of the device, at least, in ms of queued device time: ``gpu_commit_ms``'s default."""
+COMMIT_LAUNCHES = 3.0
+"""``gpu_commit_launches``'s default: the runtime's horizon also covers this many host launches of the slowest action
+type (:func:`commit_horizon`)."""
+COMMIT_CAP_MS = 250.0
+"""The runtime's cap on that horizon (``runtime/device.py``)."""
+
+
+def commit_horizon(min_ms: float, launches: float, host_ms: float, max_ms: float = COMMIT_CAP_MS) -> float:
+    """The runtime's commit horizon (ms), as ``runtime/device.py``'s ``commit_horizon`` computes it once the host's
+    launch times are learned: ``min_ms`` (``gpu_commit_ms``), or ``launches`` x ``host_ms`` (the slowest action
+    type's mean launch time, its sends included) if more, at most ``max(max_ms, min_ms)``.  Written out here so
+    that the tuner does not import torch; a test holds the two equal."""
+    if launches <= 0 or host_ms <= 0:
+        return min_ms
+    return min(max(min_ms, launches * host_ms), max(max_ms, min_ms))
 DEVICE_MODELS = ("lanes", "max")
 """How a GPU profile's host and device sides make a step (profiles recorded with a host side, ``RunCosts.host``):
 
 * ``lanes`` (default): each rank's host launches its list in order, committing ahead of the device by at most
-  :data:`COMMIT_MS` of queued device work, and its device runs each action once launched and its inputs have
-  landed (:func:`~pipeloom.schedules.simulate`'s ``device_costs``), as ``runtime/device.py`` does; with static
+  the runtime's horizon of queued device work (:func:`commit_horizon`: 10 ms, or 3 launches of the slowest action
+  type if more), and its device runs each action once launched and its inputs have landed (:func:`~pipeloom.schedules.simulate`'s ``device_costs``), as ``runtime/device.py`` does; with static
   shapes no host waits for another's.  Host work of one action overlaps the device work of the ones before;
 * ``max``: one lane per rank, each action the longer of its host path and its device time (the model before):
   the sum of per-action maxima, which over-predicts wherever the host is the slower side for some actions and
@@ -463,8 +477,9 @@ def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | 
     layers, each action pays the host's fixed time per action once (:func:`fixed_per_action`), and only the
     rest is shared by layer weight.  Not on CPUs: see :func:`fixed_per_action`.
 
-    ``lanes`` (with a host side): (host costs, device costs) apart, for :func:`~pipeloom.schedules.simulate`'s
-    ``device_costs`` (the runtime commits ahead: :data:`DEVICE_MODELS`), instead of the longer of the two."""
+    ``lanes`` (with a host side): (host costs, device costs, the slowest launch) apart, for
+    :func:`~pipeloom.schedules.simulate`'s ``device_costs`` (the runtime commits ahead: :data:`DEVICE_MODELS`),
+    instead of the longer of the two."""
     m0 = run.num_microbatches or m
     nbytes = run.ref_bytes * m0 / m
     runtime = run.runtime_per_action_ns or run.overhead_per_action_ns
@@ -490,19 +505,22 @@ def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | 
         device = stage_compute(run, n, nbytes, bounds, layers=layers, split=split)
     out: dict[tuple[int, str, int | None], float] = {}
     dev: dict[tuple[int, str, int | None], float] = {}
+    launch = 0.0  # the slowest launch (its sends included): what the runtime's commit horizon covers
     for s, c in enumerate(device):
         r = place[s]
         o = runtime.get(r, mean_rt) if same_ranks else mean_rt
         snd = sends.get(r, mean_send) if same_ranks else mean_send
         for t, x in c.items():
-            extra = o + (snd if _crosses(place, s, t) else 0.0)
+            send = snd if _crosses(place, s, t) else 0.0
+            extra = o + send
             if host is None:  # CPU: an action is its work
                 out[(s, t, None)] = x + extra
             elif lanes:  # GPU, committing ahead: the host's launch path and the device time, each on its lane
                 out[(s, t, None)], dev[(s, t, None)] = host[s][t] + extra, x
+                launch = max(launch, host[s][t] + send)
             else:  # GPU, one lane: the longer path counts
                 out[(s, t, None)] = max(host[s][t] + extra, x)
-    return (out, dev) if lanes and host is not None else out
+    return (out, dev, launch) if lanes and host is not None else out
 
 
 def _link_costs(run: RunCosts, m: int) -> Costs:
@@ -548,7 +566,8 @@ def _sampled(low: Any, costs: Costs, ac: dict[tuple[int, str, int | None], float
 
 def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layers | None = None,
               split: Sequence[int] | None = None, lowered: dict[Any, Any] | None = None,
-              device_model: str = "lanes", commit_ns: float = COMMIT_MS * 1e6, samples: int = 0) -> tuple[Any, Any]:
+              device_model: str = "lanes", commit_ns: float = COMMIT_MS * 1e6, commit_launches: float = COMMIT_LAUNCHES,
+              samples: int = 0) -> tuple[Any, Any]:
     """(schedule, simulation) of one candidate with ``run``'s costs carried to it (ScheduleError if rejected).
     ``lowered``: a cache of lowered schedules by (name, p, v, m) (the split changes only the action costs)."""
     costs = _link_costs(run, m)
@@ -568,13 +587,14 @@ def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layer
         if samples > 1 and run.host is None and run.dispersion:
             return sched, _sampled(low, costs, ac, run.dispersion, m, samples, seed=f"{name}:{p}:{v}:{m}")
         return sched, simulate(low, costs, action_costs=ac)
-    host, dev = ac
+    host, dev, launch = ac
+    horizon = commit_horizon(commit_ns / 1e6, commit_launches, launch / 1e6) * 1e6
     if not run.overlap_measured:
         # the halves of an OVERLAP_F_B run on two stage streams: concurrent on the device, one after the other
         # on the host (which the two-lane model charges as it is: both launches)
         costs = replace(costs, overlap=UNMEASURED_DEVICE_OVERLAP)
     lat, per_byte = run.device_link_ns if run.device_link_ns is not None else (0.0, 0.0)
-    return sched, simulate(low, costs, action_costs=host, device_costs=dev, commit_horizon=commit_ns,
+    return sched, simulate(low, costs, action_costs=host, device_costs=dev, commit_horizon=horizon,
                            device_transfer=lat + per_byte * costs.activation_bytes,
                            host_overlap=_pair_overlap(run, host))  # the host's time per action paid once per pair
 
@@ -592,7 +612,8 @@ def _pair_overlap(run: RunCosts, ac: dict[tuple[int, str, int | None], float]) -
 
 
 def calibration(run: RunCosts, *, measured_step_ns: float | None = None, layers: Layers | None = None,
-                device_model: str = "lanes", commit_ms: float = COMMIT_MS, samples: int = SAMPLES) -> float:
+                device_model: str = "lanes", commit_ms: float = COMMIT_MS, commit_launches: float = COMMIT_LAUNCHES,
+                samples: int = SAMPLES) -> float:
     """Measured over simulated step time of the run's own configuration, with the costs as carried to
     other configurations (1.0 where it cannot be simulated): what the cost model misses on the
     machine as a whole (contention, the runtime's reordering) is assumed to scale every step alike.
@@ -606,7 +627,8 @@ def calibration(run: RunCosts, *, measured_step_ns: float | None = None, layers:
     try:
         _, res = _simulate(run, run.schedule, run.world_size, run.stages_per_rank, run.num_microbatches,
                            layers=layers, split=layers.recorded if layers is not None else None,
-                           device_model=device_model, commit_ns=commit_ms * 1e6, samples=samples)
+                           device_model=device_model, commit_ns=commit_ms * 1e6, commit_launches=commit_launches,
+                           samples=samples)
     except (ScheduleError, ValueError):
         return 1.0
     return measured / res.makespan if res.makespan else 1.0
@@ -614,14 +636,14 @@ def calibration(run: RunCosts, *, measured_step_ns: float | None = None, layers:
 
 def search_split(run: RunCosts, name: str, p: int, v: int, m: int, layers: Layers, *,
                  max_simulations: int = 300, device_model: str = "lanes",
-                 commit_ms: float = COMMIT_MS) -> tuple[tuple[int, ...], float]:
+                 commit_ms: float = COMMIT_MS, commit_launches: float = COMMIT_LAUNCHES) -> tuple[tuple[int, ...], float]:
     """The layer split of ``p * v`` stages with the shortest simulated step, by local search from the even
     split: move one layer across one boundary at a time while that shortens the step (each move one
     simulation, a few milliseconds).  Returns (layers per stage, simulated step time, uncalibrated)."""
     n = p * v
     cache: dict[Any, Any] = {}
     cur = list(layers.even_split(n))
-    kw: dict[str, Any] = {"device_model": device_model, "commit_ns": commit_ms * 1e6}
+    kw: dict[str, Any] = {"device_model": device_model, "commit_ns": commit_ms * 1e6, "commit_launches": commit_launches}
     best = _simulate(run, name, p, v, m, layers=layers, split=cur, lowered=cache, **kw)[1].makespan
     sims, improved = 1, True
     while improved and sims < max_simulations:
@@ -654,6 +676,7 @@ def tune(
     search: int = 0,
     device_model: str = "lanes",
     commit_ms: float = COMMIT_MS,
+    commit_launches: float = COMMIT_LAUNCHES,
     samples: int = SAMPLES,
 ) -> TuneResult:
     """Simulate every candidate configuration with ``run``'s costs; see the module docstring.
@@ -663,13 +686,15 @@ def tune(
     (the even split); with ``search`` > 0 the ``search`` fastest candidates also get the best split
     :func:`search_split` finds, as extra candidates (``split`` set, ``searched`` True).
     ``device_model``: one of :data:`DEVICE_MODELS` (GPU profiles with a host side; ignored on CPU profiles);
-    ``commit_ms``: the runtime's ``gpu_commit_ms`` the candidates will run with.  ``samples``: simulations per
+    ``commit_ms``, ``commit_launches``: the runtime's ``gpu_commit_ms`` and ``gpu_commit_launches`` the candidates
+    will run with (:func:`commit_horizon`).  ``samples``: simulations per
     candidate with drawn action costs, the median kept (:data:`SAMPLES`; CPU profiles only; 0 or 1: the means).
     The layer-split search compares splits on the means (hundreds of simulations).
     """
     if device_model not in DEVICE_MODELS:
         raise ValueError(f"device_model must be one of {', '.join(DEVICE_MODELS)} (got {device_model!r})")
-    kw: dict[str, Any] = {"device_model": device_model, "commit_ns": commit_ms * 1e6, "samples": samples}
+    kw: dict[str, Any] = {"device_model": device_model, "commit_ns": commit_ms * 1e6, "commit_launches": commit_launches,
+                          "samples": samples}
     p = run.world_size
     m0 = run.num_microbatches or 1
     v0 = run.stages_per_rank
@@ -678,7 +703,7 @@ def tune(
     act0 = activation_memory if activation_memory is not None else run.costs.activation_bytes
     proxy = activation_memory is None
     factor = (calibration(run, measured_step_ns=measured_step_ns, layers=layers, device_model=device_model,
-                          commit_ms=commit_ms, samples=samples) if calibrate else 1.0)
+                          commit_ms=commit_ms, commit_launches=commit_launches, samples=samples) if calibrate else 1.0)
     cands: list[Candidate] = []
     skipped: list[str] = []
     recorded: Candidate | None = None
@@ -706,7 +731,7 @@ def tune(
         base = sorted((c for c in cands if c.fits), key=lambda c: c.step_ns)[:search]
         for c in base:
             split, _ = search_split(run, c.schedule, p, c.stages_per_rank, c.microbatches, layers,
-                                    device_model=device_model, commit_ms=commit_ms)
+                                    device_model=device_model, commit_ms=commit_ms, commit_launches=commit_launches)
             if split != c.split:
                 _, res = _simulate(run, c.schedule, p, c.stages_per_rank, c.microbatches, layers=layers, split=split, **kw)
                 cands.append(candidate(c.schedule, c.microbatches, c.stages_per_rank, res, split, True))
