@@ -593,6 +593,10 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
             prof = profile(e, fn)
             ht = ({"host_times": _host_times(fn, args.host_times, getattr(fn, "idle", None), usage=args.thread_cpu)}
                   if args.host_times else {})
+            if ht and rank == 0:
+                print(f"host times {e} {name}: " + "; ".join(
+                    f"r{i} host {h['host_ms']:.1f} step {h['step_ms']:.1f}" + (f" idle {h['idle_ms']:.1f}" if h['idle_ms'] is not None else "")
+                    for i, h in enumerate(ht["host_times"])), flush=True)
             if ht and rank == 0 and args.thread_cpu:
                 for i, u in enumerate(ht["host_times"]):
                     print(f"thread cpu {e} {name} r{i} (gc {u['gc_by_gen']} {u['gc_ms']:.1f} ms, {u['gc_objects']} objects): "
