@@ -147,16 +147,22 @@ def commit_horizon(min_ms: float, launches: float, host_ms: float, max_ms: float
     return min(max(min_ms, launches * host_ms), max(max_ms, min_ms))
 
 
+#: launches of an action type averaged into its host launch time
+_HOST_SAMPLES = 64
+
+
 class _Timing:
     """Per (type, stage) GPU time in ms, learned from events over the first steps, and the
     host's launch time per (type, stage) (sum of seconds, count)."""
 
-    __slots__ = ("est", "pending", "host")
+    __slots__ = ("est", "pending", "host", "first_seen")
 
     def __init__(self) -> None:
         self.est: dict[tuple[Any, int], float] = {}
         self.pending: list[tuple[tuple[Any, int], Any, Any]] = []
         self.host: dict[tuple[Any, int], list[float]] = {}
+        #: the step each action type was first launched in (its launches there are not learned)
+        self.first_seen: dict[tuple[Any, int], int] = {}
 
     def host_ms(self) -> float:
         """The longest mean launch time of an action type, in ms (0 before any was learned)."""
@@ -244,6 +250,8 @@ class CudaPolicy(DevicePolicy):
         #: (estimated ms, end events) of every committed action not known finished
         self._queue: deque[tuple[float, list[Any]]] = deque()
         self._queued_ms = 0.0
+        #: host launch times learned in this step (the horizon is recomputed at its end)
+        self._host_changed = False
 
     # -- step boundaries ----------------------------------------------------
     def begin_step(self) -> None:
@@ -264,11 +272,12 @@ class CudaPolicy(DevicePolicy):
         self._steps += 1
         if self._timing.pending:
             self._timing.harvest()
-        if self._steps == self.learn_steps:
+        if self._host_changed:
+            self._host_changed = False
             self._set_horizon()
 
     def _set_horizon(self) -> None:
-        """After the learning steps: the queue must outlast the host's longest launch.
+        """At the end of a step that learned launch times: the queue must outlast the host's longest launch.
 
         While the host launches one action (Python, the autograd engine's launches, the
         sends), the device runs what is queued; a horizon shorter than that launch lets the
@@ -355,15 +364,26 @@ class CudaPolicy(DevicePolicy):
         self._queued_ms += est
 
     def host_time(self, key: tuple[Any, int], seconds: float) -> None:
-        # learned after the first step (its launches include one-time work: allocations,
-        # kernel selection) and until the horizon is set
-        if 1 <= self._steps < self.learn_steps:
-            acc = self._timing.host.get(key)
-            if acc is None:
-                self._timing.host[key] = [seconds, 1]
-            else:
-                acc[0] += seconds
-                acc[1] += 1
+        # Learned from the step after the first one an action type appears in (that step's
+        # launches include one-time work: allocations, kernel selection), over its first
+        # ``_HOST_SAMPLES`` launches; an action type first seen later (a training step after
+        # evaluation steps) is learned then, and the horizon follows at that step's end.
+        t = self._timing
+        first = t.first_seen.get(key)
+        if first is None:
+            t.first_seen[key] = self._steps
+            return
+        if first == self._steps:
+            return
+        acc = t.host.get(key)
+        if acc is None:
+            t.host[key] = [seconds, 1]
+        elif acc[1] < _HOST_SAMPLES:
+            acc[0] += seconds
+            acc[1] += 1
+        else:
+            return
+        self._host_changed = True
 
     def queued_ms(self) -> float:
         """Estimated device time (ms) of the committed actions not known to have finished."""

@@ -139,7 +139,7 @@ class RuntimeOptions:
     gpu_commit_launches: float = 3.0
     """GPUs: the commit horizon also covers this many host launches of the slowest action: it
     is ``max(gpu_commit_ms, gpu_commit_launches x H)``, where ``H`` is the longest mean host
-    time an action type takes to launch (learned, like the device times, in the first steps).
+    time an action type takes to launch (learned from the step after its first one on).
     While the host launches one action the device runs what is queued; a queue shorter than the
     launch runs dry (measured on 2 H100s, a GPT whose backward takes the host about 10 ms to
     launch: a 10 ms horizon left 1F1B and GPipe 4.5-9% slower than torch, 30-60 ms within

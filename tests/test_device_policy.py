@@ -258,22 +258,28 @@ def test_action_time_is_learned_from_events_after_the_input_waits(cuda: FakeCuda
 
 
 def test_horizon_grows_to_cover_the_slowest_learned_launch(cuda: FakeCuda) -> None:
-    # step 0's launches are not learned (one-time work); step 1's are; after step 1 (learn_steps 2)
-    # the horizon covers 3 launches of the slowest action type's mean: max(10, 3 x 12) = 36 ms
+    # an action type's first step is not learned (one-time work); its next steps are, and the
+    # horizon follows at the end of each step that learned something: max(10, 3 x slowest mean)
     p = _policy(cuda, horizon_ms=10.0, default_ms=1.0, learn_steps=2, launches=3.0)
-    for step, times in enumerate([{("B", 3): [0.5], ("F", 0): [0.5]}, {("B", 3): [0.010, 0.014], ("F", 0): [0.004]}]):
+
+    def step(times: dict[tuple[str, int], list[float]]) -> None:
         p.begin_step()
         for key, seconds in times.items():
             for t in seconds:
                 p.host_time(key, t)
-        assert p.horizon_ms == 10.0  # not before the learning steps end
         p.end_step()
+
+    step({("F", 0): [0.5]})  # an evaluation step first: forwards only, not learned
+    assert p.horizon_ms == 10.0
+    step({("F", 0): [0.004, 0.004], ("B", 3): [0.5]})  # F learned (4 ms: 3 x 4 = 12); B's first step
+    assert p.horizon_ms == pytest.approx(12.0)
+    step({("B", 3): [0.010, 0.014]})  # B learned: mean 12 ms
     assert p._timing.host_ms() == pytest.approx(12.0)
     assert p.horizon_ms == pytest.approx(36.0)
-    # later launches change nothing
-    p.begin_step()
-    p.host_time(("B", 3), 1.0)
-    p.end_step()
+    for _ in range(40):  # after 64 samples a type's mean stops moving
+        step({("B", 3): [0.012, 0.012]})
+    assert p._timing.host["B", 3][1] == 64
+    step({("B", 3): [1.0]})
     assert p.horizon_ms == pytest.approx(36.0)
     assert "3 x the slowest action's host launch time" in p.describe()
 
