@@ -345,3 +345,29 @@ def test_commit_horizon_is_the_runtimes() -> None:
                  (300.0, 3.0, 50.0, 250.0), (10.0, 3.0, 0.0, 250.0)):
         assert commit_horizon(*args) == runtime_horizon(*args)
     assert commit_horizon(10.0, 3.0, 10.0) == 30.0 and commit_horizon(10.0, 3.0, 120.0) == 250.0
+
+
+def test_drawn_costs(profile: Path) -> None:
+    """CPU profiles: every action's cost drawn from its type's recorded dispersion (``RunCosts.dispersion``)."""
+    from pipeloom.tools.schedule_tune import sampled_runs
+
+    rc = costs_from_trace(load_trace(str(profile)))
+    assert set(rc.dispersion) == {"F", "B"}
+    for q in rc.dispersion.values():
+        assert len(q) == 32 and list(q) == sorted(q) and sum(q) / len(q) == pytest.approx(1.0)
+    low = lower(generate("1F1B", num_ranks=2, num_microbatches=4), comms=True, recv_placement="early")
+    c = Costs(F=1, B=2, send_latency=0.1)
+    ac = {(s, t, None): x for s in range(2) for t, x in (("F", 1.0), ("B", 2.0))}
+    means = simulate(low, c, action_costs=ac).makespan
+    # no dispersion: every draw is the means' simulation
+    flat = sampled_runs(low, c, ac, {"F": (1.0,), "B": (1.0,)}, 4, 5, seed="x")
+    assert [r.makespan for r in flat] == [means] * 5
+    # a rank waits for the later of two things: the drawn steps are longer on average than the means' step
+    runs = sampled_runs(low, c, ac, {"F": (0.5, 1.5), "B": (0.5, 1.5)}, 4, 15, seed="x")
+    assert [r.makespan for r in runs] == sorted(r.makespan for r in runs)
+    assert sum(r.makespan for r in runs) / 15 > means
+    assert runs == sampled_runs(low, c, ac, {"F": (0.5, 1.5), "B": (0.5, 1.5)}, 4, 15, seed="x")  # seeded
+    # the tuner keeps the median of SAMPLES draws on a CPU profile; samples=0: the means
+    drawn, plain = (tune(rc, schedules=["1F1B"], microbatches=[4], stages_per_rank=[1], calibrate=False, samples=k)
+                    for k in (15, 0))
+    assert drawn.candidates[0].step_ns != plain.candidates[0].step_ns
