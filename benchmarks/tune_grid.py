@@ -210,6 +210,8 @@ def _rank_main(args: argparse.Namespace) -> None:
                 merge_types,
                 with_host_costs,
             )
+            from dataclasses import replace
+
             from pipeloom.tools.schedule_tune import Layers, _simulate, calibration, tune
             from pipeloom.tools.trace_model import load_trace
 
@@ -234,9 +236,22 @@ def _rank_main(args: argparse.Namespace) -> None:
                 _, sim = _simulate(run, c["schedule"], world, c["stages_per_rank"], c["microbatches"], layers=layers,
                                    split=tuple(c["split"]), device_model=other)
                 c["step_ns_" + other] = sim.makespan * cal_other
+            # variants of the two-lane model, for what the GPU run can tell apart (same profile, same grid): the
+            # fixed 10 ms horizon of gpu_commit_ms alone; the device time as the whole synced span less the host's
+            # fixed part (an upper bound: it keeps the sync, the checks and a device-side fixed part)
+            variants = {"lanes-10ms": (run, {"commit_launches": 0.0}),
+                        "lanes-span": (replace(run, sizes_fitted=False), {})}
+            cal_variants = {}
+            for label, (vrun, kw) in variants.items():
+                cal_v = cal_variants[label] = calibration(vrun, measured_step_ns=prof_real * 1e9, layers=layers,
+                                                          device_model="lanes", **kw)
+                for c in cands:
+                    _, sim = _simulate(vrun, c["schedule"], world, c["stages_per_rank"], c["microbatches"], layers=layers,
+                                       split=tuple(c["split"]), device_model="lanes", **kw)
+                    c["step_ns_" + label] = sim.makespan * cal_v
             plan[0] = {"candidates": cands, "calibration": res.calibration, "sizes_fitted": res.sizes_fitted,
                        "profile_step_s": prof_real, "host_fixed_ns": res.host_fixed_ns, "device_model": args.device_model,
-                       "other_model": other, "calibration_other": cal_other}
+                       "other_model": other, "calibration_other": cal_other, "variants": cal_variants}
         except Exception:  # tell rank 1 (waiting in the broadcast) instead of leaving it to NCCL's timeout
             import traceback
 
@@ -286,7 +301,7 @@ def _rank_main(args: argparse.Namespace) -> None:
                            "step_ns": prof_real * 1e9, "calibration": plan[0]["calibration"],
                            "sizes_fitted": plan[0]["sizes_fitted"], "host_fixed_ns": plan[0]["host_fixed_ns"],
                            "device_model": plan[0]["device_model"], "other_model": plan[0]["other_model"],
-                           "calibration_other": plan[0]["calibration_other"]},
+                           "calibration_other": plan[0]["calibration_other"], "variants": plan[0]["variants"]},
                "device": torch.cuda.get_device_name() if gpu else "cpu", "size": args.size, "rows": rows,
                "seconds": {"profile_and_tune": t_profile, "total": time.perf_counter() - t_start}}
         with open(os.path.join(args.out, "tune_grid.json"), "w") as f:
@@ -371,6 +386,13 @@ def format_grid(doc: dict[str, Any]) -> str:
         lines.append(f"{other} model on the same grid: error {stats(oerrs)}; its pick {opick['schedule']} "
                      f"m={opick['microbatches']} ({','.join(map(str, _blocks(tuple(opick['split']))))}) is "
                      f"{opick['measured_ns'] / best['measured_ns'] - 1:+.1%} from the best")
+    for label, cal_v in (prof.get("variants") or {}).items():
+        key = "step_ns_" + label
+        if all(key in r for r in rows):
+            verrs = [abs(r[key] / r["measured_ns"] - 1) for r in rows]
+            vpick = min(rows, key=lambda r: r[key])
+            lines.append(f"variant {label} (calibration x{cal_v:.3f}): error {stats(verrs)}; its pick {vpick['schedule']} "
+                         f"m={vpick['microbatches']} is {vpick['measured_ns'] / best['measured_ns'] - 1:+.1%} from the best")
     lines.append(f"time: profile + tune {doc['seconds']['profile_and_tune']:.0f} s, total {doc['seconds']['total']:.0f} s")
     return "\n".join(lines)
 
