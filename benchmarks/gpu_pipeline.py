@@ -581,10 +581,12 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         times: dict[str, list[float]] = {e: [] for e in engines}
         peaks: dict[str, int] = {e: 0 for e in engines}
         per = max(1, args.steps // args.alternate)
+        rounds: dict[str, list[float]] = {e: [] for e in engines}
         for _ in range(args.alternate):
             for e in engines:
                 t, pk = _timed(built[e][0], per, 0)
                 times[e] += t
+                rounds[e].append(statistics.median(t))
                 peaks[e] = max(peaks[e], pk)
         floor_start = floor
         floor = min(floor, _reduce_max(_floor(mods, args, seqs, num_stages - 1)))  # (record() reads it)
@@ -601,7 +603,10 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
                 for i, u in enumerate(ht["host_times"]):
                     print(f"thread cpu {e} {name} r{i} (gc {u['gc_by_gen']} {u['gc_ms']:.1f} ms, {u['gc_objects']} objects): "
                           + ", ".join(f"{k} {v:.2f}" for k, v in u["threads"]), flush=True)
+            # each round's median step (slowest rank): the spread of the per-round ratios tells noise from a difference
+            round_ms = [_reduce_max(r) * 1e3 for r in rounds[e]]
             record(e, times[e], peaks[e], {"order": args.engines, "alternate": args.alternate, "floor_ms_start": floor_start * 1e3,
+                                           "round_ms": round_ms,
                                            **extra(), **(prof or {}), **ht})
             if close is not None:
                 close()
@@ -640,15 +645,19 @@ def table(path: str) -> str:
             r["_base_case"] = case
             continue
         by.setdefault((r.get("gpus", 2), r["schedule"], case), {})[r["engine"]] = r
-    out = ["| GPUs | schedule | case | torch ms | pipeloom ms | ratio | torch eff | pipeloom eff | ceiling | pipeloom/ceiling | torch GiB | pipeloom GiB |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| GPUs | schedule | case | torch ms | pipeloom ms | ratio | rounds' ratios | torch eff | pipeloom eff | ceiling | pipeloom/ceiling | torch GiB | pipeloom GiB |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (gpus, sched, case), e in by.items():
         t, p = e.get("torch"), e.get("pipeloom")
         if t is None and p is not None and p.get("_base_case"):  # a variant: the same process's torch
             t = by.get((gpus, sched, p["_base_case"]), {}).get("torch")
         f = lambda r, k, fmt: (fmt % r[k]) if r else "—"  # noqa: E731
         ratio = f"{p['step_ms'] / t['step_ms']:.3f}" if t and p else "—"
-        out.append(f"| {gpus} | {sched} | {case} | {f(t,'step_ms','%.1f')} | {f(p,'step_ms','%.1f')} | {ratio} | "
+        spread = "—"
+        if t and p and t.get("round_ms") and len(t["round_ms"]) == len(p.get("round_ms") or []):
+            rr = sorted(a / b for a, b in zip(p["round_ms"], t["round_ms"]))
+            spread = f"{rr[0]:.3f}-{rr[-1]:.3f}"
+        out.append(f"| {gpus} | {sched} | {case} | {f(t,'step_ms','%.1f')} | {f(p,'step_ms','%.1f')} | {ratio} | {spread} | "
                    f"{f(t,'efficiency','%.3f')} | {f(p,'efficiency','%.3f')} | {f(p or t,'ceiling','%.3f') if (p or t) and 'ceiling' in (p or t) else '—'} | "
                    f"{f(p,'vs_ceiling','%.3f') if p and 'vs_ceiling' in p else '—'} | {f(t,'peak_gib','%.2f')} | {f(p,'peak_gib','%.2f')} |")
     prof = [r for r in rows if r.get("gaps_by_rank")]
