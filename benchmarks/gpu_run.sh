@@ -28,7 +28,8 @@
 #              ranking (with a layer-split search), then a measured grid of >= 15 configurations (5 schedules x
 #              microbatches 8,16,32 + the tuner's splits): measured vs predicted by the two-lane model (host commits
 #              ahead of the device; the tuner's default) and beside it the one-lane "max" model, the pick of each vs
-#              the best, and two variants of the two-lane model (fixed 10 ms horizon; device time = the synced span)
+#              the best, and variants of the two-lane model (fixed 10 ms horizon; device time = the synced span;
+#              one device lane instead of a stream per stage)
 #              (about 100 s; TUNE_ARGS="--device-model max" makes the old model pick; "--trace-grid" traces the grid);
 #              TUNE_ARGS adds arguments, TUNE_TIMEOUT bounds it (default 300 s); JSON in $OUT/tunegrid/tune_grid.json
 # Environment: SCHEDULES, BENCH_ARGS, BENCH_TIMEOUT, VARIANTS (see bench2).  VIS2: the GPUs of the 2-GPU parts

@@ -238,13 +238,18 @@ def _rank_main(args: argparse.Namespace) -> None:
                 c["step_ns_" + other] = sim.makespan * cal_other
             # variants of the two-lane model, for what the GPU run can tell apart (same profile, same grid): the
             # fixed 10 ms horizon of gpu_commit_ms alone; the device time as the whole synced span less the host's
-            # fixed part (an upper bound: it keeps the sync, the checks and a device-side fixed part)
+            # fixed part (an upper bound: it keeps the sync, the checks and a device-side fixed part); one device lane
+            # in launch order instead of one stream per stage
             variants = {"lanes-10ms": (run, {"commit_launches": 0.0}),
-                        "lanes-span": (replace(run, sizes_fitted=False), {})}
+                        "lanes-span": (replace(run, sizes_fitted=False), {}),
+                        "lanes-1stream": (run, {"stage_streams": False})}
             cal_variants = {}
             for label, (vrun, kw) in variants.items():
-                cal_v = cal_variants[label] = calibration(vrun, measured_step_ns=prof_real * 1e9, layers=layers,
-                                                          device_model="lanes", **kw)
+                cal_v = cal_variants[label] = (
+                    calibration(vrun, measured_step_ns=prof_real * 1e9, layers=layers, device_model="lanes", **kw)
+                    if "stage_streams" not in kw else
+                    prof_real * 1e9 / _simulate(vrun, pname, world, pv, pm, layers=layers, split=_units(psplit),
+                                                device_model="lanes", **kw)[1].makespan)
                 for c in cands:
                     _, sim = _simulate(vrun, c["schedule"], world, c["stages_per_rank"], c["microbatches"], layers=layers,
                                        split=tuple(c["split"]), device_model="lanes", **kw)

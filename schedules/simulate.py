@@ -72,6 +72,7 @@ for interleaved 1F1B.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -240,7 +241,8 @@ ActionCosts = Mapping[tuple[int, str, "int | None"], float]
 
 def simulate(schedule: Schedule, costs: Costs | None = None, *, action_costs: ActionCosts | None = None,
              device_costs: ActionCosts | None = None, commit_horizon: float = math.inf,
-             device_transfer: float | None = None, host_overlap: float = 1.0) -> SimulationResult:
+             device_transfer: float | None = None, host_overlap: float = 1.0,
+             device_streams: bool = False) -> SimulationResult:
     """Simulate ``schedule`` under ``costs`` (default :class:`Costs`).
 
     ``action_costs`` overrides the compute costs of F, B, I and W per stage
@@ -255,7 +257,11 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, action_costs: Ac
     ``device_transfer`` a transfer's time on the device lane (default
     ``costs.transfer``), ``host_overlap`` the host's ``overlap`` of an
     ``OVERLAP_F_B`` (1: it launches both halves; ``costs.overlap`` is the
-    device's).  The events are the device lane's.
+    device's).  ``device_streams``: each stage's actions run in launch order
+    on its own stream (pipeloom's engine), and the device takes each in the
+    earliest gap long enough once its stream, launch and inputs allow, so a
+    stage whose input is late does not hold up another's (default: one
+    device lane in launch order).  The events are the device lane's.
 
     Accepts compute-only and lowered schedules, with or without FSDP actions,
     ``REDUCE_GRAD`` and ``OVERLAP_F_B``.  Raises :class:`ScheduleError` when
@@ -268,7 +274,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, action_costs: Ac
         raise ValueError(f"commit_horizon must be >= 0 (got {commit_horizon!r})")
     return _run(schedule, costs, lowered=lowered, marks=None, record=True, action_costs=action_costs,
                 device_costs=device_costs, horizon=commit_horizon, device_transfer=device_transfer,
-                host_overlap=host_overlap)
+                host_overlap=host_overlap, device_streams=device_streams)
 
 
 def lane_times(schedule: Schedule, costs: Costs | None = None) -> dict[int, list[float]]:
@@ -296,6 +302,7 @@ def _run(
     horizon: float = math.inf,
     device_transfer: float | None = None,
     host_overlap: float = 1.0,
+    device_streams: bool = False,
 ) -> SimulationResult:
     """The simulation proper; ``marks`` collects lane clocks, ``record`` the events."""
     actions = schedule.actions
@@ -313,6 +320,9 @@ def _run(
     dev_xfer = (costs.transfer if device_transfer is None else device_transfer) if two_lane else 0.0
     dclock = {r: 0.0 for r in schedule.actions}  # device lane (two_lane): when it is free
     queued: dict[int, list[tuple[float, float]]] = {r: [] for r in schedule.actions}  # committed (device end, duration)
+    streams = two_lane and device_streams
+    sfree: dict[tuple[int, int], float] = {}  # (rank, stage) -> when its stream is free (streams)
+    gaps: dict[int, list[tuple[float, float]]] = {r: [] for r in schedule.actions}  # device busy spans (streams)
     overlap = costs.overlap
 
     # value[kind * N + k]: when the value became available (None: not yet).
@@ -432,7 +442,7 @@ def _run(
                         ddur = max(d1, d2) + overlap * min(d1, d2)
                     else:
                         ddur = dev_cost(a)
-                    q = queued[rank]  # device ends are in commit order (one lane): the queue drains front first
+                    q = queued[rank]  # committed (device end, device time), by end: the queue drains front first
                     k0 = 0
                     while k0 < len(q) and q[k0][0] <= now:
                         k0 += 1
@@ -444,15 +454,29 @@ def _run(
                             break
                         hstart, load = e, load - d
                     hend = hstart + dur
-                    dstart = max(start, dclock[rank], hstart)
-                    end = max(dstart + ddur, hend)
-                    q.append((end, ddur))
-                    dclock[rank] = end
+                    # the device runs the kernels as they are launched: it ends no earlier than its launch
+                    # (a host-bound action's device time lies at the end of its launch)
+                    if streams:
+                        # its stage's stream (both halves' for a pair) runs in launch order; the device takes the
+                        # earliest gap at least that long: a later launch of another stage may run first
+                        sts = [leaf.stage for leaf in leaves]
+                        ready_t = max(start, hstart, hend - ddur, *(sfree.get((rank, x), 0.0) for x in sts))
+                        dstart = _gap(gaps[rank], ready_t, ddur)
+                        dend = dstart + ddur
+                        if ddur > 0:
+                            bisect.insort(gaps[rank], (dstart, dend))
+                        for x in sts:
+                            sfree[(rank, x)] = dend
+                        dclock[rank] = max(dclock[rank], dend)
+                    else:
+                        dstart = max(start, dclock[rank], hstart, hend - ddur)
+                        dend = dclock[rank] = dstart + ddur
+                    bisect.insort(q, (dend, ddur))
                     if evs is not None:
-                        evs(new_event((rank, a, dstart, end, "compute")))
+                        evs(new_event((rank, a, dstart, dend, "compute")))
                     busy[rank] += ddur
                     start, dur, now = dstart, 0.0, hend  # the device lane's span is recorded; the host moves on
-                end = start + dur if dev_cost is None else dclock[rank]
+                end = start + dur if dev_cost is None else dend
                 for leaf in leaves:
                     ls, lt, lm, _ = leaf
                     k = ls * M + (lm or 0)  # input_time checked the microbatch
@@ -500,7 +524,8 @@ def _run(
                 if m is None:
                     raise ScheduleError(f"cannot simulate {a} on rank {rank}: a transfer needs a microbatch")
                 slot = s * M + m + (0 if t is _RECV_F else N)
-                recv_post[slot] = (dclock[rank] if two_lane else now, a)  # NCCL: behind its stream's queued work
+                # NCCL: behind the work queued on its stream (the consumer stage's, with streams)
+                recv_post[slot] = ((sfree.get((rank, s), 0.0) if streams else dclock[rank]) if two_lane else now, a)
                 if slot in send_post:
                     land(slot)
             elif t is _UNSHARD:
@@ -569,6 +594,20 @@ def _run(
         peak_live_activations=peak,
         events=all_events,
     )
+
+
+def _gap(busy: list[tuple[float, float]], t: float, dur: float) -> float:
+    """The earliest start >= ``t`` of a span ``dur`` long that overlaps none of the sorted ``busy`` spans."""
+    i = bisect.bisect_right(busy, (t, math.inf)) - 1
+    if i >= 0 and busy[i][1] > t:
+        t = busy[i][1]
+    for b0, b1 in busy[i + 1 if i >= 0 else 0:]:
+        if b1 <= t:
+            continue
+        if b0 >= t + dur:
+            break
+        t = max(t, b1)
+    return t
 
 
 def _cost_lookup(action_costs: ActionCosts, leaf_cost: Mapping[ActionType, float]) -> Callable[[Action], float]:

@@ -212,7 +212,9 @@ DEVICE_MODELS = ("lanes", "max")
 
 * ``lanes`` (default): each rank's host launches its list in order, committing ahead of the device by at most
   the runtime's horizon of queued device work (:func:`commit_horizon`: 10 ms, or 3 launches of the slowest action
-  type if more), and its device runs each action once launched and its inputs have landed (:func:`~pipeloom.schedules.simulate`'s ``device_costs``), as ``runtime/device.py`` does; with static
+  type if more), and its device runs each action once launched and its inputs have landed, each stage's actions in
+  launch order on the stage's own stream (``overlap_streams``, the default), a ready one of one stage in a gap
+  while another stage's input is late (``simulate(device_streams=True)``) (:func:`~pipeloom.schedules.simulate`'s ``device_costs``), as ``runtime/device.py`` does; with static
   shapes no host waits for another's.  Host work of one action overlaps the device work of the ones before;
 * ``max``: one lane per rank, each action the longer of its host path and its device time (the model before):
   the sum of per-action maxima, which over-predicts wherever the host is the slower side for some actions and
@@ -567,7 +569,7 @@ def _sampled(low: Any, costs: Costs, ac: dict[tuple[int, str, int | None], float
 def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layers | None = None,
               split: Sequence[int] | None = None, lowered: dict[Any, Any] | None = None,
               device_model: str = "lanes", commit_ns: float = COMMIT_MS * 1e6, commit_launches: float = COMMIT_LAUNCHES,
-              samples: int = 0) -> tuple[Any, Any]:
+              samples: int = 0, stage_streams: bool = True) -> tuple[Any, Any]:
     """(schedule, simulation) of one candidate with ``run``'s costs carried to it (ScheduleError if rejected).
     ``lowered``: a cache of lowered schedules by (name, p, v, m) (the split changes only the action costs)."""
     costs = _link_costs(run, m)
@@ -596,7 +598,8 @@ def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layer
     lat, per_byte = run.device_link_ns if run.device_link_ns is not None else (0.0, 0.0)
     return sched, simulate(low, costs, action_costs=host, device_costs=dev, commit_horizon=horizon,
                            device_transfer=lat + per_byte * costs.activation_bytes,
-                           host_overlap=_pair_overlap(run, host))  # the host's time per action paid once per pair
+                           host_overlap=_pair_overlap(run, host),  # the host's time per action paid once per pair
+                           device_streams=stage_streams)
 
 
 def _pair_overlap(run: RunCosts, ac: dict[tuple[int, str, int | None], float]) -> float:
