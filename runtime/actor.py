@@ -142,7 +142,7 @@ class ActorStatistics:
     actions_run: int
     out_of_order: int  #: actions run before an earlier-listed action
     idle_waits: int  #: times the dispatcher slept with nothing ready
-    idle_seconds: float
+    idle_seconds: float  #: the dispatcher with nothing ready, or (gloo, static shapes) waiting in gloo for a peer
     peak_live_microbatches: int
     #: transfers this rank sent without a header (NCCL, ``static_shapes``, after the first step of a kind)
     headerless_sends: int = 0
@@ -356,6 +356,8 @@ class RankActor:
                                       breaker=tensor_plane.break_receives)
         #: gloo, static shapes: per peer, how many of its step's payloads the loop has consumed
         self._rx_used: dict[int, int] = {}
+        #: seconds of this step the loop thread waited in gloo for a peer's payload
+        self._waited = 0.0
         #: GPU: receives posted (committed), not yet consumed: buffers, Works, spec
         self._posted: dict[tuple[int, str, int, int], tuple[list[torch.Tensor | None], list[Any], Any]] = {}
         #: GPU: local hand-offs between stage streams: the producer's event
@@ -607,6 +609,7 @@ class RankActor:
         src = self.flow.recv_rank(kind, stage, self.rank)
         assert src is not None and self._direct is not None
         busy = self.state
+        t0 = time.perf_counter()
         self.state = ("waiting", busy[1], time.monotonic())
         try:
             self._direct.wait(works, src)
@@ -623,6 +626,7 @@ class RankActor:
             raise err from exc
         finally:
             self.state = busy
+            self._waited += time.perf_counter() - t0
         if self._spec:
             used = self._rx_used[src] = self._rx_used.get(src, 0) + 1
             self._post_ahead(src, step, used)
@@ -1006,6 +1010,7 @@ class RankActor:
         if coll is not None:
             coll.begin_step(self.train_actions if train else self.eval_actions)
         self._fwd_done = set()
+        self._waited = 0.0
         self._i_done = set()
         # (not cleared: a faster peer's transfers of the next step may be posted already)
         dev = self.dev
@@ -1149,9 +1154,12 @@ class RankActor:
             self.state = ("waiting", "sends to complete", time.monotonic())
             d0 = clock_ns() if trace is not None else 0
             try:
-                if self._cuda or self.tensors.sends_landed():
+                if self._cuda or self.tensors.sends_landed() or (
+                        spec and self._direct is not None and self._ends.issuperset(self._send_order[train])):
                     # NCCL: orders the caller's stream, never blocks the host; gloo: every send has
-                    # landed at its peer (the peers' headers said so): completes at once
+                    # landed at its peer (the peers' headers said so; static shapes: every peer sent
+                    # to has ended its step, so it consumed them all, and posted its end header's
+                    # receive at its step's start): completes at once
                     self.tensors.drain_sends()
                 else:
                     await self._drain_sends(landings, park, step)
@@ -1174,7 +1182,7 @@ class RankActor:
             else:
                 trace.memory(step, peak)
             trace.step(step, step_start, clock_ns(), train=train)
-        self.statistics = ActorStatistics(ran, out_of_order, waits, idle, peak,
+        self.statistics = ActorStatistics(ran, out_of_order, waits, idle + self._waited, peak,
                                           sum(self._tx_next.values()) if spec else 0)
         self.control.steps_done = self.step_index
         return results, losses
