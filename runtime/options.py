@@ -110,12 +110,15 @@ class RuntimeOptions:
     instead of the default group (False).  Always on with NCCL, which needs them.
     Environment: ``PIPELOOM_PAIR_GROUPS=1``."""
 
-    gloo_prepost_depth: int = 2
+    gloo_prepost_depth: int = 8
     """gloo: how many of a peer's transfers of a step this rank keeps posted ahead of the one
     it waits for (each a header plus buffers shaped like the previous step's; see
-    ``transport/tensor.py``).  A transfer whose receive is posted before the data is sent
-    lands in about a fifth of the time.  Larger: back-to-back sends (GPipe's forwards) find
-    their receives posted; each costs one payload's memory while posted."""
+    ``transport/tensor.py``; with ``static_shapes=True`` the payload buffers alone, posted by
+    the loop thread).  A transfer whose receive is posted before the data is sent lands in
+    about a fifth of the time.  Larger: back-to-back sends (GPipe's forwards) find their
+    receives posted; each costs one payload's memory while posted.  8 (was 2): on 2 CPU ranks
+    with 8 microbatches, ``static_shapes=True`` steps were 10-25% shorter than with 2 and the
+    default protocol's no slower (``benchmarks/RESULTS.md``, "CPU host path, round 5")."""
 
     gloo_park_ms: float = 2.0
     """CPU (gloo payloads, no data-parallel collectives): when nothing is ready, the dispatcher's
