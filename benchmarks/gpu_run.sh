@@ -64,7 +64,7 @@ for part in "$@"; do
   case $part in
   tests)
     # from outside the checkout, so the installed package (not ./pipeloom) is imported
-    files="$REPO/tests/test_runtime_gradients.py $REPO/tests/test_static_shapes.py $REPO/tests/test_harness.py"
+    files="$REPO/tests/test_runtime_gradients.py $REPO/tests/test_static_shapes.py $REPO/tests/test_harness.py $REPO/tests/test_trace_device.py"
     if [ "$GPUS" -ge 4 ]; then files="$files $REPO/tests/test_data_parallel.py"; fi
     files=${TEST_FILES:-$files}
     # the fault tests spawn ranks that pick NCCL on a GPU host; they are gloo tests

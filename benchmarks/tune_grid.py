@@ -9,11 +9,15 @@ list so that any split of the blocks over the stages can be run:
 1. **profile** (``--profile NAME:M:BLOCKS``, default Interleaved1F1B, 16
    microbatches, blocks 2,1,3,2: stages holding different numbers of blocks,
    so that the tuner can tell each action's fixed host time from its layers',
-   :func:`pipeloom.tools.schedule_tune.host_split`), traced twice, steps
+   :func:`pipeloom.tools.schedule_tune.host_split`), traced, steps
    alternating the full and half batch (the tuner separates each action's
-   fixed cost from its per-row cost): once with ``check_finite`` on GPUs (a
-   device sync per action: the spans are device time), once without (the
-   spans are the host's launch time; :func:`pipeloom.tools.run_costs.with_host_costs`);
+   fixed cost from its per-row cost): on GPUs the trace holds each action's
+   host span (its launch) and its device time (``device`` events, CUDA
+   events in the engine), both sides of
+   :func:`pipeloom.tools.run_costs.with_host_costs`; with ``--synced-device``
+   (the older protocol) traced twice, once with ``check_finite`` (a device
+   sync per action: the spans are device time plus the sync, the checks and
+   the launch) and once without;
    then the same for ``--profile-iw`` (default ZBVZeroBubble, same blocks),
    whose I and W actions the tuner takes as measured
    (:func:`pipeloom.tools.run_costs.merge_types`: on the host a split
@@ -182,8 +186,12 @@ def _rank_main(args: argparse.Namespace) -> None:
         if profiles["_iw"][3] != psplit:
             raise SystemExit(f"--profile-iw {args.profile_iw}: give it the blocks of --profile ({psplit})")
     traces: dict[str, str] = {}
+    # GPUs: the engine measures each traced action's device time with CUDA events (`device` events), so one
+    # untouched traced run gives both sides; --synced-device: the device side from a second run with a device
+    # sync per action (check_finite), whose spans also hold the launch, the sync and the checks
+    events = gpu and not args.synced_device
     for tag, (name, m, v, split) in profiles.items():
-        for side in ("device", "host"):
+        for side in (("host",) if events else ("device", "host")):
             path = traces[side + tag] = os.path.join(args.out, f"profile{tag}_{side}.jsonl")
             pipe = build(name, m, v, split, trace=path, check_finite=gpu and side == "device")
             for i in range(args.warmup + 2 * args.profile_steps):
@@ -217,8 +225,10 @@ def _rank_main(args: argparse.Namespace) -> None:
 
             def costs(tag: str) -> Any:
                 # the typical steps' costs (run_costs.TYPICAL), as `pipeloom schedule tune` takes them
-                return with_host_costs(costs_from_trace(load_trace(traces["device" + tag]), typical=True),
-                                       costs_from_trace(load_trace(traces["host" + tag]), typical=True))
+                host_model = load_trace(traces["host" + tag])
+                dev = (costs_from_trace(host_model, typical=True, device=True) if events else
+                       costs_from_trace(load_trace(traces["device" + tag]), typical=True))
+                return with_host_costs(dev, costs_from_trace(host_model, typical=True))
 
             run = costs("")
             if "_iw" in profiles:
@@ -421,6 +431,9 @@ def main() -> None:
     p.add_argument("--device-model", choices=("lanes", "max"), default="lanes",
                    help="the tuner's model of host and device (schedule_tune.DEVICE_MODELS); the other one's "
                    "predictions are printed beside it")
+    p.add_argument("--synced-device", action="store_true",
+                   help="GPUs: take the device side from a profile run with a device sync per action (check_finite) "
+                   "instead of the engine's CUDA-event device times of the untouched traced run")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)

@@ -343,6 +343,8 @@ class RankActor:
             launches=options.gpu_commit_launches,
         )
         self._commit_ahead = self.dev.commit_ahead
+        if trace is not None and self._commit_ahead:
+            self.dev.on_timed = self._device_timed
         #: NCCL: headers through gloo, payloads received when their header lands (posted, committed)
         self._headers = tensor_plane.header_group is not None
         if self._headers and not self._commit_ahead and not (options.emulate_nccl_transport or options.static_shapes is True):
@@ -648,6 +650,16 @@ class RankActor:
         lost = self.liveness.check(self.step_index - 1, disconnected=self.control.disconnected,
                                    events_read_at=self.control.monitors_read_at, needed={peer})
         return None if lost is None else PeerLostError(lost.reason, rank=self.rank, peer=lost.peer)
+
+    def _device_timed(self, meta: tuple[int, str, str, int, int | None, int], ms: float) -> None:
+        """Traced GPU runs: an action's device time, once its CUDA events completed (see ``runtime/trace.py``)."""
+        if self.trace is not None:
+            step, name, type_, stage, mb, t = meta
+            self.trace.device(step, name, type_, stage, mb, t, int(ms * 1e6))
+
+    def flush_device_times(self) -> None:
+        """Traced GPU runs: the device times of every action launched so far, into the trace (waits for them)."""
+        self.dev.flush()
 
     def close(self) -> None:
         """Stop this actor's threads (the watchdog of direct waits)."""
@@ -1080,7 +1092,9 @@ class RankActor:
             tkey = (a.type, leaves[0].stage)
             if commit_ahead:
                 h0 = time.perf_counter()
-                token = self._token = dev.start(tkey)
+                # (traced: the action's device time comes back through _device_timed)
+                token = self._token = dev.start(tkey, None if trace is None else (
+                    step, self._name(a), a.type.value, leaves[0].stage, leaves[0].microbatch, a0))
             else:
                 token = self._token = None
             try:

@@ -80,6 +80,9 @@ class DevicePolicy:
 
     #: commit actions on committed (posted, not arrived) inputs
     commit_ahead = False
+    #: GPUs: when set, every action's device time is measured (CUDA events, from after its input waits to
+    #: its last kernel) and handed here as ``on_timed(meta, ms)`` once the events complete (tracing)
+    on_timed: Any = None
 
     def begin_step(self) -> None:
         pass
@@ -98,9 +101,13 @@ class DevicePolicy:
         """The context receives for ``stage`` are posted in."""
         return contextlib.nullcontext()
 
-    def start(self, key: tuple[Any, int]) -> Any:
-        """Before an action's launch; returns a token for :meth:`launched`."""
+    def start(self, key: tuple[Any, int], meta: Any = None) -> Any:
+        """Before an action's launch; returns a token for :meth:`launched` (``meta``: what :attr:`on_timed`
+        is handed with the action's device time, when set)."""
         return None
+
+    def flush(self) -> None:
+        """Hand every action timed so far to :attr:`on_timed` (waiting for their device work)."""
 
     def inputs_ready(self, token: Any, stage: int) -> None:
         """After ``stage``'s stream was ordered after the inputs of the action of ``token``."""
@@ -159,7 +166,8 @@ class _Timing:
 
     def __init__(self) -> None:
         self.est: dict[tuple[Any, int], float] = {}
-        self.pending: list[tuple[tuple[Any, int], Any, Any]] = []
+        #: (key, start event, end event, learning?, meta for on_timed or None)
+        self.pending: list[tuple[tuple[Any, int], Any, Any, bool, Any]] = []
         self.host: dict[tuple[Any, int], list[float]] = {}
         #: the step each action type was first launched in (its launches there are not learned)
         self.first_seen: dict[tuple[Any, int], int] = {}
@@ -168,15 +176,19 @@ class _Timing:
         """The longest mean launch time of an action type, in ms (0 before any was learned)."""
         return max((t / n * 1e3 for t, n in self.host.values() if n), default=0.0)
 
-    def harvest(self) -> None:
+    def harvest(self, on_timed: Any = None) -> None:
         keep = []
-        for key, s, e in self.pending:
+        for item in self.pending:
+            key, s, e, learn, meta = item
             if e.query():
                 ms = s.elapsed_time(e)
-                old = self.est.get(key)
-                self.est[key] = ms if old is None else min(old, ms)  # the least: compute without stalls
+                if learn:
+                    old = self.est.get(key)
+                    self.est[key] = ms if old is None else min(old, ms)  # the least: compute without stalls
+                if meta is not None and on_timed is not None:
+                    on_timed(meta, ms)
             else:
-                keep.append((key, s, e))
+                keep.append(item)
         self.pending = keep
 
 
@@ -271,7 +283,7 @@ class CudaPolicy(DevicePolicy):
         self._cur = None
         self._steps += 1
         if self._timing.pending:
-            self._timing.harvest()
+            self._timing.harvest(self.on_timed)
         if self._host_changed:
             self._host_changed = False
             self._set_horizon()
@@ -331,9 +343,19 @@ class CudaPolicy(DevicePolicy):
                 t.record_stream(dst)
 
     # -- commit depth ---------------------------------------------------------
-    def start(self, key: tuple[Any, int]) -> Any:
-        """While learning: a token whose start event :meth:`inputs_ready` records."""
-        return [None] if self._steps < self.learn_steps else None
+    def start(self, key: tuple[Any, int], meta: Any = None) -> Any:
+        """While learning, or for every action with :attr:`on_timed` set: a token [start event (recorded by
+        :meth:`inputs_ready`), meta, learning?]."""
+        learn = self._steps < self.learn_steps
+        if not learn and self.on_timed is None:
+            return None
+        return [None, meta if self.on_timed is not None else None, learn]
+
+    def flush(self) -> None:
+        if self._timing.pending:
+            for _, _, e, _, _ in self._timing.pending:
+                e.synchronize()
+            self._timing.harvest(self.on_timed)
 
     def inputs_ready(self, token: Any, stage: int) -> None:
         # recorded after the stream waits on the action's inputs, so that the time learned is
@@ -348,7 +370,7 @@ class CudaPolicy(DevicePolicy):
         if token is not None and token[0] is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record(s)
-            self._timing.pending.append((key, token[0], end))
+            self._timing.pending.append((key, token[0], end, token[2], token[1]))
         else:
             end = torch.cuda.Event()
             end.record(s)

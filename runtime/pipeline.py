@@ -20,6 +20,7 @@ import asyncio
 import atexit
 import contextlib
 import json
+import logging
 import os
 import secrets
 import socket
@@ -47,6 +48,8 @@ from .stage import StageExecutor
 from .trace import FileSink, StreamSink, TraceRecorder, make_header
 
 __all__ = ["Pipeline", "Microbatches", "Replicate", "split_microbatches"]
+
+log = logging.getLogger("pipeloom.pipeline")
 
 
 class Microbatches(list):  # type: ignore[type-arg]
@@ -801,6 +804,12 @@ class Pipeline:
 
         warn_pending()  # an asynchronous save still writing needs the process group
         if self._trace_sink is not None:
+            if self._actor.trace is not None and not self._aborted:
+                try:  # GPUs: the device times of the last steps' actions (their events complete now)
+                    self._actor.flush_device_times()
+                    self._trace_sink.emit(self._actor.trace.drain())
+                except Exception:  # noqa: BLE001 - closing must not fail on a trace
+                    log.exception("rank %d: writing the last device times to the trace failed", self.rank)
             self._trace_sink.close()
         self._actor.close()
         self._control.stop()  # unregisters the socket's reader from the loop

@@ -33,6 +33,16 @@ start, so ranks line up and a rank's own times never go backwards)::
     {"ev": "collective", "rank": 0, "step": 3, "name": "2REDUCE_GRAD",
      "kind": "all-gather" | "reduce-scatter" | "all-reduce", "stage": 2,
      "bytes": 4096, "start": ..., "end": ...}   # data parallelism
+    {"ev": "device", "rank": 0, "step": 3, "name": "1F3", "type": "F",
+     "stage": 1, "mb": 3, "t": ..., "ns": 1830000}   # GPUs only
+
+A ``device`` event is an action's time on the GPU, measured with CUDA events
+from after its stream waited for its inputs to after its last kernel (the
+compute alone, without waits on a peer); ``t`` is the action's host start,
+so it sorts beside it.  It is recorded when the events have completed: a
+step or more after the action, and at the latest when the Pipeline closes.
+The host span of an action (its ``action`` event) is its launch; the two
+together are what ``pipeloom schedule tune`` models on GPUs.
 
 A ``wait``'s ``for`` names what the first pending actions lack, one string
 each, ``"{action}: {what}"``: ``activation of stage S microbatch M from rank
@@ -113,6 +123,10 @@ class TraceRecorder:
         if sub:
             ev["sub"] = sub
         self._events.append(ev)
+
+    def device(self, step: int, name: str, type_: str, stage: int, mb: int | None, t: int, ns: int) -> None:
+        self._events.append({"ev": "device", "rank": self.rank, "step": step, "name": name, "type": type_, "stage": stage,
+                             "mb": mb, "t": t, "ns": ns})
 
     def wait(self, step: int, start: int, end: int, waiting_for: list[str]) -> None:
         self._events.append({"ev": "wait", "rank": self.rank, "step": step, "start": start, "end": end, "for": waiting_for})

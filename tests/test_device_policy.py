@@ -31,6 +31,9 @@ class FakeEvent:
     def query(self) -> bool:
         return self.done
 
+    def synchronize(self) -> None:  # the device catches up: the event completes
+        self.done = True
+
     def elapsed_time(self, end: FakeEvent) -> float:
         return end.t - self.t
 
@@ -241,13 +244,13 @@ def test_action_time_is_learned_from_events_after_the_input_waits(cuda: FakeCuda
     key = ("B", 3)
     p.begin_step()
     tok = p.start(key)
-    assert tok == [None]  # nothing recorded before the inputs are waited on
+    assert tok == [None, None, True]  # nothing recorded before the inputs are waited on; learning
     p.inputs_ready(tok, 3)
     start = tok[0]
     assert start.timing and start.stream is p.streams[3]
     p.launched(key, [3], tok)
-    (k, s, e), = p._timing.pending
-    assert k == key and s is start and e.timing
+    (k, s, e, learn, meta), = p._timing.pending
+    assert k == key and s is start and e.timing and learn and meta is None
     s.t, e.t, e.done = 10.0, 14.0, True
     p.end_step()  # harvests the finished timing events
     assert p._timing.est[key] == pytest.approx(4.0)
@@ -290,3 +293,31 @@ def test_horizon_rule_floor_cap_and_off() -> None:
     assert devmod.commit_horizon(10.0, 3.0, 500.0, 250.0) == 250.0  # a stalled learning step: capped
     assert devmod.commit_horizon(300.0, 3.0, 500.0, 250.0) == 300.0  # never below what was configured
     assert devmod.commit_horizon(10.0, 0.0, 12.0, 250.0) == 10.0  # off
+
+
+def test_traced_actions_hand_their_device_time_over_once_their_events_complete(cuda: FakeCuda) -> None:
+    # tracing: every action is timed (not only while learning) and its device time reaches on_timed with its
+    # meta when its end event completes; what is timed after the learning steps does not move the estimates
+    got: list[tuple[Any, float]] = []
+    p = _policy(cuda, horizon_ms=5.0, default_ms=1.0, learn_steps=1)
+    p.on_timed = lambda meta, ms: got.append((meta, ms))
+    key = ("F", 0)
+    for step, (t0, t1) in enumerate([(0.0, 3.0), (10.0, 12.0)]):
+        p.begin_step()
+        tok = p.start(key, ("meta", step))
+        assert tok is not None and tok[1] == ("meta", step) and tok[2] == (step == 0)
+        p.inputs_ready(tok, 0)
+        p.launched(key, [0], tok)
+        (_, s, e, _, _), = p._timing.pending
+        s.t, e.t = t0, t1
+        if step == 0:
+            e.done = True
+        p.end_step()
+    assert got == [(("meta", 0), 3.0)]  # step 1's event has not completed: kept
+    assert p._timing.est[key] == 3.0
+    p.flush()  # (at close: waits for the events)
+    assert got == [(("meta", 0), 3.0), (("meta", 1), 2.0)]
+    assert p._timing.est[key] == 3.0 and p._timing.pending == []
+    # untraced after learning: no token, nothing timed
+    p.on_timed = None
+    assert p.start(key, ("meta", 2)) is None

@@ -106,6 +106,60 @@ def test_costs_from_the_typical_steps(profile: Path) -> None:
     assert typ.sizes_fitted and set(typ.compute_fit) == set(every.compute_fit)
 
 
+def test_device_times_from_the_traces_device_events(profile: Path) -> None:
+    """GPU traces carry each action's device time (``device`` events, CUDA events in the engine):
+    ``costs_from_trace(device=True)`` takes the actions' times from them (fixed part and all, fitted over the
+    two batch sizes), and the tuner's device side keeps them whole (a synced span's fixed part is the sync's)."""
+    from pipeloom.tools.schedule_tune import _device_side
+    from pipeloom.tools.trace_model import TraceModel
+
+    base = load_trace(str(profile))
+    with pytest.raises(ValueError, match="no device times"):
+        costs_from_trace(base, device=True)
+    events = list(base.events)
+    for r in base.ranks:
+        for a in base.actions.get(r, []):
+            # 1 us fixed + 2 us per full-size microbatch's worth of bytes: 5 us at 8 rows, 3 us at 4 rows
+            ns = (1000 + (4000 if a.step % 2 == 0 else 2000) * (1 + a.stage)) if a.type in ("F", "B") else 100
+            events.append({"ev": "device", "rank": r, "step": a.step, "name": a.name, "type": a.type,
+                           "stage": a.stage, "mb": a.mb, "t": a.start, "ns": ns})
+    model = TraceModel(base.header, events)
+    dev, host = costs_from_trace(model, device=True), costs_from_trace(model)
+    assert dev.device_measured and not host.device_measured
+    for (stage, t), mean in dev.compute_ns.items():
+        assert mean == pytest.approx(1000 + 4000 * (1 + stage))  # the full-size (reference) steps' device time
+        fixed, per_byte = dev.compute_fit[(stage, t)]
+        assert fixed == pytest.approx(1000) and per_byte * dev.ref_bytes == pytest.approx(4000 * (1 + stage))
+    # everything but the actions' times is the same run's
+    assert (dev.steps, dev.step_ns, dev.link_latency_ns) == (host.steps, host.step_ns, host.link_latency_ns)
+    both = with_host_costs(dev, host)
+    assert both.device_measured and both.host is not None and not both.host.device_measured
+    assert _device_side(both, {"F": 500.0, "B": 500.0}).compute_fit == both.compute_fit  # nothing taken off
+    spans = with_host_costs(costs_from_trace(model), host)
+    assert all(a == 0.0 for a, _ in _device_side(spans, None).compute_fit.values())  # spans: per-byte part only
+
+
+def test_tune_cli_takes_both_sides_from_a_trace_with_device_times(profile: Path, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeloom.runtime.trace import write_trace
+
+    base = load_trace(str(profile))
+    events = list(base.events) + [
+        {"ev": "device", "rank": r, "step": a.step, "name": a.name, "type": a.type, "stage": a.stage, "mb": a.mb,
+         "t": a.start, "ns": 2000} for r in base.ranks for a in base.actions.get(r, [])]
+    path = tmp_path / "gpu-like.jsonl"
+    write_trace(path, base.header, events)
+    assert main(["schedule", "tune", "--costs-from", str(path), "-m", "4", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["host_separate"] and doc["device_events"] and doc["candidates"]
+    assert main(["schedule", "tune", "--costs-from", str(path), "-m", "4"]) == 0
+    assert "host and device recorded apart (device times from CUDA events)" in capsys.readouterr().out
+    # a trace without them (a CPU run) keeps one side
+    assert main(["schedule", "tune", "--costs-from", str(profile), "-m", "4", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert not doc["host_separate"] and not doc["device_events"]
+
+
 def test_compute_carried_as_fixed_plus_per_byte(profile: Path) -> None:
     rc = costs_from_trace(load_trace(str(profile)))
     for m, rows in ((4, 8), (8, 4), (2, 16)):

@@ -106,6 +106,10 @@ class RunCosts:
     """GPU: the costs of the same configuration recorded *without* device syncs (:func:`with_host_costs`), whose
     action spans are the host's launch time; this run's own spans (recorded with ``check_finite``, a device sync
     per action) are then the device side.  None on CPUs, where an action's span is both."""
+    device_measured: bool = False
+    """The action times are device times measured with CUDA events (the trace's ``device`` events,
+    ``costs_from_trace(device=True)``), not spans synchronised by ``check_finite``: nothing of the host's
+    launch, the sync or the checks is in them, fixed part included."""
     device_link_ns: tuple[float, float] | None = None
     """GPU (:func:`with_host_costs`): the device-side run's link, (latency ns, ns per byte), a transfer's time on
     the device lane of the two-lane model (the top-level link is the host run's: when a receiver's host learns of
@@ -130,11 +134,15 @@ class RunCosts:
         }
 
 
-def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None, typical: bool = False) -> RunCosts:
+def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None, typical: bool = False,
+                     device: bool = False) -> RunCosts:
     """Per-stage, per-type costs and transfer times of a recorded run (ValueError if it is a plan or has no actions).
 
     ``typical``: measure on the steps whose time is at most the median of the steps of their size (the typical
-    steps), not on all of them: see :data:`TYPICAL`."""
+    steps), not on all of them: see :data:`TYPICAL`.  ``device``: an action's time is its device time from the
+    trace's ``device`` events (a GPU run; ValueError where the trace has none), not its span; everything else
+    (steps, runtime, transfers) is the same run's, so ``with_host_costs(costs_from_trace(t, device=True),
+    costs_from_trace(t))`` is both sides from one traced run, without ``check_finite``'s syncs."""
     if model.source == "simulation":
         raise ValueError("costs come from a recorded run; this trace is a simulated plan")
     train = model.train_steps
@@ -167,18 +175,27 @@ def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None, typic
     ovl: list[tuple[str, str, int]] = []
     n_actions: dict[int, int] = {}
     sized: dict[tuple[int, str], list[tuple[int, int]]] = {}
+    dev_ns = model.device_ns
+    if device and not dev_ns:
+        raise ValueError("the trace has no device times (`device` events): record it on GPUs with pipeloom's engine")
     for r, lst in model.actions.items():
         for a in lst:
             if a.step not in chosen:
                 continue
             n_actions[r] = n_actions.get(r, 0) + 1
+            dur = a.duration
+            if device:
+                d = dev_ns.get((r, a.step, a.name))
+                if d is None:
+                    continue
+                dur = d
             if a.type in ("F", "B", "I", "W") and isinstance(a.stage, int):
                 if a.step in ref_steps:
-                    durations.setdefault((a.stage, a.type), []).append(a.duration)
+                    durations.setdefault((a.stage, a.type), []).append(dur)
                 if isinstance(a.mb, int) and (a.step, a.mb) in mb_bytes:
-                    sized.setdefault((a.stage, a.type), []).append((mb_bytes[(a.step, a.mb)], a.duration))
+                    sized.setdefault((a.stage, a.type), []).append((mb_bytes[(a.step, a.mb)], dur))
             elif a.type == "OVERLAP_F_B" and isinstance(a.event.get("sub"), list) and len(a.event["sub"]) == 2:
-                ovl.append((str(a.event["sub"][0]), str(a.event["sub"][1]), a.duration))
+                ovl.append((str(a.event["sub"][0]), str(a.event["sub"][1]), dur))
     if not durations and not ovl:
         raise ValueError("the trace has no F/B/I/W actions to measure")
     compute = {k: sum(v) / len(v) for k, v in durations.items()}
@@ -308,6 +325,7 @@ def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None, typic
         ref_bytes=ref_bytes,
         link_latency_ns=link[0],
         link_ns_per_byte=link[1],
+        device_measured=device,
     )
 
 

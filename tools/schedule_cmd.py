@@ -148,7 +148,9 @@ def add_parser(subparsers: Any) -> None:
         "that fit the memory cap, with their predicted step time, bubble and peak activation memory. How costs are "
         "scaled to other configurations: see the README.",
     )
-    tune_p.add_argument("--costs-from", required=True, metavar="RUN.jsonl", help="a recorded run (trace)")
+    tune_p.add_argument("--costs-from", required=True, metavar="RUN.jsonl",
+                        help="a recorded run (trace); a GPU run's trace holds each action's device time (CUDA events) "
+                        "beside its host span, and gives both sides (no --host-costs-from needed)")
     tune_p.add_argument("--host-costs-from", default=None, metavar="RUN.jsonl",
                         help="GPUs: the same configuration recorded again without device syncs, when --costs-from was "
                         "recorded with check_finite (a sync per action: its spans are device time, this run's the "
@@ -365,13 +367,20 @@ def _load_target(args: argparse.Namespace) -> tuple[Schedule, str, str | None]:
     return _build(name, args, lowered=True, costs=args.costs), name, name
 
 
-def _run_costs(path: str, *, flag: str = "--costs-from", typical: bool = False) -> Any:
-    """:func:`~pipeloom.tools.run_costs.costs_from_trace` of a run, user errors as _UsageError."""
-    from .run_costs import costs_from_trace
+def _run_costs(path: str, *, flag: str = "--costs-from", typical: bool = False, both_sides: bool = False) -> Any:
+    """:func:`~pipeloom.tools.run_costs.costs_from_trace` of a run, user errors as _UsageError.
+
+    ``both_sides``: a GPU run whose trace has the actions' device times (``device`` events) gives its device
+    side and its host side at once (:func:`~pipeloom.tools.run_costs.with_host_costs`)."""
+    from .run_costs import costs_from_trace, with_host_costs
     from .trace_model import load_trace
 
     try:
-        return costs_from_trace(load_trace(path), typical=typical)
+        model = load_trace(path)
+        run = costs_from_trace(model, typical=typical)
+        if both_sides and model.device_ns:
+            run = with_host_costs(costs_from_trace(model, typical=typical, device=True), run)
+        return run
     except ValueError as exc:
         raise _UsageError(f"{flag} {path}: {exc}") from None
 
@@ -628,7 +637,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from .schedule_tune import format_tune, parse_size, tune
 
     # the tuner predicts the typical (median) step: costs from the typical steps (run_costs.TYPICAL)
-    run = _run_costs(args.costs_from, typical=True)
+    run = _run_costs(args.costs_from, typical=True, both_sides=args.host_costs_from is None)
     if args.host_costs_from is not None:
         from .run_costs import with_host_costs
 

@@ -142,6 +142,14 @@ class TuneResult:
     """The profile had a host side recorded apart from the device side (``RunCosts.host``)."""
     device_model: str | None = None
     """With a host side: how host and device made a step (:data:`DEVICE_MODELS`)."""
+    device_events: bool = False
+    """With a host side: the device times were measured with CUDA events (the trace's ``device`` events), not
+    taken from spans synchronised per action."""
+
+    @property
+    def device_source(self) -> str:
+        return ("device times from CUDA events" if self.device_events else
+                "a run without and one with device syncs")
 
     def to_json(self) -> dict[str, Any]:
         return {"candidates": [c.to_json() for c in self.candidates], "skipped": list(self.skipped),
@@ -149,7 +157,7 @@ class TuneResult:
                 "memory_cap": self.memory_cap, "activation_memory": self.activation_memory,
                 "activation_memory_is_proxy": self.activation_memory_is_proxy, "calibration": self.calibration,
                 "sizes_fitted": self.sizes_fitted, "host_fixed_ns": self.host_fixed_ns, "host_separate": self.host_separate,
-                "device_model": self.device_model}
+                "device_model": self.device_model, "device_events": self.device_events}
 
 
 def parse_size(text: str) -> int:
@@ -446,12 +454,15 @@ def _less_fixed(run: RunCosts, fixed: dict[str, float]) -> RunCosts:
 
 
 def _device_side(run: RunCosts, fixed: dict[str, float] | None) -> RunCosts:
-    """The device time of a GPU profile's actions: the part of its synced spans that grows with the microbatch.
+    """The device time of a GPU profile's actions: as measured with CUDA events where the trace has them
+    (``RunCosts.device_measured``); else the part of its synced spans that grows with the microbatch.
 
     A span recorded with a device sync per action (``check_finite``) holds the host's launch where the host was
     the slower, the sync itself and the finiteness checks' own launches and kernels; none of these grows with
     the rows, the device's compute does.  Where the profile had one microbatch size (nothing to tell them
     apart), the span less the host's fixed part per action."""
+    if run.device_measured:  # CUDA events: device time alone, its fixed part included (nothing to take off)
+        return run
     if run.sizes_fitted:
         fit = {k: (0.0, b) for k, (_, b) in run.compute_fit.items()}
         return replace(run, compute_fit=fit, compute_ns={k: b * run.ref_bytes for k, (_, b) in fit.items()})
@@ -742,7 +753,7 @@ def tune(
     fixed = fixed_per_action(run, layers, run.ref_bytes) if layers is not None and run.host is not None else None
     return TuneResult(tuple(cands), tuple(skipped), recorded, measured_step_ns or run.step_ns_median or run.step_ns,
                       memory_cap, act0, proxy, calibration=factor, sizes_fitted=run.sizes_fitted,
-                      host_fixed_ns=fixed, host_separate=run.host is not None,
+                      host_fixed_ns=fixed, host_separate=run.host is not None, device_events=run.device_measured,
                       device_model=device_model if run.host is not None else None)
 
 
@@ -797,7 +808,7 @@ def format_tune(r: TuneResult, *, top: int = 5, source: str = "") -> str:
     if r.host_separate:
         how = ("each rank's host launches its list, committing ahead of its device (two lanes)" if r.device_model == "lanes"
                else "each action costs the longer of its host path and its device time (one lane)")
-        lines.append(f"host and device recorded apart (a run without and one with device syncs): {how}")
+        lines.append(f"host and device recorded apart ({r.device_source}): {how}")
     if r.activation_memory_is_proxy:
         lines.append(f"activation memory per recorded microbatch-stage: {_size(r.activation_memory)} = the stage-boundary "
                      "activation (a lower bound; give --activation-memory for the real figure)")

@@ -211,6 +211,8 @@ class TraceModel:
         """rank -> step -> (start, end) of the rank's own ``step`` event."""
         self.eval_steps: set[int] = set()
         """Steps recorded by ``Pipeline.eval()`` (``"eval": true``)."""
+        self.device_ns: dict[tuple[int, int, str], int] = {}
+        """GPU runs: (rank, step, action name) -> the action's device time (its ``device`` event), ns."""
         extent: dict[int, list[int]] = {}  # step -> [min start, max end] of its spans
         t_lo, t_hi = math.inf, -math.inf
         for ev in self.events:
@@ -223,6 +225,12 @@ class TraceModel:
                 t = ev.get("t")
                 if isinstance(t, int):
                     t_lo, t_hi = min(t_lo, t), max(t_hi, t)
+                continue
+            if kind == "device":  # GPUs: an action's device time (runtime/trace.py)
+                try:
+                    self.device_ns[(ev["rank"], int(ev["step"]), str(ev["name"]))] = int(ev["ns"])
+                except (KeyError, TypeError, ValueError):
+                    pass
                 continue
             if kind == "step":
                 try:
