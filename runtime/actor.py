@@ -619,19 +619,25 @@ class RankActor:
             if isinstance(err, PeerLostError):
                 self._remote_error = err
                 self.broadcast_abort(err, None, step)
-            raise self._annotate_wait(err, self._pending, step) from None
+            raise self._annotate_wait(err, self._pending, step, self._waiting_for(busy[1], key, src)) from None
         except RuntimeError as exc:  # gloo: the connection closed
             what = f"receiving {kind} of stage {stage} microbatch {mb} (step {step}) from rank {src}"
             err = self._lost_peer(src, what, exc) or PeerLostError(f"{what} failed: {exc}", rank=self.rank, peer=src)
             self._remote_error = err
             self.broadcast_abort(err, None, step)
-            raise err from exc
+            raise self._annotate_wait(err, self._pending, step, self._waiting_for(busy[1], key, src)) from exc
         finally:
             self.state = busy
             self._waited += time.perf_counter() - t0
         if self._spec:
             used = self._rx_used[src] = self._rx_used.get(src, 0) + 1
             self._post_ahead(src, step, used)
+
+    @staticmethod
+    def _waiting_for(action: str, key: tuple[int, str, int, int], src: int) -> str:
+        """What a failed direct wait says this rank was waiting for: the running action's input."""
+        _, kind, stage, mb = key
+        return f"{action}: {'activation' if kind == 'F' else 'gradient'} for stage {stage} microbatch {mb} from rank {src}"
 
     def _post_ahead(self, src: int, step: int, used: int) -> None:
         """gloo, static shapes: keep ``gloo_prepost_depth`` of ``src``'s next payloads posted (a gloo
@@ -1364,10 +1370,11 @@ class RankActor:
                         need.add(src)
         return need
 
-    def _annotate_wait(self, err: PipelineError, pending: list[Action], step: int) -> PipelineError:
+    def _annotate_wait(self, err: PipelineError, pending: list[Action], step: int, waiting: str | None = None) -> PipelineError:
         if isinstance(err, PeerLostError) and not getattr(err, "_annotated", False):
             err._annotated = True  # type: ignore[attr-defined]
-            waiting = "; ".join(self.describe_wait(pending, step))
+            if waiting is None:
+                waiting = "; ".join(self.describe_wait(pending, step))
             err.waiting_for = waiting  # type: ignore[attr-defined]
             err.args = (f"{err.args[0]} (step {step}; this rank was waiting for {waiting}; {len(pending)} actions left)",)
         return err
