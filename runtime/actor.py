@@ -114,6 +114,9 @@ _CONFIRM_LOST = 1.5
 #: CPU, no collectives: the longest the dispatcher runs actions without giving the event loop a
 #: turn (control messages: a peer's abort, a bye)
 _YIELD_EVERY = 1e-3
+#: traced direct waits (gloo, static shapes) shorter than this are not written as wait events (the
+#: data had landed: the wait only took it)
+_TRACED_WAIT_NS = 20_000
 _CONNECTION_BROKE = ("Connection closed", "Connection reset", "Broken pipe", "Connection refused", "Socket closed")
 
 
@@ -347,10 +350,10 @@ class RankActor:
             self.dev.on_timed = self._device_timed
         #: NCCL: headers through gloo, payloads received when their header lands (posted, committed)
         self._headers = tensor_plane.header_group is not None
-        if self._headers and not self._commit_ahead and not (options.emulate_nccl_transport or options.static_shapes is True):
+        if self._headers and not self._commit_ahead and not (options.emulate_nccl_transport or options.static_shapes is not False):
             raise ValueError("a tensor plane with a header group needs the GPU device policy (payloads on NCCL), "
-                             "or static_shapes=True on gloo")
-        #: gloo with that protocol (static_shapes=True): the loop thread waits for its payloads
+                             "or static shapes (auto or True) on gloo")
+        #: gloo with that protocol (static shapes, auto or True): the loop thread waits for its payloads
         #: itself, watched by a thread that keeps the liveness check running (runtime/direct_wait.py)
         self._direct: DirectWait | None = None
         if self._headers and not self._commit_ahead:
@@ -358,6 +361,11 @@ class RankActor:
                                       breaker=tensor_plane.break_receives)
         #: gloo, static shapes: per peer, how many of its step's payloads the loop has consumed
         self._rx_used: dict[int, int] = {}
+        #: traced, gloo static shapes: posted payloads not yet landed -> (post time, position, bytes)
+        self._rx_posted: dict[tuple[int, str, int, int], tuple[int, int, int]] = {}
+        #: traced: the running action, and where a direct wait at its start moved its span's start (-1: none)
+        self._running: Action | None = None
+        self._act_t0 = -1
         #: seconds of this step the loop thread waited in gloo for a peer's payload
         self._waited = 0.0
         #: GPU: receives posted (committed), not yet consumed: buffers, Works, spec
@@ -591,7 +599,25 @@ class RankActor:
             self._post_static(key)
         buffers, works, rgs = self._posted.pop(key)
         if self._direct is not None:
-            self._wait_direct(key, works)
+            trace = self.trace
+            if trace is None:
+                self._wait_direct(key, works)
+            else:
+                # The wait is the rank's, not the action's: traced as a wait (what for, from when to when)
+                # and as the transfer's landing; the action's span starts after it if nothing of the
+                # action ran before (an OVERLAP_F_B's second half waits inside its span).
+                w0 = clock_ns()
+                self._wait_direct(key, works)
+                w1 = clock_ns()
+                src = self.flow.recv_rank(key[1], key[2], self.rank)
+                posted = self._rx_posted.pop(key, None)
+                if posted is not None:
+                    t_post, seq, nbytes = posted
+                    trace.transfer("recv", key[0], src, key[2], key[3], key[1], seq, nbytes, t_post, w1, posted=True)
+                if w1 - w0 >= _TRACED_WAIT_NS:
+                    trace.wait(key[0], w0, w1, [self._waiting_for(self._name(self._running), key, src)])
+                if self._act_t0 == -1:
+                    self._act_t0 = w1
         else:
             self.dev.consume(stage, buffers, works)
         if key[1] == "F":
@@ -699,7 +725,10 @@ class RankActor:
             if self.trace is not None:
                 t = clock_ns()
                 nbytes = sum(b.numel() * b.element_size() for b in buffers if b is not None)
-                self.trace.transfer("recv", step, src, k[1], k[2], k[0], i, nbytes, t, t)
+                if self._direct is not None:  # gloo: traced when it has landed (its direct wait returned)
+                    self._rx_posted[(step, *k)] = (t, i, nbytes)
+                else:  # NCCL: committed now; it lands on the device
+                    self.trace.transfer("recv", step, src, k[1], k[2], k[0], i, nbytes, t, t, posted=True)
         self._rx_next[src] = pos + 1
 
     def _in_flight(self, a: Action) -> bool:
@@ -1014,7 +1043,7 @@ class RankActor:
                                     dict.fromkeys(self._send_order[train], 1), self._landed, loop=landings)
             if self._direct is not None:
                 # gloo: post each peer's first payloads now, before it sends them
-                self._rx_used = {}
+                self._rx_used, self._rx_posted = {}, {}
                 for src in self._recv_order[train]:
                     self._post_ahead(src, step, 0)
         else:
@@ -1093,7 +1122,9 @@ class RankActor:
             if pick:
                 out_of_order += 1
             self.state = ("busy", self._name(a), time.monotonic())
+            self._running = a
             a0 = clock_ns() if trace is not None else 0
+            self._act_t0 = -1  # (traced: where a direct wait at the action's start moves its span's start)
             leaves = a.leaves()
             tkey = (a.type, leaves[0].stage)
             if commit_ahead:
@@ -1122,6 +1153,8 @@ class RankActor:
                 dev.launched(tkey, [x.stage for x in leaves], token)
             if trace is not None:
                 leaf = leaves[0]
+                if self._act_t0 > a0:
+                    a0 = self._act_t0
                 trace.action(step, str(a), a.type.value, leaf.stage, leaf.microbatch, a0, clock_ns(),
                              [str(x) for x in a.sub_actions] if a.sub_actions else None)
             # Hand the outputs on after the compute (its trace span ends before the sends).
@@ -1254,7 +1287,32 @@ class RankActor:
         fut = asyncio.get_running_loop().run_in_executor(None, self.agree, sig)
         fut.add_done_callback(lambda _f: self._wake.set())
         await self._wait_until(fut.done, step, "the ranks' input layouts")
-        return tuple(fut.result())
+        try:
+            return tuple(fut.result())
+        except RuntimeError as exc:  # gloo: a rank of the all-gather is gone (its connection closed)
+            err = self._lost_any(f"agreeing on step {step}'s input layouts", exc)
+            if err is None:
+                raise
+            self._remote_error = err
+            self.broadcast_abort(err, None, step)
+            raise err from exc
+
+    def _lost_any(self, what: str, exc: BaseException) -> PeerLostError | None:
+        """A transport error in a collective of every rank: the PeerLostError of whichever peer is gone
+        (a 'bye', or its control connection closed, within the short confirmation while), else None."""
+        deadline = time.monotonic() + _CONFIRM_LOST
+        peers = [p for p in range(self.control.world_size) if p != self.rank]
+        while True:
+            try:
+                self.control.drain()
+            except Exception:  # noqa: BLE001 - only a better message is at stake
+                pass
+            for p in peers:
+                if self.liveness.left(p) is not None or p in self.control.disconnected:
+                    return self._lost_peer(p, what, exc)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     async def _drain_sends(self, landings: LandingQueue, park: float, step: int) -> None:
         """gloo, end of a step: wait until its sends have completed; SendError as ``drain_sends`` raises it.

@@ -178,15 +178,15 @@ class RuntimeOptions:
     inputs are local or already arrived; a remote input not yet sent counts as ready only for
     the list's first pending action.
 
-    gloo: ``True`` runs the same protocol on CPU (headers through a gloo group for the first
-    step, payloads through two-rank groups): after the first step the loop thread posts each
+    gloo: ``None`` and ``True`` run the same protocol on CPU (headers through a gloo group for
+    the first step of a layout, payloads through two-rank groups): after it the loop thread posts each
     peer's next ``gloo_prepost_depth`` payloads ahead and waits in gloo itself for the one its
     next action needs, one thread hop per transfer as in torch's runtime, watched by a thread
     that judges liveness meanwhile (``runtime/direct_wait.py``; a wait on a lost peer is broken
-    by closing that pair); measured in ``benchmarks/RESULTS.md`` ("CPU host path, round 5").  ``None``
-    (auto) and ``False`` keep gloo's default protocol (headers posted ahead on receiver
-    threads) unless ``emulate_nccl_transport``.  Environment: ``PIPELOOM_STATIC_SHAPES``
-    (``auto``, ``1`` or ``0``)."""
+    by closing that pair); measured in ``benchmarks/RESULTS.md`` ("CPU host path, round 5": 2
+    gloo ranks, every schedule's step below torch's).  ``False`` keeps gloo's header protocol
+    (headers posted ahead on receiver threads, every step).  Environment:
+    ``PIPELOOM_STATIC_SHAPES`` (``auto``, ``1`` or ``0``)."""
 
     emulate_nccl_transport: bool = False
     """gloo, for tests: run the NCCL transfer protocol on CPU ranks (headers through a gloo group

@@ -57,6 +57,12 @@ A step's span covers the rank's whole ``run_step`` (every action, send and
 wait of the step is inside it); eval steps carry ``"eval": true`` so that the
 tools leave them out of training statistics.
 
+Static shapes (no transfer headers) trace a receive with ``"posted": true``:
+its start is when the receiver posted it, before the sender had sent
+anything (on NCCL its end is that moment too: it lands on the device); a
+send and its receive match on (source, destination, step, seq), seq being
+then the transfer's place in the step's list order.
+
 A collective's start is when its action launched it and its end when the
 dispatcher saw it complete (the action span itself only covers the launch).
 
@@ -131,10 +137,13 @@ class TraceRecorder:
     def wait(self, step: int, start: int, end: int, waiting_for: list[str]) -> None:
         self._events.append({"ev": "wait", "rank": self.rank, "step": step, "start": start, "end": end, "for": waiting_for})
 
-    def transfer(self, ev: str, step: int, peer: int, stage: int, mb: int, kind: str, seq: int, nbytes: int, start: int, end: int) -> None:
-        self._events.append(
-            {"ev": ev, "rank": self.rank, "step": step, "peer": peer, "stage": stage, "mb": mb, "kind": kind, "seq": seq, "bytes": nbytes, "start": start, "end": end}
-        )
+    def transfer(self, ev: str, step: int, peer: int, stage: int, mb: int, kind: str, seq: int, nbytes: int, start: int, end: int,
+                 posted: bool = False) -> None:
+        e = {"ev": ev, "rank": self.rank, "step": step, "peer": peer, "stage": stage, "mb": mb, "kind": kind, "seq": seq, "bytes": nbytes,
+             "start": start, "end": end}
+        if posted:
+            e["posted"] = True
+        self._events.append(e)
 
     def memory(self, step: int, live_mb: int, allocated: int | None = None, peak: int | None = None) -> None:
         ev: dict[str, Any] = {"ev": "memory", "rank": self.rank, "step": step, "t": clock_ns(), "live_mb": live_mb}

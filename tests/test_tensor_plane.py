@@ -181,7 +181,8 @@ async def test_pipeline_steps_each_in_a_new_event_loop(tmp_path: Path) -> None:
 async def test_headers_tell_the_sender_which_of_its_transfers_landed(tmp_path: Path) -> None:
     """A gloo header carries how many of the receiver's transfers its sender has landed, so a rank
     knows which of its sends completed without waiting for them (the end of a step then needs no
-    thread).  1F1B on 2 ranks: rank 1's last gradient of a step comes after it landed every
+    thread).  gloo's header protocol (``static_shapes=False``; static shapes send no headers after the
+    first step).  1F1B on 2 ranks: rank 1's last gradient of a step comes after it landed every
     activation of rank 0, which therefore knows all its sends landed; nothing comes back to rank 1
     after its last gradient, so it does not know that (and waits for the sends on a thread)."""
     script = tmp_path / "acks.py"
@@ -192,7 +193,7 @@ async def test_headers_tell_the_sender_which_of_its_transfers_landed(tmp_path: P
         rx = t._receivers[1 - rank]
         print("acks", rank, t.sends_landed(), rx.acked, rx.landed, t._send_seq[1 - rank], flush=True)
         pipe.close()
-    """, microbatches=3, rows=12, pipe_args="stall_timeout=20"))
+    """, microbatches=3, rows=12, pipe_args="options=pipeloom.RuntimeOptions(stall_timeout=20, static_shapes=False)"))
     codes, outs, errs = await spawn_ranks(2, [str(script)], timeout=60)
     assert codes == [0, 0], "\n".join(e[-3000:] for e in errs)
     got = {}

@@ -138,12 +138,23 @@ class _RankIndex:
             elif t.kind == "send":
                 self.sends.append(t)
         self.waits = model.waits.get(rank, [])
+        self._sends: dict[tuple[Any, int, Any], int] | None = None
 
     def next_action(self, t: int, step: int) -> Span | None:
         i = bisect.bisect_left(self.starts, t)
         while i < len(self.actions) and self.actions[i].step != step:
             i += 1
         return self.actions[i] if i < len(self.actions) else None
+
+    def sent_at(self, model: TraceModel, recv: Span) -> int | None:
+        """When the send matching ``recv`` (source, this rank, step, seq) left its sender, if recorded."""
+        if self._sends is None:
+            self._sends = {}
+            for lst in model.transfers.values():
+                for t in lst:
+                    if t.kind == "send" and isinstance(t.event.get("peer"), int) and t.event["peer"] == self.rank:
+                        self._sends[(t.rank, t.step, t.event.get("seq"))] = t.end
+        return self._sends.get((recv.event.get("peer"), recv.step, recv.event.get("seq")))
 
     def inputs(self, action: Span) -> list[Span]:
         return [x for k in _input_keys(action) if (x := self.recv.get((action.step, *k))) is not None]
@@ -183,7 +194,13 @@ def wait_causes(model: TraceModel, wait: Span, index: _RankIndex | None = None) 
             peer = x.event.get("peer")
             peer = peer if isinstance(peer, int) else None
             a, b = wait.start, wait.end
-            cut1 = min(max(x.start, a), b)
+            sent = x.start
+            if x.event.get("posted"):
+                # static shapes: the receive was posted before anything was sent; the sender's send says
+                # when it left (not sent until then), else all of it was waiting for the peer to send
+                snd = idx.sent_at(model, x)
+                sent = snd if snd is not None else x.end
+            cut1 = min(max(sent, a), b)
             cut2 = min(max(x.end, a), b)
             pieces = [(a, cut1, "not_sent", peer), (cut1, cut2, "in_flight", peer), (cut2, b, "wakeup", None)]
             return [p for p in pieces if p[1] > p[0]] or [(a, b, "in_flight", peer)]

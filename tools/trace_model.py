@@ -340,17 +340,18 @@ class TraceModel:
         ]
 
     def transfer_pairs(self) -> list[tuple[Span, Span]]:
-        """Every send with its matching receive, matched on (source rank, destination rank, seq)."""
-        recvs: dict[tuple[int, int, int], Span] = {}
+        """Every send with its matching receive, matched on (source rank, destination rank, step, seq): without
+        headers (static shapes) seq is the transfer's place in its step's list order, not a running count."""
+        recvs: dict[tuple[int, int, int, int], Span] = {}
         for lst in self.transfers.values():
             for t in lst:
                 if t.kind == "recv" and isinstance(t.event.get("seq"), int) and isinstance(t.event.get("peer"), int):
-                    recvs[(t.event["peer"], t.rank, t.event["seq"])] = t
+                    recvs[(t.event["peer"], t.rank, t.step, t.event["seq"])] = t
         pairs = []
         for r in sorted(self.transfers):
             for t in self.transfers[r]:
                 if t.kind == "send" and isinstance(t.event.get("peer"), int):
-                    other = recvs.get((t.rank, t.event["peer"], t.event.get("seq", -1)))
+                    other = recvs.get((t.rank, t.event["peer"], t.step, t.event.get("seq", -1)))
                     if other is not None:
                         pairs.append((t, other))
         return pairs
