@@ -1021,7 +1021,7 @@ class RankActor:
         self._train_now = train
         spec = False
         if self._static:
-            layout = (train, await self._agree_layout(inputs, step) if self._auto else None)
+            layout = (train, await self._agree_layout(inputs, step, train) if self._auto else None)
             tables = self._known.get(layout)
             spec = tables is not None
             if spec:
@@ -1275,20 +1275,24 @@ class RankActor:
         while len(self._known) > _KNOWN_LAYOUTS:
             self._known.popitem(last=False)
 
-    async def _agree_layout(self, inputs: StepInputs, step: int) -> tuple[int, ...]:
+    async def _agree_layout(self, inputs: StepInputs, step: int, train: bool) -> tuple[int, ...]:
         """Static shapes, auto: every rank's input signature, gathered (one all-gather per step).
 
         Keyed by all of them, because a rank's transfers depend on other ranks' inputs (the
-        first stage's batch shapes every activation) and a rank may be given no inputs.
+        first stage's batch shapes every activation) and a rank may be given no inputs.  The
+        signature's lowest bit says whether the rank runs a training step: ranks that disagree
+        on it (one calls ``step()``, another ``eval()``) all fail here, at the step's start,
+        with each side named (otherwise the end-of-step header catches it on one rank only,
+        after the step's headerless transfers).
         """
-        sig = input_signature(inputs)
+        sig = (input_signature(inputs) >> 1 << 1) | int(train)
         if self.agree is None:  # (an actor built without a Pipeline: its own inputs only)
             return (sig,)
         fut = asyncio.get_running_loop().run_in_executor(None, self.agree, sig)
         fut.add_done_callback(lambda _f: self._wake.set())
         await self._wait_until(fut.done, step, "the ranks' input layouts")
         try:
-            return tuple(fut.result())
+            got = tuple(fut.result())
         except RuntimeError as exc:  # gloo: a rank of the all-gather is gone (its connection closed)
             err = self._lost_any(f"agreeing on step {step}'s input layouts", exc)
             if err is None:
@@ -1296,6 +1300,16 @@ class RankActor:
             self._remote_error = err
             self.broadcast_abort(err, None, step)
             raise err from exc
+        kinds = [x & 1 for x in got]
+        if len(set(kinds)) > 1:
+            tr = ", ".join(str(r) for r, k in enumerate(kinds) if k)
+            ev = ", ".join(str(r) for r, k in enumerate(kinds) if not k)
+            raise PipelineError(
+                f"rank {self.rank} step {step}: the ranks disagree on the kind of step: rank(s) {tr} run a training "
+                f"step (Pipeline.step) and rank(s) {ev} an evaluation step (Pipeline.eval); every rank must make the "
+                "same calls in the same order"
+            )
+        return got
 
     def _lost_any(self, what: str, exc: BaseException) -> PeerLostError | None:
         """A transport error in a collective of every rank: the PeerLostError of whichever peer is gone

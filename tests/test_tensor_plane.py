@@ -178,6 +178,31 @@ async def test_pipeline_steps_each_in_a_new_event_loop(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
+async def test_pipelines_disagreeing_on_training_or_evaluation_fail_at_the_steps_start(tmp_path: Path) -> None:
+    """Static shapes (the default): once both kinds of step have run, their transfers carry no headers; a
+    rank calling eval() while the other calls step() fails on both ranks at the step's start, naming each
+    side (the per-step layout agreement carries the kind; before, the end-of-step header caught it on one
+    rank, after the step's transfers, and that rank reported the other as lost)."""
+    script = tmp_path / "kinds.py"
+    script.write_text(linear_job("""
+        for _ in range(2):
+            pipe.step(x, target=y)
+            pipe.eval(x)
+        try:
+            pipe.step(x, target=y) if rank == 0 else pipe.eval(x)
+        except pipeloom.PipelineError as exc:
+            print("error", type(exc).__name__, str(exc).replace("\\n", " "), flush=True)
+        pipe.close()
+    """, microbatches=2, rows=8, pipe_args="stall_timeout=20"))
+    codes, outs, errs = await spawn_ranks(2, [str(script)], timeout=60)
+    assert codes == [0, 0], "\n".join(e[-3000:] for e in errs)
+    for r in range(2):
+        line = next(ln for ln in outs[r].splitlines() if ln.startswith("error"))
+        assert f"rank {r} step 4: the ranks disagree on the kind of step" in line, line
+        assert "rank(s) 0 run a training step" in line and "rank(s) 1 an evaluation step" in line, line
+
+
+@pytest.mark.asyncio
 async def test_headers_tell_the_sender_which_of_its_transfers_landed(tmp_path: Path) -> None:
     """A gloo header carries how many of the receiver's transfers its sender has landed, so a rank
     knows which of its sends completed without waiting for them (the end of a step then needs no
