@@ -350,10 +350,10 @@ class RankActor:
             self.dev.on_timed = self._device_timed
         #: NCCL: headers through gloo, payloads received when their header lands (posted, committed)
         self._headers = tensor_plane.header_group is not None
-        if self._headers and not self._commit_ahead and not (options.emulate_nccl_transport or options.static_shapes is not False):
+        if self._headers and not self._commit_ahead and not (options.emulate_nccl_transport or options.static_shapes is True):
             raise ValueError("a tensor plane with a header group needs the GPU device policy (payloads on NCCL), "
-                             "or static shapes (auto or True) on gloo")
-        #: gloo with that protocol (static shapes, auto or True): the loop thread waits for its payloads
+                             "or static_shapes=True on gloo")
+        #: gloo with that protocol (static_shapes=True): the loop thread waits for its payloads
         #: itself, watched by a thread that keeps the liveness check running (runtime/direct_wait.py)
         self._direct: DirectWait | None = None
         if self._headers and not self._commit_ahead:

@@ -179,7 +179,7 @@ async def test_pipeline_steps_each_in_a_new_event_loop(tmp_path: Path) -> None:
 
 @pytest.mark.asyncio
 async def test_pipelines_disagreeing_on_training_or_evaluation_fail_at_the_steps_start(tmp_path: Path) -> None:
-    """Static shapes (the default): once both kinds of step have run, their transfers carry no headers; a
+    """Static shapes, auto (NCCL's default; here its protocol emulated on gloo): once both kinds of step have run, their transfers carry no headers; a
     rank calling eval() while the other calls step() fails on both ranks at the step's start, naming each
     side (the per-step layout agreement carries the kind; before, the end-of-step header caught it on one
     rank, after the step's transfers, and that rank reported the other as lost)."""
@@ -193,7 +193,7 @@ async def test_pipelines_disagreeing_on_training_or_evaluation_fail_at_the_steps
         except pipeloom.PipelineError as exc:
             print("error", type(exc).__name__, str(exc).replace("\\n", " "), flush=True)
         pipe.close()
-    """, microbatches=2, rows=8, pipe_args="stall_timeout=20"))
+    """, microbatches=2, rows=8, pipe_args="options=pipeloom.RuntimeOptions(stall_timeout=20, emulate_nccl_transport=True)"))
     codes, outs, errs = await spawn_ranks(2, [str(script)], timeout=60)
     assert codes == [0, 0], "\n".join(e[-3000:] for e in errs)
     for r in range(2):
