@@ -884,7 +884,7 @@ class RankActor:
         self.broadcast_abort(err, a, step)
         return err
 
-    def _lost_peer(self, peer: int, what: str, exc: BaseException) -> PeerLostError | None:
+    def _lost_peer(self, peer: int, what: str, exc: BaseException) -> PipelineError | None:
         """A transport error on a transfer with ``peer``: a PeerLostError naming it, if it is gone.
 
         A send to a rank that was just killed fails (gloo: "Connection closed by
@@ -894,6 +894,10 @@ class RankActor:
         connection broke names the peer even unconfirmed: it is the link to that
         peer that failed, not this rank's code.  Anything else returns None (a
         local error, e.g. a tensor the backend cannot send).
+
+        A peer that failed says so before it closes (its abort comes before its 'bye' on
+        the control plane): that abort, once read, is returned as the RemoteRankError it
+        is, whatever broke meanwhile - the root cause, not its consequence.
         """
         deadline = time.monotonic() + _CONFIRM_LOST
         while True:
@@ -901,6 +905,8 @@ class RankActor:
                 self.control.drain()  # a 'bye' from it may be waiting unread
             except Exception:  # noqa: BLE001 - only a better message is at stake
                 pass
+            if isinstance(self._remote_error, RemoteRankError):
+                return self._remote_error
             left = self.liveness.left(peer)
             gone = peer in self.control.disconnected
             if left is not None or gone or time.monotonic() >= deadline:
@@ -1467,8 +1473,11 @@ class RankActor:
         return err
 
     def broadcast_abort(self, exc: BaseException, a: Action | None, step: int, *, tb: str | None = None) -> None:
-        """Tell every peer that this rank failed (once), so they stop instead of waiting."""
-        if self._local_failure is not None:
+        """Tell every peer that this rank failed (once), so they stop instead of waiting.
+
+        A peer's abort heard here is not passed on: it went to every rank from its source.
+        """
+        if self._local_failure is not None or isinstance(exc, RemoteRankError):
             return
         self._local_failure = exc
         leaf = a.leaves()[0] if a is not None else None

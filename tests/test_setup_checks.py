@@ -197,6 +197,9 @@ def test_missing_target_or_loss_fn_is_named(checks: list[dict[str, Any]]) -> Non
     c = checks[1]["no_target"]
     assert c["type"] == "PipelineConfigError" and "step() got no target" in c["message"], c
     assert checks[0]["no_target"]["type"] == "RemoteRankError"  # rank 0 does not need the target: it hears why
+    # ... also when its send to rank 1 breaks because rank 1 already closed: the abort came first
+    busy = checks[0]["no_target_while_busy"]
+    assert busy["type"] == "RemoteRankError" and busy["failed_rank"] == 1 and "got no target" in busy["message"], busy
     c = checks[1]["no_loss_fn_at_construction"]
     assert c["type"] == "PipelineConfigError", c
     assert "rank 1 holds the last stage (1) but loss_fn is None" in c["message"], c["message"]

@@ -86,6 +86,21 @@ class CastsItsInput(nn.Module):
         return self.lin(x.to(torch.float64))
 
 
+class SlowLinear(nn.Module):
+    """A Linear whose forward first sleeps: its rank is busy while a peer fails and closes."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D).double()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(self.seconds)
+        return self.lin(x)
+
+
 def mse(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return ((y - t) ** 2).mean()
 
@@ -183,6 +198,9 @@ def main() -> None:
     results["mask_replicated"] = rec
     # -- loss_fn / target missing
     results["no_target"] = run_case("no_target", pipe(), step(x))
+    # rank 0 still computes its first forward when rank 1 fails and closes: its send then
+    # breaks, and the abort read meanwhile (before the 'bye') is the error it reports
+    results["no_target_while_busy"] = run_case("no_target_while_busy", pipe(lambda s: SlowLinear(1.5) if s == 0 else nn.Linear(D, D).double()), step(x))
     results["no_loss_fn_at_construction"] = run_case("no_loss_fn_at_construction", pipe(loss_fn=None), step(x, target=y))
     results["forward_only_then_step"] = run_case("forward_only_then_step", pipe(loss_fn=None, forward_only=True), step(x, target=y))
     results["forward_only_eval"] = run_case(
