@@ -89,7 +89,7 @@ import torch
 from ..schedules import Action, ActionType, Dataflow, Schedule, consumer_stage, producer_stage
 from ..schedules.dispatch import Dispatcher, choose_rule, plan_ranks
 from ..transport.control import ControlPlane
-from ..transport.tensor import END, Landed, SendError, TensorPlane, TransferError, signature
+from ..transport.tensor import END, Landed, SendError, TensorPlane, TransferError, guard_exit_works, signature
 from .device import make_policy
 from .direct_wait import DirectWait
 from .errors import PeerLostError, PipelineError, RemoteRankError, StageError
@@ -350,10 +350,10 @@ class RankActor:
             self.dev.on_timed = self._device_timed
         #: NCCL: headers through gloo, payloads received when their header lands (posted, committed)
         self._headers = tensor_plane.header_group is not None
-        if self._headers and not self._commit_ahead and not (options.emulate_nccl_transport or options.static_shapes is True):
+        if self._headers and not self._commit_ahead and not (options.emulate_nccl_transport or options.static_shapes is not False):
             raise ValueError("a tensor plane with a header group needs the GPU device policy (payloads on NCCL), "
-                             "or static_shapes=True on gloo")
-        #: gloo with that protocol (static_shapes=True): the loop thread waits for its payloads
+                             "or static shapes (auto or True) on gloo")
+        #: gloo with that protocol (static shapes, auto or True): the loop thread waits for its payloads
         #: itself, watched by a thread that keeps the liveness check running (runtime/direct_wait.py)
         self._direct: DirectWait | None = None
         if self._headers and not self._commit_ahead:
@@ -1008,6 +1008,12 @@ class RankActor:
             if self._landings is not None:
                 self._landings.release()  # later landings (a peer's failure) still reach the loop
             self.dev.abandon_step()
+            if self._direct is not None and self._posted:
+                # gloo, static shapes: receives this loop posted ahead that the failed step will never
+                # consume; nobody fills them (the peers' abort_step fills what headers announce), so the
+                # exit guard must end the process itself rather than let finalization destroy them
+                guard_exit_works([w for _, works, _ in self._posted.values() for w in works])
+                self._posted.clear()
             try:
                 self.tensors.abort_step()
             except Exception:  # noqa: BLE001 - the failure being raised is what matters

@@ -178,16 +178,16 @@ class RuntimeOptions:
     inputs are local or already arrived; a remote input not yet sent counts as ready only for
     the list's first pending action.
 
-    gloo: ``True`` runs the same protocol on CPU (headers through a gloo group for the first
-    step, payloads through two-rank groups): after it the loop thread posts each
+    gloo: ``None`` and ``True`` run the same protocol on CPU (headers through a gloo group for
+    the first step of a layout, payloads through two-rank groups): after it the loop thread posts each
     peer's next ``gloo_prepost_depth`` payloads ahead and waits in gloo itself for the one its
     next action needs, one thread hop per transfer as in torch's runtime, watched by a thread
     that judges liveness meanwhile (``runtime/direct_wait.py``; a wait on a lost peer is broken
     by closing that pair); measured in ``benchmarks/RESULTS.md`` ("CPU host path, round 5": 2
-    gloo ranks, every schedule's step below torch's).  ``None`` (auto) and ``False`` keep gloo's
-    header protocol (headers posted ahead on receiver threads, every step): after a failed
-    static step the receives posted ahead stay pending, and a rank can end at exit with C++'s
-    terminate (exit -6) instead of its failure's exit code (seen once in CI under auto).  Environment:
+    gloo ranks, every schedule's step below torch's).  After a failed step, the receives posted
+    ahead that nobody will fill are handed to the exit guard (``transport/tensor.py``): a process
+    ending on the uncaught failure exits with code 1 without finalizing them.  ``False`` keeps
+    gloo's header protocol (headers posted ahead on receiver threads, every step).  Environment:
     ``PIPELOOM_STATIC_SHAPES`` (``auto``, ``1`` or ``0``)."""
 
     emulate_nccl_transport: bool = False

@@ -393,10 +393,8 @@ class Pipeline:
         # Control traffic (object collectives) on gloo, also on NCCL jobs.
         obj_group = self._obj_group = dist.new_group(backend="gloo") if backend == "nccl" else None
         # NCCL: transfer headers travel through gloo (transport/tensor.py), in a group of their own
-        # gloo with static_shapes=True: the same protocol, the loop waiting for its payloads itself (not auto:
-        # after a failed static step the receives posted ahead stay pending, and the process can end at exit
-        # with C++'s terminate instead of its failure's exit code; see benchmarks/RESULTS.md, round 5)
-        nccl_protocol = backend == "nccl" or opts.emulate_nccl_transport or opts.static_shapes is True
+        # gloo with static shapes (auto or True): the same protocol, the loop waiting for its payloads itself
+        nccl_protocol = backend == "nccl" or opts.emulate_nccl_transport or opts.static_shapes is not False
         self._header_group = dist.new_group(backend="gloo") if nccl_protocol else None
         lay = self.layout
         if self._ep_groups is not None and not opts.deterministic:

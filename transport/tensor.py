@@ -335,6 +335,23 @@ def guard_exit(threads: Sequence[threading.Thread], grace: float = 3.0) -> None:
 
 
 _EXIT_GRACE = 3.0
+#: gloo Works posted on the loop's thread that a failed step will never complete (see guard_exit_works)
+_EXIT_WORKS: list[Any] = []
+
+
+def guard_exit_works(works: Sequence[Any]) -> None:
+    """Keep ``works`` (gloo receives posted by the loop's thread, which a failed step will never
+    consume or see completed) alive until exit, and have the exit guard end a failing process
+    with exit code 1 without finalizing: destroying a pending gloo Work at finalization ends
+    the process with C++'s terminate (exit -6) instead of the failure's exit code."""
+    _EXIT_WORKS.extend(works)
+
+
+def _completed(work: Any) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:  # noqa: BLE001 - a Work that cannot say is treated as pending
+        return False
 
 
 def _exit_guard() -> None:
@@ -343,13 +360,13 @@ def _exit_guard() -> None:
     import os
     import sys
 
-    if not _EXIT_GUARD:
+    if not _EXIT_GUARD and not _EXIT_WORKS:
         return
     deadline = time.monotonic() + _EXIT_GRACE
     for t in _EXIT_GUARD:
         t.join(max(0.0, deadline - time.monotonic()))
     failing = getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
-    if failing and any(t.is_alive() for t in _EXIT_GUARD):
+    if failing and (any(not _completed(w) for w in _EXIT_WORKS) or any(t.is_alive() for t in _EXIT_GUARD)):
         log.warning("pipeloom: receives from a failed peer are still pending in gloo; exiting without finalizing")
         for f in (sys.stdout, sys.stderr):
             try:

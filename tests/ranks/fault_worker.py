@@ -9,8 +9,11 @@ argv: MODE OUT_DIR.  Modes:
 - ``garbage``: every rank publishes its control endpoint; the test sprays it
   with malformed messages while the ranks train; they must finish correctly.
 - ``badcsv``: the schedule file is malformed.
-With ``STATIC=1`` in the environment the job runs with ``static_shapes=True`` (on gloo: no
-headers after the first step, the loop thread waiting in gloo itself, watched by
+- ``raise-linger``: as ``raise``, but rank 1 stays alive for 4 s after its failure (so what
+  rank 0 posted ahead from it stays pending while rank 0 exits).
+``STATIC`` in the environment picks ``static_shapes``: ``1`` True, ``0`` False (gloo's header
+protocol on every step), unset or empty: auto (the default; on gloo, like True, no headers
+after the first step of a layout, the loop thread waiting in gloo itself, watched by
 ``runtime/direct_wait.py``).
 Each rank writes ``{OUT}/rank{R}.json``: how it ended (ok / error type and
 message) and when, so the test can check what every rank reported.
@@ -42,7 +45,7 @@ class Stage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if self.step == 1 and RANK == 1 and self.calls == 3:
-            if MODE == "raise":
+            if MODE in ("raise", "raise-linger"):
                 raise ValueError("boom in user code")
             if MODE == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -66,7 +69,7 @@ def main() -> None:
         pipe = pipeloom.Pipeline(lambda s: stages[s], schedule=schedule, num_microbatches=4,
                                  loss_fn=nn.functional.mse_loss, heartbeat_timeout=float(os.environ.get("HB_TIMEOUT", "10")),
                                  data_parallel=int(os.environ.get("DP", "1")), fsdp=os.environ.get("FSDP") == "1",
-                                 options=pipeloom.RuntimeOptions(static_shapes=True) if os.environ.get("STATIC") == "1" else None)
+                                 options=pipeloom.RuntimeOptions(static_shapes={"1": True, "0": False}.get(os.environ.get("STATIC", ""))))
         if MODE == "garbage":
             # written whole, then renamed: the test polls for the file and reads it at once
             tmp = os.path.join(OUT, f"endpoint{RANK}.tmp")
@@ -94,6 +97,8 @@ def main() -> None:
                       **{k: getattr(exc, k) for k in ("stage", "microbatch", "action", "failed_rank", "peer") if hasattr(exc, k)})
         with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as f:
             json.dump(record, f)
+        if MODE == "raise-linger" and RANK == 1:
+            time.sleep(4.0)
         raise
     with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as f:
         json.dump(record, f)
