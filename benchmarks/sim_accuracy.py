@@ -5,9 +5,9 @@ For every named schedule, two gloo ranks train the same MLP (4 blocks
 into ``--microbatches`` microbatches) for
 ``--steps`` steps with tracing on; then, for each trace,
 
-    costs  = pipeloom.tools.run_costs.costs_from_trace(trace)      (first step left out)
+    costs  = pipeloom.tools.run_costs.costs_from_trace(trace)      (the first --skip-warmup steps left out)
     sim    = simulate(lowered schedule, costs, action_costs=...)   (what `schedule simulate --costs-from` does)
-    error  = (sim.makespan - measured mean step time) / measured
+    error  = (sim.makespan - measured mean step time) / measured   (the median beside it)
     drawn  = the mean of --samples simulations whose every action's cost is drawn
              from its type's recorded dispersion (what the tuner does on CPU
              profiles: schedule_tune.SAMPLES), and its error
@@ -74,7 +74,7 @@ def _rank_main(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
-def analyze(out: str, names: list[str], tag: str = "", samples: int = 15) -> list[dict[str, object]]:
+def analyze(out: str, names: list[str], tag: str = "", samples: int = 15, skip_warmup: int = 2) -> list[dict[str, object]]:
     from pipeloom.schedules import generate, lower, simulate
     from pipeloom.tools.run_costs import costs_from_trace
     from pipeloom.tools.schedule_tune import sampled_runs
@@ -83,7 +83,7 @@ def analyze(out: str, names: list[str], tag: str = "", samples: int = 15) -> lis
     rows = []
     for name in names:
         model = load_trace(os.path.join(out, f"{name}{tag}.jsonl"))
-        rc = costs_from_trace(model)
+        rc = costs_from_trace(model, skip_warmup=skip_warmup)
         sched = lower(generate(name, num_ranks=rc.world_size, num_microbatches=rc.num_microbatches or 1,
                                stages_per_rank=rc.stages_per_rank), comms=True, recv_placement="early", costs=rc.costs)
         sim = simulate(sched, rc.costs, action_costs=rc.action_costs)
@@ -93,7 +93,8 @@ def analyze(out: str, names: list[str], tag: str = "", samples: int = 15) -> lis
         drawn = [r.makespan for r in sampled_runs(sched, rc.costs, dict(rc.action_costs), rc.dispersion,
                                                   rc.num_microbatches or 1, samples, seed=name)] if samples > 1 else []
         d = statistics.mean(drawn) if drawn else float("nan")
-        rows.append({"schedule": name, "measured_ms": rc.step_ns / 1e6, "simulated_ms": sim.makespan / 1e6, "error": err,
+        rows.append({"schedule": name, "measured_ms": rc.step_ns / 1e6, "measured_median_ms": rc.step_ns_median / 1e6,
+                     "simulated_ms": sim.makespan / 1e6, "error": err,
                      "drawn_ms": d / 1e6, "drawn_error": (d - rc.step_ns) / rc.step_ns, "steps": len(rc.steps)})
     return rows
 
@@ -110,6 +111,9 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--analyze", metavar="DIR", default=None)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--skip-warmup", type=int, default=2,
+                   help="steps left out of costs and step times (default 2: the first step of a layout carries transfer "
+                        "headers, the next is the first without; a process's first pipeline may pay one-time costs there)")
     p.add_argument("--samples", type=int, default=15, help="simulations with drawn action costs (mean shown beside the "
                    "simulation of the means; 0: none)")
     args = p.parse_args()
@@ -128,14 +132,14 @@ def main() -> None:
             cmd += ["--stages-per-rank", str(args.stages_per_rank)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELOOM_")}
         subprocess.run(cmd, check=True, env=env)
-    rows = analyze(out, names, args.tag, args.samples)
+    rows = analyze(out, names, args.tag, args.samples, args.skip_warmup)
     if args.json:
         print(json.dumps(rows, indent=2))
         return
     print(f"traces in {out}")
-    print(f"{'schedule':<22} {'measured':>10} {'simulated':>10} {'error':>7} {'drawn':>10} {'error':>7}")
+    print(f"{'schedule':<22} {'measured':>10} {'median':>10} {'simulated':>10} {'error':>7} {'drawn':>10} {'error':>7}")
     for r in rows:
-        print(f"{r['schedule']:<22} {r['measured_ms']:>8.3f}ms {r['simulated_ms']:>8.3f}ms {r['error']:>+7.1%} "
+        print(f"{r['schedule']:<22} {r['measured_ms']:>8.3f}ms {r['measured_median_ms']:>8.3f}ms {r['simulated_ms']:>8.3f}ms {r['error']:>+7.1%} "
               f"{r['drawn_ms']:>8.3f}ms {r['drawn_error']:>+7.1%}")
     for key, label in (("error", "mean costs"), ("drawn_error", "drawn costs")):
         errs = [abs(float(r[key])) for r in rows]  # type: ignore[arg-type]
