@@ -607,8 +607,7 @@ class RankActor:
                 # and as the transfer's landing; the action's span starts after it if nothing of the
                 # action ran before (an OVERLAP_F_B's second half waits inside its span).
                 w0 = clock_ns()
-                self._wait_direct(key, works)
-                w1 = clock_ns()
+                w1 = self._wait_direct(key, works, clock=True)
                 src = self.flow.recv_rank(key[1], key[2], self.rank)
                 posted = self._rx_posted.pop(key, None)
                 if posted is not None:
@@ -626,12 +625,15 @@ class RankActor:
                     b.requires_grad_(True)
         return buffers
 
-    def _wait_direct(self, key: tuple[int, str, int, int], works: list[Any]) -> None:
+    def _wait_direct(self, key: tuple[int, str, int, int], works: list[Any], *, clock: bool = False) -> int:
         """gloo, NCCL protocol: wait on this thread for the payload of ``key`` (runtime/direct_wait.py).
 
         The rank reports itself waiting meanwhile (its heartbeats must not make it look
         stalled in an action to the other peers); a peer lost during the wait is named.
         Static shapes: then keeps ``gloo_prepost_depth`` of the peer's next payloads posted.
+        ``clock``: return :func:`clock_ns` at the moment the wait returned (the trace's landing
+        time and the end of its wait: posting the next receives is the runtime's work, not
+        waiting), else 0.
         """
         step, kind, stage, mb = key
         src = self.flow.recv_rank(kind, stage, self.rank)
@@ -655,9 +657,11 @@ class RankActor:
         finally:
             self.state = busy
             self._waited += time.perf_counter() - t0
+        landed = clock_ns() if clock else 0
         if self._spec:
             used = self._rx_used[src] = self._rx_used.get(src, 0) + 1
             self._post_ahead(src, step, used)
+        return landed
 
     @staticmethod
     def _waiting_for(action: str, key: tuple[int, str, int, int], src: int) -> str:

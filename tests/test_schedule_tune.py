@@ -14,6 +14,7 @@ import json
 import textwrap
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -425,3 +426,39 @@ def test_drawn_costs(profile: Path) -> None:
     drawn, plain = (tune(rc, schedules=["1F1B"], microbatches=[4], stages_per_rank=[1], calibrate=False, samples=k)
                     for k in (15, 0))
     assert drawn.candidates[0].step_ns != plain.candidates[0].step_ns
+
+
+def test_posted_receives_time_the_link_only_where_the_receiver_was_already_waiting(profile: Path) -> None:
+    """Static shapes on gloo trace a receive posted ahead as landed when the loop's wait for it returned, i.e.
+    when its consumer came to it.  Only a receive whose wait began before it was sent times the link; one
+    consumed late (with or without a short wait on a payload that had landed) is no sample of the link."""
+    from pipeloom.tools.trace_model import TraceModel
+
+    base = load_trace(str(profile))
+    sends = {(s.rank, s.event["peer"], s.step, s.event["seq"]): s for s, _ in base.transfer_pairs()}
+    events: list[dict[str, Any]] = []
+    waited = 0
+    for e in base.events:
+        if e.get("ev") == "wait":
+            continue
+        if e.get("ev") == "recv" and e["step"] >= 1:
+            s = sends.get((e["peer"], e["rank"], e["step"], e["seq"]))
+            if s is None:
+                continue
+            e = {**e, "posted": True}
+            if e["mb"] == 0 and e["kind"] == "F":  # the consumer was waiting when it was sent: 40 us of link
+                e["end"] = s.end + 40_000
+                events.append({"ev": "wait", "rank": e["rank"], "step": e["step"], "start": s.end - 50_000,
+                               "end": e["end"], "for": ["x"]})
+                waited += 1
+            elif e["mb"] == 1:  # consumed 3 ms late after a short wait on a payload that had landed
+                e["end"] = s.end + 3_000_000
+                events.append({"ev": "wait", "rank": e["rank"], "step": e["step"], "start": e["end"] - 30_000,
+                               "end": e["end"], "for": ["x"]})
+            else:  # consumed 3 ms late, no wait
+                e["end"] = s.end + 3_000_000
+        events.append(e)
+    assert waited >= 3
+    rc = costs_from_trace(TraceModel(base.header, events))
+    assert rc.link_latency_ns == pytest.approx(40_000)
+    assert rc.costs.send_latency == pytest.approx(40_000)
