@@ -74,6 +74,7 @@ lost.  Measured in ``benchmarks/RESULTS.md`` ("CPU host path, round 5").
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import time
@@ -582,9 +583,17 @@ class RankActor:
 
     # ------------------------------------------------------------ readiness
     def _have(self, key: tuple[int, str, int, int]) -> bool:
-        # (gloo, static shapes: a receive posted ahead has not landed; only the list's head may
-        # wait for it -- see _ready)
-        return key in self._inbox or (key in self._posted and not (self._spec and self._direct is not None))
+        if key in self._inbox:
+            return True
+        posted = self._posted.get(key)
+        if posted is None:
+            return False
+        if self._spec and self._direct is not None:
+            # gloo, static shapes: a receive posted ahead is there once its Works completed (landed,
+            # or failed: the wait at _take raises then); one not landed only the list's head may wait
+            # for (see _ready)
+            return all(w.is_completed() for w in posted[1])
+        return True
 
     def _take(self, key: tuple[int, str, int, int], stage: int) -> list[torch.Tensor | None]:
         """An input of ``stage``: arrived, or (GPU) committed, with the stage's stream ordered after it."""
@@ -1088,6 +1097,8 @@ class RankActor:
         wake = self._wake
         dispatcher = self._dispatch[train]
         dispatcher.begin_step()
+        # (gloo, static shapes: see the pick below)
+        direct_order = spec and self._direct is not None and dispatcher.rule != "list"
         in_flight = self._in_flight if dispatcher.rule == "guarded" else None
         trace = self.trace
         step_start = clock_ns() if trace is not None else 0
@@ -1107,7 +1118,18 @@ class RankActor:
             # order under the live-microbatch cap, so no rule holds more than the list would.
             if spec:
                 self._head = pending[0]
-            pick = -1 if hold else dispatcher.pick(pending, lambda a: self._ready(a, step, live, train), live, in_flight)
+            pick = -1
+            if not hold:
+                ready = functools.partial(self._ready, step=step, live=live, train=train)
+                if direct_order:
+                    # gloo, static shapes, a rule that reorders: an action whose inputs are here (local,
+                    # or posted ahead and landed) goes first; the head waits in gloo for a payload that
+                    # has not landed only when nothing else is ready (else a late peer holds ready work)
+                    self._head = None
+                    pick = dispatcher.pick(pending, ready, live, in_flight)
+                    self._head = pending[0]
+                if pick < 0:
+                    pick = dispatcher.pick(pending, ready, live, in_flight)
             if pick < 0:
                 if not hold:
                     waits += 1
