@@ -612,8 +612,9 @@ class GlooReceiver:
                     cur.append(pred if pred is not None else ())
                     continue
                 if h[6] & _FLAG_END:
-                    # static shapes (headers mode only): the sender sent all of the step's payloads
-                    cur.append(())
+                    # static shapes (headers mode only): the sender sent all of the step's payloads.
+                    # Not a transfer: it takes no place in the table the next step with headers is
+                    # predicted from (the sender's send_end takes none in its own table either)
                     self._call(self._deliver, Landed(self.peer, seq, step, END, -1, -1, [], (), header_ns, header_ns, False), None)
                     continue
                 if not 0 <= h[3] < len(_KINDS):
@@ -654,7 +655,10 @@ class GlooReceiver:
         finally:
             # drop the Works here, not at interpreter shutdown (see WorkWaiter)
             posted.clear()
-        self._tables[train] = cur
+        if cur:
+            # (a headerless step, only its end header: the prediction stays the last step with
+            # headers, as on the sender, whose table changes only in steps it sends transfers in)
+            self._tables[train] = cur
 
 
 def _nccl_options(max_ctas: int | None) -> Any:

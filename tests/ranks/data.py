@@ -11,7 +11,8 @@ def make_step_batches(cfg: dict[str, Any], step: int) -> dict[str, Any]:
     """One step's batch: ``x``, ``target``, optional ``scale`` kwarg, or pre-cut microbatches.
 
     cfg keys: batch (rows, or a list per step), seq (length, list per step, or
-    "per_mb" for a different length in every microbatch), dim, multi, kwargs.
+    "per_mb" for a different length in every microbatch, or a list per step of
+    per-microbatch lengths), dim, multi, kwargs.
     """
     g = torch.Generator().manual_seed(1000 + step)
     dtype = getattr(torch, cfg.get("dtype", "float64"))
@@ -20,8 +21,9 @@ def make_step_batches(cfg: dict[str, Any], step: int) -> dict[str, Any]:
     n = cfg["microbatches"]
     seq = cfg.get("seq")
     out: dict[str, Any] = {}
-    if seq == "per_mb":
-        lengths = [3 + (step + m) % 5 for m in range(n)]
+    per_step = seq[step] if isinstance(seq, list) and isinstance(seq[step], list) else None
+    if seq == "per_mb" or per_step is not None:
+        lengths = per_step if per_step is not None else [3 + (step + m) % 5 for m in range(n)]
         xs = [torch.randn(batch // n, t, dim, generator=g, dtype=dtype) for t in lengths]
         ys = [torch.randn(batch // n, t, dim, generator=g, dtype=dtype) for t in lengths]
         out["x_mbs"], out["y_mbs"] = xs, ys
