@@ -261,8 +261,9 @@ def test_rank_failure_stops_the_others(tmp_path: Path, reaper: Reaper, rank0: st
     print(f"\nteardown after rank 1 failed (grace {grace}, rank 0 {rank0}): {teardown:.2f} s")
     assert code == 1, err
     assert not _wait_dead(_pids(tmp_path), timeout=0.5), "a rank or its child survived the launcher"
-    # grace, then SIGTERM (and SIGKILL one second later if ignored); plus process start-up slack
-    assert grace <= teardown <= grace + 2.0
+    # grace, then SIGTERM (and SIGKILL one second later if ignored); plus slack for a loaded machine
+    # (2.63 s seen with ignore-term at load 7; a launcher that does not kill would wait for the rank)
+    assert grace <= teardown <= grace + 4.0
     if rank0 == "ignore-term":
         assert teardown >= grace + 1.0
     assert "pipeloom launch: job failed: rank 1 exited with code 1\n" in err
