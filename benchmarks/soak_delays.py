@@ -100,12 +100,12 @@ def _rank_main(job_path: str) -> None:
     all_stages = build_stages(num_stages, dim=cfg["dim"], multi=False, seed=0, dtype=torch.float64)
     extra = {"dispatch": cfg["dispatch"]} if cfg.get("dispatch") else {}
     opts = pipeloom.RuntimeOptions(static_shapes=False, **extra) if cfg["control"] else pipeloom.RuntimeOptions(**extra)
-    pipe = pipeloom.Pipeline(lambda s: all_stages[s], schedule=cfg["schedule"], num_microbatches=cfg["microbatches"],
-                             loss_fn=loss_fn, options=opts)
-    opt = torch.optim.SGD(pipe.parameters(), lr=cfg["lr"])
     res: dict[str, Any] = {"grads": [], "losses": [], "headerless": [], "out_of_order": [], "status": "ok"}
     out = Path(job["out"])
     try:
+        pipe = pipeloom.Pipeline(lambda s: all_stages[s], schedule=cfg["schedule"], num_microbatches=cfg["microbatches"],
+                                 loss_fn=loss_fn, options=opts)
+        opt = torch.optim.SGD(pipe.parameters(), lr=cfg["lr"])
         for step in range(cfg["steps"]):
             state["step"], state["call"] = step, 0
             b = make_step_batches(cfg, step)
