@@ -112,7 +112,10 @@ def _rank_main(job_path: str) -> None:
             for m in pipe.stages.values():
                 m.zero_grad(set_to_none=True)
             losses: list[torch.Tensor] = []
-            pipe.step(b["x"], target=b["target"], losses=losses)
+            if "x_mbs" in b:  # --vary-seq: microbatches of different lengths
+                pipe.step(pipeloom.Microbatches(b["x_mbs"]), target=pipeloom.Microbatches(b["y_mbs"]), losses=losses)
+            else:
+                pipe.step(b["x"], target=b["target"], losses=losses)
             res["grads"].append({f"s{s}.{n}": (p.grad.detach().clone() if p.grad is not None else None)
                                  for s, m in pipe.stages.items() for n, p in m.named_parameters()})
             res["losses"].append([l.detach().clone() for l in losses])
@@ -137,7 +140,7 @@ _REFERENCE: dict[tuple, list[dict[str, Any]]] = {}
 def _reference(cfg: dict[str, Any], num_stages: int) -> list[dict[str, Any]]:
     from reference import reference_run
 
-    key = (num_stages, cfg["microbatches"], json.dumps(cfg["batch"]), cfg["dim"], cfg["steps"], cfg["lr"])
+    key = (num_stages, cfg["microbatches"], json.dumps(cfg["batch"]), json.dumps(cfg.get("seq")), cfg["dim"], cfg["steps"], cfg["lr"])
     if key not in _REFERENCE:
         _REFERENCE[key] = reference_run({**cfg, "seed": 0, "dtype": "float64"}, num_stages)
     return _REFERENCE[key]
@@ -175,6 +178,8 @@ def _compare(cfg: dict[str, Any], results: list[dict[str, Any]], num_stages: int
     heads = [res["headerless"] for res in results]
     # default path: a step runs headerless exactly when a step before it had the same batch shape
     batches = cfg["batch"] if isinstance(cfg["batch"], list) else [cfg["batch"]] * cfg["steps"]
+    if cfg.get("seq"):
+        batches = [(b, tuple(q)) for b, q in zip(batches, cfg["seq"])]
     want_static = [not cfg["control"] and b in batches[:i] for i, b in enumerate(batches)]
     for r, hs in enumerate(heads):
         got_static = [bool(h) for h in hs]
@@ -225,10 +230,18 @@ async def _run_one(cfg: dict[str, Any], out: Path, timeout: float) -> dict[str, 
 
 #: rows per microbatch, step by step, with --vary-batch: new layouts (headers) at steps 0 and 2, remembered ones after
 VARY_ROWS = [2, 2, 3, 2, 3, 3, 2, 3]
+#: with --vary-seq, step by step: each microbatch's sequence length (its own per microbatch); layouts B and C share
+#: microbatch 0's length with A, so a transfer of a new layout can match one of the previous step's shapes
+VARY_SEQ = ["A", "A", "B", "A", "C", "B", "C", "A"]
+
+
+def _seq_layout(name: str, mbs: int) -> list[int]:
+    return [{"A": 3 + m % 2, "B": 3 + 2 * (m % 2), "C": 3 + (m % 3)}[name] for m in range(mbs)]
+
 
 
 def _plan(rounds: int, seed: int, control: bool, steps: int, only: str | None, vary: bool,
-          dispatch: str | None = None) -> list[dict[str, Any]]:
+          dispatch: str | None = None, vary_seq: bool = False) -> list[dict[str, Any]]:
     configs: list[tuple[str, int, int]] = []
     if only:
         for item in only.split(","):
@@ -243,7 +256,8 @@ def _plan(rounds: int, seed: int, control: bool, steps: int, only: str | None, v
             plan.append({"index": i, "schedule": name, "ranks": ranks, "microbatches": mbs, "seed": seed + i,
                          "control": control, "steps": steps, "dispatch": dispatch,
                          "batch": [VARY_ROWS[k % len(VARY_ROWS)] * mbs for k in range(steps)] if vary else 2 * mbs,
-                         "dim": 8, "lr": 0.1})
+                         "dim": 8, "lr": 0.1,
+                         **({"seq": [_seq_layout(VARY_SEQ[k % len(VARY_SEQ)], mbs) for k in range(steps)]} if vary_seq else {})})
     return plan
 
 
@@ -260,6 +274,8 @@ def main() -> None:
     ap.add_argument("--only", help="configurations SCHEDULE:RANKS:MICROBATCHES[,...] instead of the standard round")
     ap.add_argument("--vary-batch", action="store_true",
                     help="batch rows change between steps (2, 2, 3, 2, 3, 3, 2, 3 rows per microbatch): relearned and remembered layouts")
+    ap.add_argument("--vary-seq", action="store_true",
+                    help="3-D microbatches whose sequence lengths differ per microbatch and step (layouts A A B A C B C A)")
     ap.add_argument("--dispatch", choices=["auto", "ready", "critical", "guarded"], default=None,
                     help="RuntimeOptions.dispatch (default: the default, auto, which mostly keeps the list order; "
                          "ready/critical reorder around the delays)")
@@ -269,7 +285,7 @@ def main() -> None:
     for k in [k for k in os.environ if k.startswith("PIPELOOM_")]:
         del os.environ[k]  # the ranks run the options this script gives, nothing from the caller's shell
     args.out.mkdir(parents=True, exist_ok=True)
-    plan = _plan(args.rounds, args.seed, args.control, args.steps, args.only, args.vary_batch, args.dispatch)
+    plan = _plan(args.rounds, args.seed, args.control, args.steps, args.only, args.vary_batch, args.dispatch, args.vary_seq)
     log = args.out / "runs.jsonl"
     t_start = time.monotonic()
     counts: dict[str, dict[str, int]] = {}
