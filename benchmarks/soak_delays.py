@@ -27,18 +27,28 @@ config, ``ok`` / ``mismatch`` (param, max abs diff) / ``error`` (each rank's err
 ``hang`` (ranks still running after ``--timeout``; their stacks are saved), the exit codes, the
 headerless sends per step and the wall time; failing runs' stderr goes beside it.
 
-Run (from the repository root; about 5-10 s a run on 2 loaded cores)::
+Run (from the repository root; about 5-15 s a run on 2 loaded cores)::
 
     python benchmarks/soak_delays.py --rounds 3 --out /tmp/soak          # default path
     python benchmarks/soak_delays.py --rounds 1 --control --out /tmp/soak-ctl
     python benchmarks/soak_delays.py --only ZBVZeroBubble:2:8 --seed 17  # one config, one seed
+    python benchmarks/soak_delays.py --vary-seq --steps 8 --out /tmp/soak-seq
 
 A round is every schedule at 2 ranks with 4 and 8 microbatches (14 runs) plus 1F1B,
 Interleaved1F1B, ZBVZeroBubble and DualPipeV at 4 ranks with 8 microbatches (4 runs); each run's
-delays come from its own seed (``--seed`` + run index).
+delays come from its own seed (``--seed`` + run index).  Variants: ``--vary-batch`` (the rows per
+microbatch change between steps: new layouts after headerless steps, then remembered ones),
+``--vary-seq`` (3-D microbatches, each its own sequence length, changing per step so that a new
+layout shares some transfers' shapes with the previous one), ``--dispatch ready`` (a reordering
+rule instead of the default ``auto``, which mostly keeps the list order).  A configuration may be
+invalid (DualPipeV needs >= 2 microbatches per rank): it fails at construction, every rank exit 1.
 
-Results (main at 009d37b + this script, 2 shared cores with test suites running beside it):
-see ``benchmarks/RESULTS.md``, "Random-delay soak of gloo's static path (default)".
+Results (``benchmarks/RESULTS.md``, "Random-delay soak of gloo's static path (default)"), 2 shared
+cores with test suites beside it: at 009d37b, 206 runs of valid configurations (108 default, 36
+``--vary-batch``, 8 more 4-rank, 36 ``--dispatch ready``, 18 ``--control``) all exact, no hang, no
+crash; ``--vary-seq`` failed 3 of 3 there (``TypeError: Block.forward() missing ... 'h'``: the
+bug fixed in 621ecff).  At e9f2aba: 126 runs (54 default, 36 ``ready``, 18 ``--vary-batch``, 18
+``--vary-seq``) all exact; largest gradient difference 5.55e-17.
 """
 
 from __future__ import annotations
@@ -55,6 +65,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 RANKS_DIR = REPO / "tests" / "ranks"
+__all__ = ["main"]
 sys.path.insert(0, str(RANKS_DIR))
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
@@ -68,13 +79,12 @@ RTOL, ATOL = 1e-10, 1e-12
 def _rank_main(job_path: str) -> None:
     import torch
     import torch.distributed as dist
-
-    from harness import init_backend, install_stack_dump
     from data import make_step_batches
+    from harness import init_backend, install_stack_dump
     from models import Block, build_stages, loss_fn
+    from pipeloom.schedules import default_stages_per_rank
 
     import pipeloom
-    from pipeloom.schedules import default_stages_per_rank
 
     install_stack_dump()
     job = json.loads(Path(job_path).read_text())
@@ -123,7 +133,7 @@ def _rank_main(job_path: str) -> None:
             res["headerless"].append(None if st is None else st.headerless_sends)
             res["out_of_order"].append(None if st is None else st.out_of_order)
             opt.step()
-    except Exception as exc:  # noqa: BLE001 - recorded, then raised again so the exit is the real one
+    except Exception as exc:
         res.update(status="error", error=f"{type(exc).__name__}: {exc}")
         torch.save(res, out / f"rank{rank}.pt")
         raise
@@ -195,7 +205,6 @@ def _compare(cfg: dict[str, Any], results: list[dict[str, Any]], num_stages: int
 async def _run_one(cfg: dict[str, Any], out: Path, timeout: float) -> dict[str, Any]:
     import torch
     from harness import RanksFailed, spawn_ranks
-
     from pipeloom.schedules import default_stages_per_rank
 
     run_dir = out / f"run{cfg['index']:04d}"
