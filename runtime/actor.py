@@ -150,6 +150,8 @@ class ActorStatistics:
     peak_live_microbatches: int
     #: transfers this rank sent without a header (NCCL, ``static_shapes``, after the first step of a kind)
     headerless_sends: int = 0
+    #: static shapes: outputs produced ahead of their turn in a peer's send order, held until it came
+    held_sends: int = 0
 
 
 class Wakeup:
@@ -310,6 +312,7 @@ class RankActor:
         self.agree: Any = None
         #: this step runs without headers / is a training step
         self._spec = False
+        self._held_sends = 0  #: static shapes: outputs held for their turn in this step (statistics)
         self._train_now = True
         #: static shapes: the first pending action (the only one committed on remote inputs not yet sent)
         self._head: Action | None = None
@@ -827,6 +830,24 @@ class RankActor:
         if self.trace is not None:
             self.trace.transfer("send", step, dst, to_stage, mb, kind, seq, nbytes, t0, clock_ns())
 
+    def _sends_in_turn(self, a: Action, step: int) -> bool:
+        """Static shapes: whether every output ``a`` sends to another rank is next in that peer's send order
+        (so it leaves when produced, not held behind an output of an earlier-listed action)."""
+        due: dict[int, list[tuple[str, int, int]]] = {}
+        for leaf in a.leaves():
+            key = self.flow.output_key(leaf, step)
+            if key is None:
+                continue
+            dst = self.stage_to_rank[key.stage]
+            if dst != self.rank:
+                due.setdefault(dst, []).append((key.kind, key.stage, key.microbatch))
+        orders = self._send_order[self._train_now]
+        for dst, keys in due.items():
+            i = self._tx_next.get(dst, 0)
+            if set(orders.get(dst, ())[i:i + len(keys)]) != set(keys):
+                return False
+        return True
+
     def _send_in_order(self, dst: int, from_stage: int, step: int, k: tuple[str, int, int], tensors: Sequence[torch.Tensor | None]) -> None:
         """Static shapes: send ``k`` once every transfer before it in the list order to ``dst`` is sent.
 
@@ -837,6 +858,8 @@ class RankActor:
         held[k] = (from_stage, tensors)
         order = self._send_order[self._train_now].get(dst, ())
         i = self._tx_next.get(dst, 0)
+        if i < len(order) and order[i] != k:
+            self._held_sends += 1
         while i < len(order) and order[i] in held:
             nk = order[i]
             fs, ts = held.pop(nk)
@@ -1063,6 +1086,7 @@ class RankActor:
             # static shapes, a step after the first of its kind: no headers (transfers in list
             # order) but one per peer at the end, which says that all of them were sent
             self._tx_next, self._tx_held, self._rx_next = {}, {}, {}
+            self._held_sends = 0
             self._ends = set()
             self.tensors.begin_step(step, train, dict.fromkeys(self._recv_order[train], 1),
                                     dict.fromkeys(self._send_order[train], 1), self._landed, loop=landings)
@@ -1123,10 +1147,12 @@ class RankActor:
                 ready = functools.partial(self._ready, step=step, live=live, train=train)
                 if direct_order:
                     # gloo, static shapes, a rule that reorders: an action whose inputs are here (local,
-                    # or posted ahead and landed) goes first; the head waits in gloo for a payload that
-                    # has not landed only when nothing else is ready (else a late peer holds ready work)
+                    # or posted ahead and landed) goes first, if its outputs can leave at once (sends to
+                    # a peer go in the list's order: an output produced ahead of its turn is held, and a
+                    # peer waits for it longer than the reordering gains); the head waits in gloo for a
+                    # payload that has not landed only when nothing else is ready
                     self._head = None
-                    pick = dispatcher.pick(pending, ready, live, in_flight)
+                    pick = dispatcher.pick(pending, lambda a, r=ready: r(a) and self._sends_in_turn(a, step), live, in_flight)
                     self._head = pending[0]
                 if pick < 0:
                     pick = dispatcher.pick(pending, ready, live, in_flight)
@@ -1274,7 +1300,7 @@ class RankActor:
                 trace.memory(step, peak)
             trace.step(step, step_start, clock_ns(), train=train)
         self.statistics = ActorStatistics(ran, out_of_order, waits, idle + self._waited, peak,
-                                          sum(self._tx_next.values()) if spec else 0)
+                                          sum(self._tx_next.values()) if spec else 0, self._held_sends)
         self.control.steps_done = self.step_index
         return results, losses
 
