@@ -830,6 +830,9 @@ class RankActor:
         if self.trace is not None:
             self.trace.transfer("send", step, dst, to_stage, mb, kind, seq, nbytes, t0, clock_ns())
 
+    def _ready_in_turn(self, ready: Any, step: int, a: Action) -> bool:
+        return ready(a) and self._sends_in_turn(a, step)
+
     def _sends_in_turn(self, a: Action, step: int) -> bool:
         """Static shapes: whether every output ``a`` sends to another rank is next in that peer's send order
         (so it leaves when produced, not held behind an output of an earlier-listed action)."""
@@ -1151,8 +1154,10 @@ class RankActor:
                     # a peer go in the list's order: an output produced ahead of its turn is held, and a
                     # peer waits for it longer than the reordering gains); the head waits in gloo for a
                     # payload that has not landed only when nothing else is ready
+                    # (the head's outputs are always in turn: everything listed before it has run)
+                    ready = functools.partial(self._ready_in_turn, ready, step)
                     self._head = None
-                    pick = dispatcher.pick(pending, lambda a, r=ready: r(a) and self._sends_in_turn(a, step), live, in_flight)
+                    pick = dispatcher.pick(pending, ready, live, in_flight)
                     self._head = pending[0]
                 if pick < 0:
                     pick = dispatcher.pick(pending, ready, live, in_flight)
