@@ -153,8 +153,16 @@ async def test_ranks_disagreeing_on_training_or_evaluation_fail_clearly(script: 
     timeout, with no word of the cause).  Not checked: gloo with payloads packed after their header, where the header
     message itself has the predicted size and gloo ends the process on the size mismatch."""
     r0, r1 = await _run(script, "--wrong-kind", headers=headers)
-    assert "rank 0 sent a transfer of an evaluation step (step 1) while this rank runs a training step" in r1["error"]
-    assert "rank 1 sent a transfer of a training step (step 1) while this rank runs an evaluation step" in r0["error"]
+    says = {0: "rank 1 sent a transfer of a training step (step 1) while this rank runs an evaluation step",
+            1: "rank 0 sent a transfer of an evaluation step (step 1) while this rank runs a training step"}
+    recs = {0: r0, 1: r1}
+    clear = [r for r in (0, 1) if says[r] in recs[r].get("error", "")]
+    assert clear, (r0, r1)
+    for r in (0, 1):
+        if r not in clear:
+            # (a loaded machine: the peer found the disagreement first, reported it and closed the
+            # connection before this rank read the offending header; seen once in 3 CI runs with headers)
+            assert "receiving transfer" in recs[r]["error"] and f"from rank {1 - r} failed" in recs[r]["error"], recs[r]
 
 
 @pytest.mark.asyncio
