@@ -12,6 +12,9 @@ Engines, in one process launch, in the order given (``--engines``):
 - ``pipeloom-overlap``: DualPipeV; each local stage on its own CUDA stream
   with its own ep communicator, so in an OVERLAP_F_B one stage's all-to-all
   runs while the other computes;
+- ``pipeloom-overlap-ctas``: the same with ``RuntimeOptions(ep_max_ctas=N)``
+  (``--ep-max-ctas``, default 8): the all-to-all kernels on fewer SMs, so the
+  other half's compute keeps more of them;
 - ``pipeloom-no-overlap``: the same with ``RuntimeOptions(overlap_streams=False)``
   (one stream: the halves and their all-to-alls run one after the other);
 - ``torch-DualPipeV``: torch.distributed.pipelining's ``ScheduleDualPipeV`` with
@@ -69,7 +72,7 @@ from _timing import StepTimer  # noqa: E402
 
 __all__ = ["main"]
 
-ENGINES = ("pipeloom-overlap", "pipeloom-no-overlap", "torch-DualPipeV", "pipeloom-1F1B", "pipeloom-Interleaved1F1B")
+ENGINES = ("pipeloom-overlap", "pipeloom-overlap-ctas", "pipeloom-no-overlap", "torch-DualPipeV", "pipeloom-1F1B", "pipeloom-Interleaved1F1B")
 
 
 # ---------------------------------------------------------------- model
@@ -190,7 +193,7 @@ class _Run:
         pass
 
 
-def _pipeloom(env: _Env, schedule: str, overlap: bool) -> _Run:
+def _pipeloom(env: _Env, schedule: str, overlap: bool, ep_max_ctas: int | None = None) -> _Run:
     import pipeloom
     from pipeloom.schedules import default_stages_per_rank
 
@@ -202,13 +205,13 @@ def _pipeloom(env: _Env, schedule: str, overlap: bool) -> _Run:
     def stage_fn(s: int, ctx: pipeloom.StageContext) -> Any:
         return _stage(a, s, num_stages, ctx.ep_group, ctx.ep_rank, ctx.ep_size, env.device, env.dtype)
 
-    opts = pipeloom.RuntimeOptions(overlap_streams=overlap, profile_ranges=True)
+    opts = pipeloom.RuntimeOptions(overlap_streams=overlap, profile_ranges=True, ep_max_ctas=ep_max_ctas)
     pipe = pipeloom.Pipeline(stage_fn, schedule=schedule, num_microbatches=a.microbatches, loss_fn=_loss,
                              expert_parallel=env.ep, device=env.device, options=opts)
     run = _Run()
     run.losses = []
     run.moe_layers = sum(len(m) for m in pipe.stages.values())
-    run.extra = {"overlap_streams": overlap}
+    run.extra = {"overlap_streams": overlap, "ep_max_ctas": ep_max_ctas}
     mods = pipe.stages
 
     def step() -> None:
@@ -279,6 +282,8 @@ def _torch_dualpipev(env: _Env) -> _Run:
 def _make(env: _Env, engine: str) -> _Run:
     if engine == "pipeloom-overlap":
         return _pipeloom(env, "DualPipeV", True)
+    if engine == "pipeloom-overlap-ctas":
+        return _pipeloom(env, "DualPipeV", True, env.args.ep_max_ctas)
     if engine == "pipeloom-no-overlap":
         return _pipeloom(env, "DualPipeV", False)
     if engine == "torch-DualPipeV":
@@ -530,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-dir", default=None, help="keep rank 0's chrome traces here")
     ap.add_argument("--json", default=None)
     ap.add_argument("--table", default=None, help="print the table of a results file and exit")
+    ap.add_argument("--ep-max-ctas", type=int, default=8,
+                    help="engine pipeloom-overlap-ctas: RuntimeOptions.ep_max_ctas (the all-to-all's CTA cap)")
     ap.add_argument("--torch-timeout", type=float, default=120)
     a = ap.parse_args(argv)
     if a.table:

@@ -157,7 +157,8 @@ class EpGroups:
 
 
 def make_ep_groups(grid: Sequence[Sequence[int]], *, rank: int, ep: int, dp: int, stage_to_row: Sequence[int],
-                   timeout: float | None = None, device: torch.device | None = None) -> EpGroups:
+                   timeout: float | None = None, device: torch.device | None = None,
+                   max_ctas: int | None = None) -> EpGroups:
     """Every group of the layout, created by every rank in the same order; this rank's returned.
 
     ``timeout`` (seconds) bounds each collective on these groups: on gloo an all-to-all
@@ -190,10 +191,17 @@ def make_ep_groups(grid: Sequence[Sequence[int]], *, rank: int, ep: int, dp: int
                 if i == row_i and e == col % ep:
                     mine["experts"] = (g, ranks)
     stage_groups: dict[int, tuple[Any, list[int]]] = {}
+    skw = dict(kw)
+    if max_ctas is not None and device is not None and device.type == "cuda":
+        from ..transport.tensor import _nccl_options
+
+        opts = _nccl_options(max_ctas)
+        if opts is not None:
+            skw["pg_options"] = opts
     for s, r in enumerate(stage_to_row):
         for d in range(dp):
             ranks = [grid[r][d * ep + e] for e in range(ep)]
-            g = dist.new_group(ranks, **kw)
+            g = dist.new_group(ranks, **skw)
             if rank in ranks:
                 stage_groups[s] = (g, ranks)
     if device is not None:

@@ -131,6 +131,12 @@ class RuntimeOptions:
     """NCCL only: cap on the CTAs (thread blocks) each pair group's communicator uses; None:
     NCCL's default.  Environment: ``PIPELOOM_P2P_MAX_CTAS``."""
 
+    ep_max_ctas: int | None = None
+    """NCCL only, expert parallelism: cap on the CTAs (thread blocks) the stage groups' all-to-all
+    kernels use, so that an overlapped half's compute keeps more SMs while the other half's
+    dispatch or combine runs (``OVERLAP_F_B`` on two streams); None: NCCL's default.
+    Environment: ``PIPELOOM_EP_MAX_CTAS``."""
+
     gpu_commit_ms: float = 10.0
     """GPUs: how far ahead the dispatcher commits actions whose inputs are committed (a local
     producer launched, or a transfer announced and its receive posted), in milliseconds of
@@ -250,6 +256,10 @@ class RuntimeOptions:
             isinstance(self.p2p_max_ctas, bool) or not isinstance(self.p2p_max_ctas, int) or self.p2p_max_ctas < 1
         ):
             problems.append(f"p2p_max_ctas must be an int >= 1 or None (got {self.p2p_max_ctas!r})")
+        if self.ep_max_ctas is not None and (
+            isinstance(self.ep_max_ctas, bool) or not isinstance(self.ep_max_ctas, int) or self.ep_max_ctas < 1
+        ):
+            problems.append(f"ep_max_ctas must be an int >= 1 or None (got {self.ep_max_ctas!r})")
         if self.dispatch not in ("auto", "ready", "critical", "guarded"):
             problems.append(f"dispatch must be 'auto', 'ready', 'critical' or 'guarded' (got {self.dispatch!r}; deterministic=True runs the list order)")
         if self.static_shapes not in (None, True, False):
@@ -368,6 +378,7 @@ ENV_VARS: dict[str, tuple[str, Any]] = {
     "PIPELOOM_TRACE_ENDPOINT": ("trace_endpoint", str),
     "PIPELOOM_PAIR_GROUPS": ("pair_groups", _flag),
     "PIPELOOM_P2P_MAX_CTAS": ("p2p_max_ctas", _int),
+    "PIPELOOM_EP_MAX_CTAS": ("ep_max_ctas", _int),
     "PIPELOOM_GPU_COMMIT_MS": ("gpu_commit_ms", _ms),
     "PIPELOOM_GPU_COMMIT_LAUNCHES": ("gpu_commit_launches", _number),
     "PIPELOOM_GPU_EARLY_RECEIVES": ("gpu_early_receives", _flag),

@@ -560,7 +560,7 @@ class Pipeline:
             self._ep_groups = make_ep_groups(grid, rank=self.rank, ep=self.expert_parallel, dp=self._ep_dp,
                                              stage_to_row=self.schedule.stage_to_rank,
                                              timeout=self.options.cold_stall_timeout + self.options.heartbeat_timeout,
-                                             device=self.device)
+                                             device=self.device, max_ctas=self.options.ep_max_ctas)
             lay = self.layout = Layout(pp=len(grid), dp=len(grid[0]), pp_rank=i, dp_rank=j, mesh=None,
                                        grid=tuple(tuple(r) for r in grid), row_group=self._ep_groups.row,
                                        ep=self.expert_parallel)

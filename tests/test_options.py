@@ -43,6 +43,7 @@ def test_from_env_maps_every_variable() -> None:
         "PIPELOOM_TRACE_ENDPOINT": "tcp://127.0.0.1:5555",
         "PIPELOOM_PAIR_GROUPS": "1",
         "PIPELOOM_P2P_MAX_CTAS": "4",
+        "PIPELOOM_EP_MAX_CTAS": "8",
         "PIPELOOM_GPU_COMMIT_MS": "3",
         "PIPELOOM_GPU_COMMIT_LAUNCHES": "0",
         "PIPELOOM_GPU_EARLY_RECEIVES": "1",
@@ -58,7 +59,7 @@ def test_from_env_maps_every_variable() -> None:
     o = RuntimeOptions.from_env(env)
     assert o == RuntimeOptions(
         backend="gloo", heartbeat_timeout=7.5, stall_timeout=12.0, first_step_stall_timeout=600.0, trace="/tmp/t.json",
-        trace_endpoint="tcp://127.0.0.1:5555", pair_groups=True, p2p_max_ctas=4, gpu_commit_ms=3.0, gpu_commit_launches=0.0,
+        trace_endpoint="tcp://127.0.0.1:5555", pair_groups=True, p2p_max_ctas=4, ep_max_ctas=8, gpu_commit_ms=3.0, gpu_commit_launches=0.0,
         gpu_early_receives=True, overlap_streams=False, profile_ranges=True, overlap_collectives=False, fsdp_reduce="fsdp", dispatch="ready",
         static_shapes=True,
     )
@@ -100,9 +101,9 @@ def test_bad_values_are_named(var: str, value: str, needle: str) -> None:
 
 def test_bad_fields_are_all_reported() -> None:
     with pytest.raises(ValueError) as info:
-        RuntimeOptions(stall_timeout=0, gpu_commit_ms=-1, p2p_max_ctas=0, gpu_commit_launches=-2)
+        RuntimeOptions(stall_timeout=0, gpu_commit_ms=-1, p2p_max_ctas=0, gpu_commit_launches=-2, ep_max_ctas=True)
     msg = str(info.value)
-    assert "stall_timeout" in msg and "gpu_commit_ms" in msg and "p2p_max_ctas" in msg and "gpu_commit_launches" in msg
+    assert "stall_timeout" in msg and "gpu_commit_ms" in msg and "p2p_max_ctas" in msg and "gpu_commit_launches" in msg and "ep_max_ctas" in msg
 
 
 def test_precedence_kwargs_over_options_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:
