@@ -41,7 +41,11 @@ of the timed steps, max over ranks), tokens/s (global batch), peak memory
   which a compute kernel ran on another stream) and ``a2a_hidden_ms``; and the
   same for the all-to-alls launched inside OVERLAP_F_B actions
   (``pair_a2a_kernel_ms``, ``pair_a2a_hidden``; the actions' ``PP:`` ranges:
-  pipeloom's ``RuntimeOptions(profile_ranges=True)``, torch's runtime always).
+  pipeloom's ``RuntimeOptions(profile_ranges=True)``, torch's runtime always);
+  with rank 1's trace of the same step (rank 0's ep peer), ``a2a_exchange_ms`` /
+  ``a2a_exchange_hidden`` and ``pair_a2a_exchange_*``: each all-to-all from the later
+  of the two ranks' kernel starts to its end (the exchange itself, not the time a
+  kernel sat waiting for a peer that had not launched it yet).
 
 GPU run (the ``moe4`` part of ``benchmarks/gpu_run.sh``)::
 
@@ -325,18 +329,11 @@ def _a2a_alone_ms(env: _Env) -> float | None:
     return statistics.median(times)
 
 
-def a2a_overlap(trace_path: str, name: str = "pipeloom.moe.all_to_all") -> dict[str, Any] | None:
-    """From a profiler chrome trace: all-to-all kernel time and how much of it a compute kernel on another stream overlaps.
-
-    The all-to-all kernels are found three ways, and the row says which found them
-    (``a2a_found_by``): (1) their launch (a CUDA runtime or driver event, linked by
-    correlation id) happened inside a ``name`` range on the same thread; (2) their
-    ``External id`` is that of a CPU op named like ``c10d::alltoall...``; (3) NCCL kernels
-    on a stream where (1) or (2) found one (each ep group has its own NCCL stream, which
-    carries nothing else).  Compute kernels are those whose name does not mention nccl.
-    """
+def _trace_a2a(trace_path: str, name: str) -> dict[str, Any] | None:
+    """The all-to-all kernels of one rank's chrome trace (see :func:`a2a_overlap`), with what classifies them."""
     with open(trace_path) as f:
-        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
+        doc = json.load(f)
+    events = [e for e in doc.get("traceEvents", []) if e.get("ph") == "X"]
     ranges: dict[Any, list[tuple[float, float]]] = {}
     for e in events:
         if e.get("name") == name:
@@ -372,6 +369,76 @@ def a2a_overlap(trace_path: str, name: str = "pipeloom.moe.all_to_all") -> dict[
     a2a = [k for k in kernels if id(k) in found]
     if not a2a:
         return None
+
+    def launched_in_pair(k: dict[str, Any]) -> bool:
+        t = corr.get(arg(k, "correlation"))
+        if t is None:
+            t = a2a_ops.get(arg(k, "External id"))
+        return t is not None and any(lo <= t <= hi for lo, hi in pairs)
+
+    return {"a2a": a2a, "kernels": kernels, "pairs": pairs, "streams": streams, "found": found,
+            "in_pair": [bool(pairs) and launched_in_pair(k) for k in a2a],
+            "base_us": float(doc.get("baseTimeNanoseconds", 0)) / 1e3}
+
+
+def _peer_starts(mine: dict[str, Any], peer: dict[str, Any], tolerance_us: float = 50.0) -> tuple[list[float] | None, str]:
+    """For each of this rank's all-to-all kernels, when its ep peer's matching kernel started (this rank's clock).
+
+    The kernels are matched per communicator: each stage's all-to-alls run on that stage's
+    stream, the stages (and so the streams, created in stage order) are the same on both
+    ranks, and each communicator's all-to-alls run in the same order on both.  The two
+    traces share the host clock (``baseTimeNanoseconds`` + ``ts``); the match is accepted
+    only where the matched kernels end together (median within ``tolerance_us``): an
+    all-to-all ends on both ranks when the exchange does.
+    """
+    def by_stream(t: dict[str, Any]) -> list[list[int]]:
+        groups: dict[Any, list[int]] = {}
+        for i, k in enumerate(t["a2a"]):
+            groups.setdefault((k.get("args") or {}).get("stream"), []).append(i)
+        return [sorted(ix, key=lambda i: t["a2a"][i]["ts"]) for _, ix in sorted(groups.items(), key=lambda kv: kv[0])]
+
+    a, b = by_stream(mine), by_stream(peer)
+    if [len(x) for x in a] != [len(x) for x in b]:
+        return None, f"unmatched: all-to-alls per stream {[len(x) for x in a]} here, {[len(x) for x in b]} on the peer"
+    shift = peer["base_us"] - mine["base_us"]
+    starts: list[float] = [0.0] * len(mine["a2a"])
+    gaps = []
+    for xs, ys in zip(a, b):
+        for i, j in zip(xs, ys):
+            k, q = mine["a2a"][i], peer["a2a"][j]
+            starts[i] = q["ts"] + shift
+            gaps.append(abs((k["ts"] + k["dur"]) - (q["ts"] + shift + q["dur"])))
+    gaps.sort()
+    med = gaps[len(gaps) // 2] if gaps else 0.0
+    if med > tolerance_us:
+        return None, f"unaligned: matched all-to-alls end {med:.0f} us apart (median)"
+    return starts, f"matched {len(gaps)}, ends {med:.1f} us apart (median)"
+
+
+def a2a_overlap(trace_path: str, name: str = "pipeloom.moe.all_to_all", peer_trace: str | None = None) -> dict[str, Any] | None:
+    """From a profiler chrome trace: all-to-all kernel time and how much of it a compute kernel on another stream overlaps.
+
+    The all-to-all kernels are found three ways, and the row says which found them
+    (``a2a_found_by``): (1) their launch (a CUDA runtime or driver event, linked by
+    correlation id) happened inside a ``name`` range on the same thread; (2) their
+    ``External id`` is that of a CPU op named like ``c10d::alltoall...``; (3) NCCL kernels
+    on a stream where (1) or (2) found one (each ep group has its own NCCL stream, which
+    carries nothing else).  Compute kernels are those whose name does not mention nccl.
+
+    A kernel's time includes the time it sits waiting for its peer to launch the same
+    all-to-all.  With ``peer_trace`` (the ep peer's trace of the same step) each kernel's
+    *exchange* is also measured: from the later of the two kernels' starts to its end
+    (``a2a_exchange_ms``, ``a2a_exchange_hidden``, and the same ``pair_`` figures): the
+    all-to-all's own time, without the wait for a peer that has not arrived yet.
+    """
+    got = _trace_a2a(trace_path, name)
+    if got is None:
+        return None
+    a2a, kernels, pairs, streams = got["a2a"], got["kernels"], got["pairs"], got["streams"]
+
+    def arg(k: dict[str, Any], key: str) -> Any:
+        return (k.get("args") or {}).get(key)
+
     compute = [k for k in kernels if "nccl" not in k["name"].lower()]
     by_stream: dict[Any, list[tuple[float, float]]] = {}
     for k in compute:
@@ -386,20 +453,9 @@ def a2a_overlap(trace_path: str, name: str = "pipeloom.moe.all_to_all") -> dict[
             else:
                 out.append([lo, hi])
         merged[st] = [(lo, hi) for lo, hi in out]
-    def launched_in_pair(k: dict[str, Any]) -> bool:
-        t = corr.get(arg(k, "correlation"))
-        if t is None:
-            t = a2a_ops.get(arg(k, "External id"))
-        return t is not None and any(lo <= t <= hi for lo, hi in pairs)
 
-    total = hidden = pair_total = pair_hidden = 0.0
-    n_pair = 0
-    for k in a2a:
-        lo, hi = k["ts"], k["ts"] + k["dur"]
-        total += hi - lo
-        before = hidden
-        st = arg(k, "stream")
-        # the union of the other streams' compute intervals, clipped to [lo, hi]
+    def covered(st: Any, lo: float, hi: float) -> float:
+        """The union of the other streams' compute intervals, clipped to [lo, hi]."""
         pieces = sorted((max(a, lo), min(b, hi)) for s2, ivs in merged.items() if s2 != st for a, b in ivs if b > lo and a < hi)
         cover, end = 0.0, lo
         for a, b in pieces:
@@ -407,20 +463,49 @@ def a2a_overlap(trace_path: str, name: str = "pipeloom.moe.all_to_all") -> dict[
             if b > a:
                 cover += b - a
                 end = b
+        return cover
+
+    peer_starts, match = (None, "no peer trace")
+    if peer_trace is not None:
+        peer = _trace_a2a(peer_trace, name)
+        peer_starts, match = _peer_starts(got, peer) if peer is not None else (None, "no all-to-alls in the peer trace")
+    total = hidden = pair_total = pair_hidden = 0.0
+    ex_total = ex_hidden = ex_pair_total = ex_pair_hidden = 0.0
+    n_pair = 0
+    for i, k in enumerate(a2a):
+        lo, hi = k["ts"], k["ts"] + k["dur"]
+        st = arg(k, "stream")
+        cover = covered(st, lo, hi)
+        total += hi - lo
         hidden += cover
-        if pairs and launched_in_pair(k):
+        in_pair = got["in_pair"][i]
+        if in_pair:
             n_pair += 1
             pair_total += hi - lo
-            pair_hidden += hidden - before
-    how = sorted(set(found.values()))
-    return {"a2a_kernel_ms": total / 1e3, "a2a_hidden_ms": hidden / 1e3, "a2a_hidden": hidden / total if total else 0.0,
-            "a2a_kernels": len(a2a), "a2a_streams": len(streams), "a2a_found_by": ",".join(how),
-            "pairs": len(pairs), "pair_a2a_kernels": n_pair, "pair_a2a_kernel_ms": pair_total / 1e3,
-            "pair_a2a_hidden": pair_hidden / pair_total if pair_total else None}
+            pair_hidden += cover
+        if peer_starts is not None:
+            elo = min(max(lo, peer_starts[i]), hi)
+            ecover = covered(st, elo, hi)
+            ex_total += hi - elo
+            ex_hidden += ecover
+            if in_pair:
+                ex_pair_total += hi - elo
+                ex_pair_hidden += ecover
+    how = sorted(set(got["found"].values()))
+    row = {"a2a_kernel_ms": total / 1e3, "a2a_hidden_ms": hidden / 1e3, "a2a_hidden": hidden / total if total else 0.0,
+           "a2a_kernels": len(a2a), "a2a_streams": len(streams), "a2a_found_by": ",".join(how),
+           "pairs": len(pairs), "pair_a2a_kernels": n_pair, "pair_a2a_kernel_ms": pair_total / 1e3,
+           "pair_a2a_hidden": pair_hidden / pair_total if pair_total else None, "peer_match": match}
+    if peer_starts is not None:
+        row.update(a2a_exchange_ms=ex_total / 1e3, a2a_exchange_hidden=ex_hidden / ex_total if ex_total else 0.0,
+                   pair_a2a_exchange_ms=ex_pair_total / 1e3,
+                   pair_a2a_exchange_hidden=ex_pair_hidden / ex_pair_total if ex_pair_total else None)
+    return row
 
 
 def _profile(env: _Env, run: _Run, engine: str) -> dict[str, Any]:
-    """One profiled step; rank 0's CUDA timeline analysed (and kept under ``--profile-dir``)."""
+    """One profiled step; rank 0's CUDA timeline analysed (and kept under ``--profile-dir``), with its
+    ep peer's (rank 1's) for the exchange times (:func:`a2a_overlap`)."""
     import torch
 
     a = env.args
@@ -428,13 +513,32 @@ def _profile(env: _Env, run: _Run, engine: str) -> dict[str, Any]:
     with torch.profiler.profile(activities=acts) as prof:
         run.step()
         env.sync()
-    if env.rank != 0 or not env.cuda:
+    peer = 1 if env.ep > 1 else None  # rank 0's ep peer (grid rows are ep-contiguous)
+    if env.rank not in (0, peer) or not env.cuda:
         return {}
     d = a.profile_dir or "/tmp"
     os.makedirs(d, exist_ok=True)
-    path = os.path.join(d, f"moe-{engine}-rank0.json")
+    path = os.path.join(d, f"moe-{engine}-rank{env.rank}.json")
+    done = path + ".done"
+    if env.rank == peer:
+        if os.path.exists(done):
+            os.remove(done)
+        prof.export_chrome_trace(path)
+        open(done, "w").close()
+        return {}
     prof.export_chrome_trace(path)
-    got = a2a_overlap(path)
+    peer_path = None
+    if peer is not None:
+        ppath = os.path.join(d, f"moe-{engine}-rank{peer}.json")
+        deadline = time.monotonic() + 120
+        while not os.path.exists(ppath + ".done") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if os.path.exists(ppath + ".done"):
+            os.remove(ppath + ".done")
+            peer_path = ppath
+    got = a2a_overlap(path, peer_trace=peer_path)
+    if peer_path is not None and not a.profile_dir:
+        os.remove(peer_path)
     return dict(got or {"a2a_hidden": None}, profile=path if a.profile_dir else None)
 
 
@@ -497,19 +601,21 @@ def bench(env: _Env, engines: list[str]) -> int:
 
 def table(path: str) -> str:
     rows = [json.loads(l) for l in open(path) if l.strip()]
-    lines = ["| engine | step ms | tokens/s | peak GiB | a2a alone ms/step | a2a kernels ms | hidden | in pairs ms | hidden in pairs |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| engine | step ms | tokens/s | peak GiB | a2a alone ms/step | a2a kernels ms | hidden | in pairs ms | hidden in pairs "
+             "| exchange in pairs ms | exchange hidden in pairs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(v: Any, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
     for r in rows:
         if r.get("status") != "ok":
-            lines.append(f"| {r['engine']} | failed: {r.get('error', '')[:80]} | | | | | | | |")
+            lines.append(f"| {r['engine']} | failed: {r.get('error', '')[:80]} | | | | | | | | | |")
             continue
         lines.append(f"| {r['engine']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {f(r.get('peak_gib'), '.2f')} | "
                      f"{f(r.get('a2a_alone_ms'), '.1f')} | {f(r.get('a2a_kernel_ms'), '.1f')} | {f(r.get('a2a_hidden'), '.0%')} | "
-                     f"{f(r.get('pair_a2a_kernel_ms'), '.1f')} | {f(r.get('pair_a2a_hidden'), '.0%')} |")
+                     f"{f(r.get('pair_a2a_kernel_ms'), '.1f')} | {f(r.get('pair_a2a_hidden'), '.0%')} | "
+                     f"{f(r.get('pair_a2a_exchange_ms'), '.1f')} | {f(r.get('pair_a2a_exchange_hidden'), '.0%')} |")
     return "\n".join(lines)
 
 

@@ -218,6 +218,33 @@ def test_benchmark_measures_hidden_all_to_all_from_a_timeline(tmp_path: Path) ->
     # launched inside the OVERLAP_F_B action (from another thread, as autograd's): the pair's all-to-all
     assert got["pairs"] == 1 and got["pair_a2a_kernels"] == 1 and got["pair_a2a_hidden"] == pytest.approx(0.5)
 
+    # with the ep peer's trace (its clock 50 us later): the peer launched the first all-to-all 20 us
+    # after this rank, so its exchange is [120, 140] here, where no compute on stream 9 runs;
+    # the second started together on both
+    peer_ev = [
+        {"ph": "X", "cat": "user_annotation", "name": "pipeloom.moe.all_to_all", "pid": 1, "tid": 5, "ts": 0, "dur": 10},
+        {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "pid": 1, "tid": 5, "ts": 2, "dur": 1, "args": {"correlation": 21}},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "pid": 0, "tid": 3, "ts": 70, "dur": 20,
+         "args": {"correlation": 21, "stream": 3}},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "pid": 0, "tid": 3, "ts": 250, "dur": 10,
+         "args": {"correlation": 22, "stream": 3}},
+    ]
+    peer = tmp_path / "peer.json"
+    peer.write_text(json.dumps({"baseTimeNanoseconds": 50_000, "traceEvents": peer_ev}))
+    got = a2a_overlap(str(path), peer_trace=str(peer))
+    assert got["peer_match"].startswith("matched 2"), got["peer_match"]
+    assert got["a2a_exchange_ms"] == pytest.approx(0.03) and got["a2a_exchange_hidden"] == pytest.approx(0.0)
+    assert got["pair_a2a_exchange_ms"] == pytest.approx(0.02) and got["pair_a2a_exchange_hidden"] == pytest.approx(0.0)
+    # kernels that do not end together are not the same exchange (clocks unaligned): no exchange figures
+    peer_ev[2]["ts"] = 10
+    peer.write_text(json.dumps({"baseTimeNanoseconds": 50_000, "traceEvents": peer_ev}))
+    got = a2a_overlap(str(path), peer_trace=str(peer))
+    assert "unaligned" in got["peer_match"] and "a2a_exchange_ms" not in got
+    # a different number of all-to-alls per stream: unmatched
+    peer.write_text(json.dumps({"baseTimeNanoseconds": 50_000, "traceEvents": peer_ev[:3]}))
+    got = a2a_overlap(str(path), peer_trace=str(peer))
+    assert "unmatched" in got["peer_match"] and "a2a_exchange_ms" not in got
+
 
 def test_expert_parallel_configuration_errors(tmp_path: Path) -> None:
     import torch.distributed as dist
