@@ -464,7 +464,7 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         step = _reduce_max(statistics.median(times))
         peak_max = _reduce_max(float(peak))
         row = {
-            "engine": engine, "schedule": name, "model": model_name, "microbatches": n, "varlen": args.varlen,
+            "engine": engine, "schedule": name, "model": model_name, "microbatches": n, "varlen": args.varlen, "return_outputs": args.return_outputs,
             "step_ms": step * 1e3, "floor_ms": floor * 1e3, "efficiency": floor / step, "ceiling": ceiling,
             "vs_ceiling": floor / step / ceiling, "peak_gib": peak_max / 2**30, "tokens_per_s": tokens / step,
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
@@ -485,7 +485,7 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
             x_in, y_in = pipeloom.Microbatches(xs), pipeloom.Microbatches(ys)
         else:
             x_in, y_in = torch.cat(xs), torch.cat(ys)
-        fn = lambda: pipe.step(x_in, target=y_in)  # noqa: E731
+        fn = lambda: pipe.step(x_in, target=y_in, return_outputs=args.return_outputs)  # noqa: E731
 
         def extra() -> dict[str, Any]:
             st = pipe.statistics
@@ -520,9 +520,13 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         else:
             x_t, y_t = torch.cat(xs), torch.cat(ys)
         first, last = 0 in mine, num_stages - 1 in mine
+        import inspect
+
+        # the same outputs policy as pipeloom's, where this torch's step takes it
+        kw = {"return_outputs": args.return_outputs} if "return_outputs" in inspect.signature(sched.step).parameters else {}
 
         def tstep() -> None:
-            sched.step(*((x_t,) if first else ()), target=y_t if last else None)
+            sched.step(*((x_t,) if first else ()), target=y_t if last else None, **kw)
 
         return tstep, None, lambda: {}
 
@@ -535,7 +539,7 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         pipe = pipeloom.Pipeline(lambda s: mods[s], schedule=name, num_microbatches=n, loss_fn=loss_fn,
                                  options=RuntimeOptions.from_env(overlap_streams=False))
         x_in, y_in = torch.cat(xs), torch.cat(ys)
-        return (lambda: pipe.step(x_in, target=y_in)), pipe.close, lambda: {"variant": "one stream"}
+        return (lambda: pipe.step(x_in, target=y_in, return_outputs=args.return_outputs)), pipe.close, lambda: {"variant": "one stream"}
 
     def build_pipeloom_x(which: int = 0) -> tuple[Any, Any, Any]:
         """pipeloom with the RuntimeOptions fields of --x-options (e.g. gpu_commit_ms=50); engine
@@ -555,7 +559,7 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         pipe = pipeloom.Pipeline(lambda s: mods[s], schedule=name, num_microbatches=n, loss_fn=loss_fn,
                                  options=RuntimeOptions.from_env(**fields))
         x_in, y_in = torch.cat(xs), torch.cat(ys)
-        fn = lambda: pipe.step(x_in, target=y_in)  # noqa: E731
+        fn = lambda: pipe.step(x_in, target=y_in, return_outputs=args.return_outputs)  # noqa: E731
         fn.idle = lambda: pipe.statistics.idle_seconds  # type: ignore[attr-defined]
         return fn, pipe.close, lambda: {"variant": variant, "horizon_ms": getattr(getattr(pipe._actor, "dev", None), "horizon_ms", None)}
 
@@ -697,6 +701,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--varlen", action="store_true")
+    ap.add_argument("--return-outputs", action="store_true",
+                    help="keep and return the last stage's outputs (both engines' default); without it both engines run "
+                         "step(..., return_outputs=False), as a training loop that only needs the loss would")
     ap.add_argument("--x-options", default="gpu_commit_ms=50", help="RuntimeOptions fields of engine pipeloom-x (k=v,...); several sets separated by ';' "
                     "are engines pipeloom-x, pipeloom-x2, ...")
     ap.add_argument("--alternate", type=int, default=0,

@@ -426,7 +426,7 @@ def train(pipe: pipeloom.Pipeline, args: argparse.Namespace, cfg: GPTConfig, num
     for step in range(done + 1, args.steps + 1):
         x, y = data.batch(args.batch)
         opt.zero_grad(set_to_none=True)
-        pipe.step(x, target=y)
+        pipe.step(x, target=y, return_outputs=False)  # the loss is all this loop needs
         loss = pipe.last_loss(reduce_to=0)
         gnorm = float(pipe.clip_grad_norm_(args.clip)) if args.clip else float("nan")
         opt.step()

@@ -148,7 +148,7 @@ def train(pipe: pipeloom.Pipeline, args: argparse.Namespace, model: torch.nn.Mod
         ids = data.batch(args.batch)
         opt.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
-        pipe.step(ids, target=ids, losses=losses)  # labels are the inputs: the loss shifts them
+        pipe.step(ids, target=ids, losses=losses, return_outputs=False)  # labels are the inputs: the loss shifts them
         opt.step()
         if reporter:
             step_losses.append(float(torch.stack(losses).mean()))

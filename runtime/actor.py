@@ -961,7 +961,7 @@ class RankActor:
             return None
         return PeerLostError(f"{what} failed: {why}", rank=self.rank, peer=peer)
 
-    def _run(self, a: Action, step: int, inputs: StepInputs, train: bool, results: dict[int, Any], losses: dict[int, torch.Tensor]) -> None:
+    def _run(self, a: Action, step: int, inputs: StepInputs, train: bool, results: dict[int, Any] | None, losses: dict[int, torch.Tensor]) -> None:
         t = a.type
         if t is _OVL:
             # the halves are two stages: on GPUs two streams, so their kernels may overlap
@@ -991,7 +991,7 @@ class RankActor:
             name = self._range_names[a] = f"PP:{a}"
         return name
 
-    def _compute(self, a: Action, step: int, inputs: StepInputs, train: bool, results: dict[int, Any], losses: dict[int, torch.Tensor]) -> None:
+    def _compute(self, a: Action, step: int, inputs: StepInputs, train: bool, results: dict[int, Any] | None, losses: dict[int, torch.Tensor]) -> None:
         t = a.type
         stage = self.stages[a.stage]
         mb = a.microbatch
@@ -1006,7 +1006,8 @@ class RankActor:
             target = inputs.targets[mb] if (inputs.targets is not None and a.stage == self.last_stage) else None
             outputs, raw, loss = stage.forward(mb, args, inputs.kwargs[mb], target, train=train)
             if a.stage == self.last_stage:
-                results[mb] = raw.detach() if isinstance(raw, torch.Tensor) else raw
+                if results is not None:
+                    results[mb] = raw.detach() if isinstance(raw, torch.Tensor) else raw
                 if loss is not None:
                     losses[mb] = loss.detach()
             else:
@@ -1033,8 +1034,10 @@ class RankActor:
             return
         raise AssertionError(f"unexpected action {a}")
 
-    async def run_step(self, inputs: StepInputs, *, train: bool = True) -> tuple[dict[int, Any], dict[int, torch.Tensor]]:
-        """Run this rank's actions for one step; return (outputs, losses) by microbatch.
+    async def run_step(self, inputs: StepInputs, *, train: bool = True,
+                       keep_outputs: bool = True) -> tuple[dict[int, Any], dict[int, torch.Tensor]]:
+        """Run this rank's actions for one step; return (outputs, losses) by microbatch
+        (the outputs empty with ``keep_outputs=False``: none is held past its loss).
 
         If the step fails here (for whatever reason, a peer's included), what the
         peers still expect from this rank in the step is filled with abort
@@ -1042,7 +1045,7 @@ class RankActor:
         pending in gloo.
         """
         try:
-            return await self._run_step(inputs, train)
+            return await self._run_step(inputs, train, keep_outputs)
         except BaseException:
             if self._landings is not None:
                 self._landings.release()  # later landings (a peer's failure) still reach the loop
@@ -1059,7 +1062,7 @@ class RankActor:
                 log.exception("rank %d: filling the peers' receives after a failed step failed", self.rank)
             raise
 
-    async def _run_step(self, inputs: StepInputs, train: bool) -> tuple[dict[int, Any], dict[int, torch.Tensor]]:
+    async def _run_step(self, inputs: StepInputs, train: bool, keep_outputs: bool = True) -> tuple[dict[int, Any], dict[int, torch.Tensor]]:
         self.start()
         step = self.step_index
         self.step_index += 1
@@ -1115,7 +1118,7 @@ class RankActor:
         dev = self.dev
         commit_ahead = self._commit_ahead
         dev.begin_step()
-        results: dict[int, Any] = {}
+        results: dict[int, Any] | None = {} if keep_outputs else None
         losses: dict[int, torch.Tensor] = {}
         live = 0
         peak = 0
@@ -1307,7 +1310,7 @@ class RankActor:
         self.statistics = ActorStatistics(ran, out_of_order, waits, idle + self._waited, peak,
                                           sum(self._tx_next.values()) if spec else 0, self._held_sends)
         self.control.steps_done = self.step_index
-        return results, losses
+        return (results if results is not None else {}), losses
 
     async def _await_ends(self, step: int, train: bool) -> None:
         """Static shapes: wait until every peer that sends to this rank said its sends are done.

@@ -718,21 +718,34 @@ class Pipeline:
                     out.append(p)
         return out
 
-    def step(self, *args: Any, target: Any = None, losses: list[Any] | None = None, **kwargs: Any) -> Any:
-        """Run one training step (forward and backward of every microbatch); blocking."""
-        return self._run_sync(self.astep(*args, target=target, losses=losses, **kwargs))
+    def step(self, *args: Any, target: Any = None, losses: list[Any] | None = None, return_outputs: bool = True,
+             **kwargs: Any) -> Any:
+        """Run one training step (forward and backward of every microbatch); blocking.
 
-    def eval(self, *args: Any, target: Any = None, losses: list[Any] | None = None, **kwargs: Any) -> Any:
-        """Forward only, for every schedule; returns the output on the last stage's rank."""
-        return self._run_sync(self.aeval(*args, target=target, losses=losses, **kwargs))
+        Returns the last stage's outputs, merged over the microbatches, on the rank
+        that holds it (None elsewhere).  ``return_outputs=False`` (torch's
+        ``schedule.step(..., return_outputs=False)``): each microbatch's output is
+        dropped once its loss is computed and the step returns None -- for training
+        loops that only need the loss (``losses=``, :meth:`last_loss`), since the
+        outputs of a whole step (a language model's batch x sequence x vocabulary
+        logits) are otherwise held until the step ends.
+        """
+        return self._run_sync(self.astep(*args, target=target, losses=losses, return_outputs=return_outputs, **kwargs))
 
-    async def astep(self, *args: Any, target: Any = None, losses: list[Any] | None = None, **kwargs: Any) -> Any:
+    def eval(self, *args: Any, target: Any = None, losses: list[Any] | None = None, return_outputs: bool = True,
+             **kwargs: Any) -> Any:
+        """Forward only, for every schedule; returns the output on the last stage's rank (see :meth:`step`)."""
+        return self._run_sync(self.aeval(*args, target=target, losses=losses, return_outputs=return_outputs, **kwargs))
+
+    async def astep(self, *args: Any, target: Any = None, losses: list[Any] | None = None, return_outputs: bool = True,
+                    **kwargs: Any) -> Any:
         """``step`` inside a running event loop."""
-        return await self._arun(args, kwargs, target, losses, train=True)
+        return await self._arun(args, kwargs, target, losses, train=True, return_outputs=return_outputs)
 
-    async def aeval(self, *args: Any, target: Any = None, losses: list[Any] | None = None, **kwargs: Any) -> Any:
+    async def aeval(self, *args: Any, target: Any = None, losses: list[Any] | None = None, return_outputs: bool = True,
+                    **kwargs: Any) -> Any:
         """``eval`` inside a running event loop."""
-        return await self._arun(args, kwargs, target, losses, train=False)
+        return await self._arun(args, kwargs, target, losses, train=False, return_outputs=return_outputs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -900,7 +913,8 @@ class Pipeline:
             self._loop = _new_loop()
         return self._loop.run_until_complete(coro)
 
-    async def _arun(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, losses: list[Any] | None, *, train: bool) -> Any:
+    async def _arun(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, losses: list[Any] | None, *, train: bool,
+                    return_outputs: bool = True) -> Any:
         if self._closed:
             raise RuntimeError("this Pipeline is closed")
         loop = asyncio.get_running_loop()
@@ -919,7 +933,7 @@ class Pipeline:
                 args, kwargs, target = replica_share(args, kwargs, target, dp=self.layout.dp, index=self.dp_rank, n=self.num_microbatches)
             inputs = split_microbatches(args, kwargs, target, self.num_microbatches, self.device)
             try:
-                results, mb_losses = await self._actor.run_step(inputs, train=train)
+                results, mb_losses = await self._actor.run_step(inputs, train=train, keep_outputs=return_outputs)
             finally:
                 if self._trace_sink is not None and self._actor.trace is not None:
                     self._trace_sink.emit(self._actor.trace.drain())
@@ -928,6 +942,8 @@ class Pipeline:
                 return None
             if losses is not None:
                 losses.extend(mb_losses[m] for m in sorted(mb_losses))
+            if not return_outputs:
+                return None
             precut = any(isinstance(v, Microbatches) for v in (*args, *kwargs.values()))
             return _merge([results[m] for m in range(self.num_microbatches)], precut=precut)
         except (RemoteRankError, PeerLostError) as exc:

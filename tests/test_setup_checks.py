@@ -193,6 +193,22 @@ def test_keyword_tensor_is_not_cut_silently_and_replicate_passes_it_whole(checks
     assert ok["losses"] == pytest.approx(ok["reference"], rel=1e-12, abs=0)
 
 
+def test_return_outputs_false_drops_each_output_after_its_loss(checks: list[dict[str, Any]]) -> None:
+    # GPipe, 4 microbatches, the last stage's loss graph does not hold its output: kept, every earlier
+    # output is alive at each forward (held for the merged return); not kept, none is
+    last = checks[1]["return_outputs"]
+    assert last.get("status") == "ok", last
+    kept, dropped = last["True"], last["False"]
+    assert kept["alive"][:4] == [0, 1, 2, 3] and kept["out_rows"] == 8 and kept["eval_rows"] == 8, kept
+    assert dropped["alive"][:4] == [0, 0, 0, 0] and dropped["out_rows"] is None and dropped["eval_rows"] is None, dropped
+    # the same step either way: losses and gradients equal, on both ranks
+    for rec in checks:
+        r = rec["return_outputs"]
+        assert r["True"]["grads"] == r["False"]["grads"] and r["True"]["losses"] == r["False"]["losses"], r
+    assert checks[0]["return_outputs"]["True"]["out_rows"] is None  # not the last stage's rank
+    assert len(last["True"]["losses"]) == 4
+
+
 def test_missing_target_or_loss_fn_is_named(checks: list[dict[str, Any]]) -> None:
     c = checks[1]["no_target"]
     assert c["type"] == "PipelineConfigError" and "step() got no target" in c["message"], c

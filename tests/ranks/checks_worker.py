@@ -101,6 +101,30 @@ class SlowLinear(nn.Module):
         return self.lin(x)
 
 
+class OutputTracker(nn.Module):
+    """A Linear that records, at each forward, how many of its earlier outputs' storages are still alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.lin = nn.Linear(D, D).double()
+        self.refs: list[Any] = []
+        self.alive: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import weakref
+
+        y = self.lin(x)
+        self.alive.append(sum(r() is not None for r in self.refs))
+        self.refs.append(weakref.ref(y.untyped_storage()))  # the storage: the runtime keeps a detached alias
+        return y
+
+
+def diff_sum(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """A loss whose graph does not hold ``y`` (so only the runtime could keep it alive)."""
+    return (y - t).sum()
+
+
 def mse(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return ((y - t) ** 2).mean()
 
@@ -207,6 +231,29 @@ def main() -> None:
         "forward_only_eval", pipe(loss_fn=None, forward_only=True),
         lambda p: {"out_rows": None if (o := p.eval(x)) is None else int(o.shape[0])},
     )
+    # -- return_outputs: kept (and returned) or dropped once each microbatch's loss is computed
+    torch.manual_seed(0)
+    tracked = [nn.Linear(D, D).double(), OutputTracker()]
+
+    def outputs_body(p: pipeloom.Pipeline) -> dict[str, Any]:
+        rec: dict[str, Any] = {}
+        for keep in (True, False):
+            tracked[1].refs.clear()
+            tracked[1].alive.clear()
+            for m in p.stages.values():
+                m.zero_grad()
+            losses: list[torch.Tensor] = []
+            out = p.step(x, target=y, losses=losses, return_outputs=keep)
+            grads = [m.weight.grad.flatten().tolist() for s, m in p.stages.items() if s == 0] + \
+                [m.lin.weight.grad.flatten().tolist() for s, m in p.stages.items() if s == 1]
+            ev = p.eval(x, target=y, return_outputs=keep)
+            rec[str(keep)] = {"alive": list(tracked[1].alive), "out_rows": None if out is None else int(out.shape[0]),
+                              "eval_rows": None if ev is None else int(ev.shape[0]),
+                              "losses": [float(v) for v in losses], "grads": grads}
+        return rec
+
+    results["return_outputs"] = run_case("return_outputs", pipe(lambda s: tracked[s], schedule="GPipe", loss_fn=diff_sum),
+                                         outputs_body)
     # -- dtypes: float32 stage into a float64 stage; a stage that casts for itself is fine
     torch.manual_seed(0)
     mixed = [nn.Linear(D, D).float(), nn.Linear(D, D).double()]
