@@ -235,12 +235,28 @@ def _describe_sig(sig: Any, mask: int) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
-def _auto_rule(schedule: Schedule) -> str:
-    """``dispatch="auto"``'s rule for ``schedule`` (simulated once per schedule and process)."""
-    key = (tuple(schedule.stage_to_rank), schedule.num_microbatches, tuple((r, tuple(a)) for r, a in sorted(schedule.actions.items())))
+#: ``dispatch="auto"``: the notice delay of a CPU rank (it reads a landed transfer only between its
+#: actions), in units of a forward, for ``choose_rule``'s simulation (benchmarks/uneven.py's 0.4 ms
+#: against 8-10 ms forwards)
+_CPU_NOTICE = 0.05
+
+
+def _auto_rule(schedule: Schedule, *, static: bool, cuda: bool) -> str:
+    """``dispatch="auto"``'s rule for ``schedule`` (simulated once per schedule, transport and process).
+
+    The simulation runs the transport's own send discipline: with static shapes (the
+    default) a rank's outputs reach each peer in the list's order and a reordered
+    action runs only if its outputs are next in that order (``sends="in_turn"``;
+    ``_sends_in_turn``, on gloo and NCCL); with headers each leaves when produced.
+    A CPU rank notices a landed transfer only between actions, a GPU rank's host at once.
+    """
+    sends = "in_turn" if static else "free"
+    notice = 0.0 if cuda else _CPU_NOTICE
+    key = (tuple(schedule.stage_to_rank), schedule.num_microbatches, tuple((r, tuple(a)) for r, a in sorted(schedule.actions.items())),
+           sends, notice)
     rule = _AUTO_RULES.get(key)
     if rule is None:
-        rule = _AUTO_RULES[key] = choose_rule(schedule)
+        rule = _AUTO_RULES[key] = choose_rule(schedule, sends=sends, notice=notice)
     return rule
 
 
@@ -291,7 +307,8 @@ class RankActor:
         #: the dispatch rule per step kind (train?): schedules/dispatch.py, which argues the guarantees
         rule = "list" if self.deterministic else options.dispatch
         if rule == "auto":
-            rule = _auto_rule(schedule)
+            rule = _auto_rule(schedule, static=options.static_shapes is not False and tensor_plane.header_group is not None,
+                              cuda=device.type == "cuda")
         plan = plan_ranks(schedule)[row] if rule in ("guarded", "critical") else None
         self.dispatch_rule = rule
         self._dispatch = {
@@ -1129,6 +1146,11 @@ class RankActor:
         dispatcher.begin_step()
         # (gloo, static shapes: see the pick below)
         direct_order = spec and self._direct is not None and dispatcher.rule != "list"
+        # NCCL, static shapes, a rule that reorders: only actions whose outputs to other ranks are
+        # next in their send order (else the output is held for its turn and the peer, which posts
+        # its receives in that order, waits for it: simulated, holding makes GPipe's and LoopedBFS's
+        # reordering rules 18-55% slower than the list; schedules/policy_sim.py sends="held")
+        in_turn_only = spec and self._direct is None and dispatcher.rule != "list"
         in_flight = self._in_flight if dispatcher.rule == "guarded" else None
         trace = self.trace
         step_start = clock_ns() if trace is not None else 0
@@ -1162,6 +1184,8 @@ class RankActor:
                     self._head = None
                     pick = dispatcher.pick(pending, ready, live, in_flight)
                     self._head = pending[0]
+                elif in_turn_only:
+                    ready = functools.partial(self._ready_in_turn, ready, step)
                 if pick < 0:
                     pick = dispatcher.pick(pending, ready, live, in_flight)
             if pick < 0:

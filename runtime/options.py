@@ -63,7 +63,10 @@ class RuntimeOptions:
     head (backfilling: never delays the head in the plan); ``"auto"`` (default) the rule the policy
     simulator predicts beats the static order by more than 2% on some uneven workload
     (lengths, jitter, a slow rank) and loses at most 0.5% on any, fixed lengths included,
-    else the static list order itself (``schedules.dispatch.choose_rule``).  Every rule keeps the static order's memory peak and is deadlock-free.
+    else the static list order itself (``schedules.dispatch.choose_rule``, simulated with this
+    transport's send order and, on CPU ranks, notice delay).  Every rule keeps the static order's
+    memory peak and is deadlock-free.  With static shapes a rule runs a later action ahead only if
+    its outputs to other ranks are next in their send order (gloo and NCCL).
     Environment: ``PIPELOOM_DISPATCH``."""
 
     heartbeat_interval: float = 0.5

@@ -38,9 +38,14 @@ the runtime's decision:
   some workload and loses no more than 0.5% on any, fixed lengths included;
   else ``list``, the static order itself (a predicted gain of a percent or
   two is within what the simulator misses, and reordering is not free on a
-  GPU).  The simulator is the policy's judge, once per schedule: ``ready``
-  on GPipe and LoopedBFS at 4 ranks, ``critical`` on GPipe at 2 ranks (8 or
-  16 microbatches), ``list`` everywhere else.
+  GPU).  The simulator is the policy's judge, once per schedule and
+  transport, with the runtime's own send discipline (static shapes: outputs
+  reach each peer in list order, and a reordered action runs only if its
+  outputs are next in it) and, on CPU ranks, the notice delay: ``ready`` on
+  GPipe at 4 ranks; ``critical`` on GPipe at 2 ranks (8 or 16 microbatches)
+  on CPU ranks or with headers; ``list`` everywhere else (LoopedBFS at 4
+  ranks took ``ready`` before the send order was simulated, which gains
+  nothing once sends go in turn and loses 1-55% where they are held).
 
 What none of them reaches: the lower bound (busiest rank's work, longest
 chain) leaves 10-60% on uneven lengths, but most of it is out of reach of
@@ -298,6 +303,8 @@ def choose_rule(
     min_gain: float = 0.02,
     max_loss: float = 0.005,
     max_actions: int = 1200,
+    sends: str = "free",
+    notice: float = 0.0,
 ) -> str:
     """``auto``'s choice for ``schedule``: ``ready``, ``critical`` or ``guarded`` where one pays, else ``list``.
 
@@ -318,6 +325,10 @@ def choose_rule(
     reordering do), not the run.  Deterministic: every rank computes the
     same.  Costs 0.01-2 s; a schedule of more than ``max_actions`` compute
     actions is not simulated and gets ``list``.
+
+    ``sends`` and ``notice``: :func:`~pipeloom.schedules.policy_sim.simulate_policy`'s
+    models of the transport (``runtime/actor.py`` ``_auto_rule`` passes the
+    runtime's: ``"in_turn"`` with static shapes, a CPU rank's notice delay).
     """
     from .policy_sim import _compute_lists, policy_ceiling
 
@@ -327,11 +338,11 @@ def choose_rule(
     pols = ("static", "dynamic", "guarded", "critical")
     slow = {1: 1.5} if len(schedule.actions) > 1 else None
     runs = [
-        policy_ceiling(schedule, costs, policies=pols, trials=trials, seed=seed, length_range=(0.25, 1.0)),
-        policy_ceiling(schedule, costs, policies=pols, trials=trials, seed=seed, length_range=None, jitter=0.2),
-        policy_ceiling(schedule, costs, policies=pols, trials=1, seed=seed, length_range=None, slow=slow),
+        policy_ceiling(schedule, costs, policies=pols, trials=trials, seed=seed, length_range=(0.25, 1.0), sends=sends, notice=notice),
+        policy_ceiling(schedule, costs, policies=pols, trials=trials, seed=seed, length_range=None, jitter=0.2, sends=sends, notice=notice),
+        policy_ceiling(schedule, costs, policies=pols, trials=1, seed=seed, length_range=None, slow=slow, sends=sends, notice=notice),
     ]
-    fixed = policy_ceiling(schedule, costs, policies=pols, trials=1, seed=seed, length_range=None)
+    fixed = policy_ceiling(schedule, costs, policies=pols, trials=1, seed=seed, length_range=None, sends=sends, notice=notice)
     best, best_gain = "static", min_gain
     for p in pols[1:]:  # on a tie, the simpler rule stays
         if any(r[p] > (1.0 + max_loss) * r["static"] for r in (*runs, fixed)):

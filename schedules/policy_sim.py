@@ -203,8 +203,18 @@ def simulate_policy(
     priority: Mapping[tuple[int, str, int], float] | None = None,
     plans: Mapping[int, RankPlan] | None = None,
     notice: float = 0.0,
+    sends: str = "free",
 ) -> PolicyResult:
     """One step of ``schedule`` under ``policy`` with the given leaf ``durations`` (see the module docstring).
+
+    ``sends``: how a rank's outputs leave for another rank.  ``"free"`` (the
+    header protocol, ``static_shapes=False``): each as soon as it is produced.
+    ``"held"`` (static shapes on NCCL: the peer posts its receives in the
+    list's order, without headers): in the list's order per peer, an output
+    produced ahead of its turn waits for the earlier ones.  ``"in_turn"``
+    (static shapes on gloo, the CPU default): held as well, and an action other
+    than the rank's next listed one runs only if its outputs to other ranks are
+    next in their order (``RankActor._sends_in_turn``), so nothing is held.
 
     ``notice`` models a rank that learns of an arriving transfer only between
     its actions (pipeloom's CPU ranks run compute on the event loop's thread,
@@ -226,6 +236,8 @@ def simulate_policy(
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; one of {', '.join(POLICIES)}")
+    if sends not in SENDS:
+        raise ValueError(f"unknown sends {sends!r}; one of {', '.join(SENDS)}")
     place = schedule.stage_to_rank
     flow = Dataflow(place)
     S = len(place)
@@ -248,6 +260,42 @@ def simulate_policy(
     spans: dict[int, list[tuple[float, float]]] = {r: [] for r in lists}
     span_starts: dict[int, list[float]] = {r: [] for r in lists}
     remote = {"F", "G"}
+    # per rank and peer: the remote outputs in the list's order (what a peer posts receives for),
+    # how many have left, and the outputs produced but held for their turn
+    order: dict[int, dict[int, list[tuple[str, int, int]]]] = {r: {} for r in lists}
+    sent = {r: dict.fromkeys(range(len(place) and max(place) + 1), 0) for r in lists}
+    held: dict[int, dict[tuple[str, int, int], float]] = {r: {} for r in lists}
+    if sends != "free":
+        for r, acts in lists.items():
+            for a in acts:
+                for key, dst in _remote_outputs(a, flow, r):
+                    order[r].setdefault(dst, []).append(key)
+
+    def in_turn(rank: int, a: Action) -> bool:
+        due: dict[int, list[tuple[str, int, int]]] = {}
+        for key, dst in _remote_outputs(a, flow, rank):
+            due.setdefault(dst, []).append(key)
+        for dst, keys in due.items():
+            i = sent[rank][dst]
+            if set(order[rank][dst][i:i + len(keys)]) != set(keys):
+                return False
+        return True
+
+    def emit(rank: int, key: tuple[str, int, int], dst: int, t: float) -> None:
+        """Output ``key`` of ``rank`` produced at ``t`` for ``dst``: usable there ``transfer`` after it leaves."""
+        if sends == "free":
+            avail[key] = t + transfer
+            return
+        seq = order[rank][dst]
+        held[rank][key] = t
+        i = sent[rank][dst]
+        while i < len(seq) and seq[i] in held[rank]:
+            k = seq[i]
+            # (an earlier output leaves when produced; a later one no earlier than it)
+            left = max(held[rank].pop(k), avail.get(seq[i - 1], 0.0) - transfer if i else 0.0)
+            avail[k] = left + transfer
+            i += 1
+        sent[rank][dst] = i
 
     def usable(rank: int, kind: str, t: float) -> float:
         """When ``rank`` can use an input that lands at ``t``: later if the rank was busy then."""
@@ -297,7 +345,9 @@ def simulate_policy(
 
         def ready(a: Action) -> bool:
             t = ready_at(rank, a)
-            return t is not None and t <= now
+            if t is None or t > now:
+                return False
+            return sends != "in_turn" or a is acts[0] or in_turn(rank, a)
 
         def in_flight(a: Action) -> bool:
             return ready_at(rank, a) is not None  # produced, still travelling
@@ -342,12 +392,18 @@ def simulate_policy(
                 avail[("Fd", s, m)] = end
                 dst = flow.activation_to[s]
                 if dst is not None:
-                    avail[("F", s, m)] = end + (transfer if dst != rank else 0.0)
+                    if dst != rank:
+                        emit(rank, ("F", s, m), dst, end)
+                    else:
+                        avail[("F", s, m)] = end
             else:
                 if t is _B or t is _I:
                     dst = flow.gradient_to[s]
                     if dst is not None:
-                        avail[("G", s, m)] = end + (transfer if dst != rank else 0.0)
+                        if dst != rank:
+                            emit(rank, ("G", s, m), dst, end)
+                        else:
+                            avail[("G", s, m)] = end
                     if t is _I:
                         avail[("I", s, m)] = end
                 if t is _B or t is _W:
@@ -364,6 +420,25 @@ def simulate_policy(
 
 
 _RULE_OF = {"static": "list", "dynamic": "ready", "critical": "critical", "guarded": "guarded"}
+
+#: ``simulate_policy``'s ``sends`` models (see there)
+SENDS = ("free", "held", "in_turn")
+
+
+def _remote_outputs(a: Action, flow: Dataflow, rank: int) -> list[tuple[tuple[str, int, int], int]]:
+    """The outputs of ``a``'s leaves that go to another rank, as (avail key, destination rank)."""
+    out = []
+    for leaf in a.leaves():
+        s, t, m = leaf.stage, leaf.type, leaf.microbatch
+        if t is _F:
+            dst = flow.activation_to[s]
+            if dst is not None and dst != rank:
+                out.append((("F", s, m), dst))
+        elif t is _B or t is _I:
+            dst = flow.gradient_to[s]
+            if dst is not None and dst != rank:
+                out.append((("G", s, m), dst))
+    return out
 
 
 def mean_costs(durations: Mapping[tuple[int, str, int], float]) -> dict[tuple[int, str, int | None], float]:
@@ -384,8 +459,12 @@ def policy_ceiling(
     length_range: tuple[float, float] | None = (0.25, 1.0),
     jitter: float = 0.0,
     slow: Mapping[int, float] | None = None,
+    sends: str = "free",
+    notice: float = 0.0,
 ) -> dict[str, float]:
     """Mean makespan per policy over ``trials`` draws (lengths uniform in ``length_range`` x max, jitter, slow ranks).
+
+    ``sends`` and ``notice``: :func:`simulate_policy`'s.
 
     Two more entries: ``best``, the mean of each trial's best policy; and
     ``bound``, the mean of a lower bound no order can beat (the busiest
@@ -404,7 +483,7 @@ def policy_ceiling(
             lengths = [x / mean for x in raw]  # same total work as uniform lengths
         durs = draw_costs(schedule, costs, lengths=lengths, jitter=jitter, slow=slow, rng=rng)
         prio = _bottom_levels(schedule, durs, costs.transfer)
-        got = [simulate_policy(schedule, p, durs, transfer=costs.transfer, priority=prio).makespan for p in policies]
+        got = [simulate_policy(schedule, p, durs, transfer=costs.transfer, priority=prio, sends=sends, notice=notice).makespan for p in policies]
         for p, v in zip(policies, got):
             totals[p] += v
         totals["best"] += min(got)

@@ -113,6 +113,26 @@ def test_auto_picks_ready_only_where_the_simulator_says_it_wins() -> None:
     assert choose_rule(generate("GPipe", num_ranks=4, num_microbatches=8), min_gain=0.5) == "list"
 
 
+def test_auto_simulates_the_transport_the_runtime_uses() -> None:
+    from pipeloom.runtime.actor import _CPU_NOTICE, _auto_rule
+
+    gpipe2, bfs4 = generate("GPipe", num_ranks=2, num_microbatches=8), generate("LoopedBFS", num_ranks=4, num_microbatches=8)
+    # static shapes: outputs go to each peer in list order and a reordered action runs only if its
+    # outputs are next in it; then LoopedBFS's reordering has nothing left to gain, so the list
+    assert choose_rule(bfs4, sends="in_turn") == "list"
+    assert choose_rule(bfs4, sends="in_turn", notice=_CPU_NOTICE) == "list"
+    # GPipe at 2 ranks: `critical` still pays where a CPU rank notices arrivals between actions
+    # (gloo), not where the host sees them at once (a GPU rank: +1.6%, under the 2% bar)
+    assert choose_rule(gpipe2, sends="in_turn", notice=_CPU_NOTICE) == "critical"
+    assert choose_rule(gpipe2, sends="in_turn") == "list"
+    # the runtime's own choice, per transport
+    assert _auto_rule(gpipe2, static=True, cuda=False) == "critical"
+    assert _auto_rule(gpipe2, static=True, cuda=True) == "list"
+    assert _auto_rule(gpipe2, static=False, cuda=True) == "critical"  # headers: outputs leave when produced
+    assert _auto_rule(bfs4, static=True, cuda=False) == "list"
+    assert _auto_rule(generate("GPipe", num_ranks=4, num_microbatches=8), static=True, cuda=True) == "ready"
+
+
 # ------------------------------------------------------------ every schedule: memory and deadlock
 WORKLOADS = {
     "lengths": dict(lengths="uniform", jitter=0.0, slow=None),

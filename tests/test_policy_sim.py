@@ -68,3 +68,42 @@ def test_notice_a_transfer_landing_while_busy_is_usable_only_after_the_action() 
     one = generate("1F1B", num_ranks=1, num_microbatches=2)
     d1 = {k: 1.0 for k in draw_costs(one, Costs())}
     assert simulate_policy(one, "static", d1, notice=5.0).makespan == pytest.approx(simulate_policy(one, "static", d1).makespan)
+
+
+def test_sends_free_held_and_in_turn() -> None:
+    """Rank 1 (the last stage) prefers 1B1 (a long backward follows it on rank 0) over 1B0.
+    Free: its gradient leaves at once, rank 0 runs 0B1 from 4 to 9, then 0B0: 9.1.  Held (static
+    shapes on NCCL: rank 0 posts its receives in list order): the gradient of 1B1 waits for 1B0's
+    (produced at 5), so rank 0 starts 0B1 at 5: 10.1, worse than the list's 10.  In turn (static
+    shapes on gloo; on NCCL too, where a rule reorders): 1B1 is not next in its send order, so
+    rank 1 keeps the list, and rank 0's reordering has nothing to take: the list's 10."""
+    sched = generate("GPipe", num_ranks=2, num_microbatches=2)
+    durs = {(0, "F", 0): 1.0, (0, "F", 1): 1.0, (1, "F", 0): 1.0, (1, "F", 1): 1.0,
+            (0, "B", 0): 0.1, (0, "B", 1): 5.0, (1, "B", 0): 1.0, (1, "B", 1): 1.0}
+    prio = {(1, "B", 1): 10.0, (1, "B", 0): 1.0, (0, "B", 1): 5.0, (0, "B", 0): 0.1,
+            **{(s, "F", m): 100.0 for s in (0, 1) for m in (0, 1)}}
+    assert simulate_policy(sched, "static", durs).makespan == pytest.approx(10.0)
+    got = {s: simulate_policy(sched, "critical", durs, priority=prio, sends=s) for s in ("free", "held", "in_turn")}
+    assert got["free"].makespan == pytest.approx(9.1) and got["free"].reordered == 2
+    assert got["held"].makespan == pytest.approx(10.1) and got["held"].reordered == 2
+    assert got["in_turn"].makespan == pytest.approx(10.0) and got["in_turn"].reordered == 0
+    # the list itself never holds anything: the same under every model
+    for s in ("held", "in_turn"):
+        assert simulate_policy(sched, "static", durs, sends=s).makespan == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="unknown sends"):
+        simulate_policy(sched, "static", durs, sends="eager")
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_every_policy_finishes_with_held_and_in_turn_sends(name: str) -> None:
+    sched = generate(name, num_ranks=4, num_microbatches=8)
+    costs = Costs(F=1, B=2, I=1, W=1, send_latency=0.1)
+    for seed in range(3):
+        durs = draw_costs(sched, costs, lengths=[0.3 + 0.2 * m for m in range(8)], jitter=0.3, slow={1: 1.5},
+                          rng=random.Random(seed))
+        static = simulate_policy(sched, "static", durs, transfer=costs.transfer).makespan
+        for policy in ("dynamic", "critical", "guarded"):
+            held = simulate_policy(sched, policy, durs, transfer=costs.transfer, sends="held")
+            turn = simulate_policy(sched, policy, durs, transfer=costs.transfer, sends="in_turn")  # finishes: no deadlock
+            assert turn.makespan > 0 and held.makespan > 0
+        assert simulate_policy(sched, "static", durs, transfer=costs.transfer, sends="in_turn").makespan == pytest.approx(static)
