@@ -165,13 +165,14 @@ def _nominal_durations(args: argparse.Namespace, sched: Any, workload: str, vec:
     return out
 
 
-def _gains(sched: Any, steps: list[dict[tuple[int, str, int], float]], transfer: float, notice: float = 0.0) -> dict[str, float]:
+def _gains(sched: Any, steps: list[dict[tuple[int, str, int], float]], transfer: float, notice: float = 0.0,
+           sends: str = "in_turn") -> dict[str, float]:
     """Gain over the static order per rule, and ``ceiling`` (each step's best rule), over the same steps."""
     from pipeloom.schedules import simulate_policy
 
     tot = dict.fromkeys(["static", "ready", "critical", "guarded", "ceiling"], 0.0)
     for durs in steps:
-        sim = lambda p: simulate_policy(sched, p, durs, transfer=transfer, notice=notice).makespan  # noqa: E731
+        sim = lambda p: simulate_policy(sched, p, durs, transfer=transfer, notice=notice, sends=sends).makespan  # noqa: E731
         got = {r: sim(RULE_POLICY[r]) for r in ("ready", "critical", "guarded")}
         tot["static"] += sim("static")
         for r, v in got.items():
@@ -233,6 +234,28 @@ def _recorded_gains(sched: Any, paths: list[str], rec_steps: dict[str, list[int]
             out[wl] = _gains(sched, steps, xfer, notice)
             out[wl]["transfer_ms"], out[wl]["notice_ms"] = xfer, notice
     return out
+
+
+def sends_table(json_path: str) -> str:
+    """For the rows of a sleep-model run: the measured gain beside the nominal prediction under each send model."""
+    from pipeloom.schedules import generate
+
+    lines = ["| ranks | schedule | workload | rule | measured gain | median's 95% CI | predicted: free | in_turn | held |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for line in open(json_path):
+        r = json.loads(line)
+        if r.get("model") != "sleep" or r.get("rule") == "list":
+            continue
+        args = _parse(["--ranks", str(r["ranks"]), "--f-ms", str(r["f_ms"]), "--draws", str(r.get("draws", 4)),
+                       "--backend", r.get("backend", "gloo")])
+        sched = generate(r["schedule"], num_ranks=r["ranks"], num_microbatches=r["microbatches"])
+        vectors = _lengths(r["workload"], r["microbatches"], args.draws, args.seed)
+        nominal = [_nominal_durations(args, sched, r["workload"], vectors[i % len(vectors)], i, {}) for i in range(r["steps"])]
+        got = {s: _gains(sched, nominal, args.overhead_ms, args.notice_ms, s)[r["rule"]] for s in ("free", "in_turn", "held")}
+        lo, hi = r["gain_ci"]
+        lines.append(f"| {r['ranks']} | {r['schedule']} | {r['workload']} | {r['rule']} | {r['gain']:+.1%} | [{lo:+.1%}, {hi:+.1%}] | "
+                     f"{got['free']:+.1%} | {got['in_turn']:+.1%} | {got['held']:+.1%} |")
+    return "\n".join(lines)
 
 
 def repredict(json_path: str, trace_dir: str) -> list[dict[str, Any]]:
@@ -583,7 +606,7 @@ def _rank_main(args: argparse.Namespace) -> int:
                 if rank == 0:
                     nominal = [_nominal_durations(args, sched, workload, vectors[i % len(vectors)], i, stage_ms)
                                for i in range(len(vectors))]
-                    g = _gains(sched, nominal, args.overhead_ms, args.notice_ms)
+                    g = _gains(sched, nominal, args.overhead_ms, args.notice_ms, args.sends)
                     row["predicted"] = round(g[rule], 4)
                     row["ceiling_nominal"] = round(g["ceiling"], 4)
                     row["ceiling"] = row["ceiling_nominal"]
@@ -666,10 +689,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--overhead-ms", type=float, default=0.4, help="the simulator's transfer time for `predicted` (ms)")
+    ap.add_argument("--sends", choices=("in_turn", "held", "free"), default="in_turn",
+                    help="the simulator's send model for `predicted` (simulate_policy's sends; in_turn: the runtime "
+                         "with static shapes, the default; free: static_shapes=False)")
     ap.add_argument("--notice-ms", type=float, default=None,
                     help="the simulator's notice delay for `predicted` (ms; default 0.4 on gloo, 0 on NCCL: simulate_policy's notice)")
     ap.add_argument("--repredict", default=None, metavar="JSONL", help="recompute `recorded` of a --record run's rows from its "
                     "traces (--record-dir) and print the table")
+    ap.add_argument("--sends-table", default=None, metavar="JSONL",
+                    help="print a sleep-model run's measured gains beside the predictions under each send model, and exit")
     ap.add_argument("--record", action="store_true", help="also predict with the costs of a traced deterministic run (CPU)")
     ap.add_argument("--record-dir", default=None)
     ap.add_argument("--no-torch", action="store_true", help="leave torch.distributed.pipelining out")
@@ -694,6 +722,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.table:
         print(table(args.table))
+        return 0
+    if args.sends_table:
+        print(sends_table(args.sends_table))
         return 0
     if args.repredict:
         if not args.record_dir:

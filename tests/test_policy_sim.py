@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -107,3 +108,24 @@ def test_every_policy_finishes_with_held_and_in_turn_sends(name: str) -> None:
             turn = simulate_policy(sched, policy, durs, transfer=costs.transfer, sends="in_turn")  # finishes: no deadlock
             assert turn.makespan > 0 and held.makespan > 0
         assert simulate_policy(sched, "static", durs, transfer=costs.transfer, sends="in_turn").makespan == pytest.approx(static)
+
+
+def test_uneven_benchmark_predicts_under_each_send_model(tmp_path: Path) -> None:
+    # benchmarks/uneven.py --sends-table, on a row of a recorded 4-rank gloo run (LoopedBFS, bimodal
+    # lengths, rule `ready`, measured -10% when sends were held): reordering gains in the free
+    # model, nothing in turn, and loses when sends are held
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from uneven import sends_table
+
+    row = {"schedule": "LoopedBFS", "workload": "bimodal", "ranks": 4, "microbatches": 8, "rule": "ready", "model": "sleep",
+           "backend": "gloo", "gain": -0.102, "gain_ci": [-0.134, -0.081], "f_ms": 8.0, "steps": 12, "draws": 4}
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(row) + "\n" + json.dumps({**row, "rule": "list"}) + "\n")
+    lines = sends_table(str(path)).splitlines()
+    assert len(lines) == 3  # header, rule, one row (the list row is left out)
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    free, in_turn, held = (float(c.rstrip("%")) for c in cells[-3:])
+    assert cells[:5] == ["4", "LoopedBFS", "bimodal", "ready", "-10.2%"]
+    assert free > 2.0 and in_turn == 0.0 and held < 0.0, cells
