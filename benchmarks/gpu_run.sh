@@ -6,7 +6,8 @@
 #
 # Parts:
 #   tests      NCCL: tests/test_runtime_gradients.py (2-rank pool; 4-rank pool with >= 4 GPUs; TEST_VIS limits the GPUs)
-#              and, with >= 4 GPUs, the PP x DP / PP x FSDP rank pool of tests/test_data_parallel.py
+#              and, with >= 4 GPUs, the PP x DP / PP x FSDP rank pool of tests/test_data_parallel.py (~430 s on 4 GPUs:
+#              TEST_TIMEOUT; or split: tests2 = the 2-rank files, tests4 = the 4-rank pools)
 #   bench2     benchmarks/gpu_pipeline.py on GPUs VIS2 (0,1) for every schedule (+ varlen, + variants)
 #   bench4     benchmarks/gpu_pipeline.py on 4 GPUs for every schedule
 #   gpt2       benchmarks/gpu_pipeline.py --model gpt on GPUs VIS2 (0,1): sizes l and s (GPT_SIZES), schedules GPT_SCHEDULES
@@ -62,14 +63,19 @@ bench() {  # bench NPROC LABEL EXTRA_ARGS... (env for the run comes from the cal
 for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
-  tests)
+  tests|tests2|tests4)
     # from outside the checkout, so the installed package (not ./pipeloom) is imported
+    # (at 83c2762 on 4 x H200: test_runtime_gradients.py 2- and 4-rank pools ~300 s, the PP x DP pool ~130 s:
+    # tests2 = the 2-rank files, tests4 = the 4-rank pools, tests = both, each within one call)
     files="$REPO/tests/test_runtime_gradients.py $REPO/tests/test_static_shapes.py $REPO/tests/test_harness.py $REPO/tests/test_trace_device.py"
-    if [ "$GPUS" -ge 4 ]; then files="$files $REPO/tests/test_data_parallel.py"; fi
+    kexpr="not dead_rank and not user_error"
+    [ "$part" = tests2 ] && kexpr="$kexpr and not four_ranks"
+    if [ "$GPUS" -ge 4 ] && [ "$part" != tests2 ]; then files="$files $REPO/tests/test_data_parallel.py"; fi
+    [ "$part" = tests4 ] && files="$REPO/tests/test_runtime_gradients.py $REPO/tests/test_data_parallel.py" && kexpr="$kexpr and (four_ranks or replicas or data_parallel or collectives or reduce or fsdp or buckets or unshard or events)"
     files=${TEST_FILES:-$files}
     # the fault tests spawn ranks that pick NCCL on a GPU host; they are gloo tests
     (cd /tmp && env ${TEST_VIS:+CUDA_VISIBLE_DEVICES=$TEST_VIS} PIPELOOM_TEST_BACKEND=nccl timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider --rootdir "$REPO" \
-       -c "$REPO/pyproject.toml" $files -k "not dead_rank and not user_error" 2>&1 > "$OUT/nccl-tests.log"; tail -15 "$OUT/nccl-tests.log")
+       -c "$REPO/pyproject.toml" -rf $files -k "$kexpr" 2>&1 > "$OUT/nccl-tests-$part.log"; tail -15 "$OUT/nccl-tests-$part.log")
     ;;
   bench2)
     for s in ${SCHEDULES:-$ALL}; do echo "== 2 GPUs $s"; CUDA_VISIBLE_DEVICES=$VIS2 bench 2 "" --schedule "$s"; done
