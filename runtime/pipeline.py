@@ -784,11 +784,6 @@ class Pipeline:
         """
         from .training import clip_grad_norm_
 
-        if self.expert_parallel > 1:
-            raise PipelineConfigError(
-                f"rank {self.rank}: clip_grad_norm_ with expert_parallel={self.expert_parallel} is not implemented "
-                "(expert shards would have to be summed over the ep group, the rest counted once)"
-            )
         if self._collectives is not None and not self._collectives.sync:
             raise PipelineConfigError(
                 f"rank {self.rank}: clip_grad_norm_ inside no_sync(): the gradients are not reduced over the "

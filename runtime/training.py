@@ -92,17 +92,32 @@ def clip_grad_norm_(
     on the unsplit model: every rank gets the total norm (a float64 tensor on
     the pipeline's device) and its gradients are scaled by
     ``min(1, max_norm / (total + 1e-6))``.  Call it on every rank after the
-    step (after the gradients were reduced: not inside ``no_sync``).
+    step (after the gradients were reduced: not inside ``no_sync``).  With
+    expert parallelism the unsplit model holds every expert once: each ep
+    rank's expert shard is counted, the replicated parameters once.
     """
     p = float(norm_type)
     if not (p > 0 or p == math.inf):
         raise PipelineConfigError(f"norm_type must be positive or inf, got {norm_type}")
-    count_replicated = getattr(pipe, "dp_rank", 0) == 0
+    # each parameter's gradient counted once over the job: replicated ones on the first (dp, ep)
+    # column; expert shards (expert parallelism: column = dp index x ep + ep index) on every ep
+    # rank of the first dp index, since each ep rank holds other experts
+    column = getattr(pipe, "dp_rank", 0)
+    ep = max(1, int(getattr(pipe, "expert_parallel", 1) or 1))
+    count_replicated = column == 0
+    count_experts = column < ep
     counted: list[torch.Tensor] = []
     scaled: list[torch.Tensor] = []
+    if ep > 1:
+        from pipeloom.moe import is_expert_parameter
     for param in pipe.parameters():
         g = param.grad
         if g is None:
+            continue
+        if ep > 1 and is_expert_parameter(param):
+            scaled.append(g)
+            if count_experts:
+                counted.append(g)
             continue
         if _is_dtensor(g):
             local = g.to_local()

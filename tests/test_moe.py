@@ -34,11 +34,13 @@ PP = WORLD // EP
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 _BASE = dict(microbatches=4, ep=EP, rows=16, seq=3, steps=2)
 # eval() (forwards only, their all-to-alls under no_grad) after the optimizer step, on two of them
+# clip_grad_norm_ (max norm well under the gradients' norm, so it scales) on two of them
 CASES: list[dict[str, Any]] = [dict(_BASE, id=f"ep-{s}", schedule=s, eval=s in ("DualPipeV", "Interleaved1F1B"),
-                                    unsupported=s == "1F1B")
+                                    unsupported=s == "1F1B", clip=0.01 if s in ("1F1B", "DualPipeV") else None)
                                for s in SCHEDULES]
 # the same layout given as a DeviceMesh with dims ("pp", "ep")
-CASES.append(dict(_BASE, id="ep-mesh-ZBVZeroBubble", schedule="ZBVZeroBubble", eval=False, unsupported=False, mesh=True))
+CASES.append(dict(_BASE, id="ep-mesh-ZBVZeroBubble", schedule="ZBVZeroBubble", eval=False, unsupported=False, clip=None,
+                  mesh=True))
 WORKER = str(Path(__file__).parent / "ranks" / "moe_worker.py")
 
 
@@ -181,7 +183,22 @@ def test_expert_parallel_matches_unsplit_model(pool: Any, case_id: str) -> None:
     assert len(seen_experts) == 2 * ns * EP
     if cfg["unsupported"]:
         for res in results:
-            assert "not implemented" in res["refused"]["clip"] and "expert_parallel=2" in res["refused"]["save"], res["refused"]
+            assert "expert_parallel=2" in res["refused"]["save"], res["refused"]
+    if cfg["clip"]:
+        # Pipeline.clip_grad_norm_ = torch's on the unsplit model: the norm over every parameter once
+        # (each expert on the ep rank that holds it), the same on every rank, every gradient scaled
+        want = ref[-1]["grads"]
+        total = torch.linalg.vector_norm(torch.cat([g.flatten() for g in want.values()]))
+        coef = min(1.0, cfg["clip"] / (float(total) + 1e-6))
+        assert coef < 0.5, coef  # it clipped
+        for rank, res in enumerate(results):
+            col = rank % EP
+            torch.testing.assert_close(torch.tensor(res["clip_norm"], dtype=torch.float64), total, **TOL)
+            for name, g in res["clipped"].items():
+                w = want[name]
+                if name.endswith((".moe.w1", ".moe.w2")):
+                    w = w[col * local : (col + 1) * local]
+                torch.testing.assert_close(g, w * coef, **TOL, msg=lambda m, name=name, rank=rank: f"rank {rank} clipped {name}: {m}")
 
 
 def test_benchmark_measures_hidden_all_to_all_from_a_timeline(tmp_path: Path) -> None:
