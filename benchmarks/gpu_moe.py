@@ -395,7 +395,7 @@ def _peer_starts(mine: dict[str, Any], peer: dict[str, Any], tolerance_us: float
         groups: dict[Any, list[int]] = {}
         for i, k in enumerate(t["a2a"]):
             groups.setdefault((k.get("args") or {}).get("stream"), []).append(i)
-        return [sorted(ix, key=lambda i: t["a2a"][i]["ts"]) for _, ix in sorted(groups.items(), key=lambda kv: kv[0])]
+        return [sorted(ix, key=lambda i: t["a2a"][i]["ts"]) for _, ix in sorted(groups.items(), key=lambda kv: str(kv[0]))]
 
     a, b = by_stream(mine), by_stream(peer)
     if [len(x) for x in a] != [len(x) for x in b]:
@@ -510,13 +510,17 @@ def _profile(env: _Env, run: _Run, engine: str) -> dict[str, Any]:
 
     a = env.args
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if env.cuda else [])
+    peer = 1 if env.ep > 1 else None  # rank 0's ep peer (grid rows are ep-contiguous)
+    d = a.profile_dir or "/tmp"
+    if env.rank == 0 and peer is not None and env.cuda:  # a marker left by an earlier, interrupted run
+        stale = os.path.join(d, f"moe-{engine}-rank{peer}.json.done")
+        if os.path.exists(stale):
+            os.remove(stale)
     with torch.profiler.profile(activities=acts) as prof:
         run.step()
         env.sync()
-    peer = 1 if env.ep > 1 else None  # rank 0's ep peer (grid rows are ep-contiguous)
     if env.rank not in (0, peer) or not env.cuda:
         return {}
-    d = a.profile_dir or "/tmp"
     os.makedirs(d, exist_ok=True)
     path = os.path.join(d, f"moe-{engine}-rank{env.rank}.json")
     done = path + ".done"

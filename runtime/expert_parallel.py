@@ -191,16 +191,17 @@ def make_ep_groups(grid: Sequence[Sequence[int]], *, rank: int, ep: int, dp: int
                 if i == row_i and e == col % ep:
                     mine["experts"] = (g, ranks)
     stage_groups: dict[int, tuple[Any, list[int]]] = {}
-    skw = dict(kw)
-    if max_ctas is not None and device is not None and device.type == "cuda":
+    capped = max_ctas is not None and device is not None and device.type == "cuda"
+    if capped:
         from ..transport.tensor import _nccl_options
-
-        opts = _nccl_options(max_ctas)
-        if opts is not None:
-            skw["pg_options"] = opts
     for s, r in enumerate(stage_to_row):
         for d in range(dp):
             ranks = [grid[r][d * ep + e] for e in range(ep)]
+            skw = dict(kw)
+            # a fresh Options per group: torch writes each group's metadata into the one it is given
+            opts = _nccl_options(max_ctas) if capped else None
+            if opts is not None:
+                skw["pg_options"] = opts
             g = dist.new_group(ranks, **skw)
             if rank in ranks:
                 stage_groups[s] = (g, ranks)
