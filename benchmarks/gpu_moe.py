@@ -12,6 +12,10 @@ Engines, in one process launch, in the order given (``--engines``):
 - ``pipeloom-overlap``: DualPipeV; each local stage on its own CUDA stream
   with its own ep communicator, so in an OVERLAP_F_B one stage's all-to-all
   runs while the other computes;
+- ``pipeloom-overlap-fi``: the same with each pair's backward split
+  (``schedules.overlap_input_only``): the forward overlapped with the backward's
+  input half (which holds all its all-to-alls), the weight half right after, so
+  the overlapped halves are about equal;
 - ``pipeloom-overlap-ctas``: the same with ``RuntimeOptions(ep_max_ctas=N)``
   (``--ep-max-ctas``, default 8): the all-to-all kernels on fewer SMs, so the
   other half's compute keeps more of them;
@@ -76,7 +80,7 @@ from _timing import StepTimer  # noqa: E402
 
 __all__ = ["main"]
 
-ENGINES = ("pipeloom-overlap", "pipeloom-overlap-ctas", "pipeloom-no-overlap", "torch-DualPipeV", "pipeloom-1F1B", "pipeloom-Interleaved1F1B")
+ENGINES = ("pipeloom-overlap", "pipeloom-overlap-fi", "pipeloom-overlap-ctas", "pipeloom-no-overlap", "torch-DualPipeV", "pipeloom-1F1B", "pipeloom-Interleaved1F1B")
 
 
 # ---------------------------------------------------------------- model
@@ -197,9 +201,9 @@ class _Run:
         pass
 
 
-def _pipeloom(env: _Env, schedule: str, overlap: bool, ep_max_ctas: int | None = None) -> _Run:
+def _pipeloom(env: _Env, schedule: str, overlap: bool, ep_max_ctas: int | None = None, input_only: bool = False) -> _Run:
     import pipeloom
-    from pipeloom.schedules import default_stages_per_rank
+    from pipeloom.schedules import default_stages_per_rank, generate, overlap_input_only
 
     a = env.args
     num_stages = env.pp * default_stages_per_rank(schedule)
@@ -210,12 +214,15 @@ def _pipeloom(env: _Env, schedule: str, overlap: bool, ep_max_ctas: int | None =
         return _stage(a, s, num_stages, ctx.ep_group, ctx.ep_rank, ctx.ep_size, env.device, env.dtype)
 
     opts = pipeloom.RuntimeOptions(overlap_streams=overlap, profile_ranges=True, ep_max_ctas=ep_max_ctas)
-    pipe = pipeloom.Pipeline(stage_fn, schedule=schedule, num_microbatches=a.microbatches, loss_fn=_loss,
+    plan: Any = schedule
+    if input_only:  # each pair's backward split: (F;I) overlapped, W right after
+        plan = overlap_input_only(generate(schedule, num_ranks=env.pp, num_microbatches=a.microbatches))
+    pipe = pipeloom.Pipeline(stage_fn, schedule=plan, num_microbatches=a.microbatches, loss_fn=_loss,
                              expert_parallel=env.ep, device=env.device, options=opts)
     run = _Run()
     run.losses = []
     run.moe_layers = sum(len(m) for m in pipe.stages.values())
-    run.extra = {"overlap_streams": overlap, "ep_max_ctas": ep_max_ctas}
+    run.extra = {"overlap_streams": overlap, "ep_max_ctas": ep_max_ctas, "input_only": input_only}
     mods = pipe.stages
 
     def step() -> None:
@@ -286,6 +293,8 @@ def _torch_dualpipev(env: _Env) -> _Run:
 def _make(env: _Env, engine: str) -> _Run:
     if engine == "pipeloom-overlap":
         return _pipeloom(env, "DualPipeV", True)
+    if engine == "pipeloom-overlap-fi":
+        return _pipeloom(env, "DualPipeV", True, input_only=True)
     if engine == "pipeloom-overlap-ctas":
         return _pipeloom(env, "DualPipeV", True, env.args.ep_max_ctas)
     if engine == "pipeloom-no-overlap":

@@ -15,7 +15,7 @@ from .generators import (
     generate,
     placement_style,
 )
-from .lowering import add_reduce_grad, add_send_recv, add_unshard_reshard, lower, merge_bw
+from .lowering import add_reduce_grad, add_send_recv, add_unshard_reshard, lower, merge_bw, overlap_input_only
 from .schedule import (
     Schedule,
     ScheduleError,
@@ -66,6 +66,7 @@ __all__ = [
     "loop_mapping",
     "lower",
     "merge_bw",
+    "overlap_input_only",
     "parse_action",
     "placement_style",
     "producer_stage",

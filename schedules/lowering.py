@@ -338,6 +338,33 @@ def merge_bw(schedule: Schedule) -> Schedule:
     return schedule.with_actions(result)
 
 
+def overlap_input_only(schedule: Schedule) -> Schedule:
+    """Pair each ``OVERLAP_F_B``'s forward with the input half of its backward; the weight half right after.
+
+    ``(aFx;bBy)OVERLAP_F_B`` becomes ``(aFx;bIy)OVERLAP_F_B`` then ``bWy``.  Why: in
+    DualPipeV's pairs the backward half is about twice the forward half, so once
+    the forward is done the rest of the backward (its communication included: an
+    expert-parallel stage's all-to-alls) runs with nothing beside it.  The input
+    half (I) carries all of the backward's communication and the activation
+    gradient the peer waits for; the weight half (W) is local compute.  Paired with
+    I, the halves are about equal, and W follows at once, so memory is freed where
+    the full backward would have freed it.  The gradients are the same (the exact
+    I/W split: ``runtime/stage.py``).  Other actions are unchanged.
+    """
+    result: dict[int, list[Action]] = {}
+    for rank, acts in schedule.actions.items():
+        out: list[Action] = []
+        for a in acts:
+            if a.type is _OVERLAP and len(a.sub_actions) == 2 and a.sub_actions[1].type is _B:
+                f, b = a.sub_actions
+                out.append(Action(-1, _OVERLAP, None, (f, Action(b.stage, _I, b.microbatch))))
+                out.append(Action(b.stage, _W, b.microbatch))
+            else:
+                out.append(a)
+        result[rank] = out
+    return schedule.with_actions(result)
+
+
 # ---------------------------------------------------------------- FSDP
 
 

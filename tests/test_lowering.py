@@ -1,4 +1,4 @@
-"""Tests for the lowering passes: sends/receives, FSDP unshard/reshard, REDUCE_GRAD, merge_bw."""
+"""Tests for the lowering passes: sends/receives, FSDP unshard/reshard, REDUCE_GRAD, merge_bw, overlap_input_only."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from pipeloom.schedules import (
     loop_mapping,
     lower,
     merge_bw,
+    overlap_input_only,
     parse_action,
     simulate,
     validate,
@@ -265,6 +266,30 @@ def test_merge_bw_on_split_schedules(name: str) -> None:
         assert new_b == pairs
     assert validate(merged) == []
     assert validate(lower(schedule, merge_bw=True, fsdp=True)) == []
+
+
+@pytest.mark.parametrize("ranks,mbs", [(2, 8), (4, 8), (4, 16)])
+def test_overlap_input_only_pairs_the_forward_with_i_and_runs_w_right_after(ranks: int, mbs: int) -> None:
+    schedule = named("DualPipeV", ranks, mbs)
+    split = overlap_input_only(schedule)
+    assert validate(split) == [] and validate(lower(split)) == []
+    for rank, lst in schedule.actions.items():
+        out = split.actions[rank]
+        pairs = [a for a in lst if a.type is T.OVERLAP_F_B]
+        assert pairs and len(out) == len(lst) + len(pairs)
+        j = 0
+        for a in lst:
+            if a.type is T.OVERLAP_F_B:
+                f, b = a.sub_actions
+                assert str(out[j]) == f"({f};{b.stage}I{b.microbatch})OVERLAP_F_B"
+                assert str(out[j + 1]) == f"{b.stage}W{b.microbatch}"
+                j += 2
+            else:
+                assert out[j] == a
+                j += 1
+    # schedules without overlapped pairs are unchanged
+    zbv = named("ZBVZeroBubble", 2, 8)
+    assert overlap_input_only(zbv).actions == zbv.actions
 
 
 # ---------------------------------------------------------------- FSDP

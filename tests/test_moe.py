@@ -41,6 +41,9 @@ CASES: list[dict[str, Any]] = [dict(_BASE, id=f"ep-{s}", schedule=s, eval=s in (
 # the same layout given as a DeviceMesh with dims ("pp", "ep")
 CASES.append(dict(_BASE, id="ep-mesh-ZBVZeroBubble", schedule="ZBVZeroBubble", eval=False, unsupported=False, clip=None,
                   mesh=True))
+# DualPipeV with each pair's backward split: (F;I) overlapped, W after (schedules.overlap_input_only)
+CASES.append(dict(_BASE, id="ep-DualPipeV-input-only", schedule="DualPipeV", eval=False, unsupported=False, clip=None,
+                  overlap_input_only=True))
 WORKER = str(Path(__file__).parent / "ranks" / "moe_worker.py")
 
 

@@ -37,7 +37,12 @@ def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
 
         dev_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         layout = {"mesh": init_device_mesh(dev_type, (dist.get_world_size() // ep, ep), mesh_dim_names=("pp", "ep"))}
-    pipe = pipeloom.Pipeline(stage_fn, schedule=cfg["schedule"], num_microbatches=cfg["microbatches"], loss_fn=loss_fn,
+    schedule: Any = cfg["schedule"]
+    if cfg.get("overlap_input_only"):  # DualPipeV's pairs as (F;I) then W
+        from pipeloom.schedules import generate, overlap_input_only
+
+        schedule = overlap_input_only(generate(schedule, num_ranks=dist.get_world_size() // ep, num_microbatches=cfg["microbatches"]))
+    pipe = pipeloom.Pipeline(stage_fn, schedule=schedule, num_microbatches=cfg["microbatches"], loss_fn=loss_fn,
                              trace=cfg.get("trace"), **layout)
     dev = pipe.device
     result: dict[str, Any] = {"grads": [], "losses": [], "outputs": [], "stages": sorted(pipe.stages),
