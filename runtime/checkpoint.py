@@ -33,6 +33,11 @@ both call a parameter ``lin.weight``) is refused with a clear error; pass
 ``stage_prefix=True`` to key by ``stage{S}.name`` instead (such a checkpoint
 then loads only under the same number of stages).
 
+Expert parallelism: the ep ranks of a stage hold different rows of each expert
+tensor under the same name; each is saved as a DTensor sharded along dim 0 over
+the stage's ep group (its optimizer state too), so DCP keeps every rank's rows
+and any layout (another ep degree, none) reads back the rows it holds.
+
 What else a bit-exact resume needs: the step counter and the caller's
 ``extra`` dict (data position, scheduler state...; any picklable values),
 and every rank's random-number generators (torch CPU and CUDA, Python's
@@ -296,6 +301,77 @@ def _unpickled(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
+# ---------------------------------------------------------------- expert parallelism
+
+
+def _expert_meshes(pipe: Any, view: _View) -> dict[str, Any]:
+    """Expert parallelism: each expert parameter's key -> a 1-D DeviceMesh over its stage's ep group.
+
+    An ep rank holds rows ``[e * n, (e + 1) * n)`` of each expert tensor (``pipeloom.moe``),
+    under the same name as its ep peers; saved as a DTensor sharded along dim 0 over the
+    group (``Shard(0)``), each rank writes its rows and any layout reads back the rows it
+    holds, the whole tensor without expert parallelism.
+    """
+    groups = getattr(pipe, "_ep_groups", None)
+    if getattr(pipe, "expert_parallel", 1) <= 1 or groups is None:
+        return {}
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from pipeloom.moe import is_expert_parameter
+
+    params = dict(view.module.named_parameters())
+    meshes: dict[int, Any] = {}
+    out: dict[str, Any] = {}
+    for key, stage in view.param_stage.items():
+        if not is_expert_parameter(params[key]):
+            continue
+        if stage not in meshes:
+            g, ranks = groups.stage_groups[stage]
+            if dist.get_process_group_ranks(g) != list(ranks):
+                raise PipelineConfigError(
+                    f"rank {dist.get_rank()}: stage {stage}'s ep group orders its ranks {dist.get_process_group_ranks(g)}, "
+                    f"its experts by {list(ranks)}: a checkpoint cannot place the expert shards"
+                )
+            meshes[stage] = DeviceMesh.from_group(g, pipe.device.type)
+        out[key] = meshes[stage]
+    return out
+
+
+def _shard_experts(state: dict[str, Any] | None, meshes: Mapping[str, Any], *, optim: bool) -> dict[str, Any] | None:
+    """``state`` with each expert tensor as a DTensor over its ep group (the optimizer's per-parameter
+    tensors too: flattened keys ``state.{key}.{name}`` of the parameter's shape)."""
+    if state is None or not meshes:
+        return state
+    from torch.distributed.tensor import DTensor, Shard
+
+    def wrap(v: Any, mesh: Any) -> Any:
+        if not isinstance(v, torch.Tensor) or v.dim() == 0:
+            return v  # a step counter: the same on every ep rank
+        return DTensor.from_local(v, mesh, [Shard(0)], run_check=False)
+
+    out = dict(state)
+    for k, v in state.items():
+        if _expert_key(k, meshes, optim=optim):
+            out[k] = wrap(v, meshes[k if not optim else k[len("state."):].rsplit(".", 1)[0]])
+    return out
+
+
+def _expert_key(k: str, meshes: Mapping[str, Any], *, optim: bool) -> bool:
+    if not optim:
+        return k in meshes
+    return k.startswith("state.") and k[len("state."):].rsplit(".", 1)[0] in meshes
+
+
+def _local(state: dict[str, Any] | None, meshes: Mapping[str, Any], *, optim: bool) -> dict[str, Any] | None:
+    """The expert tensors that :func:`_shard_experts` wrapped back to this rank's rows (FSDP's DTensors stay)."""
+    if state is None or not meshes:
+        return state
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.to_local() if isinstance(v, DTensor) and _expert_key(k, meshes, optim=optim) else v)
+            for k, v in state.items()}
+
+
 # ---------------------------------------------------------------- save
 
 
@@ -395,11 +471,6 @@ def save_checkpoint(
     """
     import torch.distributed.checkpoint as dcp
 
-    if getattr(pipe, "expert_parallel", 1) > 1:
-        raise PipelineConfigError(
-            f"save_checkpoint with expert_parallel={pipe.expert_parallel} is not implemented: each ep rank holds other "
-            "experts under the same names, which a checkpoint keyed by parameter name would store once"
-        )
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise PipelineConfigError(f"step must be a non-negative int, got {step!r}")
     if keep_last is not None and keep_last < 1:
@@ -424,6 +495,8 @@ def save_checkpoint(
     _check_global_names(view, group, rank)
     optims = _optims(optimizer)
     msd, osd = _state_dicts(view, optims)
+    meshes = _expert_meshes(pipe, view)
+    msd, osd = _shard_experts(msd, meshes, optim=False), _shard_experts(osd, meshes, optim=True)
     # DCP keeps one copy of a value every rank has, from whichever rank it picks: make it rank 0's
     shared = [dict(extra or {})]
     dist.broadcast_object_list(shared, src=0, group=group)
@@ -506,11 +579,6 @@ def load_checkpoint(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    if getattr(pipe, "expert_parallel", 1) > 1:
-        raise PipelineConfigError(
-            f"load_checkpoint with expert_parallel={pipe.expert_parallel} is not implemented: each ep rank holds other "
-            "experts under the same names, which a checkpoint keyed by parameter name would store once"
-        )
     wait_checkpoints()  # an asynchronous save still writing uses the same group
     group = _ckpt_group()
     rank = dist.get_rank()
@@ -541,6 +609,7 @@ def load_checkpoint(
         return None
     ckpt = Path(chosen)
     error = None
+    meshes: dict[str, Any] = {}
     try:
         view = _build_view(pipe.stages, stage_prefix=stage_prefix, rank=rank)
         optims = _optims(optimizer)
@@ -549,6 +618,8 @@ def load_checkpoint(
         if optims and not any(k.startswith("optim.") for k in saved_keys):
             raise PipelineConfigError(f"{ckpt} holds no optimizer state (it was saved with optimizer=None)")
         msd, osd = _state_dicts(view, optims)
+        meshes = _expert_meshes(pipe, view)
+        msd, osd = _shard_experts(msd, meshes, optim=False), _shard_experts(osd, meshes, optim=True)
         missing = sorted(k for k in msd if f"model.{k}" not in saved_keys)
         if missing:
             shown = ", ".join(missing[:6]) + ("..." if len(missing) > 6 else "")
@@ -569,11 +640,13 @@ def load_checkpoint(
     if want_rng:
         state[rng_key] = b""
     dcp.load(state, checkpoint_id=str(ckpt), process_group=group)
+    # (expert shards: back to this rank's rows, which DCP filled in place)
     if osd is not None:
         set_state_dict(view.module, optims if len(optims) > 1 else optims[0],
-                       model_state_dict=state["model"], optim_state_dict=state["optim"], options=_options())
+                       model_state_dict=_local(state["model"], meshes, optim=False),
+                       optim_state_dict=_local(state["optim"], meshes, optim=True), options=_options())
     else:
-        set_model_state_dict(view.module, state["model"], options=_options())
+        set_model_state_dict(view.module, _local(state["model"], meshes, optim=False), options=_options())
     with torch.no_grad():
         for kept, others in view.dup_buffers:
             for b in others:

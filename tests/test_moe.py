@@ -36,14 +36,21 @@ _BASE = dict(microbatches=4, ep=EP, rows=16, seq=3, steps=2)
 # eval() (forwards only, their all-to-alls under no_grad) after the optimizer step, on two of them
 # clip_grad_norm_ (max norm well under the gradients' norm, so it scales) on two of them
 CASES: list[dict[str, Any]] = [dict(_BASE, id=f"ep-{s}", schedule=s, eval=s in ("DualPipeV", "Interleaved1F1B"),
-                                    unsupported=s == "1F1B", clip=0.01 if s in ("1F1B", "DualPipeV") else None)
+                                    clip=0.01 if s in ("1F1B", "DualPipeV") else None)
                                for s in SCHEDULES]
 # the same layout given as a DeviceMesh with dims ("pp", "ep")
-CASES.append(dict(_BASE, id="ep-mesh-ZBVZeroBubble", schedule="ZBVZeroBubble", eval=False, unsupported=False, clip=None,
+CASES.append(dict(_BASE, id="ep-mesh-ZBVZeroBubble", schedule="ZBVZeroBubble", eval=False, clip=None,
                   mesh=True))
 # DualPipeV with each pair's backward split: (F;I) overlapped, W after (schedules.overlap_input_only)
-CASES.append(dict(_BASE, id="ep-DualPipeV-input-only", schedule="DualPipeV", eval=False, unsupported=False, clip=None,
+CASES.append(dict(_BASE, id="ep-DualPipeV-input-only", schedule="DualPipeV", eval=False, clip=None,
                   overlap_input_only=True))
+# checkpoints: trained with pp 2 x ep 2 (momentum: optimizer state per expert shard), saved, then
+# loaded under the same layout and under pp 4 without expert parallelism (every expert on each rank)
+CKPT_CASES = [
+    dict(_BASE, id="ckpt-save-ep2", schedule="DualPipeV", eval=False, clip=None, momentum=0.9, save="ckpt"),
+    dict(_BASE, id="ckpt-load-ep2", schedule="DualPipeV", eval=False, clip=None, momentum=0.9, load="ckpt", steps=0),
+    dict(_BASE, id="ckpt-load-ep1", schedule="1F1B", eval=False, clip=None, momentum=0.9, load="ckpt", steps=0, ep=1),
+]
 WORKER = str(Path(__file__).parent / "ranks" / "moe_worker.py")
 
 
@@ -147,7 +154,7 @@ def reference(cfg: dict[str, Any], num_stages: int) -> list[dict[str, Any]]:
 def pool(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[dict[str, Any]]], float]:
     out = tmp_path_factory.mktemp("moe")
     t0 = time.monotonic()
-    results = asyncio.run(run_ranks(WORLD, CASES, out, timeout=240, worker=WORKER))
+    results = asyncio.run(run_ranks(WORLD, CASES + CKPT_CASES, out, timeout=240, worker=WORKER))
     return results, time.monotonic() - t0
 
 
@@ -184,9 +191,6 @@ def test_expert_parallel_matches_unsplit_model(pool: Any, case_id: str) -> None:
                     torch.testing.assert_close(res["eval"][step], want["eval"][col], **TOL)
     # every expert's gradient was checked on the rank that holds it
     assert len(seen_experts) == 2 * ns * EP
-    if cfg["unsupported"]:
-        for res in results:
-            assert "expert_parallel=2" in res["refused"]["save"], res["refused"]
     if cfg["clip"]:
         # Pipeline.clip_grad_norm_ = torch's on the unsplit model: the norm over every parameter once
         # (each expert on the ep rank that holds it), the same on every rank, every gradient scaled
@@ -202,6 +206,34 @@ def test_expert_parallel_matches_unsplit_model(pool: Any, case_id: str) -> None:
                 if name.endswith((".moe.w1", ".moe.w2")):
                     w = w[col * local : (col + 1) * local]
                 torch.testing.assert_close(g, w * coef, **TOL, msg=lambda m, name=name, rank=rank: f"rank {rank} clipped {name}: {m}")
+
+
+def test_checkpoint_of_expert_shards_loads_under_the_same_and_another_layout(pool: Any) -> None:
+    saved = {r: res["saved"] for r, res in enumerate(pool[0]["ckpt-save-ep2"])}
+    same = {r: res["loaded"] for r, res in enumerate(pool[0]["ckpt-load-ep2"])}
+    other = {r: res["loaded"] for r, res in enumerate(pool[0]["ckpt-load-ep1"])}
+    assert all(res["loaded_step"] == 2 for res in pool[0]["ckpt-load-ep2"] + pool[0]["ckpt-load-ep1"])
+    # the same layout: every rank gets back exactly what it saved (its own expert rows, momentum too)
+    for r in range(WORLD):
+        assert set(same[r]) == set(saved[r]) and any(k.endswith(":momentum") for k in saved[r]), sorted(saved[r])
+        for k, v in saved[r].items():
+            torch.testing.assert_close(same[r][k], v, rtol=0, atol=0, msg=lambda m, k=k, r=r: f"rank {r} {k}: {m}")
+    # the whole model as saved: expert tensors are the ep ranks' rows in ep order
+    full: dict[str, torch.Tensor] = {}
+    for k in {k for r in range(WORLD) for k in saved[r]}:
+        holders = [r for r in range(WORLD) if k in saved[r]]  # ranks r with r // EP = the stage's pipeline row
+        parts = [saved[r][k] for r in sorted(holders, key=lambda r: r % EP)]
+        if ".moe.w1" in k or ".moe.w2" in k:
+            full[k] = torch.cat(parts)
+        else:  # replicated over the ep ranks
+            for p in parts[1:]:
+                torch.testing.assert_close(p, parts[0], rtol=0, atol=0)
+            full[k] = parts[0]
+    # pp 4 without expert parallelism: rank r holds stage r whole
+    for r in range(WORLD):
+        assert set(other[r]) == {k for k in full if k.startswith(f"s{r}.")}, (r, sorted(other[r]))
+        for k, v in other[r].items():
+            torch.testing.assert_close(v, full[k], rtol=0, atol=0, msg=lambda m, k=k, r=r: f"rank {r} {k}: {m}")
 
 
 def test_benchmark_measures_hidden_all_to_all_from_a_timeline(tmp_path: Path) -> None:

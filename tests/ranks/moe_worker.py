@@ -48,7 +48,11 @@ def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"grads": [], "losses": [], "outputs": [], "stages": sorted(pipe.stages),
                               "ep_rank": {s: c.ep_rank for s, c in ctxs.items()}, "deterministic": pipe.options.deterministic,
                               "column": pipe.dp_rank}
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=cfg.get("momentum", 0.0))
+    if cfg.get("load"):  # a checkpoint another layout saved: what this rank's tensors hold after loading it
+        info = pipeloom.load_checkpoint(os.path.join(cfg["out"], cfg["load"]), pipe, opt, stage_prefix=True)
+        result["loaded_step"] = info.step if info is not None else None
+        result["loaded"] = _tensors(pipe, opt)
     for step in range(cfg.get("steps", 1)):
         x, y = make_batch(step, rows=cfg["rows"], seq=cfg["seq"])
         opt.zero_grad(set_to_none=True)
@@ -72,17 +76,23 @@ def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
         result["clip_norm"] = float(norm)
         result["clipped"] = {f"s{s}.{n}": p.grad.detach().cpu().clone() for s, m in pipe.stages.items()
                              for n, p in m.named_parameters()}
-    if cfg.get("unsupported"):  # what expert parallelism does not do yet must say so, on every rank
-        refused = {}
-        for name, call in (("save", lambda: pipeloom.save_checkpoint(os.path.join(cfg["out"], "ckpt"), pipe, step=0)),):
-            try:
-                call()
-                refused[name] = None
-            except pipeloom.PipelineConfigError as exc:
-                refused[name] = str(exc)
-        result["refused"] = refused
+    if cfg.get("save"):  # a checkpoint of the trained state (expert shards from every ep rank)
+        pipeloom.save_checkpoint(os.path.join(cfg["out"], cfg["save"]), pipe, opt, step=cfg.get("steps", 1), stage_prefix=True)
+        result["saved"] = _tensors(pipe, opt)
     pipe.close()
     return result
+
+
+def _tensors(pipe: Any, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every local parameter and its momentum buffer, by ``s{stage}.{name}`` (``...:momentum``)."""
+    out: dict[str, torch.Tensor] = {}
+    for s, m in pipe.stages.items():
+        for n, p in m.named_parameters():
+            out[f"s{s}.{n}"] = p.detach().cpu().clone()
+            buf = opt.state.get(p, {}).get("momentum_buffer")
+            if buf is not None:
+                out[f"s{s}.{n}:momentum"] = buf.detach().cpu().clone()
+    return out
 
 
 def main() -> None:
