@@ -337,3 +337,40 @@ def test_user_error_on_one_ep_rank_stops_every_rank(tmp_path: Path) -> None:
         # whose all-to-all broke: not a StageError of its own)
         assert recs[r]["type"] in ("RemoteRankError", "PeerLostError"), recs[r]
         assert "rank 1" in recs[r]["message"], recs[r]
+
+
+def test_clipping_and_checkpoints_with_data_and_expert_parallelism(tmp_path: Path) -> None:
+    # 8 ranks: pp 2 x dp 2 x ep 2 (columns d * ep + e).  Gradients and the clipped gradients equal
+    # the unsplit model's over the 4 columns' data (each expert counted once, not once per dp
+    # replica); the checkpoint then loads under pp 2 x dp 4 without expert parallelism
+    base = dict(microbatches=4, rows=16, seq=3, steps=1, eval=False)
+    cases = [dict(base, id="dpep", schedule="DualPipeV", ep=2, dp=2, clip=0.01, save="ckpt"),
+             dict(base, id="dp4-load", schedule="DualPipeV", ep=1, dp=4, load="ckpt", steps=0)]
+    res = asyncio.run(run_ranks(8, cases, tmp_path, timeout=300, worker=WORKER))
+    want = reference(dict(base, ep=4), 2 * default_stages_per_rank("DualPipeV"))[0]["grads"]
+    total = torch.linalg.vector_norm(torch.cat([g.flatten() for g in want.values()]))
+    coef = min(1.0, 0.01 / (float(total) + 1e-6))
+    assert coef < 0.5
+    local = EXPERTS // 2
+
+    def mine(name: str, w: torch.Tensor, col: int) -> torch.Tensor:
+        e = col % 2
+        return w[e * local : (e + 1) * local] if name.endswith((".moe.w1", ".moe.w2")) else w
+
+    for r, rr in enumerate(res["dpep"]):
+        col = rr["column"]
+        torch.testing.assert_close(torch.tensor(rr["clip_norm"], dtype=torch.float64), total, **TOL)
+        for name, g in rr["grads"][0].items():
+            torch.testing.assert_close(g, mine(name, want[name], col), **TOL, msg=lambda m, name=name, r=r: f"rank {r} {name}: {m}")
+        for name, g in rr["clipped"].items():
+            torch.testing.assert_close(g, mine(name, want[name], col) * coef, **TOL)
+    # the whole model as saved (the rows of dp index 0's ep ranks), loaded by every rank of pp 2 x dp 4
+    saved = [(rr["column"], rr["saved"]) for rr in res["dpep"]]
+    full: dict[str, torch.Tensor] = {}
+    for k in {k for _, sv in saved for k in sv}:
+        parts = [sv[k] for col, sv in sorted(saved, key=lambda cs: cs[0]) if k in sv and col < 2]
+        full[k] = torch.cat(parts) if k.endswith((".moe.w1", ".moe.w2", ".moe.w1:momentum", ".moe.w2:momentum")) else parts[0]
+    for r, rr in enumerate(res["dp4-load"]):
+        assert rr["loaded"] and rr["loaded_step"] == 1
+        for k, v in rr["loaded"].items():
+            torch.testing.assert_close(v, full[k], rtol=0, atol=0, msg=lambda m, k=k, r=r: f"rank {r} {k}: {m}")

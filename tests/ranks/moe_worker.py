@@ -31,7 +31,7 @@ def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
         ctxs[s] = ctx
         return MoEStage(s, group=ctx.ep_group, ep_rank=ctx.ep_rank, ep_size=ctx.ep_size).to(ctx.device)
 
-    layout: dict[str, Any] = {"expert_parallel": ep}
+    layout: dict[str, Any] = {"expert_parallel": ep, **({"data_parallel": cfg["dp"]} if cfg.get("dp") else {})}
     if cfg.get("mesh"):  # the layout given as a DeviceMesh with dims ("pp", "ep")
         from torch.distributed.device_mesh import init_device_mesh
 
