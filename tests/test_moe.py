@@ -244,22 +244,27 @@ def test_benchmark_measures_hidden_all_to_all_from_a_timeline(tmp_path: Path) ->
     sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
     from gpu_moe import a2a_overlap
 
+    def span(cat: str, name: str, tid: int, ts: float, dur: float, **args: Any) -> dict[str, Any]:
+        """One chrome-trace complete event (host spans on pid 1, kernels on pid 0 with tid = stream)."""
+        return {"ph": "X", "cat": cat, "name": name, "pid": 0 if cat == "kernel" else 1, "tid": tid, "ts": ts, "dur": dur,
+                **({"args": args} if args else {})}
+
+    def kernel(name: str, stream: int, ts: float, dur: float, corr: int) -> dict[str, Any]:
+        return span("kernel", name, stream, ts, dur, correlation=corr, stream=stream)
+
     ev = [
-        {"ph": "X", "cat": "user_annotation", "name": "PP:(0F3;3B1)OVERLAP_F_B", "pid": 1, "tid": 4, "ts": 0, "dur": 20},
-        {"ph": "X", "cat": "user_annotation", "name": "pipeloom.moe.all_to_all", "pid": 1, "tid": 5, "ts": 0, "dur": 10},
-        {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "pid": 1, "tid": 5, "ts": 2, "dur": 1, "args": {"correlation": 11}},
-        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "pid": 0, "tid": 7, "ts": 100, "dur": 40,
-         "args": {"correlation": 11, "stream": 7}},
+        span("user_annotation", "PP:(0F3;3B1)OVERLAP_F_B", 4, 0, 20),
+        span("user_annotation", "pipeloom.moe.all_to_all", 5, 0, 10),
+        span("cuda_driver", "cuLaunchKernelEx", 5, 2, 1, correlation=11),
+        kernel("ncclDevKernel_SendRecv", 7, 100, 40, 11),
         # a later all-to-all on the same stream, its launch not seen: found by its stream
-        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "pid": 0, "tid": 7, "ts": 300, "dur": 10,
-         "args": {"correlation": 99, "stream": 7}},
+        kernel("ncclDevKernel_SendRecv", 7, 300, 10, 99),
         # a pipeline transfer (another NCCL stream) is neither all-to-all nor compute
-        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "pid": 0, "tid": 8, "ts": 100, "dur": 40,
-         "args": {"correlation": 12, "stream": 8}},
-        {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 9, "ts": 90, "dur": 20, "args": {"correlation": 13, "stream": 9}},
-        {"ph": "X", "cat": "kernel", "name": "gelu", "pid": 0, "tid": 9, "ts": 105, "dur": 15, "args": {"correlation": 14, "stream": 9}},
+        kernel("ncclDevKernel_SendRecv", 8, 100, 40, 12),
+        kernel("gemm", 9, 90, 20, 13),
+        kernel("gelu", 9, 105, 15, 14),
         # compute on the all-to-all's own stream hides nothing
-        {"ph": "X", "cat": "kernel", "name": "add", "pid": 0, "tid": 7, "ts": 120, "dur": 20, "args": {"correlation": 15, "stream": 7}},
+        kernel("add", 7, 120, 20, 15),
     ]
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": ev}))
@@ -274,12 +279,10 @@ def test_benchmark_measures_hidden_all_to_all_from_a_timeline(tmp_path: Path) ->
     # after this rank, so its exchange is [120, 140] here, where no compute on stream 9 runs;
     # the second started together on both
     peer_ev = [
-        {"ph": "X", "cat": "user_annotation", "name": "pipeloom.moe.all_to_all", "pid": 1, "tid": 5, "ts": 0, "dur": 10},
-        {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "pid": 1, "tid": 5, "ts": 2, "dur": 1, "args": {"correlation": 21}},
-        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "pid": 0, "tid": 3, "ts": 70, "dur": 20,
-         "args": {"correlation": 21, "stream": 3}},
-        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "pid": 0, "tid": 3, "ts": 250, "dur": 10,
-         "args": {"correlation": 22, "stream": 3}},
+        span("user_annotation", "pipeloom.moe.all_to_all", 5, 0, 10),
+        span("cuda_driver", "cuLaunchKernelEx", 5, 2, 1, correlation=21),
+        kernel("ncclDevKernel_SendRecv", 3, 70, 20, 21),
+        kernel("ncclDevKernel_SendRecv", 3, 250, 10, 22),
     ]
     peer = tmp_path / "peer.json"
     peer.write_text(json.dumps({"baseTimeNanoseconds": 50_000, "traceEvents": peer_ev}))
