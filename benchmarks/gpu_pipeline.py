@@ -329,8 +329,11 @@ def _gaps(trace_path: str) -> dict[str, Any]:
         events = json.load(f)["traceEvents"]
     launches: dict[int, float] = {}
     kernels = []
+    ranges = []  # --profile-cpu: the runtime's PP:... ranges (pipeloom's profile_ranges, torch's runtime)
     for e in events:
         cat = e.get("cat")
+        if cat == "user_annotation" and str(e.get("name", "")).startswith("PP:"):
+            ranges.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"], e.get("tid")))
         if cat == "cuda_runtime" or cat == "cuda_driver":
             c = e.get("args", {}).get("correlation")
             if c is not None and "aunch" in e.get("name", ""):
@@ -348,6 +351,28 @@ def _gaps(trace_path: str) -> dict[str, Any]:
     import bisect
 
     nccl_ends = sorted(e for _, e in nccl)
+    ranges.sort()
+    starts = [r[0] for r in ranges]
+    by_range: dict[str, float] = {}
+    late: dict[str, float] = {}
+
+    def doing(t: float) -> str:
+        """What the host was inside at time t: the innermost PP range containing it (kind only)."""
+        i = bisect.bisect_right(starts, t)
+        best = None
+        for j in range(i - 1, max(-1, i - 64), -1):  # ranges nest: the latest-starting one that contains t
+            if ranges[j][1] >= t:
+                best = ranges[j]
+                break
+        if best is None:
+            return "outside any range"
+        nm = best[2][3:]
+        if nm.startswith(("hold ", "wait ")):
+            return nm[:4] + " " + "".join(c for c in nm[5:] if not c.isdigit())
+        if nm == "send":
+            return "send"
+        return "in " + "".join(c for c in nm if not c.isdigit())
+
     for st, en, corr, _ in comp:
         if st > end + 1.0:  # a gap over 1 us
             gap = st - end
@@ -357,6 +382,11 @@ def _gaps(trace_path: str) -> dict[str, Any]:
                 host = min(launch - end, gap)
                 out["host_us"] += host
                 out["launch_us"] += gap - host
+                if ranges:  # where the host was when the device ran dry, and which action launched late
+                    k = doing(end)
+                    by_range[k] = by_range.get(k, 0.0) + host
+                    k = doing(launch)
+                    late[k] = late.get(k, 0.0) + host
             else:
                 i = bisect.bisect_left(nccl_ends, end)
                 if i < len(nccl_ends) and nccl_ends[i] <= st + 1.0:
@@ -365,6 +395,9 @@ def _gaps(trace_path: str) -> dict[str, Any]:
                     out["dependency_us"] += gap
         out["busy_us"] += max(0.0, en - max(st, end))
         end = max(end, en)
+    if ranges:
+        out["host_gap_at_idle_us"] = {k: round(v, 1) for k, v in sorted(by_range.items(), key=lambda kv: -kv[1])}
+        out["host_gap_late_launch_us"] = {k: round(v, 1) for k, v in sorted(late.items(), key=lambda kv: -kv[1])}
     return out
 
 
@@ -439,7 +472,8 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         # CUDA activity only (kernels and the runtime's launch calls): CPU-op recording would
         # slow the host, which is what is being measured; one warm-up step for CUPTI's start
         path = f"/tmp/prof-{engine}-{name}-{model_name}-r{rank}.json"
-        with tprofile(activities=[ProfilerActivity.CUDA], schedule=pschedule(wait=0, warmup=1, active=args.profile),
+        acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.profile_cpu else [])
+        with tprofile(activities=acts, schedule=pschedule(wait=0, warmup=1, active=args.profile),
                       on_trace_ready=lambda p: p.export_chrome_trace(path)) as prof:
             for i in range(args.profile + 1):
                 fn()
@@ -673,6 +707,14 @@ def table(path: str) -> str:
                 out.append(f"| {r['gpus']} | {r['schedule']} | {r.get('model', '')}{' [' + r['code'] + ']' if r.get('code') else ''} | "
                            f"{r['engine']} | {i} | {gp['span_us'] / 1e3:.1f} | {gp['busy_us'] / 1e3:.1f} | {gp['host_us'] / 1e3:.2f} | "
                            f"{gp['launch_us'] / 1e3:.2f} | {gp['transfer_us'] / 1e3:.2f} | {gp['dependency_us'] / 1e3:.2f} | {gp['gaps']} |")
+        att = [(r, i, gp) for r in prof for i, gp in enumerate(r["gaps_by_rank"]) if gp.get("host_gap_at_idle_us")]
+        if att:  # --profile-cpu: what the host was in when the device ran dry, and which range launched late
+            out += ["", "| schedule | engine | rank | host ms: the host was in ... when the device ran dry | ... the late kernel's range |",
+                    "|---|---|---|---|---|"]
+            for r, i, gp in att:
+                fmt = lambda d: ", ".join(f"{k} {v / 1e3:.2f}" for k, v in list(d.items())[:6])  # noqa: E731
+                out.append(f"| {r['schedule']} | {r['engine']} | {i} | {fmt(gp['host_gap_at_idle_us'])} | "
+                           f"{fmt(gp.get('host_gap_late_launch_us', {}))} |")
     return "\n".join(out)
 
 
@@ -688,6 +730,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--thread-cpu", action="store_true", help="with --host-times: each busy thread's CPU share and the garbage collector's passes (Linux)")
     ap.add_argument("--gc-freeze", action="store_true", help="--alternate: gc.freeze() after the warm-up steps (both engines)")
     ap.add_argument("--cprofile", type=int, default=0, help="run this many more steps per engine under cProfile on rank 0 and print the top functions")
+    ap.add_argument("--profile-cpu", action="store_true",
+                    help="--profile with CPU activity too: host gaps attributed to the runtime's PP:... ranges (set "
+                         "PIPELOOM_PROFILE_RANGES=1 for pipeloom): what the host was in when the device ran dry")
     ap.add_argument("--profile-dir", default=None, help="keep the gzipped traces of the first and last rank here")
     ap.add_argument("--profile-schedules", default="1F1B", help="which schedules --profile applies to (comma-separated)")
     ap.add_argument("--code", default="", help="a tag for the code under test (e.g. main@abc1234)")

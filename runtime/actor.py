@@ -74,6 +74,7 @@ lost.  Measured in ``benchmarks/RESULTS.md`` ("CPU host path, round 5").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import logging
@@ -365,6 +366,7 @@ class RankActor:
             horizon_ms=options.gpu_commit_ms,
             early_receives=options.gpu_early_receives,
             launches=options.gpu_commit_launches,
+            count_running=options.gpu_commit_running,
         )
         self._commit_ahead = self.dev.commit_ahead
         if trace is not None and self._commit_ahead:
@@ -1198,18 +1200,21 @@ class RankActor:
                 waiting_for = self.describe_wait(pending, step, train) if trace is not None else None
                 # Held by the commit horizon: re-check when about that much device time has run.
                 timeout = max(hold * 1e-3, 2e-4) if hold else self._liveness_interval
-                if park and landings.park(park):
-                    pass  # a transfer landed while this thread waited for it (drained at the top)
-                elif landings.to_loop():
-                    try:
-                        woken = await wake.wait_for(timeout)
-                    finally:
-                        landings.inline()
-                    if not woken:
-                        now = time.monotonic()
-                        if now - last_liveness >= self._liveness_interval:
-                            last_liveness = now
-                            self._check_liveness(pending, step)
+                # (options.profile_ranges: the wait is a range too, "PP:hold ..." when the horizon holds)
+                with (torch.profiler.record_function(f"PP:{'hold' if hold else 'wait'} {pending[0]}")
+                      if self._profile_ranges else contextlib.nullcontext()):
+                    if park and landings.park(park):
+                        pass  # a transfer landed while this thread waited for it (drained at the top)
+                    elif landings.to_loop():
+                        try:
+                            woken = await wake.wait_for(timeout)
+                        finally:
+                            landings.inline()
+                        if not woken:
+                            now = time.monotonic()
+                            if now - last_liveness >= self._liveness_interval:
+                                last_liveness = now
+                                self._check_liveness(pending, step)
                 if trace is not None:
                     trace.wait(step, w0, clock_ns(), waiting_for)  # type: ignore[arg-type]
                 idle += time.perf_counter() - t0
@@ -1256,8 +1261,10 @@ class RankActor:
             # Hand the outputs on after the compute (its trace span ends before the sends).
             outbox, self._outbox = self._outbox, []
             try:
-                for item in outbox:
-                    self._emit(*item)
+                with (torch.profiler.record_function("PP:send") if self._profile_ranges and outbox
+                      else contextlib.nullcontext()):
+                    for item in outbox:
+                        self._emit(*item)
             except PipelineError:
                 raise
             except Exception as exc:

@@ -66,6 +66,7 @@ enough that an action not committed yet can still be reordered.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -240,8 +241,13 @@ class CudaPolicy(DevicePolicy):
         early_receives: bool = False,
         launches: float = 0.0,
         max_horizon_ms: float = 250.0,
+        count_running: bool = True,
+        clock: Any = time.perf_counter,
     ) -> None:
         self.device = device
+        #: count the device time the queue's head has already run as no longer queued (see :meth:`queued_ms`)
+        self.count_running = count_running
+        self._clock = clock
         self.early_receives = early_receives
         #: the configured horizon (``gpu_commit_ms``) and the one in force (see ``_set_horizon``)
         self.min_horizon_ms = self.horizon_ms = horizon_ms
@@ -259,9 +265,12 @@ class CudaPolicy(DevicePolicy):
         self._cur: Any = None
         self._steps = 0
         self._timing = _Timing()
-        #: (estimated ms, end events) of every committed action not known finished
-        self._queue: deque[tuple[float, list[Any]]] = deque()
+        #: (estimated ms, end events, host clock at its launch) of every committed action not known finished
+        self._queue: deque[tuple[float, list[Any], float]] = deque()
         self._queued_ms = 0.0
+        #: host clock: when the queue's head may have begun on the device (see :meth:`queued_ms`), and the last poll
+        self._head_since = 0.0
+        self._polled = 0.0
         #: host launch times learned in this step (the horizon is recomputed at its end)
         self._host_changed = False
 
@@ -382,7 +391,10 @@ class CudaPolicy(DevicePolicy):
                 ev.record(other)
                 ends.append(ev)
         est = self._timing.est.get(key, self.default_ms)
-        self._queue.append((est, ends))
+        now = self._clock()
+        if not self._queue:
+            self._head_since = now  # into an empty queue: it begins about now
+        self._queue.append((est, ends, now))
         self._queued_ms += est
 
     def host_time(self, key: tuple[Any, int], seconds: float) -> None:
@@ -408,13 +420,35 @@ class CudaPolicy(DevicePolicy):
         self._host_changed = True
 
     def queued_ms(self) -> float:
-        """Estimated device time (ms) of the committed actions not known to have finished."""
+        """Estimated device time (ms) of the committed actions not known to have finished.
+
+        The head of the queue is counted for what is left of it: its estimate less the time
+        since it may have begun (the predecessor was last seen running half-way between the
+        poll that found it done and the poll before).  Counting the head whole until its end
+        event completes made an action longer than the horizon hold every commit behind it
+        until it finished: the device then ran dry for the host's launch of the next action
+        (the last stage of 1F1B: each forward after a long backward).  An estimate that runs
+        out early (the head waits on a transfer) commits more, never less.
+        """
         q = self._queue
+        now = self._clock()
+        popped = False
         while q and all(e.query() for e in q[0][1]):
             self._queued_ms -= q.popleft()[0]
+            popped = True
         if not q:
             self._queued_ms = 0.0
-        return self._queued_ms
+            self._polled = now
+            return 0.0
+        if popped:  # (never before its own launch)
+            mid = (self._polled + now) * 0.5
+            self._head_since = mid if mid > q[0][2] else q[0][2]
+        self._polled = now
+        if not self.count_running:
+            return self._queued_ms
+        ran = (now - self._head_since) * 1e3
+        head = q[0][0]
+        return self._queued_ms - (ran if ran < head else head)
 
     def wait_ms(self) -> float:
         over = self.queued_ms() - self.horizon_ms
@@ -430,9 +464,9 @@ class CudaPolicy(DevicePolicy):
 
 def make_policy(
     device: torch.device, stages: Iterable[int], *, stage_streams: bool, horizon_ms: float, early_receives: bool = False,
-    launches: float = 0.0,
+    launches: float = 0.0, count_running: bool = True,
 ) -> DevicePolicy:
     if device.type != "cuda":
         return HostPolicy()
     return CudaPolicy(device, stages, stage_streams=stage_streams, horizon_ms=horizon_ms, early_receives=early_receives,
-                      launches=launches)
+                      launches=launches, count_running=count_running)

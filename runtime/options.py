@@ -157,6 +157,15 @@ class RuntimeOptions:
     launch: a 10 ms horizon left 1F1B and GPipe 4.5-9% slower than torch, 30-60 ms within
     1%).  0: the fixed ``gpu_commit_ms`` alone.  Environment: ``PIPELOOM_GPU_COMMIT_LAUNCHES``."""
 
+    gpu_commit_running: bool = True
+    """GPUs: count what the oldest committed action has already run as no longer queued (its
+    learned device time less the time since it began), so the horizon holds *remaining* device
+    time.  False counts each action whole until its end event completes: an action longer than
+    the horizon (a backward with the loss and a vocabulary head on the last stage) then holds
+    every commit until it has finished, and the device idles while the host launches the next
+    one.  For comparison; True is the engine's behaviour.  Environment:
+    ``PIPELOOM_GPU_COMMIT_RUNNING=0``."""
+
     gpu_early_receives: bool = False
     """GPUs: post each NCCL receive on a separate transfer stream (True), so its data may land
     before the consumer's stream reaches it, or on the consumer's stream as torch does (False,
@@ -388,6 +397,7 @@ ENV_VARS: dict[str, tuple[str, Any]] = {
     "PIPELOOM_OVERLAP_STREAMS": ("overlap_streams", _flag),
     "PIPELOOM_STATIC_SHAPES": ("static_shapes", _auto_flag),
     "PIPELOOM_PROFILE_RANGES": ("profile_ranges", _flag),
+    "PIPELOOM_GPU_COMMIT_RUNNING": ("gpu_commit_running", _flag),
     "PIPELOOM_OVERLAP_COLLECTIVES": ("overlap_collectives", _flag),
     "PIPELOOM_FSDP_REDUCE": ("fsdp_reduce", str),
     "PIPELOOM_DISPATCH": ("dispatch", str),

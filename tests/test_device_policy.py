@@ -111,8 +111,21 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     return FAKE
 
 
-def _policy(cuda: FakeCuda, **kw: Any) -> devmod.CudaPolicy:
-    return devmod.CudaPolicy(torch.device("cuda", 0), [3, 0], **kw)
+class FakeClock:
+    """The host clock the policy reads (seconds); tests move it by hand."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, ms: float) -> None:
+        self.t += ms * 1e-3
+
+
+def _policy(cuda: FakeCuda, clock: FakeClock | None = None, **kw: Any) -> devmod.CudaPolicy:
+    return devmod.CudaPolicy(torch.device("cuda", 0), [3, 0], clock=clock or FakeClock(), **kw)
 
 
 def test_cpu_policy_runs_now() -> None:
@@ -222,10 +235,42 @@ def test_commit_horizon_holds_until_queued_device_time_drains(cuda: FakeCuda) ->
     first_end = p._queue[0][1][0]
     first_end.done = True
     assert p.queued_ms() == pytest.approx(2.0) and p.wait_ms() == 0.0
-    for _, ends in list(p._queue):
+    for _, ends, _ in list(p._queue):
         for e in ends:
             e.done = True
     assert p.queued_ms() == 0.0
+
+
+def test_the_running_head_counts_only_what_is_left_of_it(cuda: FakeCuda) -> None:
+    # 1F1B's last stage: a 9 ms backward behind a 10 ms horizon.  Counted whole until it ends,
+    # it held the next forward's commit until the device had finished it, and the device then
+    # idled while the host launched that forward; counted for what is left, the forward is
+    # committed while the backward still runs.
+    clock = FakeClock()
+    p = _policy(cuda, clock, horizon_ms=10.0, learn_steps=0)
+    p._timing.est.update({("F", 3): 4.0, ("B", 3): 9.0})
+    p.begin_step()
+    p.launched(("F", 3), [3], None)  # into an empty queue: begins now
+    p.launched(("B", 3), [3], None)
+    assert p.queued_ms() == pytest.approx(13.0) and p.wait_ms() == pytest.approx(3.0)
+    clock.advance(3.0)
+    assert p.queued_ms() == pytest.approx(10.0) and p.wait_ms() == 0.0  # 1 ms of F left + B
+    clock.advance(2.0)  # F ran 5 ms: its estimate is used up, it is counted as nothing until its event says done
+    assert p.queued_ms() == pytest.approx(9.0)
+    p._queue[0][1][0].done = True  # F's end: B began between this poll and the last (midpoint)
+    clock.advance(2.0)
+    assert p.queued_ms() == pytest.approx(8.0)  # B from 1 ms ago: 8 of 9 ms left
+    p.launched(("F", 3), [3], None)  # the next forward: 12 ms queued
+    assert p.wait_ms() == pytest.approx(2.0)
+    clock.advance(2.5)
+    assert p.wait_ms() == 0.0  # B has 5.5 ms left: commit the next backward now
+    # the old accounting for comparison: B counted whole until its end event
+    old = _policy(cuda, FakeClock(), horizon_ms=10.0, learn_steps=0, count_running=False)
+    old._timing.est.update({("B", 3): 9.0, ("F", 3): 4.0})
+    old.launched(("B", 3), [3], None)
+    old.launched(("F", 3), [3], None)
+    old._clock.advance(8.0)
+    assert old.wait_ms() == pytest.approx(3.0)
 
 
 def test_overlap_pair_counts_until_both_streams_finish(cuda: FakeCuda) -> None:

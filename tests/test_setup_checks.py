@@ -209,6 +209,19 @@ def test_return_outputs_false_drops_each_output_after_its_loss(checks: list[dict
     assert len(last["True"]["losses"]) == 4
 
 
+def test_profile_ranges_name_every_action_wait_and_send(checks: list[dict[str, Any]]) -> None:
+    # 1F1B, 4 microbatches, rank 1's forward sleeps 50 ms: rank 0 waits for its first gradient
+    r0, r1 = (c["profile_ranges"] for c in checks)
+    assert r0.get("status") == "ok" and r1.get("status") == "ok", (r0, r1)
+    n0, n1 = set(r0["names"]), set(r1["names"])
+    assert {f"PP:0F{m}" for m in range(4)} | {f"PP:0B{m}" for m in range(4)} <= n0, n0
+    assert {f"PP:1F{m}" for m in range(4)} | {f"PP:1B{m}" for m in range(4)} <= n1, n1
+    assert "PP:send" in n0 and "PP:send" in n1  # activations out of rank 0, gradients out of rank 1
+    assert "PP:wait 0B0" in n0, n0  # rank 0, its two forwards done, waits for microbatch 0's gradient
+    waits = {n for n in n0 | n1 if n.startswith(("PP:wait ", "PP:hold "))}
+    assert all(n.split(" ", 1)[1] in {f"{s}{t}{m}" for s in (0, 1) for t in "FB" for m in range(4)} for n in waits), waits
+
+
 def test_missing_target_or_loss_fn_is_named(checks: list[dict[str, Any]]) -> None:
     c = checks[1]["no_target"]
     assert c["type"] == "PipelineConfigError" and "step() got no target" in c["message"], c

@@ -254,6 +254,20 @@ def main() -> None:
 
     results["return_outputs"] = run_case("return_outputs", pipe(lambda s: tracked[s], schedule="GPipe", loss_fn=diff_sum),
                                          outputs_body)
+    # -- profile_ranges: every action, wait and send is a range in a torch.profiler trace
+    torch.manual_seed(0)
+    slow_last = [nn.Linear(D, D).double(), SlowLinear(0.05)]
+
+    def ranges_body(p: pipeloom.Pipeline) -> dict[str, Any]:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            p.step(x, target=y)
+        names = sorted({e.name for e in prof.events() if e.name.startswith("PP:")})
+        return {"names": names}
+
+    results["profile_ranges"] = run_case("profile_ranges", pipe(
+        lambda s: slow_last[s], options=pipeloom.RuntimeOptions(profile_ranges=True, static_shapes=False)), ranges_body)
     # -- dtypes: float32 stage into a float64 stage; a stage that casts for itself is fine
     torch.manual_seed(0)
     mixed = [nn.Linear(D, D).float(), nn.Linear(D, D).double()]
