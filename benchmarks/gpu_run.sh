@@ -133,7 +133,7 @@ for part in "$@"; do
     ;;
   tunegrid)
     (cd /tmp && CUDA_VISIBLE_DEVICES=$VIS2 timeout "${TUNE_TIMEOUT:-300}" torchrun --master-port "$PORT" --nproc-per-node 2 "$REPO/benchmarks/tune_grid.py" \
-       --out "$OUT/tunegrid" ${TUNE_ARGS:-} 2>&1 | grep -v "^\[W\|Warning\|warn" | cut -c1-300 | tail -30 | tee "$OUT/tunegrid.txt")
+       --out "$OUT/tunegrid" ${TUNE_ARGS:-} 2>&1 | grep -v "^\[W\|Warning\|warn" | cut -c1-400 | tail -40 | tee "$OUT/tunegrid.txt")
     ;;
   *) echo "unknown part $part"; exit 2 ;;
   esac

@@ -220,7 +220,7 @@ def _rank_main(args: argparse.Namespace) -> None:
             )
             from dataclasses import replace
 
-            from pipeloom.tools.schedule_tune import Layers, _simulate, calibration, tune
+            from pipeloom.tools.schedule_tune import Layers, _action_costs, _simulate, calibration, tune
             from pipeloom.tools.trace_model import load_trace
 
             def costs(tag: str) -> Any:
@@ -243,9 +243,14 @@ def _rank_main(args: argparse.Namespace) -> None:
             other = "max" if args.device_model == "lanes" else "lanes"
             cal_other = calibration(run, measured_step_ns=prof_real * 1e9, layers=layers, device_model=other)
             for c in cands:
-                _, sim = _simulate(run, c["schedule"], world, c["stages_per_rank"], c["microbatches"], layers=layers,
-                                   split=tuple(c["split"]), device_model=other)
+                sched, sim = _simulate(run, c["schedule"], world, c["stages_per_rank"], c["microbatches"], layers=layers,
+                                       split=tuple(c["split"]), device_model=other)
                 c["step_ns_" + other] = sim.makespan * cal_other
+                # what the two-lane model holds each rank busy with (uncalibrated): its host's launches and its
+                # device's work over a step, to read against the grid's traces (which side bounds which rank)
+                hc, dc, _ = _action_costs(run, world, c["stages_per_rank"], c["microbatches"], sched.stage_to_rank,
+                                          layers=layers, split=tuple(c["split"]), lanes=True)
+                c["host_busy_ns"], c["device_busy_ns"] = _busy(sched, hc, world), _busy(sched, dc, world)
             # variants of the two-lane model, for what the GPU run can tell apart (same profile, same grid): the
             # fixed 10 ms horizon of gpu_commit_ms alone; the device time as the whole synced span less the host's
             # fixed part (an upper bound: it keeps the sync, the checks and a device-side fixed part); one device lane
@@ -265,7 +270,8 @@ def _rank_main(args: argparse.Namespace) -> None:
                                        split=tuple(c["split"]), device_model="lanes", **kw)
                     c["step_ns_" + label] = sim.makespan * cal_v
             plan[0] = {"candidates": cands, "calibration": res.calibration, "sizes_fitted": res.sizes_fitted,
-                       "profile_step_s": prof_real, "host_fixed_ns": res.host_fixed_ns, "device_model": args.device_model,
+                       "profile_step_s": prof_real, "host_fixed_ns": res.host_fixed_ns,
+                       "host_units_ns": res.host_units_ns, "device_model": args.device_model,
                        "other_model": other, "calibration_other": cal_other, "variants": cal_variants}
         except Exception:  # tell rank 1 (waiting in the broadcast) instead of leaving it to NCCL's timeout
             import traceback
@@ -315,6 +321,7 @@ def _rank_main(args: argparse.Namespace) -> None:
                            "split_backward_from": args.profile_iw or None,
                            "step_ns": prof_real * 1e9, "calibration": plan[0]["calibration"],
                            "sizes_fitted": plan[0]["sizes_fitted"], "host_fixed_ns": plan[0]["host_fixed_ns"],
+                           "host_units_ns": plan[0].get("host_units_ns"),
                            "device_model": plan[0]["device_model"], "other_model": plan[0]["other_model"],
                            "calibration_other": plan[0]["calibration_other"], "variants": plan[0]["variants"]},
                "device": torch.cuda.get_device_name() if gpu else "cpu", "size": args.size, "rows": rows,
@@ -325,6 +332,17 @@ def _rank_main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)
+
+
+def _busy(sched: Any, costs: dict[Any, float], world: int) -> list[float]:
+    """Per rank, the sum of ``costs`` (stage, type, None) over the schedule's compute actions (an OVERLAP_F_B's
+    halves counted as theirs)."""
+    busy = [0.0] * world
+    for rank, acts in sched.actions.items():
+        for a in acts:
+            for sub in a.sub_actions or (a,):
+                busy[rank] += costs.get((sub.stage, sub.type.value, None), 0.0)
+    return busy
 
 
 def _units_even(layers: int, stages: int) -> list[int]:
@@ -347,12 +365,15 @@ def _profile_config(spec: str, args: argparse.Namespace, world: int) -> tuple[st
 
 
 def format_grid(doc: dict[str, Any]) -> str:
+    from pipeloom.tools.schedule_tune import format_host_units
+
     rows = doc["rows"]
     prof = doc["profile"]
     host = prof.get("host_fixed_ns")
     model, other = prof.get("device_model", "max"), prof.get("other_model")
     key_o = f"step_ns_{other}" if other else None
     has_other = key_o is not None and all(key_o in r for r in rows)
+    busy = all("host_busy_ns" in r for r in rows)
     blocks = ",".join(map(str, prof["blocks"])) if prof.get("blocks") else "even"
     lines = [f"device {doc['device']}, GPT size {doc['size']}; profile {prof['schedule']} m={prof['microbatches']} "
              f"(blocks {blocks}): step {prof['step_ns'] / 1e6:.2f} ms, calibration x{prof['calibration']:.3f}"
@@ -360,9 +381,11 @@ def format_grid(doc: dict[str, Any]) -> str:
              f"{'fixed + per-row compute' if prof['sizes_fitted'] else 'one size: proportional compute'}, host per "
              + ("action " + (", ".join(f"{t} {v / 1e6:.3f} ms" for t, v in host.items()) if host else "not separated"))
              + (f"; I, W measured on {prof['split_backward_from']}" if prof.get("split_backward_from") else ""),
+             *([f"host fit (start: embedding, end: head + loss): {format_host_units(prof['host_units_ns'])}"]
+               if prof.get("host_units_ns") else []),
              f"{'schedule':<22} {'m':>3} {'v':>2} {'blocks per stage':>18} {'measured':>10} {'predicted':>10} {'error':>7} "
              f"{'recal.':>7} {'rank meas/pred':>14}" + (f" {other + ' model':>11} {'error':>7}" if has_other else "")
-             + f" {'spread':>12}"]
+             + f" {'spread':>12}" + ("  model busy ms per rank: host | device" if busy else "")]
     # the profiled configuration as measured in the grid: the tuner's calibration redone under the grid's
     # conditions (a machine whose speed drifted between the profile and the grid shifts every row alike)
     ref = [r for r in rows if r["schedule"] == prof["schedule"] and r["microbatches"] == prof["microbatches"]
@@ -380,7 +403,9 @@ def format_grid(doc: dict[str, Any]) -> str:
                      f"{r['measured_ns'] / 1e6:>8.2f}ms {r['step_ns'] / 1e6:>8.2f}ms {r['error']:>+7.1%} "
                      f"{r['step_ns'] * recal / r['measured_ns'] - 1:>+7.1%} {rm[i]:>6}/{rp[i]:<7}"
                      + (f" {r[key_o] / 1e6:>9.2f}ms {r[key_o] / r['measured_ns'] - 1:>+7.1%}" if has_other else "")
-                     + (f" {sp[0]:+.0%}..{sp[1]:+.0%}" if sp else ""))
+                     + (f" {sp[0]:+.0%}..{sp[1]:+.0%}" if sp else "")
+                     + (f"  {'/'.join(f'{x / 1e6:.1f}' for x in r['host_busy_ns'])} | "
+                        f"{'/'.join(f'{x / 1e6:.1f}' for x in r['device_busy_ns'])}" if busy else ""))
 
     def stats(errs: list[float]) -> str:
         return f"largest {max(errs):.1%}, median {statistics.median(errs):.1%}, {sum(e <= 0.10 for e in errs)} within 10%"

@@ -296,7 +296,8 @@ def test_fixed_part_per_action_paid_once_per_action() -> None:
     assert old[0]["F"] > a[(0, "F", None)] + 300.0
     r = tune(rc, schedules=["1F1B"], microbatches=[4], stages_per_rank=[1], layers=UNEVEN, calibrate=False)
     assert r.host_fixed_ns == pytest.approx({"F": 300.0, "B": 500.0, "I": 500.0, "W": 500.0}) and r.host_separate
-    assert "host time per action, whatever its layers: F 0.000 ms" in format_tune(r)
+    assert "host time per action: F 0.000 ms + per layer 0.000 ms" in format_tune(r)
+    assert r.host_units_ns is not None and r.host_units_ns["F"] == pytest.approx({"fixed": 300.0, "start": 20.0, "layer": 200.0, "end": 150.0})
 
 
 def test_fixed_part_needs_stages_that_hold_different_layers() -> None:
@@ -332,6 +333,10 @@ def test_split_backward_measured_in_a_second_profile() -> None:
     a = _action_costs(run, 2, 2, 4, [0, 1, 1, 0], layers=UNEVEN, split=(3, 2, 2, 3))
     assert a[(2, "I", None)] == pytest.approx(400.0 + 2 * 300.0) and a[(2, "W", None)] == pytest.approx(450.0 + 2 * 250.0)
     assert a[(2, "B", None)] == pytest.approx(500.0 + 2 * 400.0)  # measured, not I + W
+    # the first stage's I, left out of the fit, is carried from the recorded first stage (here the same layers)
+    assert a[(0, "I", None)] == pytest.approx(50.0) and a[(0, "W", None)] == pytest.approx(450.0 + 2 * 250.0)
+    b = _action_costs(run, 2, 1, 4, [0, 1], layers=UNEVEN, split=(5, 5))
+    assert b[(0, "I", None)] == pytest.approx(50.0 + 2 * 300.0)  # two blocks more than the recorded first stage
     with pytest.raises(ValueError, match="same stages"):
         merge_types(fb, _layered_costs({"F": [1.0, 1.0], "I": [1.0, 1.0], "W": [1.0, 1.0]}, [0, 1], "1F1B"))
 
@@ -380,6 +385,65 @@ def test_host_and_device_recorded_apart() -> None:
     assert _pair_overlap(run, ac) == pytest.approx(1 - 7.0 / short)
     with pytest.raises(ValueError, match="not the configuration"):
         with_host_costs(device, replace(host, num_microbatches=8))
+
+
+def _host_bound(head: float) -> RunCosts:
+    """A host-bound GPU profile (Interleaved1F1B, blocks 2,1,3,2): host times fixed + per layer (HOST, the head
+    ``head`` x its HOST unit), device times (CUDA events) a hundredth of them."""
+    stages = [(1, 2, 0), (0, 1, 0), (0, 3, 0), (0, 2, 1)]
+    host = {t: [f + e * emb + b * blk + head * h * hd for emb, blk, hd in stages] for t, (f, e, b, h) in HOST.items()}
+    h = _layered_costs(host, [0, 1, 0, 1])
+    d = _layered_costs({t: [x / 100 for x in v] for t, v in host.items()}, [0, 1, 0, 1])
+    return with_host_costs(replace(d, device_measured=True), h)  # device times from CUDA events
+
+
+def test_host_time_grows_with_the_blocks_a_stage_holds() -> None:
+    """On a host-bound GPU job an action's host time is the runtime's fixed part plus what each of its layers
+    launches: moving a block to the first stage (blocks 5,3 instead of 4,4) loads the first rank's host, and the
+    tuner must see that (the last GPU grid picked 5,3, measured 13% slower than 4,4)."""
+    from pipeloom.tools.schedule_tune import _simulate, host_fit
+
+    run = _host_bound(head=0.5)  # the head + loss launch half a block's kernels
+    fit = host_fit(run, UNEVEN, 1)
+    assert fit is not None
+    assert fit.describe(UNEVEN)["F"] == pytest.approx({"fixed": 300.0, "start": 20.0, "layer": 200.0, "end": 75.0})
+    assert fit.describe(UNEVEN)["B"] == pytest.approx({"fixed": 500.0, "start": 30.0, "layer": 400.0, "end": 125.0})
+    for name in ("1F1B", "GPipe"):
+        even, moved = (_simulate(run, name, 2, 1, 8, layers=UNEVEN, split=sp)[1].makespan for sp in ((5, 5), (6, 4)))
+        assert moved > even * 1.05  # 5,3: the first rank launches a block more per action
+        host, _, _ = _action_costs(run, 2, 1, 8, [0, 1], layers=UNEVEN, split=(6, 4), lanes=True)
+        assert host[(0, "F", None)] == pytest.approx(_host_times("F", 1, 5, 0))
+        assert host[(1, "B", None)] == pytest.approx(500 + 3 * 400 + 0.5 * 250)
+    assert search_split(run, "1F1B", 2, 1, 8, UNEVEN)[0] == (5, 5)
+    r = tune(run, schedules=["1F1B"], microbatches=[8], stages_per_rank=[1], layers=UNEVEN, search=1, calibrate=False)
+    assert r.candidates[0].split == (5, 5)
+    assert r.host_units_ns is not None and r.host_units_ns["F"]["layer"] == pytest.approx(200.0)
+    text = format_tune(r)
+    assert "host time per action: F 0.000 ms + per layer 0.000 ms, start 0.000 ms, end 0.000 ms" in text
+    # a head that launches more than the block it replaces (3 blocks' worth): then 5,3 is the faster split
+    heavy = _host_bound(head=3 * 200 / 150)
+    assert search_split(heavy, "1F1B", 2, 1, 8, UNEVEN)[0] == (6, 4)
+
+
+def test_host_time_of_a_stage_is_that_of_its_own_layers() -> None:
+    """A candidate stage's host time is the fitted fixed part plus its own layers' units, whatever recorded stage
+    they came from: a head that is expensive to run (FLOPs weight 2.2) but cheap to launch does not lend its
+    launch time to the blocks recorded beside it (sharing a recorded stage's host time by FLOPs did)."""
+    from pipeloom.tools.schedule_tune import _less_fixed
+
+    run = _host_bound(head=0.2)  # the head launches a fifth of HOST's head unit: 30 ns of F
+    host, dev, _ = _action_costs(run, 2, 2, 8, [0, 1, 1, 0], layers=UNEVEN, split=(3, 1, 4, 2), lanes=True)
+    # stage 2: recorded stage 2's three blocks and one of recorded stage 3 (beside the head); stage 3: a block + head
+    assert host[(2, "F", None)] == pytest.approx(_host_times("F", 0, 4, 0))
+    assert host[(3, "F", None)] == pytest.approx(300 + 200 + 30)
+    assert host[(3, "B", None)] == pytest.approx(500 + 400 + 50)
+    # the rule before: the fixed part off, the rest of each recorded stage shared among its layers by FLOPs
+    assert run.host is not None
+    by_flops = stage_compute(_less_fixed(run.host, {"F": 300.0}), 4, 1, layers=UNEVEN, split=(3, 1, 4, 2))
+    assert by_flops[3]["F"] + 300 == pytest.approx(300 + (2 * 200 + 30) * 3.2 / 4.2)  # 628 ns, not 530
+    # the device side is still shared by FLOPs (a head is expensive to run)
+    dev_flops = stage_compute(run, 4, 1, layers=UNEVEN, split=(3, 1, 4, 2))
+    assert dev[(3, "F", None)] == pytest.approx(dev_flops[3]["F"])
 
 
 def test_tune_cli_host_costs(profile: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -50,12 +50,17 @@ off by -65% .. +430%):
   the step times (and the runtime's time per action) are the unsynced run's,
   which is why the calibration no longer has to absorb the syncs (x0.73 on
   2 x H100 with the synced profile alone);
-* **the host's fixed time per action** (GPU profiles, with a layer model):
-  fitted over the recorded stages when they hold different numbers of layers
-  (:func:`fixed_per_action`), subtracted before a stage's time is shared among
-  its layers and paid once by every candidate action, so that twice the
-  stages per rank means twice the fixed host work (V schedules were predicted
-  20-34% too fast on a host-bound GPU run without it);
+* **the host's time per action, from the stage's own layers** (GPU
+  profiles, with a layer model): fitted over the recorded stages when they
+  hold different numbers of layers as ``fixed + sum of the layers' units``
+  (:func:`host_fit`: blocks one unit, an embedding and a head their own), and
+  a candidate action's host time is its fixed part once plus its own layers'
+  units, so that twice the stages per rank means twice the fixed host work
+  (V schedules were predicted 20-34% too fast on a host-bound GPU run when
+  the fixed part moved with the layers) and a block moved to a stage adds a
+  block's launch time to each of its actions, whatever recorded stage (or
+  rank) it came from; the device side is shared by FLOPs
+  (:func:`stage_compute`);
 * **a split backward measured** where the profile had one
   (:func:`~pipeloom.tools.run_costs.merge_types`: a second profile run of a
   zero-bubble schedule): on the host pipeloom's I plans the weight work and W
@@ -93,8 +98,8 @@ from pipeloom.schedules import (
 from ..schedules.dataflow import consumer_stage
 from .run_costs import RunCosts
 
-__all__ = ["Candidate", "Layers", "TuneResult", "calibration", "commit_horizon", "fixed_per_action", "format_tune", "parse_size",
-           "sampled_runs", "search_split", "stage_compute", "tune"]
+__all__ = ["Candidate", "HostFit", "Layers", "TuneResult", "calibration", "commit_horizon", "fixed_per_action", "format_tune",
+           "host_fit", "parse_size", "sampled_runs", "search_split", "stage_compute", "tune"]
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,9 @@ class TuneResult:
     host_fixed_ns: dict[str, float] | None = None
     """Host time per action whatever its layers, by type (:func:`fixed_per_action`, at the recorded microbatch size);
     None where the profile could not separate it (its stages hold the same layers, or no layer model)."""
+    host_units_ns: dict[str, dict[str, float]] | None = None
+    """With ``host_fixed_ns``: the whole host fit by type, ``{"fixed": ns, "layer": ns per layer, "start": ...,
+    "end": ...}`` (:meth:`HostFit.describe`)."""
     host_separate: bool = False
     """The profile had a host side recorded apart from the device side (``RunCosts.host``)."""
     device_model: str | None = None
@@ -156,7 +164,8 @@ class TuneResult:
                 "recorded": self.recorded.to_json() if self.recorded else None, "measured_step_ns": self.measured_step_ns,
                 "memory_cap": self.memory_cap, "activation_memory": self.activation_memory,
                 "activation_memory_is_proxy": self.activation_memory_is_proxy, "calibration": self.calibration,
-                "sizes_fitted": self.sizes_fitted, "host_fixed_ns": self.host_fixed_ns, "host_separate": self.host_separate,
+                "sizes_fitted": self.sizes_fitted, "host_fixed_ns": self.host_fixed_ns, "host_units_ns": self.host_units_ns,
+                "host_separate": self.host_separate,
                 "device_model": self.device_model, "device_events": self.device_events}
 
 
@@ -378,22 +387,118 @@ def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float] | No
     return [a[i][k] / a[i][i] for i in range(k)]
 
 
-def fixed_per_action(run: RunCosts, layers: Layers, nbytes: float) -> dict[str, float] | None:
-    """The host's time per action whatever the layers the action's stage holds, by type (ns, at microbatches of
-    ``nbytes``); None where the recorded stages cannot tell it from the layers' time.
+@dataclass(frozen=True)
+class HostFit:
+    """The host's time per action as a property of the runtime and the model (:func:`host_fit`): by type,
+    ``fixed + sum over the stage's layers of unit[class]`` (ns, at one microbatch size), layers of equal weight
+    forming a class (blocks; an embedding; a head)."""
 
-    Why: an action's host time is the runtime's own work per action (the stage executor, autograd's engine,
-    stream waits) plus launching each of its layers' kernels.  Sharing a recorded stage's whole time among
-    its layers (:func:`stage_compute`) moves the fixed part with the layers: halve the layers per stage and
-    it halves, when each of the twice as many actions pays it in full (on a host-bound GPU run, two stages
-    per rank were predicted 20-34% too fast).  Fitted by least squares over the recorded stages of the run's
-    host side (``run.host`` on GPUs, else the run itself): ``time = fixed + sum over the stage's layers of
-    unit[class]``, layers of equal weight forming a class (blocks; an embedding; a head), which needs stages
-    that hold different numbers of layers of a class (an uneven split of the profile: 2,1,3,2 blocks on four
-    stages, or 3,5 on two).  The first stage's I and W are left out of their fits: with no input gradient to
-    compute, its I and W are not the same work as elsewhere.  A type the run did not record takes the fixed
-    part of the one it is split from or merged into (I and W: B's; B: the larger of I's and W's).  A fit with
-    a negative fixed part (noise, or a device-bound run) gives 0 for that type: the old rule.
+    fixed: dict[str, float]
+    """type -> the runtime's own time per action (executor, autograd's engine, stream waits), whatever its layers."""
+    units: dict[str, tuple[float, ...]]
+    """type -> host time per layer of each class (0 for a class the fit found free or could not see)."""
+    classes: tuple[float, ...]
+    """The weight of each class's layers (``Layers.weights``), in increasing order."""
+    layer_class: tuple[int, ...]
+    """The class of every layer, in model order."""
+    first: dict[str, tuple[float, tuple[float, ...]]]
+    """I and W of the recorded first stage (no input gradient: not the same work as elsewhere, left out of their
+    fits): (its measured host time, its layers per class); a candidate first stage is that plus the units of the
+    layers it holds more (or less)."""
+    split_from_b: bool = False
+    """The run recorded no split backward: I and W are shares of B above its fixed part (:data:`I_SHARE`,
+    :data:`FIRST_I_SHARE`), each paying the fixed part."""
+
+    def counts(self, first: int, count: int) -> list[float]:
+        """Layers per class of a stage holding layers ``first .. first + count - 1``."""
+        row = [0.0] * len(self.classes)
+        for li in range(first, first + count):
+            row[self.layer_class[li]] += 1
+        return row
+
+    def time(self, t: str, row: Sequence[float], *, first_stage: bool = False) -> float:
+        """Host time of an action of type ``t`` (fitted: see :attr:`fixed`) of a stage with ``row`` layers per class."""
+        if t in ("I", "W") and self.split_from_b:  # never recorded: a share of B's time above its fixed part
+            share = FIRST_I_SHARE if first_stage else I_SHARE
+            share = share if t == "I" else 1 - share
+            return self.fixed["B"] + share * max(0.0, self.time("B", row) - self.fixed["B"])
+        if first_stage and t in self.first:
+            ref, ref_row = self.first[t]
+            return max(0.0, ref + sum((c - c0) * u for c, c0, u in zip(row, ref_row, self.units[t])))
+        return self.fixed[t] + sum(c * u for c, u in zip(row, self.units[t]))
+
+    def describe(self, layers: Layers) -> dict[str, dict[str, float]]:
+        """type -> {"fixed": ns, "<class name>": ns per layer} (class names: "start" for the layers that only the
+        first stage holds (``Layers.ends``), "end" for the last's, "layer" (or "layer wN") for the rest)."""
+        n = len(self.layer_class)
+        start = set(range(layers.ends[0]))
+        end = set(range(n - layers.ends[1], n))
+        names = []
+        mids = [c for c in range(len(self.classes))
+                if not {li for li in range(n) if self.layer_class[li] == c} <= (start | end)]
+        for c in range(len(self.classes)):
+            members = {li for li in range(n) if self.layer_class[li] == c}
+            if members <= start:
+                names.append("start")
+            elif members <= end:
+                names.append("end")
+            else:
+                names.append("layer" if len(mids) == 1 else f"layer w{self.classes[c]:g}")
+        return {t: {"fixed": self.fixed[t], **{names[c]: u for c, u in enumerate(self.units[t])}} for t in self.fixed}
+
+
+def _nonneg_fit(rows: list[list[float]], ys: list[float]) -> tuple[float, list[float]] | None:
+    """``ys ~ fixed + rows . units`` by least squares with every part >= 0: a class whose unit comes out negative
+    costs nothing (dropped and refitted), a negative fixed part is none (refitted through the origin); None where
+    the rows cannot tell the parts apart."""
+    k = len(rows[0]) if rows else 0
+    for intercept in (True, False):
+        active = [c for c in range(k) if any(r[c] for r in rows)]
+        while True:
+            cols = [[1.0] if intercept else [] for _ in rows]
+            mat = [pre + [r[c] for c in active] for pre, r in zip(cols, rows)]
+            if not mat[0]:
+                return None
+            sol = _least_squares(mat, ys)
+            if sol is None:
+                return None
+            off = 1 if intercept else 0
+            neg = [c for c, u in zip(active, sol[off:]) if u < 0]
+            if not neg:
+                break
+            active = [c for c in active if c not in neg]
+        if intercept and sol[0] < 0:
+            continue  # a negative fixed part (noise, or a device-bound run): none
+        units = [0.0] * k
+        for c, u in zip(active, sol[off:]):
+            units[c] = u
+        return (sol[0] if intercept else 0.0), units
+    return None
+
+
+def host_fit(run: RunCosts, layers: Layers, nbytes: float) -> HostFit | None:
+    """The host's time per action as ``fixed + sum over the stage's layers of unit[class]``, by type (ns, at
+    microbatches of ``nbytes``), fitted by least squares over the recorded stages of the run's host side
+    (``run.host`` on GPUs, else the run itself); None where the recorded stages cannot tell the parts apart.
+
+    Why: on a host-bound GPU job an action's host time is the runtime's own work per action (the stage executor,
+    autograd's engine, stream waits) plus launching each of its layers' kernels from Python and autograd's
+    engine: it grows with the layers the stage holds, by what each layer *launches*, not by its FLOPs (a
+    vocabulary head is cheap to launch and expensive to run).  Sharing a recorded stage's time among its layers
+    by FLOPs (what :func:`stage_compute` does, right for the device) moves the fixed part with the layers (halve
+    the layers per stage and it halves, when each of twice as many actions pays it in full: two stages per rank
+    were predicted 20-34% too fast on 2 x H100) and puts a head's launch time on the blocks beside it.  A
+    candidate stage's host time is then a function of its own layers alone (:meth:`HostFit.time`), whatever
+    recorded stage they came from.
+
+    Layers of equal weight form a class; identifying ``fixed`` and a unit per class needs stages that hold
+    different numbers of layers of a class (an uneven split of the profile: 2,1,3,2 blocks on four stages, or
+    3,5 on two) -- an embedding and a head, each on one end stage only, are their own terms, fitted on their
+    stage.  The first stage's I and W are left out of their fits (no input gradient: not the same work as
+    elsewhere) and carried from the recorded first stage by unit differences.  A type the run did not record
+    takes the fixed part of the one it is split from or merged into (I and W: B's, each sharing B's units as
+    :data:`I_SHARE` does; B: the larger of I's and W's fixed parts, their units summed).  Negative parts are
+    none (:func:`_nonneg_fit`).
 
     The tuner applies it to GPU profiles only (a host side recorded apart, ``run.host``).  On the CPU
     benchmark (``benchmarks/tune_accuracy.py --profile 1F1B:8:3,5``: 2 gloo ranks on a shared 2-core
@@ -408,41 +513,51 @@ def fixed_per_action(run: RunCosts, layers: Layers, nbytes: float) -> dict[str, 
         return None
     weights = layers.weights
     classes = sorted({round(w, 9) for w in weights})
-    cls = [classes.index(round(w, 9)) for w in weights]
+    cls = tuple(classes.index(round(w, 9)) for w in weights)
+    empty = HostFit({}, {}, tuple(classes), cls, {})
     counts: list[list[float]] = []
     first = 0
     for cnt in layers.recorded:
-        row = [0.0] * len(classes)
-        for li in range(first, first + cnt):
-            row[cls[li]] += 1
-        counts.append(row)
+        counts.append(empty.counts(first, cnt))
         first += cnt
     types = [t for t in ("F", "B", "I", "W") if all((s, t) in src.compute_ns for s in stages0)]
     if "F" not in types or not ("B" in types or ("I" in types and "W" in types)):
         return None
+
+    def measured(k: int, t: str) -> float:
+        fit = src.compute_fit.get((stages0[k], t))
+        return fit[0] + fit[1] * nbytes if fit is not None else src.compute_ns[(stages0[k], t)]
+
     fixed: dict[str, float] = {}
+    units: dict[str, tuple[float, ...]] = {}
+    first_ref: dict[str, tuple[float, tuple[float, ...]]] = {}
     for t in types:
-        use = [k for k in range(len(stages0)) if not (t in ("I", "W") and k == 0 and len(stages0) > 1)]
-        ys = []
-        for k in use:
-            fit = src.compute_fit.get((stages0[k], t))
-            ys.append(fit[0] + fit[1] * nbytes if fit is not None else src.compute_ns[(stages0[k], t)])
-        rows = [counts[k] for k in use]
-        active = [c for c in range(len(classes)) if any(r[c] for r in rows)]
-        while True:
-            sol = _least_squares([[1.0] + [r[c] for c in active] for r in rows], ys)
-            if sol is None:
-                return None
-            neg = [c for c, u in zip(active, sol[1:]) if u < 0]
-            if not neg:
-                break
-            active = [c for c in active if c not in neg]  # a class that costs the host nothing
-        fixed[t] = max(0.0, sol[0])  # a negative fixed part (noise): none, the whole time shared by the layers
+        left_out = t in ("I", "W") and len(stages0) > 1
+        use = [k for k in range(len(stages0)) if not (left_out and k == 0)]
+        sol = _nonneg_fit([counts[k] for k in use], [measured(k, t) for k in use])
+        if sol is None:
+            return None
+        fixed[t], units[t] = sol[0], tuple(sol[1])
+        if left_out:
+            first_ref[t] = (measured(0, t), tuple(counts[0]))
     if "B" not in fixed:
         fixed["B"] = max(fixed["I"], fixed["W"])
-    fixed.setdefault("I", fixed["B"])
-    fixed.setdefault("W", fixed["B"])
-    return fixed
+        units["B"] = tuple(a + b for a, b in zip(units["I"], units["W"]))
+    derived = "I" not in fixed or "W" not in fixed
+    if derived:  # a split backward never recorded: each half pays B's fixed part and a share of the rest
+        for t, share in (("I", I_SHARE), ("W", 1 - I_SHARE)):
+            fixed[t] = fixed["B"]
+            units[t] = tuple(share * u for u in units["B"])
+    return HostFit({t: fixed[t] for t in ("F", "B", "I", "W")}, {t: units[t] for t in ("F", "B", "I", "W")},
+                   tuple(classes), cls, {} if derived else first_ref, split_from_b=derived)
+
+
+def fixed_per_action(run: RunCosts, layers: Layers, nbytes: float) -> dict[str, float] | None:
+    """The host's time per action whatever the layers the action's stage holds, by type (ns, at microbatches of
+    ``nbytes``): :attr:`HostFit.fixed` of :func:`host_fit`; None where the recorded stages cannot tell it from
+    the layers' time."""
+    fit = host_fit(run, layers, nbytes)
+    return dict(fit.fixed) if fit is not None else None
 
 
 def _less_fixed(run: RunCosts, fixed: dict[str, float]) -> RunCosts:
@@ -502,18 +617,22 @@ def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | 
     n = p * v
     place = list(place) if place is not None else [s % p for s in range(n)]
     same_ranks = p == run.world_size
-    fixed = fixed_per_action(run, layers, nbytes) if layers is not None and run.host is not None else None
-    host: list[dict[str, float]] | None = None
+    hfit = host_fit(run, layers, nbytes) if layers is not None and run.host is not None else None
+    fixed = dict(hfit.fixed) if hfit is not None else None
     host: list[dict[str, float]] | None = None
     if run.host is not None:
-        if fixed is not None:
-            host = stage_compute(_less_fixed(run.host, fixed), n, nbytes, bounds, layers=layers, split=split)
-            for c in host:
-                for t in c:
-                    c[t] += fixed[t]
+        device = stage_compute(_device_side(run, fixed), n, nbytes, bounds, layers=layers, split=split)
+        if hfit is not None and layers is not None:
+            # the host time of a candidate stage's action: fixed + its own layers' units (host_fit), whatever
+            # recorded stage (and rank) they came from
+            host = []
+            first = 0
+            for j, cnt in enumerate(list(split) if split is not None else list(layers.even_split(n))):
+                row = hfit.counts(first, cnt)
+                host.append({t: hfit.time(t, row, first_stage=j == 0) for t in device[j]})
+                first += cnt
         else:
             host = stage_compute(run.host, n, nbytes, bounds, layers=layers, split=split)
-        device = stage_compute(_device_side(run, fixed), n, nbytes, bounds, layers=layers, split=split)
     else:
         device = stage_compute(run, n, nbytes, bounds, layers=layers, split=split)
     out: dict[tuple[int, str, int | None], float] = {}
@@ -750,10 +869,12 @@ def tune(
                 _, res = _simulate(run, c.schedule, p, c.stages_per_rank, c.microbatches, layers=layers, split=split, **kw)
                 cands.append(candidate(c.schedule, c.microbatches, c.stages_per_rank, res, split, True))
     cands.sort(key=lambda c: (not c.fits, c.step_ns))
-    fixed = fixed_per_action(run, layers, run.ref_bytes) if layers is not None and run.host is not None else None
+    hfit = host_fit(run, layers, run.ref_bytes) if layers is not None and run.host is not None else None
+    fixed = dict(hfit.fixed) if hfit is not None else None
     return TuneResult(tuple(cands), tuple(skipped), recorded, measured_step_ns or run.step_ns_median or run.step_ns,
                       memory_cap, act0, proxy, calibration=factor, sizes_fitted=run.sizes_fitted,
-                      host_fixed_ns=fixed, host_separate=run.host is not None, device_events=run.device_measured,
+                      host_fixed_ns=fixed, host_units_ns=hfit.describe(layers) if hfit is not None and layers is not None else None,
+                      host_separate=run.host is not None, device_events=run.device_measured,
                       device_model=device_model if run.host is not None else None)
 
 
@@ -766,6 +887,16 @@ def _size(n: int) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} B"
+
+
+def format_host_units(units: dict[str, dict[str, float]]) -> str:
+    """``F 0.560 ms + per layer 0.300 ms, start 0.020 ms, end 0.900 ms; B ...`` (:attr:`TuneResult.host_units_ns`)."""
+    out = []
+    for t, parts in units.items():
+        keys = sorted((k for k in parts if k != "fixed"), key=lambda k: (not k.startswith("layer"), k != "start", k))
+        rest = [("per " + k if k.startswith("layer") else k) + f" {_ms(parts[k])}" for k in keys]
+        out.append(f"{t} {_ms(parts['fixed'])}" + (" + " + ", ".join(rest) if rest else ""))
+    return "; ".join(out)
 
 
 def format_tune(r: TuneResult, *, top: int = 5, source: str = "") -> str:
@@ -798,7 +929,11 @@ def format_tune(r: TuneResult, *, top: int = 5, source: str = "") -> str:
                  + ("compute carried as fixed + per-byte parts (the run had two microbatch sizes)" if r.sizes_fitted else
                     "one microbatch size recorded: compute taken as proportional to it (record steps of two batch sizes "
                     "to separate each action's fixed cost)"))
-    if r.host_fixed_ns is not None:
+    if r.host_units_ns is not None:
+        lines.append("host time per action: " + format_host_units(r.host_units_ns)
+                     + " (fitted over the recorded stages; a candidate stage's action pays the fixed part once and the "
+                     "units of its own layers)")
+    elif r.host_fixed_ns is not None:
         lines.append("host time per action, whatever its layers: " + ", ".join(f"{t} {_ms(v)}" for t, v in r.host_fixed_ns.items())
                      + " (the rest shared among the layers)")
     else:
