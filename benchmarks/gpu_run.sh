@@ -30,8 +30,10 @@
 #              microbatches 8,16,32 + the tuner's splits): measured vs predicted by the two-lane model (host commits
 #              ahead of the device; the tuner's default) and beside it the one-lane "max" model, the pick of each vs
 #              the best, and variants of the two-lane model (fixed 10 ms horizon; device time = the synced span;
-#              one device lane instead of a stream per stage)
-#              (about 100 s; TUNE_ARGS="--device-model max" makes the old model pick; "--trace-grid" traces the grid);
+#              one device lane instead of a stream per stage; host time shared by FLOPs, the rule before host_fit);
+#              the tuner's host fit (fixed + per layer, embedding, head) and each row's modelled busy time per rank
+#              (about 100 s; TUNE_ARGS="--device-model max" makes the old model pick; "--trace-grid" traces the grid
+#              and prints each row's traced host and device busy time per rank beside the model's);
 #              TUNE_ARGS adds arguments, TUNE_TIMEOUT bounds it (default 300 s); JSON in $OUT/tunegrid/tune_grid.json
 # Environment: SCHEDULES, BENCH_ARGS, BENCH_TIMEOUT, VARIANTS (see bench2).  VIS2: the GPUs of the 2-GPU parts
 # (default 0,1) and PORT: torchrun's rendezvous port (default 29500), so that two invocations can share a

@@ -39,7 +39,14 @@ list so that any split of the blocks over the stages can be run:
    device model (``--device-model``, default ``lanes``: the host commits ahead
    of the device, :data:`pipeloom.tools.schedule_tune.DEVICE_MODELS`) makes the
    pick; the other model's prediction of every row, its errors and its pick
-   are printed beside it (same profile, same measurements).
+   are printed beside it (same profile, same measurements), and a line per
+   variant of the two-lane model (``lanes-flopshare``: the host side as before
+   :func:`pipeloom.tools.schedule_tune.host_fit`).  The tuner's host fit
+   (fixed + per block, embedding, head, by type) is printed under the first
+   line, and each row has the model's busy time per rank (host launches |
+   device work over a step, uncalibrated); with ``--trace-grid`` beside it the
+   traced ones (the action spans, and the CUDA-event device times), so that a
+   miss can be placed on the host or the device side, rank by rank.
 
 Run (2 GPUs; about 80 s for ``--size s``)::
 
@@ -257,12 +264,16 @@ def _rank_main(args: argparse.Namespace) -> None:
             # in launch order instead of one stream per stage
             variants = {"lanes-10ms": (run, {"commit_launches": 0.0}),
                         "lanes-span": (replace(run, sizes_fitted=False), {}),
-                        "lanes-1stream": (run, {"stage_streams": False})}
+                        "lanes-1stream": (run, {"stage_streams": False}),
+                        # the host side as before schedule_tune.host_fit: the fixed part once, the rest of each
+                        # recorded stage's host time shared among its layers by FLOPs (a head lends its launch time
+                        # to the blocks beside it)
+                        "lanes-flopshare": (run, {"host_units": False})}
             cal_variants = {}
             for label, (vrun, kw) in variants.items():
                 cal_v = cal_variants[label] = (
                     calibration(vrun, measured_step_ns=prof_real * 1e9, layers=layers, device_model="lanes", **kw)
-                    if "stage_streams" not in kw else
+                    if not {"stage_streams", "host_units"} & set(kw) else
                     prof_real * 1e9 / _simulate(vrun, pname, world, pv, pm, layers=layers, split=_units(psplit),
                                                 device_model="lanes", **kw)[1].makespan)
                 for c in cands:
@@ -316,7 +327,8 @@ def _rank_main(args: argparse.Namespace) -> None:
             meas = statistics.median(times[i]) * 1e9
             rows.append({**c, "measured_ns": meas, "error": c["step_ns"] / meas - 1,
                          "spread": [min(times[i]) * 1e9 / meas - 1, max(times[i]) * 1e9 / meas - 1],
-                         **({"trace": f"grid{i:02d}.jsonl"} if args.trace_grid else {})})
+                         **({"trace": f"grid{i:02d}.jsonl",
+                             **_traced_busy(os.path.join(args.out, f"grid{i:02d}.jsonl"), world)} if args.trace_grid else {})})
         doc = {"profile": {"schedule": pname, "microbatches": pm, "stages_per_rank": pv, "blocks": psplit,
                            "split_backward_from": args.profile_iw or None,
                            "step_ns": prof_real * 1e9, "calibration": plan[0]["calibration"],
@@ -332,6 +344,28 @@ def _rank_main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)
+
+
+def _traced_busy(path: str, world: int) -> dict[str, list[float]]:
+    """A traced grid configuration's measured busy time per rank, the median over its training steps after the
+    first: ``host_busy_traced_ns`` (its action spans: the host's launches) and, where the trace has CUDA-event
+    device times, ``device_busy_traced_ns``; {} where the trace cannot be read."""
+    try:
+        from pipeloom.tools.trace_model import load_trace
+
+        model = load_trace(path)
+    except (OSError, ValueError) as exc:
+        print(f"{path}: {exc}", file=sys.stderr)
+        return {}
+    steps = model.train_steps[1:] or model.train_steps
+    out: dict[str, list[float]] = {}
+    host = [[sum(a.duration for a in model.actions.get(r, []) if a.step == st) for st in steps] for r in range(world)]
+    out["host_busy_traced_ns"] = [float(statistics.median(h)) if h else 0.0 for h in host]
+    if model.device_ns:
+        dev = [[sum(ns for (r1, st1, _), ns in model.device_ns.items() if r1 == r and st1 == st) for st in steps]
+               for r in range(world)]
+        out["device_busy_traced_ns"] = [float(statistics.median(d)) if d else 0.0 for d in dev]
+    return out
 
 
 def _busy(sched: Any, costs: dict[Any, float], world: int) -> list[float]:
@@ -374,6 +408,7 @@ def format_grid(doc: dict[str, Any]) -> str:
     key_o = f"step_ns_{other}" if other else None
     has_other = key_o is not None and all(key_o in r for r in rows)
     busy = all("host_busy_ns" in r for r in rows)
+    traced = any("host_busy_traced_ns" in r for r in rows)
     blocks = ",".join(map(str, prof["blocks"])) if prof.get("blocks") else "even"
     lines = [f"device {doc['device']}, GPT size {doc['size']}; profile {prof['schedule']} m={prof['microbatches']} "
              f"(blocks {blocks}): step {prof['step_ns'] / 1e6:.2f} ms, calibration x{prof['calibration']:.3f}"
@@ -385,7 +420,8 @@ def format_grid(doc: dict[str, Any]) -> str:
                if prof.get("host_units_ns") else []),
              f"{'schedule':<22} {'m':>3} {'v':>2} {'blocks per stage':>18} {'measured':>10} {'predicted':>10} {'error':>7} "
              f"{'recal.':>7} {'rank meas/pred':>14}" + (f" {other + ' model':>11} {'error':>7}" if has_other else "")
-             + f" {'spread':>12}" + ("  model busy ms per rank: host | device" if busy else "")]
+             + f" {'spread':>12}" + ("  model busy ms per rank: host | device" if busy else "")
+             + ("  traced: host | device" if traced else "")]
     # the profiled configuration as measured in the grid: the tuner's calibration redone under the grid's
     # conditions (a machine whose speed drifted between the profile and the grid shifts every row alike)
     ref = [r for r in rows if r["schedule"] == prof["schedule"] and r["microbatches"] == prof["microbatches"]
@@ -405,7 +441,9 @@ def format_grid(doc: dict[str, Any]) -> str:
                      + (f" {r[key_o] / 1e6:>9.2f}ms {r[key_o] / r['measured_ns'] - 1:>+7.1%}" if has_other else "")
                      + (f" {sp[0]:+.0%}..{sp[1]:+.0%}" if sp else "")
                      + (f"  {'/'.join(f'{x / 1e6:.1f}' for x in r['host_busy_ns'])} | "
-                        f"{'/'.join(f'{x / 1e6:.1f}' for x in r['device_busy_ns'])}" if busy else ""))
+                        f"{'/'.join(f'{x / 1e6:.1f}' for x in r['device_busy_ns'])}" if busy else "")
+                     + (f"  {'/'.join(f'{x / 1e6:.1f}' for x in r.get('host_busy_traced_ns', []))} | "
+                        f"{'/'.join(f'{x / 1e6:.1f}' for x in r.get('device_busy_traced_ns', [])) or '-'}" if traced else ""))
 
     def stats(errs: list[float]) -> str:
         return f"largest {max(errs):.1%}, median {statistics.median(errs):.1%}, {sum(e <= 0.10 for e in errs)} within 10%"

@@ -441,6 +441,9 @@ def test_host_time_of_a_stage_is_that_of_its_own_layers() -> None:
     assert run.host is not None
     by_flops = stage_compute(_less_fixed(run.host, {"F": 300.0}), 4, 1, layers=UNEVEN, split=(3, 1, 4, 2))
     assert by_flops[3]["F"] + 300 == pytest.approx(300 + (2 * 200 + 30) * 3.2 / 4.2)  # 628 ns, not 530
+    old_host, _, _ = _action_costs(run, 2, 2, 8, [0, 1, 1, 0], layers=UNEVEN, split=(3, 1, 4, 2), lanes=True,
+                                   host_units=False)  # that rule, kept for tune_grid's comparison
+    assert old_host[(3, "F", None)] == pytest.approx(by_flops[3]["F"] + 300)
     # the device side is still shared by FLOPs (a head is expensive to run)
     dev_flops = stage_compute(run, 4, 1, layers=UNEVEN, split=(3, 1, 4, 2))
     assert dev[(3, "F", None)] == pytest.approx(dev_flops[3]["F"])

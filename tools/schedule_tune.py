@@ -594,7 +594,7 @@ def _crosses(place: Sequence[int], s: int, t: str) -> bool:
 
 def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | None = None,
                   bounds: Sequence[float] | None = None, *, layers: Layers | None = None,
-                  split: Sequence[int] | None = None, lanes: bool = False) -> Any:
+                  split: Sequence[int] | None = None, lanes: bool = False, host_units: bool = True) -> Any:
     """Per-stage action costs of a candidate: compute for its microbatch size (fixed + per-byte part, see
     :func:`stage_compute`), plus the rank's runtime time per action, plus one send's blocking time where
     the output crosses ranks (a fixed cost per send: it did not grow with the payload on CPU).
@@ -607,7 +607,11 @@ def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | 
 
     ``lanes`` (with a host side): (host costs, device costs, the slowest launch) apart, for
     :func:`~pipeloom.schedules.simulate`'s ``device_costs`` (the runtime commits ahead: :data:`DEVICE_MODELS`),
-    instead of the longer of the two."""
+    instead of the longer of the two.
+
+    ``host_units`` False (comparisons only, e.g. ``benchmarks/tune_grid.py``'s variants): the host side as it was
+    before :func:`host_fit`: the fixed part per action once, the rest of each recorded stage's host time shared
+    among its layers by weight."""
     m0 = run.num_microbatches or m
     nbytes = run.ref_bytes * m0 / m
     runtime = run.runtime_per_action_ns or run.overhead_per_action_ns
@@ -622,7 +626,12 @@ def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | 
     host: list[dict[str, float]] | None = None
     if run.host is not None:
         device = stage_compute(_device_side(run, fixed), n, nbytes, bounds, layers=layers, split=split)
-        if hfit is not None and layers is not None:
+        if hfit is not None and fixed is not None and not host_units:
+            host = stage_compute(_less_fixed(run.host, fixed), n, nbytes, bounds, layers=layers, split=split)
+            for c in host:
+                for t in c:
+                    c[t] += fixed[t]
+        elif hfit is not None and layers is not None:
             # the host time of a candidate stage's action: fixed + its own layers' units (host_fit), whatever
             # recorded stage (and rank) they came from
             host = []
@@ -699,9 +708,11 @@ def _sampled(low: Any, costs: Costs, ac: dict[tuple[int, str, int | None], float
 def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layers | None = None,
               split: Sequence[int] | None = None, lowered: dict[Any, Any] | None = None,
               device_model: str = "lanes", commit_ns: float = COMMIT_MS * 1e6, commit_launches: float = COMMIT_LAUNCHES,
-              samples: int = 0, stage_streams: bool = True) -> tuple[Any, Any]:
+              samples: int = 0, stage_streams: bool = True, host_units: bool = True) -> tuple[Any, Any]:
     """(schedule, simulation) of one candidate with ``run``'s costs carried to it (ScheduleError if rejected).
-    ``lowered``: a cache of lowered schedules by (name, p, v, m) (the split changes only the action costs)."""
+    ``lowered``: a cache of lowered schedules by (name, p, v, m) (the split changes only the action costs).
+    ``host_units`` False: the host side as before :func:`host_fit`'s units (for comparisons: see
+    :func:`_action_costs`)."""
     costs = _link_costs(run, m)
     key = (name, p, v, m)
     if lowered is not None and key in lowered:
@@ -712,7 +723,7 @@ def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layer
         if lowered is not None:
             lowered[key] = (sched, low)
     lanes = device_model == "lanes" and run.host is not None
-    ac = _action_costs(run, p, v, m, sched.stage_to_rank, layers=layers, split=split, lanes=lanes)
+    ac = _action_costs(run, p, v, m, sched.stage_to_rank, layers=layers, split=split, lanes=lanes, host_units=host_units)
     if not lanes:
         if run.host is not None and not run.overlap_measured:
             costs = replace(costs, overlap=_pair_overlap(run, ac))
