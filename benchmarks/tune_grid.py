@@ -227,7 +227,7 @@ def _rank_main(args: argparse.Namespace) -> None:
             )
             from dataclasses import replace
 
-            from pipeloom.tools.schedule_tune import Layers, _action_costs, _simulate, calibration, tune
+            from pipeloom.tools.schedule_tune import Layers, _action_costs, _simulate, calibration, host_fit, tune
             from pipeloom.tools.trace_model import load_trace
 
             def costs(tag: str) -> Any:
@@ -268,12 +268,15 @@ def _rank_main(args: argparse.Namespace) -> None:
                         # the host side as before schedule_tune.host_fit: the fixed part once, the rest of each
                         # recorded stage's host time shared among its layers by FLOPs (a head lends its launch time
                         # to the blocks beside it)
-                        "lanes-flopshare": (run, {"host_units": False})}
+                        "lanes-flopshare": (run, {"host_units": False}),
+                        # a host speed per rank, fitted where the two profiles put the same stages on different
+                        # ranks (schedule_tune.host_fit(rank_speed=True)), the units fitted on both profiles' rows
+                        "lanes-rankspeed": (run, {"host_rank_speed": True})}
             cal_variants = {}
             for label, (vrun, kw) in variants.items():
                 cal_v = cal_variants[label] = (
                     calibration(vrun, measured_step_ns=prof_real * 1e9, layers=layers, device_model="lanes", **kw)
-                    if not {"stage_streams", "host_units"} & set(kw) else
+                    if not {"stage_streams", "host_units", "host_rank_speed"} & set(kw) else
                     prof_real * 1e9 / _simulate(vrun, pname, world, pv, pm, layers=layers, split=_units(psplit),
                                                 device_model="lanes", **kw)[1].makespan)
                 for c in cands:
@@ -282,7 +285,9 @@ def _rank_main(args: argparse.Namespace) -> None:
                     c["step_ns_" + label] = sim.makespan * cal_v
             plan[0] = {"candidates": cands, "calibration": res.calibration, "sizes_fitted": res.sizes_fitted,
                        "profile_step_s": prof_real, "host_fixed_ns": res.host_fixed_ns,
-                       "host_units_ns": res.host_units_ns, "device_model": args.device_model,
+                       "host_units_ns": res.host_units_ns,
+                       "host_rank_speed": getattr(host_fit(run, layers, run.ref_bytes, rank_speed=True), "speed", None),
+                       "device_model": args.device_model,
                        "other_model": other, "calibration_other": cal_other, "variants": cal_variants}
         except Exception:  # tell rank 1 (waiting in the broadcast) instead of leaving it to NCCL's timeout
             import traceback
@@ -333,7 +338,7 @@ def _rank_main(args: argparse.Namespace) -> None:
                            "split_backward_from": args.profile_iw or None,
                            "step_ns": prof_real * 1e9, "calibration": plan[0]["calibration"],
                            "sizes_fitted": plan[0]["sizes_fitted"], "host_fixed_ns": plan[0]["host_fixed_ns"],
-                           "host_units_ns": plan[0].get("host_units_ns"),
+                           "host_units_ns": plan[0].get("host_units_ns"), "host_rank_speed": plan[0].get("host_rank_speed"),
                            "device_model": plan[0]["device_model"], "other_model": plan[0]["other_model"],
                            "calibration_other": plan[0]["calibration_other"], "variants": plan[0]["variants"]},
                "device": torch.cuda.get_device_name() if gpu else "cpu", "size": args.size, "rows": rows,
@@ -416,7 +421,10 @@ def format_grid(doc: dict[str, Any]) -> str:
              f"{'fixed + per-row compute' if prof['sizes_fitted'] else 'one size: proportional compute'}, host per "
              + ("action " + (", ".join(f"{t} {v / 1e6:.3f} ms" for t, v in host.items()) if host else "not separated"))
              + (f"; I, W measured on {prof['split_backward_from']}" if prof.get("split_backward_from") else ""),
-             *([f"host fit (start: embedding, end: head + loss): {format_host_units(prof['host_units_ns'])}"]
+             *([f"host fit (start: embedding, end: head + loss): {format_host_units(prof['host_units_ns'])}"
+                + (f"; host speed by rank (variant lanes-rankspeed): "
+                   + ", ".join(f"{r} x{v:.3f}" for r, v in sorted(prof['host_rank_speed'].items()))
+                   if prof.get("host_rank_speed") else "")]
                if prof.get("host_units_ns") else []),
              f"{'schedule':<22} {'m':>3} {'v':>2} {'blocks per stage':>18} {'measured':>10} {'predicted':>10} {'error':>7} "
              f"{'recal.':>7} {'rank meas/pred':>14}" + (f" {other + ' model':>11} {'error':>7}" if has_other else "")

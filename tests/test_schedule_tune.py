@@ -449,6 +449,45 @@ def test_host_time_of_a_stage_is_that_of_its_own_layers() -> None:
     assert dev[(3, "F", None)] == pytest.approx(dev_flops[3]["F"])
 
 
+def test_host_speed_per_rank_from_two_profiles() -> None:
+    """The same stages recorded under two schedules that place them on different ranks (Interleaved1F1B: blocks
+    2,1,3,2 on ranks 0,1,0,1; ZBVZeroBubble: 0,1,1,0) tell a rank whose host is slower for the same work from the
+    layers' cost (``host_fit(rank_speed=True)``); without, the slower rank biases the units."""
+    from pipeloom.tools.schedule_tune import host_fit
+
+    stages = [(1, 2, 0), (0, 1, 0), (0, 3, 0), (0, 2, 1)]
+    host = dict(HOST, I=(400.0, 0.0, 300.0, 200.0), W=(450.0, 0.0, 250.0, 100.0))
+
+    def times(t: str, place: list[int]) -> list[float]:
+        f, e, b, h = host[t]
+        return [(f + emb * e + blk * b + hd * h) * (1.3 if place[k] == 1 else 1.0) for k, (emb, blk, hd) in enumerate(stages)]
+
+    il, zb = [0, 1, 0, 1], [0, 1, 1, 0]
+    fb = _layered_costs({t: times(t, il) for t in ("F", "B")}, il)
+    fiw = _layered_costs({t: times(t, zb) for t in ("F", "I", "W")}, zb, "ZBVZeroBubble")
+    run = merge_types(with_host_costs(replace(fb, device_measured=True), fb),
+                      with_host_costs(replace(fiw, device_measured=True), fiw))
+    assert run.host is not None and run.host.borrowed == ("I", "W") and len(run.host.others) == 1
+    plain = host_fit(run, UNEVEN, 1)
+    assert plain is not None and plain.speed == {}
+    assert abs(plain.describe(UNEVEN)["F"]["layer"] - 200.0) > 20  # rank 1's slowness taken for the layers'
+    fit = host_fit(run, UNEVEN, 1, rank_speed=True)
+    assert fit is not None and fit.speed == pytest.approx({0: 1.0, 1: 1.3})
+    for t in ("F", "B", "I", "W"):
+        f, e, b, h = host[t]
+        want = {"fixed": f, "layer": b, "end": h} | ({"start": e} if t in ("F", "B") else {})
+        got = {k: v for k, v in fit.describe(UNEVEN)[t].items() if k in want}
+        assert got == pytest.approx(want), t
+    # a candidate's action on rank 1 pays rank 1's speed; one on rank 0 the units as they are
+    hc, _, _ = _action_costs(run, 2, 1, 8, [0, 1], layers=UNEVEN, split=(5, 5), lanes=True, host_rank_speed=True)
+    assert hc[(0, "F", None)] == pytest.approx(300 + 20 + 4 * 200)
+    assert hc[(1, "F", None)] == pytest.approx(1.3 * (300 + 4 * 200 + 150))
+    # one profile alone (every stage on one rank only): no speed to fit
+    alone = with_host_costs(replace(fb, device_measured=True), fb)
+    single = host_fit(alone, UNEVEN, 1, rank_speed=True)
+    assert single is not None and single.speed == {}
+
+
 def test_tune_cli_host_costs(profile: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = str(profile)
     assert main(["schedule", "tune", "--costs-from", path, "--host-costs-from", path, "-m", "4", "--json"]) == 0

@@ -110,6 +110,11 @@ class RunCosts:
     """The action times are device times measured with CUDA events (the trace's ``device`` events,
     ``costs_from_trace(device=True)``), not spans synchronised by ``check_finite``: nothing of the host's
     launch, the sync or the checks is in them, fixed part included."""
+    others: tuple[RunCosts, ...] = ()
+    """Other recorded runs of the same stages (:func:`merge_types`: another schedule, its stages on other ranks),
+    kept whole: fits over the stages may use their actions too (``schedule_tune.host_fit(rank_speed=True)``)."""
+    borrowed: tuple[str, ...] = ()
+    """The action types :func:`merge_types` took from ``others`` (their times are another run's, on its ranks)."""
     device_link_ns: tuple[float, float] | None = None
     """GPU (:func:`with_host_costs`): the device-side run's link, (latency ns, ns per byte), a transfer's time on
     the device lane of the two-lane model (the top-level link is the host run's: when a receiver's host learns of
@@ -425,7 +430,9 @@ def merge_types(run: RunCosts, other: RunCosts) -> RunCosts:
     acts.update({k: v for k, v in other.action_costs.items() if k[1] not in have})
     merged = replace(run, compute_ns={**run.compute_ns, **add}, compute_fit=fit, action_costs=acts,
                      dispersion={**{t: q for t, q in other.dispersion.items() if t not in have}, **run.dispersion},
-                     sizes_fitted=run.sizes_fitted and other.sizes_fitted)
+                     sizes_fitted=run.sizes_fitted and other.sizes_fitted,
+                     others=(*run.others, replace(other, host=None)),
+                     borrowed=tuple(sorted({*run.borrowed, *(t for _, t in add)})))
     if run.host is not None and other.host is not None:
         merged = replace(merged, host=merge_types(run.host, other.host))
     return merged

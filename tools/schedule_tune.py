@@ -82,7 +82,7 @@ skipped with the reason.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipeloom.schedules import (
@@ -408,6 +408,9 @@ class HostFit:
     split_from_b: bool = False
     """The run recorded no split backward: I and W are shares of B above its fixed part (:data:`I_SHARE`,
     :data:`FIRST_I_SHARE`), each paying the fixed part."""
+    speed: dict[int, float] = field(default_factory=dict)
+    """rank -> its host's time for the same work relative to the lowest rank's (``host_fit(rank_speed=True)``;
+    empty: all alike); :meth:`time` multiplies by it."""
 
     def counts(self, first: int, count: int) -> list[float]:
         """Layers per class of a stage holding layers ``first .. first + count - 1``."""
@@ -416,12 +419,16 @@ class HostFit:
             row[self.layer_class[li]] += 1
         return row
 
-    def time(self, t: str, row: Sequence[float], *, first_stage: bool = False) -> float:
-        """Host time of an action of type ``t`` (fitted: see :attr:`fixed`) of a stage with ``row`` layers per class."""
+    def time(self, t: str, row: Sequence[float], *, first_stage: bool = False, rank: int | None = None) -> float:
+        """Host time of an action of type ``t`` (fitted: see :attr:`fixed`) of a stage with ``row`` layers per class
+        (on ``rank``: times its :attr:`speed`)."""
+        return self._time(t, row, first_stage) * (self.speed.get(rank, 1.0) if rank is not None else 1.0)
+
+    def _time(self, t: str, row: Sequence[float], first_stage: bool) -> float:
         if t in ("I", "W") and self.split_from_b:  # never recorded: a share of B's time above its fixed part
             share = FIRST_I_SHARE if first_stage else I_SHARE
             share = share if t == "I" else 1 - share
-            return self.fixed["B"] + share * max(0.0, self.time("B", row) - self.fixed["B"])
+            return self.fixed["B"] + share * max(0.0, self._time("B", row, False) - self.fixed["B"])
         if first_stage and t in self.first:
             ref, ref_row = self.first[t]
             return max(0.0, ref + sum((c - c0) * u for c, c0, u in zip(row, ref_row, self.units[t])))
@@ -476,7 +483,7 @@ def _nonneg_fit(rows: list[list[float]], ys: list[float]) -> tuple[float, list[f
     return None
 
 
-def host_fit(run: RunCosts, layers: Layers, nbytes: float) -> HostFit | None:
+def host_fit(run: RunCosts, layers: Layers, nbytes: float, *, rank_speed: bool = False) -> HostFit | None:
     """The host's time per action as ``fixed + sum over the stage's layers of unit[class]``, by type (ns, at
     microbatches of ``nbytes``), fitted by least squares over the recorded stages of the run's host side
     (``run.host`` on GPUs, else the run itself); None where the recorded stages cannot tell the parts apart.
@@ -499,6 +506,15 @@ def host_fit(run: RunCosts, layers: Layers, nbytes: float) -> HostFit | None:
     takes the fixed part of the one it is split from or merged into (I and W: B's, each sharing B's units as
     :data:`I_SHARE` does; B: the larger of I's and W's fixed parts, their units summed).  Negative parts are
     none (:func:`_nonneg_fit`).
+
+    ``rank_speed``: also a host speed per rank (:attr:`HostFit.speed`), fitted where the same stages were recorded
+    on different ranks (the run and the ``others`` of :func:`~pipeloom.tools.run_costs.merge_types`: Interleaved1F1B
+    puts blocks 2,1,3,2 on ranks 0,1,0,1, ZBVZeroBubble on 0,1,1,0), and the units fitted on the times divided by
+    their rank's speed, with every type's rows of every run.  Why it may matter: the units come from stages
+    recorded on different ranks, so a rank whose host is slower for the same work biases them (a rank-1 host
+    slower by d per action puts 1.5 d into the fixed part and takes d/2 from each block's unit with blocks
+    2,1,3,2 on ranks 0,1,0,1: every stage of more blocks is then predicted too cheap).  Not the default: not yet
+    checked on GPUs (``benchmarks/tune_grid.py``'s variant ``lanes-rankspeed``).
 
     The tuner applies it to GPU profiles only (a host side recorded apart, ``run.host``).  On the CPU
     benchmark (``benchmarks/tune_accuracy.py --profile 1F1B:8:3,5``: 2 gloo ranks on a shared 2-core
@@ -524,22 +540,43 @@ def host_fit(run: RunCosts, layers: Layers, nbytes: float) -> HostFit | None:
     if "F" not in types or not ("B" in types or ("I" in types and "W" in types)):
         return None
 
-    def measured(k: int, t: str) -> float:
-        fit = src.compute_fit.get((stages0[k], t))
-        return fit[0] + fit[1] * nbytes if fit is not None else src.compute_ns[(stages0[k], t)]
+    def measured(rc: RunCosts, k: int, t: str) -> float:
+        fit = rc.compute_fit.get((stages0[k], t))
+        return fit[0] + fit[1] * nbytes if fit is not None else rc.compute_ns[(stages0[k], t)]
+
+    def left_out(t: str) -> bool:
+        return t in ("I", "W") and len(stages0) > 1
+
+    # the rows of each type's fit: (layers per class, measured time, rank); with rank_speed also the other runs of
+    # the same stages (merge_types: another schedule, other ranks), each type where it was measured
+    sources: list[tuple[RunCosts, tuple[str, ...]]] = [(src, ())]
+    if rank_speed and src.others:
+        sources = [(src, src.borrowed)] + [(o, ()) for o in src.others]
+    rows: dict[str, list[tuple[list[float], float, int]]] = {}
+    for rc, skip in sources:
+        place = list(rc.stage_to_rank)
+        for t in ("F", "B", "I", "W"):
+            if t in skip or not all((s, t) in rc.compute_ns for s in stages0):
+                continue
+            for k in range(len(stages0)):
+                if not (left_out(t) and k == 0):
+                    rows.setdefault(t, []).append((counts[k], measured(rc, k, t), place[stages0[k]] if stages0[k] < len(place) else 0))
+    speed = _rank_speeds(rows.get("F", []), counts) if rank_speed else {}
+
+    def sp(r: int) -> float:
+        return speed.get(r, 1.0)
 
     fixed: dict[str, float] = {}
     units: dict[str, tuple[float, ...]] = {}
     first_ref: dict[str, tuple[float, tuple[float, ...]]] = {}
     for t in types:
-        left_out = t in ("I", "W") and len(stages0) > 1
-        use = [k for k in range(len(stages0)) if not (left_out and k == 0)]
-        sol = _nonneg_fit([counts[k] for k in use], [measured(k, t) for k in use])
+        sol = _nonneg_fit([c for c, _, _ in rows[t]], [y / sp(r) for _, y, r in rows[t]])
         if sol is None:
             return None
         fixed[t], units[t] = sol[0], tuple(sol[1])
-        if left_out:
-            first_ref[t] = (measured(0, t), tuple(counts[0]))
+        if left_out(t):
+            first_ref[t] = (measured(src, 0, t) / sp(src.stage_to_rank[stages0[0]] if src.stage_to_rank else 0),
+                            tuple(counts[0]))
     if "B" not in fixed:
         fixed["B"] = max(fixed["I"], fixed["W"])
         units["B"] = tuple(a + b for a, b in zip(units["I"], units["W"]))
@@ -549,7 +586,37 @@ def host_fit(run: RunCosts, layers: Layers, nbytes: float) -> HostFit | None:
             fixed[t] = fixed["B"]
             units[t] = tuple(share * u for u in units["B"])
     return HostFit({t: fixed[t] for t in ("F", "B", "I", "W")}, {t: units[t] for t in ("F", "B", "I", "W")},
-                   tuple(classes), cls, {} if derived else first_ref, split_from_b=derived)
+                   tuple(classes), cls, {} if derived else first_ref, split_from_b=derived, speed=speed)
+
+
+def _rank_speeds(rows: list[tuple[list[float], float, int]], counts: list[list[float]]) -> dict[int, float]:
+    """Each rank's host time relative to the lowest rank's for the same work, from action times of the same
+    stages measured on different ranks (``rows``: layers per class, time, rank); {} where no stage's layers were
+    measured on two ranks (nothing tells a rank's speed from its layers' cost).  Alternately: fit the units on
+    the times divided by their rank's speed, then each rank's speed as the least-squares ratio of its times to
+    the fit's."""
+    ranks = sorted({r for _, _, r in rows})
+    seen: dict[tuple[float, ...], set[int]] = {}
+    for c, _, r in rows:
+        seen.setdefault(tuple(c), set()).add(r)
+    if len(ranks) < 2 or not any(len(v) > 1 for v in seen.values()):
+        return {}
+    speed = dict.fromkeys(ranks, 1.0)
+    for _ in range(50):
+        sol = _nonneg_fit([c for c, _, _ in rows], [y / speed[r] for _, y, r in rows])
+        if sol is None:
+            return {}
+        pred = [sol[0] + sum(a * u for a, u in zip(c, sol[1])) for c, _, _ in rows]
+        new = {ranks[0]: 1.0}
+        for rk in ranks[1:]:
+            num = sum(y * q for (_, y, r), q in zip(rows, pred) if r == rk)
+            den = sum(q * q for (_, _, r), q in zip(rows, pred) if r == rk)
+            new[rk] = num / den if den > 0 else 1.0
+        done = all(abs(new[r] - speed[r]) < 1e-9 for r in ranks)
+        speed = new
+        if done:
+            break
+    return speed
 
 
 def fixed_per_action(run: RunCosts, layers: Layers, nbytes: float) -> dict[str, float] | None:
@@ -594,7 +661,8 @@ def _crosses(place: Sequence[int], s: int, t: str) -> bool:
 
 def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | None = None,
                   bounds: Sequence[float] | None = None, *, layers: Layers | None = None,
-                  split: Sequence[int] | None = None, lanes: bool = False, host_units: bool = True) -> Any:
+                  split: Sequence[int] | None = None, lanes: bool = False, host_units: bool = True,
+                  host_rank_speed: bool = False) -> Any:
     """Per-stage action costs of a candidate: compute for its microbatch size (fixed + per-byte part, see
     :func:`stage_compute`), plus the rank's runtime time per action, plus one send's blocking time where
     the output crosses ranks (a fixed cost per send: it did not grow with the payload on CPU).
@@ -621,7 +689,8 @@ def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | 
     n = p * v
     place = list(place) if place is not None else [s % p for s in range(n)]
     same_ranks = p == run.world_size
-    hfit = host_fit(run, layers, nbytes) if layers is not None and run.host is not None else None
+    hfit = (host_fit(run, layers, nbytes, rank_speed=host_rank_speed and same_ranks)
+            if layers is not None and run.host is not None else None)
     fixed = dict(hfit.fixed) if hfit is not None else None
     host: list[dict[str, float]] | None = None
     if run.host is not None:
@@ -638,7 +707,7 @@ def _action_costs(run: RunCosts, p: int, v: int, m: int, place: Sequence[int] | 
             first = 0
             for j, cnt in enumerate(list(split) if split is not None else list(layers.even_split(n))):
                 row = hfit.counts(first, cnt)
-                host.append({t: hfit.time(t, row, first_stage=j == 0) for t in device[j]})
+                host.append({t: hfit.time(t, row, first_stage=j == 0, rank=place[j]) for t in device[j]})
                 first += cnt
         else:
             host = stage_compute(run.host, n, nbytes, bounds, layers=layers, split=split)
@@ -708,11 +777,12 @@ def _sampled(low: Any, costs: Costs, ac: dict[tuple[int, str, int | None], float
 def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layers | None = None,
               split: Sequence[int] | None = None, lowered: dict[Any, Any] | None = None,
               device_model: str = "lanes", commit_ns: float = COMMIT_MS * 1e6, commit_launches: float = COMMIT_LAUNCHES,
-              samples: int = 0, stage_streams: bool = True, host_units: bool = True) -> tuple[Any, Any]:
+              samples: int = 0, stage_streams: bool = True, host_units: bool = True,
+              host_rank_speed: bool = False) -> tuple[Any, Any]:
     """(schedule, simulation) of one candidate with ``run``'s costs carried to it (ScheduleError if rejected).
     ``lowered``: a cache of lowered schedules by (name, p, v, m) (the split changes only the action costs).
     ``host_units`` False: the host side as before :func:`host_fit`'s units (for comparisons: see
-    :func:`_action_costs`)."""
+    :func:`_action_costs`); ``host_rank_speed``: a host speed per rank (``host_fit(rank_speed=True)``)."""
     costs = _link_costs(run, m)
     key = (name, p, v, m)
     if lowered is not None and key in lowered:
@@ -723,7 +793,8 @@ def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layer
         if lowered is not None:
             lowered[key] = (sched, low)
     lanes = device_model == "lanes" and run.host is not None
-    ac = _action_costs(run, p, v, m, sched.stage_to_rank, layers=layers, split=split, lanes=lanes, host_units=host_units)
+    ac = _action_costs(run, p, v, m, sched.stage_to_rank, layers=layers, split=split, lanes=lanes, host_units=host_units,
+                       host_rank_speed=host_rank_speed)
     if not lanes:
         if run.host is not None and not run.overlap_measured:
             costs = replace(costs, overlap=_pair_overlap(run, ac))
