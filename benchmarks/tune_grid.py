@@ -422,7 +422,7 @@ def format_grid(doc: dict[str, Any]) -> str:
              + ("action " + (", ".join(f"{t} {v / 1e6:.3f} ms" for t, v in host.items()) if host else "not separated"))
              + (f"; I, W measured on {prof['split_backward_from']}" if prof.get("split_backward_from") else ""),
              *([f"host fit (start: embedding, end: head + loss): {format_host_units(prof['host_units_ns'])}"
-                + (f"; host speed by rank (variant lanes-rankspeed): "
+                + ("; host speed by rank (variant lanes-rankspeed): "
                    + ", ".join(f"{r} x{v:.3f}" for r, v in sorted(prof['host_rank_speed'].items()))
                    if prof.get("host_rank_speed") else "")]
                if prof.get("host_units_ns") else []),
