@@ -44,9 +44,11 @@ list so that any split of the blocks over the stages can be run:
    :func:`pipeloom.tools.schedule_tune.host_fit`).  The tuner's host fit
    (fixed + per block, embedding, head, by type) is printed under the first
    line, and each row has the model's busy time per rank (host launches |
-   device work over a step, uncalibrated); with ``--trace-grid`` beside it the
-   traced ones (the action spans, and the CUDA-event device times), so that a
-   miss can be placed on the host or the device side, rank by rank.
+   device work over a step, uncalibrated; the host's includes the runtime's
+   time per action and the sends); with ``--trace-grid`` beside it the traced
+   ones (the action spans alone, and the CUDA-event device times), so that a
+   miss can be placed on the host or the device side, rank by rank; the same
+   for the profile itself on the last line but one.
 
 Run (2 GPUs; about 80 s for ``--size s``)::
 
@@ -283,7 +285,16 @@ def _rank_main(args: argparse.Namespace) -> None:
                     _, sim = _simulate(vrun, c["schedule"], world, c["stages_per_rank"], c["microbatches"], layers=layers,
                                        split=tuple(c["split"]), device_model="lanes", **kw)
                     c["step_ns_" + label] = sim.makespan * cal_v
+            # the profile itself, rank by rank: its traced busy time (host spans; device events) against what the
+            # tuner's model of the same configuration holds each rank busy with
+            psched = generate(pname, num_ranks=world, num_microbatches=pm, stages_per_rank=pv)
+            phc, pdc, _ = _action_costs(run, world, pv, pm, psched.stage_to_rank, layers=layers, split=_units(psplit),
+                                        lanes=True)
+            profile_busy = {"model_host": _busy(psched, phc, world), "model_device": _busy(psched, pdc, world),
+                            **_traced_busy(traces["host"], world,  # the full-batch steps (see the profile's loop)
+                                           lambda st: st < args.warmup or (st - args.warmup) % 2 == 0)}
             plan[0] = {"candidates": cands, "calibration": res.calibration, "sizes_fitted": res.sizes_fitted,
+                       "profile_busy": profile_busy,
                        "profile_step_s": prof_real, "host_fixed_ns": res.host_fixed_ns,
                        "host_units_ns": res.host_units_ns,
                        "host_rank_speed": getattr(host_fit(run, layers, run.ref_bytes, rank_speed=True), "speed", None),
@@ -340,7 +351,8 @@ def _rank_main(args: argparse.Namespace) -> None:
                            "sizes_fitted": plan[0]["sizes_fitted"], "host_fixed_ns": plan[0]["host_fixed_ns"],
                            "host_units_ns": plan[0].get("host_units_ns"), "host_rank_speed": plan[0].get("host_rank_speed"),
                            "device_model": plan[0]["device_model"], "other_model": plan[0]["other_model"],
-                           "calibration_other": plan[0]["calibration_other"], "variants": plan[0]["variants"]},
+                           "calibration_other": plan[0]["calibration_other"], "variants": plan[0]["variants"],
+                           "busy": plan[0].get("profile_busy")},
                "device": torch.cuda.get_device_name() if gpu else "cpu", "size": args.size, "rows": rows,
                "seconds": {"profile_and_tune": t_profile, "total": time.perf_counter() - t_start}}
         with open(os.path.join(args.out, "tune_grid.json"), "w") as f:
@@ -351,10 +363,10 @@ def _rank_main(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
-def _traced_busy(path: str, world: int) -> dict[str, list[float]]:
-    """A traced grid configuration's measured busy time per rank, the median over its training steps after the
-    first: ``host_busy_traced_ns`` (its action spans: the host's launches) and, where the trace has CUDA-event
-    device times, ``device_busy_traced_ns``; {} where the trace cannot be read."""
+def _traced_busy(path: str, world: int, keep: Any = None) -> dict[str, list[float]]:
+    """A traced configuration's measured busy time per rank, the median over its training steps after the first
+    (those ``keep(step)`` accepts, if given): ``host_busy_traced_ns`` (its action spans: the host's launches) and,
+    where the trace has CUDA-event device times, ``device_busy_traced_ns``; {} where the trace cannot be read."""
     try:
         from pipeloom.tools.trace_model import load_trace
 
@@ -362,7 +374,7 @@ def _traced_busy(path: str, world: int) -> dict[str, list[float]]:
     except (OSError, ValueError) as exc:
         print(f"{path}: {exc}", file=sys.stderr)
         return {}
-    steps = model.train_steps[1:] or model.train_steps
+    steps = [st for st in model.train_steps[1:] or model.train_steps if keep is None or keep(st)]
     out: dict[str, list[float]] = {}
     host = [[sum(a.duration for a in model.actions.get(r, []) if a.step == st) for st in steps] for r in range(world)]
     out["host_busy_traced_ns"] = [float(statistics.median(h)) if h else 0.0 for h in host]
@@ -479,6 +491,14 @@ def format_grid(doc: dict[str, Any]) -> str:
             vpick = min(rows, key=lambda r: r[key])
             lines.append(f"variant {label} (calibration x{cal_v:.3f}): error {stats(verrs)}; its pick {vpick['schedule']} "
                          f"m={vpick['microbatches']} is {vpick['measured_ns'] / best['measured_ns'] - 1:+.1%} from the best")
+    pb = prof.get("busy")
+    if pb and pb.get("host_busy_traced_ns"):
+        def ms(v: list[float]) -> str:
+            return "/".join(f"{x / 1e6:.1f}" for x in v)
+
+        lines.append(f"profile busy ms per rank, host | device: model {ms(pb['model_host'])} | {ms(pb['model_device'])}; "
+                     f"traced {ms(pb['host_busy_traced_ns'])} | {ms(pb.get('device_busy_traced_ns') or []) or '-'} "
+                     "(model: launch + runtime + sends per action, full batch; traced: action spans, median full step)")
     lines.append(f"time: profile + tune {doc['seconds']['profile_and_tune']:.0f} s, total {doc['seconds']['total']:.0f} s")
     return "\n".join(lines)
 
