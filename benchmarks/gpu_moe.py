@@ -16,11 +16,6 @@ Engines, in one process launch, in the order given (``--engines``):
   (``schedules.overlap_input_only``): the forward overlapped with the backward's
   input half (which holds all its all-to-alls), the weight half right after, so
   the overlapped halves are about equal;
-- ``pipeloom-overlap-paced``, ``pipeloom-overlap-fi-paced``: the same with
-  ``RuntimeOptions(overlap_pacing=True)``: each pair's backward half launched
-  first, the forward half's compute after each of its all-to-alls held (a
-  stream wait) until the backward's next all-to-all begins
-  (``pipeloom/moe.py``, "Pacing");
 - ``pipeloom-overlap-ctas``: the same with ``RuntimeOptions(ep_max_ctas=N)``
   (``--ep-max-ctas``, default 8): the all-to-all kernels on fewer SMs, so the
   other half's compute keeps more of them;
@@ -85,7 +80,7 @@ from _timing import StepTimer  # noqa: E402
 
 __all__ = ["main"]
 
-ENGINES = ("pipeloom-overlap", "pipeloom-overlap-paced", "pipeloom-overlap-fi", "pipeloom-overlap-fi-paced", "pipeloom-overlap-ctas", "pipeloom-no-overlap", "torch-DualPipeV", "pipeloom-1F1B", "pipeloom-Interleaved1F1B")
+ENGINES = ("pipeloom-overlap", "pipeloom-overlap-fi", "pipeloom-overlap-ctas", "pipeloom-no-overlap", "torch-DualPipeV", "pipeloom-1F1B", "pipeloom-Interleaved1F1B")
 
 
 # ---------------------------------------------------------------- model
@@ -206,8 +201,7 @@ class _Run:
         pass
 
 
-def _pipeloom(env: _Env, schedule: str, overlap: bool, ep_max_ctas: int | None = None, input_only: bool = False,
-              pacing: bool = False) -> _Run:
+def _pipeloom(env: _Env, schedule: str, overlap: bool, ep_max_ctas: int | None = None, input_only: bool = False) -> _Run:
     import pipeloom
     from pipeloom.schedules import default_stages_per_rank, generate, overlap_input_only
 
@@ -219,7 +213,7 @@ def _pipeloom(env: _Env, schedule: str, overlap: bool, ep_max_ctas: int | None =
     def stage_fn(s: int, ctx: pipeloom.StageContext) -> Any:
         return _stage(a, s, num_stages, ctx.ep_group, ctx.ep_rank, ctx.ep_size, env.device, env.dtype)
 
-    opts = pipeloom.RuntimeOptions(overlap_streams=overlap, profile_ranges=True, ep_max_ctas=ep_max_ctas, overlap_pacing=pacing)
+    opts = pipeloom.RuntimeOptions(overlap_streams=overlap, profile_ranges=True, ep_max_ctas=ep_max_ctas)
     plan: Any = schedule
     if input_only:  # each pair's backward split: (F;I) overlapped, W right after
         plan = overlap_input_only(generate(schedule, num_ranks=env.pp, num_microbatches=a.microbatches))
@@ -228,7 +222,7 @@ def _pipeloom(env: _Env, schedule: str, overlap: bool, ep_max_ctas: int | None =
     run = _Run()
     run.losses = []
     run.moe_layers = sum(len(m) for m in pipe.stages.values())
-    run.extra = {"overlap_streams": overlap, "ep_max_ctas": ep_max_ctas, "input_only": input_only, "pacing": pacing}
+    run.extra = {"overlap_streams": overlap, "ep_max_ctas": ep_max_ctas, "input_only": input_only}
     mods = pipe.stages
 
     def step() -> None:
@@ -301,10 +295,6 @@ def _make(env: _Env, engine: str) -> _Run:
         return _pipeloom(env, "DualPipeV", True)
     if engine == "pipeloom-overlap-fi":
         return _pipeloom(env, "DualPipeV", True, input_only=True)
-    if engine == "pipeloom-overlap-paced":
-        return _pipeloom(env, "DualPipeV", True, pacing=True)
-    if engine == "pipeloom-overlap-fi-paced":
-        return _pipeloom(env, "DualPipeV", True, input_only=True, pacing=True)
     if engine == "pipeloom-overlap-ctas":
         return _pipeloom(env, "DualPipeV", True, env.args.ep_max_ctas)
     if engine == "pipeloom-no-overlap":

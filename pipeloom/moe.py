@@ -44,19 +44,6 @@ OVERLAP_F_B issue their all-to-alls on different streams and communicators:
 one half's all-to-all runs while the other half computes.  NCCL's
 all-to-all never blocks the host, so both halves are enqueued at once.
 
-Pacing (GPUs, ``RuntimeOptions.overlap_pacing``).  Left to the GPU, the
-two halves of a pair start together and the forward half, about half as long
-as the backward half, is done half-way: the backward's later all-to-alls have
-nothing left to hide under (measured: 57-60% of the exchange time hidden).
-With pacing, the runtime launches the backward half first and every
-all-to-all of this module records an event on its stream just before it
-(:func:`paced_backward`); then, in the forward half (:func:`paced_forward`),
-the compute that follows each of the forward's all-to-alls waits for the
-backward half's next one to begin.  The forward's compute then runs while the
-backward's all-to-alls do, and its all-to-alls while the backward computes.
-Only a stream waits (no host synchronisation); the backward half never waits
-on the forward half, so no cycle can form.
-
 Expert parameters carry ``_pipeloom_expert = True`` (:func:`is_expert_parameter`):
 the runtime must not average them over the ep group (each rank holds other
 experts) nor broadcast them from one rank at construction.
@@ -64,16 +51,14 @@ experts) nor broadcast them from one rank at construction.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["AllToAll", "MoE", "is_expert_parameter", "mark_expert_parameter", "capacity", "paced_backward", "paced_forward"]
+__all__ = ["AllToAll", "MoE", "is_expert_parameter", "mark_expert_parameter", "capacity"]
 
 #: name of the profiler range around every all-to-all of this module (benchmarks find its kernels by it)
 PROFILE_RANGE = "pipeloom.moe.all_to_all"
@@ -90,61 +75,10 @@ def is_expert_parameter(p: torch.Tensor) -> bool:
     return bool(getattr(p, "_pipeloom_expert", False))
 
 
-class _Pacing:
-    """The state of a paced OVERLAP_F_B (see the module docstring): the backward half's events, the forward's next."""
-
-    __slots__ = ("recording", "events", "following", "next")
-
-    def __init__(self) -> None:
-        self.recording = False
-        self.events: list[Any] = []
-        self.following = False
-        self.next = 0
-
-
-_PACING = _Pacing()
-
-
-@contextlib.contextmanager
-def paced_backward() -> Iterator[None]:
-    """Run the backward half of a pair in here: each all-to-all records a CUDA event on its stream just before it."""
-    p = _PACING
-    p.events, p.next, p.recording = [], 0, True
-    try:
-        yield
-    finally:
-        p.recording = False
-
-
-@contextlib.contextmanager
-def paced_forward() -> Iterator[int]:
-    """Run the forward half after :func:`paced_backward`: its compute starts with the backward's first all-to-all,
-    and the compute after its k-th all-to-all waits for the backward's (k+1)-th to begin.  Yields the number of
-    events the backward half recorded; forgets them on exit."""
-    p = _PACING
-    if p.events:
-        torch.cuda.current_stream().wait_event(p.events[0])
-        p.next = 1
-    p.following = True
-    try:
-        yield len(p.events)
-    finally:
-        p.following = False
-        p.events, p.next = [], 0
-
-
 def _exchange(x: torch.Tensor, group: Any) -> torch.Tensor:
     out = torch.empty_like(x)
-    p = _PACING
-    if p.recording and x.is_cuda:  # (the backward half, on the autograd engine's thread, on the op's stream)
-        ev = torch.cuda.Event()
-        ev.record()
-        p.events.append(ev)
     with torch.profiler.record_function(PROFILE_RANGE):
         dist.all_to_all_single(out, x.contiguous(), group=group)
-    if p.following and p.next < len(p.events):
-        torch.cuda.current_stream().wait_event(p.events[p.next])
-        p.next += 1
     return out
 
 

@@ -88,7 +88,6 @@ from typing import Any
 
 import torch
 
-from .. import moe
 from ..schedules import Action, ActionType, Dataflow, Schedule, consumer_stage, producer_stage
 from ..schedules.dispatch import Dispatcher, choose_rule, plan_ranks
 from ..transport.control import ControlPlane
@@ -360,8 +359,6 @@ class RankActor:
         # must run on the stages' own streams to overlap).
         self._cuda = device.type == "cuda"
         self._coll_on_stage = bool(getattr(collectives, "on_stage_streams", False))
-        #: OVERLAP_F_B with expert parallelism: backward half first, the forward paced by its all-to-alls
-        self._pace = options.overlap_pacing and self._coll_on_stage
         self.dev = make_policy(
             device,
             stages,
@@ -987,11 +984,7 @@ class RankActor:
         t = a.type
         if t is _OVL:
             # the halves are two stages: on GPUs two streams, so their kernels may overlap
-            subs = a.sub_actions
-            if self._pace and len(subs) == 2 and subs[0].type is _F and subs[1].type in (_B, _I):
-                self._run_paced(subs[0], subs[1], step, inputs, train, results, losses)
-                return
-            for leaf in subs:
+            for leaf in a.sub_actions:
                 self._run(leaf, step, inputs, train, results, losses)
             return
         if t in _DP:
@@ -1003,21 +996,6 @@ class RankActor:
             return
         with self.dev.on_stage(a.stage):
             self._compute(a, step, inputs, train, results, losses)
-
-    def _run_paced(self, f: Action, b: Action, step: int, inputs: StepInputs, train: bool, results: dict[int, Any] | None,
-                   losses: dict[int, torch.Tensor]) -> None:
-        """An OVERLAP_F_B with expert parallelism, paced (``options.overlap_pacing``, ``pipeloom/moe.py``): the
-        backward half first, its all-to-alls marked by events; then the forward half, whose compute after each
-        all-to-all waits for the backward's next.  Outputs leave in the list's order (the forward's first)."""
-        n = len(self._outbox)
-        with moe.paced_backward():
-            self._run(b, step, inputs, train, results, losses)
-        k = len(self._outbox)
-        with self.dev.on_stage(f.stage), moe.paced_forward():
-            self._run(f, step, inputs, train, results, losses)
-        if len(self._outbox) > k > n:
-            ob = self._outbox
-            ob[n:] = ob[k:] + ob[n:k]
 
     def _name(self, a: Action) -> str:
         """``str(a)``, once per action (the state the heartbeats report is set twice per action)."""

@@ -222,14 +222,6 @@ class RuntimeOptions:
     Data parallelism uses the caller's stream, except with expert parallelism (whose
     all-to-alls must run on their stage's stream to overlap).  Environment: ``PIPELOOM_OVERLAP_STREAMS=0``."""
 
-    overlap_pacing: bool = False
-    """Expert parallelism: an OVERLAP_F_B launches its backward half first, and (GPUs) the
-    forward half's compute after each of its ``pipeloom.moe`` all-to-alls waits, on its stream,
-    for the backward half's next all-to-all to begin, so each half computes while the other
-    exchanges (unpaced, the shorter forward half is done half-way and the backward's later
-    all-to-alls run alone).  Only with ``expert_parallel`` > 1; on CPUs only the order changes.
-    See ``pipeloom/moe.py``, "Pacing".  Environment: ``PIPELOOM_OVERLAP_PACING=1``."""
-
     profile_ranges: bool = False
     """Run every action inside a ``torch.profiler.record_function`` range named ``PP:{action}``
     (``PP:0F3``, ``PP:(0F3;3B1)OVERLAP_F_B``, as torch's runtime names them), so a profiler's
@@ -403,7 +395,6 @@ ENV_VARS: dict[str, tuple[str, Any]] = {
     "PIPELOOM_GPU_COMMIT_LAUNCHES": ("gpu_commit_launches", _number),
     "PIPELOOM_GPU_EARLY_RECEIVES": ("gpu_early_receives", _flag),
     "PIPELOOM_OVERLAP_STREAMS": ("overlap_streams", _flag),
-    "PIPELOOM_OVERLAP_PACING": ("overlap_pacing", _flag),
     "PIPELOOM_STATIC_SHAPES": ("static_shapes", _auto_flag),
     "PIPELOOM_PROFILE_RANGES": ("profile_ranges", _flag),
     "PIPELOOM_GPU_COMMIT_RUNNING": ("gpu_commit_running", _flag),

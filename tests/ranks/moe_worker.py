@@ -42,21 +42,8 @@ def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
         from pipeloom.schedules import generate, overlap_input_only
 
         schedule = overlap_input_only(generate(schedule, num_ranks=dist.get_world_size() // ep, num_microbatches=cfg["microbatches"]))
-    # count the paced pairs (the runtime enters pipeloom.moe.paced_backward once per pair it paces)
-    import pipeloom.moe as moe_mod
-
-    paced = [0]
-    real_paced = getattr(moe_mod.paced_backward, "__wrapped_real__", moe_mod.paced_backward)
-
-    def counting() -> Any:
-        paced[0] += 1
-        return real_paced()
-
-    counting.__wrapped_real__ = real_paced  # type: ignore[attr-defined]
-    moe_mod.paced_backward = counting
     pipe = pipeloom.Pipeline(stage_fn, schedule=schedule, num_microbatches=cfg["microbatches"], loss_fn=loss_fn,
-                             trace=cfg.get("trace"), options=pipeloom.RuntimeOptions.from_env(overlap_pacing=cfg.get("pacing", False)),
-                             **layout)
+                             trace=cfg.get("trace"), **layout)
     dev = pipe.device
     result: dict[str, Any] = {"grads": [], "losses": [], "outputs": [], "stages": sorted(pipe.stages),
                               "ep_rank": {s: c.ep_rank for s, c in ctxs.items()}, "deterministic": pipe.options.deterministic,
@@ -92,7 +79,6 @@ def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("save"):  # a checkpoint of the trained state (expert shards from every ep rank)
         pipeloom.save_checkpoint(os.path.join(cfg["out"], cfg["save"]), pipe, opt, step=cfg.get("steps", 1), stage_prefix=True)
         result["saved"] = _tensors(pipe, opt)
-    result["paced_pairs"] = paced[0]
     pipe.close()
     return result
 
