@@ -50,6 +50,10 @@ CKPT_CASES = [
     dict(_BASE, id="ckpt-save-ep2", schedule="DualPipeV", eval=False, clip=None, momentum=0.9, save="ckpt"),
     dict(_BASE, id="ckpt-load-ep2", schedule="DualPipeV", eval=False, clip=None, momentum=0.9, load="ckpt", steps=0),
     dict(_BASE, id="ckpt-load-ep1", schedule="1F1B", eval=False, clip=None, momentum=0.9, load="ckpt", steps=0, ep=1),
+    # the same save written in the background (async_save=True: expert shards copied to CPU, written by DCP's thread)
+    dict(_BASE, id="ckpt-save-ep2-async", schedule="DualPipeV", eval=False, clip=None, momentum=0.9, save="ckpt-async",
+         async_save=True),
+    dict(_BASE, id="ckpt-load-ep1-async", schedule="1F1B", eval=False, clip=None, momentum=0.9, load="ckpt-async", steps=0, ep=1),
 ]
 WORKER = str(Path(__file__).parent / "ranks" / "moe_worker.py")
 
@@ -234,6 +238,26 @@ def test_checkpoint_of_expert_shards_loads_under_the_same_and_another_layout(poo
         assert set(other[r]) == {k for k in full if k.startswith(f"s{r}.")}, (r, sorted(other[r]))
         for k, v in other[r].items():
             torch.testing.assert_close(v, full[k], rtol=0, atol=0, msg=lambda m, k=k, r=r: f"rank {r} {k}: {m}")
+
+
+def test_asynchronous_checkpoint_of_expert_shards_loads_under_another_layout(pool: Any) -> None:
+    # written in the background: the same tensors as the synchronous save, loaded under pp 4 without ep
+    sync = {r: res["saved"] for r, res in enumerate(pool[0]["ckpt-save-ep2"])}
+    saved = {r: res["saved"] for r, res in enumerate(pool[0]["ckpt-save-ep2-async"])}
+    assert all(res["save_was_async"] for res in pool[0]["ckpt-save-ep2-async"])
+    for r in range(WORLD):
+        assert set(saved[r]) == set(sync[r])
+        for k, v in saved[r].items():
+            torch.testing.assert_close(v, sync[r][k], rtol=0, atol=0)
+    other = {r: res["loaded"] for r, res in enumerate(pool[0]["ckpt-load-ep1-async"])}
+    assert all(res["loaded_step"] == 2 for res in pool[0]["ckpt-load-ep1-async"])
+    for r in range(WORLD):
+        assert other[r], r
+        for k, v in other[r].items():
+            holders = sorted((q for q in range(WORLD) if k in saved[q]), key=lambda q: q % EP)
+            parts = [saved[q][k] for q in holders]
+            want = torch.cat(parts) if (".moe.w1" in k or ".moe.w2" in k) else parts[0]
+            torch.testing.assert_close(v, want, rtol=0, atol=0, msg=lambda m, k=k, r=r: f"rank {r} {k}: {m}")
 
 
 def test_benchmark_measures_hidden_all_to_all_from_a_timeline(tmp_path: Path) -> None:

@@ -77,7 +77,10 @@ def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
         result["clipped"] = {f"s{s}.{n}": p.grad.detach().cpu().clone() for s, m in pipe.stages.items()
                              for n, p in m.named_parameters()}
     if cfg.get("save"):  # a checkpoint of the trained state (expert shards from every ep rank)
-        pipeloom.save_checkpoint(os.path.join(cfg["out"], cfg["save"]), pipe, opt, step=cfg.get("steps", 1), stage_prefix=True)
+        pending = pipeloom.save_checkpoint(os.path.join(cfg["out"], cfg["save"]), pipe, opt, step=cfg.get("steps", 1),
+                                           stage_prefix=True, async_save=bool(cfg.get("async_save")))
+        result["save_was_async"] = pending._future is not None  # (written by a background thread)
+        pending.wait(120)
         result["saved"] = _tensors(pipe, opt)
     pipe.close()
     return result
