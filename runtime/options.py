@@ -225,7 +225,9 @@ class RuntimeOptions:
     profile_ranges: bool = False
     """Run every action inside a ``torch.profiler.record_function`` range named ``PP:{action}``
     (``PP:0F3``, ``PP:(0F3;3B1)OVERLAP_F_B``, as torch's runtime names them), so a profiler's
-    timeline says which action launched each kernel.  Off by default: a range costs a few
+    timeline says which action launched each kernel; the dispatcher's waits are ranges too
+    (``PP:wait 1F3``: for the inputs of the action named, the list's head; ``PP:hold 1F3``:
+    held by the GPU commit horizon) and so are the sends after an action (``PP:send``).  Off by default: a range costs a few
     microseconds of host time per action even with no profiler running.
     Environment: ``PIPELOOM_PROFILE_RANGES=1``."""
 
