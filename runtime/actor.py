@@ -1201,7 +1201,7 @@ class RankActor:
                 # Held by the commit horizon: re-check when about that much device time has run.
                 timeout = max(hold * 1e-3, 2e-4) if hold else self._liveness_interval
                 # (options.profile_ranges: the wait is a range too, "PP:hold ..." when the horizon holds)
-                with (torch.profiler.record_function(f"PP:{'hold' if hold else 'wait'} {pending[0]}")
+                with (torch.profiler.record_function(f"PP:{'hold' if hold else 'wait'} {self._name(pending[0])}")
                       if self._profile_ranges else contextlib.nullcontext()):
                     if park and landings.park(park):
                         pass  # a transfer landed while this thread waited for it (drained at the top)

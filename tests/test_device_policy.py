@@ -273,6 +273,33 @@ def test_the_running_head_counts_only_what_is_left_of_it(cuda: FakeCuda) -> None
     assert old.wait_ms() == pytest.approx(3.0)
 
 
+def test_the_running_head_begins_no_earlier_than_its_launch_and_pops_several_at_once(cuda: FakeCuda) -> None:
+    clock = FakeClock()
+    p = _policy(cuda, clock, horizon_ms=1.0, learn_steps=0)
+    p._timing.est.update({("F", 3): 2.0, ("B", 3): 5.0})
+    p.begin_step()
+    p.launched(("F", 3), [3], None)
+    assert p.queued_ms() == pytest.approx(2.0)  # polled at launch
+    clock.advance(100.0)  # the host away 100 ms (a long launch); then a backward is committed behind F
+    p.launched(("B", 3), [3], None)
+    p._queue[0][1][0].done = True
+    clock.advance(1.0)
+    # F was done at some point of the 101 ms; the midpoint (50.5 ms ago) is before B's launch (1 ms ago):
+    # B began no earlier than its launch, so 4 of its 5 ms are left (the midpoint would say none)
+    assert p.queued_ms() == pytest.approx(4.0)
+    # several finished in one poll: the new head is the first one not finished
+    for key in (("F", 3), ("B", 3), ("F", 3)):
+        p.launched(key, [3], None)
+    assert p.queued_ms() == pytest.approx(4.0 + 2.0 + 5.0 + 2.0)
+    for i in range(3):
+        for e in p._queue[i][1]:
+            e.done = True
+    clock.advance(2.0)
+    # B, F, B done in one poll: the last F (2 ms) is the head; it began half-way since the last poll (1 ms ago)
+    assert len(p._queue) == 4 and p.queued_ms() == pytest.approx(1.0)
+    assert len(p._queue) == 1
+
+
 def test_overlap_pair_counts_until_both_streams_finish(cuda: FakeCuda) -> None:
     p = _policy(cuda, horizon_ms=0.5, default_ms=1.0, learn_steps=0)
     p.launched(("OVERLAP_F_B", 0), [0, 3], None)

@@ -241,7 +241,8 @@ def test_checkpoint_of_expert_shards_loads_under_the_same_and_another_layout(poo
 
 
 def test_asynchronous_checkpoint_of_expert_shards_loads_under_another_layout(pool: Any) -> None:
-    # written in the background: the same tensors as the synchronous save, loaded under pp 4 without ep
+    # written in the background while every parameter was changed right after the call returned: the
+    # checkpoint holds the state as of the call (the same as the synchronous save's), loaded under pp 4 without ep
     sync = {r: res["saved"] for r, res in enumerate(pool[0]["ckpt-save-ep2"])}
     saved = {r: res["saved"] for r, res in enumerate(pool[0]["ckpt-save-ep2-async"])}
     assert all(res["save_was_async"] for res in pool[0]["ckpt-save-ep2-async"])

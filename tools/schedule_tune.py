@@ -611,7 +611,7 @@ def _rank_speeds(rows: list[tuple[list[float], float, int]], counts: list[list[f
         for rk in ranks[1:]:
             num = sum(y * q for (_, y, r), q in zip(rows, pred) if r == rk)
             den = sum(q * q for (_, _, r), q in zip(rows, pred) if r == rk)
-            new[rk] = num / den if den > 0 else 1.0
+            new[rk] = num / den if den > 0 and num > 0 else 1.0  # (never 0: times are divided by it)
         done = all(abs(new[r] - speed[r]) < 1e-9 for r in ranks)
         speed = new
         if done:

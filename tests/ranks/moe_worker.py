@@ -80,8 +80,12 @@ def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
         pending = pipeloom.save_checkpoint(os.path.join(cfg["out"], cfg["save"]), pipe, opt, step=cfg.get("steps", 1),
                                            stage_prefix=True, async_save=bool(cfg.get("async_save")))
         result["save_was_async"] = pending._future is not None  # (written by a background thread)
+        result["saved"] = _tensors(pipe, opt)  # the state as of the call
+        if cfg.get("async_save"):  # training goes on while it is written: the checkpoint must not see this
+            with torch.no_grad():
+                for p in pipe.parameters():
+                    p.add_(1.0)
         pending.wait(120)
-        result["saved"] = _tensors(pipe, opt)
     pipe.close()
     return result
 
