@@ -116,6 +116,8 @@ _CONFIRM_LOST = 1.5
 #: CPU, no collectives: the longest the dispatcher runs actions without giving the event loop a
 #: turn (control messages: a peer's abort, a bye)
 _YIELD_EVERY = 1e-3
+#: static shapes, auto: how long the step's layout agreement is polled on the loop's thread before it waits
+_AGREE_SPIN = 5e-5
 #: traced direct waits (gloo, static shapes) shorter than this are not written as wait events (the
 #: data had landed: the wait only took it)
 _TRACED_WAIT_NS = 20_000
@@ -1391,11 +1393,28 @@ class RankActor:
         sig = (input_signature(inputs) >> 1 << 1) | int(train)
         if self.agree is None:  # (an actor built without a Pipeline: its own inputs only)
             return (sig,)
-        fut = asyncio.get_running_loop().run_in_executor(None, self.agree, sig)
-        fut.add_done_callback(lambda _f: self._wake.set())
-        await self._wait_until(fut.done, step, "the ranks' input layouts")
+        g = None
         try:
-            got = tuple(fut.result())
+            g = self.agree(sig)  # (runtime/pipeline.py _gather_ints: an all-gather in flight)
+            if not g.done():
+                # the ranks start their steps about together: a short spin usually sees it complete,
+                # without a thread hop; else the loop waits (liveness checked) for gloo's callback
+                until = time.perf_counter() + _AGREE_SPIN
+                while not g.done() and time.perf_counter() < until:
+                    pass
+            if not g.done():
+                loop, wake = asyncio.get_running_loop(), self._wake
+                g.on_done(lambda: loop.call_soon_threadsafe(wake.set))
+                try:
+                    await self._wait_until(g.done, step, "the ranks' input layouts")
+                except BaseException:
+                    # a peer failed before joining: the gather stays pending in gloo; the exit guard
+                    # keeps it from being finalized (which would end the process with terminate)
+                    guard_exit_works([g.work])
+                    raise
+            got = tuple(g.result())
+        except PipelineError:
+            raise
         except RuntimeError as exc:  # gloo: a rank of the all-gather is gone (its connection closed)
             err = self._lost_any(f"agreeing on step {step}'s input layouts", exc)
             if err is None:

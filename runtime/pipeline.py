@@ -61,14 +61,37 @@ class Microbatches(list):  # type: ignore[type-arg]
     """
 
 
-def _gather_ints(group: Any) -> Callable[[int], list[int]]:
-    """A blocking all-gather of one int64 per rank over the gloo ``group`` (None: the default group)."""
+class _Gathering:
+    """An all-gather of one int64 per rank in flight: ``done()`` polls it, ``on_done(fn)`` calls ``fn`` (from
+    gloo's thread) once it completes, ``result()`` the values by rank (raises gloo's error: a rank gone)."""
 
-    def gather(value: int) -> list[int]:
+    __slots__ = ("work", "out")
+
+    def __init__(self, work: Any, out: list[torch.Tensor]) -> None:
+        self.work, self.out = work, out
+
+    def done(self) -> bool:
+        return bool(self.work.is_completed())
+
+    def on_done(self, fn: Callable[[], None]) -> None:
+        self.work.get_future().add_done_callback(lambda _f: fn())
+
+    def result(self) -> list[int]:
+        self.work.wait()
+        return [int(t) for t in self.out]
+
+
+def _gather_ints(group: Any) -> Callable[[int], _Gathering]:
+    """Start an all-gather of one int64 per rank over the gloo ``group`` (None: the default group).
+
+    Asynchronous (a gloo collective ``Work``): the caller polls it on its own thread rather than
+    hopping to an executor thread and back for each step's gather (measured ~35 us for the
+    gather itself on one rank, against a thread round trip of a few hundred)."""
+
+    def gather(value: int) -> _Gathering:
         mine = torch.tensor([value], dtype=torch.int64)
         out = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(out, mine, group=group)
-        return [int(t) for t in out]
+        return _Gathering(dist.all_gather(out, mine, group=group, async_op=True), out)
 
     return gather
 
