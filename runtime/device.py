@@ -168,7 +168,8 @@ class _Timing:
     def __init__(self) -> None:
         self.est: dict[tuple[Any, int], float] = {}
         #: (key, start event, end event, learning?, meta for on_timed or None)
-        self.pending: list[tuple[tuple[Any, int], Any, Any, bool, Any]] = []
+        #: (key, start event, end events (one per stream the action ran on), learning?, meta)
+        self.pending: list[tuple[tuple[Any, int], Any, list[Any], bool, Any]] = []
         self.host: dict[tuple[Any, int], list[float]] = {}
         #: the step each action type was first launched in (its launches there are not learned)
         self.first_seen: dict[tuple[Any, int], int] = {}
@@ -180,9 +181,10 @@ class _Timing:
     def harvest(self, on_timed: Any = None) -> None:
         keep = []
         for item in self.pending:
-            key, s, e, learn, meta = item
-            if e.query():
-                ms = s.elapsed_time(e)
+            key, s, ends, learn, meta = item
+            if all(e.query() for e in ends):
+                # to the last of its streams' ends: an OVERLAP_F_B lasts as long as its longer half
+                ms = max(s.elapsed_time(e) for e in ends)
                 if learn:
                     old = self.est.get(key)
                     self.est[key] = ms if old is None else min(old, ms)  # the least: compute without stalls
@@ -362,8 +364,9 @@ class CudaPolicy(DevicePolicy):
 
     def flush(self) -> None:
         if self._timing.pending:
-            for _, _, e, _, _ in self._timing.pending:
-                e.synchronize()
+            for _, _, ends, _, _ in self._timing.pending:
+                for e in ends:
+                    e.synchronize()
             self._timing.harvest(self.on_timed)
 
     def inputs_ready(self, token: Any, stage: int) -> None:
@@ -376,20 +379,18 @@ class CudaPolicy(DevicePolicy):
 
     def launched(self, key: tuple[Any, int], stages: Sequence[int], token: Any) -> None:
         s = self.stream(stages[0])
-        if token is not None and token[0] is not None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(s)
-            self._timing.pending.append((key, token[0], end, token[2], token[1]))
-        else:
-            end = torch.cuda.Event()
-            end.record(s)
+        timed = token is not None and token[0] is not None
+        end = torch.cuda.Event(enable_timing=timed)
+        end.record(s)
         ends = [end]
         for st in stages[1:]:  # the other half of an OVERLAP_F_B, on its own stream
             other = self.stream(st)
             if other != s:
-                ev = torch.cuda.Event()
+                ev = torch.cuda.Event(enable_timing=timed)
                 ev.record(other)
                 ends.append(ev)
+        if timed:
+            self._timing.pending.append((key, token[0], ends, token[2], token[1]))
         est = self._timing.est.get(key, self.default_ms)
         now = self._clock()
         if not self._queue:

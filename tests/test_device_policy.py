@@ -321,7 +321,7 @@ def test_action_time_is_learned_from_events_after_the_input_waits(cuda: FakeCuda
     start = tok[0]
     assert start.timing and start.stream is p.streams[3]
     p.launched(key, [3], tok)
-    (k, s, e, learn, meta), = p._timing.pending
+    (k, s, (e,), learn, meta), = p._timing.pending
     assert k == key and s is start and e.timing and learn and meta is None
     s.t, e.t, e.done = 10.0, 14.0, True
     p.end_step()  # harvests the finished timing events
@@ -367,6 +367,28 @@ def test_horizon_rule_floor_cap_and_off() -> None:
     assert devmod.commit_horizon(10.0, 0.0, 12.0, 250.0) == 10.0  # off
 
 
+def test_an_overlapped_pair_is_timed_to_its_longer_half(cuda: FakeCuda) -> None:
+    # OVERLAP_F_B: the forward half on stage 0's stream, the backward half (twice as long) on stage 3's;
+    # the pair's device time (learned, and what the trace and the tuner read) runs to the later end
+    got: list[tuple[Any, float]] = []
+    p = _policy(cuda, horizon_ms=5.0, default_ms=1.0, learn_steps=1)
+    p.on_timed = lambda meta, ms: got.append((meta, ms))
+    key = ("OVERLAP_F_B", 0)
+    p.begin_step()
+    tok = p.start(key, "pair")
+    p.inputs_ready(tok, 0)
+    p.launched(key, [0, 3], tok)
+    (_, s, ends, _, _), = p._timing.pending
+    assert [e.stream for e in ends] == [p.streams[0], p.streams[3]] and all(e.timing for e in ends)
+    s.t, ends[0].t, ends[1].t = 0.0, 2.0, 4.0
+    ends[0].done = True
+    p.end_step()
+    assert got == [] and key not in p._timing.est  # the backward half still runs: not timed yet
+    ends[1].done = True
+    p.flush()
+    assert got == [("pair", 4.0)] and p._timing.est[key] == 4.0
+
+
 def test_traced_actions_hand_their_device_time_over_once_their_events_complete(cuda: FakeCuda) -> None:
     # tracing: every action is timed (not only while learning) and its device time reaches on_timed with its
     # meta when its end event completes; what is timed after the learning steps does not move the estimates
@@ -380,7 +402,7 @@ def test_traced_actions_hand_their_device_time_over_once_their_events_complete(c
         assert tok is not None and tok[1] == ("meta", step) and tok[2] == (step == 0)
         p.inputs_ready(tok, 0)
         p.launched(key, [0], tok)
-        (_, s, e, _, _), = p._timing.pending
+        (_, s, (e,), _, _), = p._timing.pending
         s.t, e.t = t0, t1
         if step == 0:
             e.done = True
