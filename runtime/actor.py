@@ -1393,7 +1393,6 @@ class RankActor:
         sig = (input_signature(inputs) >> 1 << 1) | int(train)
         if self.agree is None:  # (an actor built without a Pipeline: its own inputs only)
             return (sig,)
-        g = None
         try:
             g = self.agree(sig)  # (runtime/pipeline.py _gather_ints: an all-gather in flight)
             if not g.done():
@@ -1404,7 +1403,12 @@ class RankActor:
                     pass
             if not g.done():
                 loop, wake = asyncio.get_running_loop(), self._wake
-                g.on_done(lambda: loop.call_soon_threadsafe(wake.set))
+
+                def woken() -> None:  # (gloo's thread; the loop may be closed by then: a failed step)
+                    with contextlib.suppress(RuntimeError):
+                        loop.call_soon_threadsafe(wake.set)
+
+                g.on_done(woken)
                 try:
                     await self._wait_until(g.done, step, "the ranks' input layouts")
                 except BaseException:
