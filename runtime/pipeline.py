@@ -65,19 +65,21 @@ class _Gathering:
     """An all-gather of one int64 per rank in flight: ``done()`` polls it, ``on_done(fn)`` calls ``fn`` (from
     gloo's thread) once it completes, ``result()`` the values by rank (raises gloo's error: a rank gone)."""
 
-    __slots__ = ("work", "out")
+    __slots__ = ("work", "fut", "out")
 
     def __init__(self, work: Any, out: list[torch.Tensor]) -> None:
-        self.work, self.out = work, out
+        # (the future, not ``work.is_completed()``: gloo runs the future's callbacks before the Work
+        # reads completed, so a waiter woken by the callback could see it pending and sleep on)
+        self.work, self.fut, self.out = work, work.get_future(), out
 
     def done(self) -> bool:
-        return bool(self.work.is_completed())
+        return bool(self.fut.done())
 
     def on_done(self, fn: Callable[[], None]) -> None:
-        self.work.get_future().add_done_callback(lambda _f: fn())
+        self.fut.add_done_callback(lambda _f: fn())
 
     def result(self) -> list[int]:
-        self.work.wait()
+        self.fut.wait()  # (raises gloo's error)
         return [int(t) for t in self.out]
 
 
