@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from fake_clock import FakeClock
 
 from pipeloom.runtime import device as devmod
 
@@ -109,19 +110,6 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     FAKE = FakeCuda()
     monkeypatch.setattr(devmod, "torch", types.SimpleNamespace(cuda=FAKE))
     return FAKE
-
-
-class FakeClock:
-    """The host clock the policy reads (seconds); tests move it by hand."""
-
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, ms: float) -> None:
-        self.t += ms * 1e-3
 
 
 def _policy(cuda: FakeCuda, clock: FakeClock | None = None, **kw: Any) -> devmod.CudaPolicy:
@@ -253,23 +241,23 @@ def test_the_running_head_counts_only_what_is_left_of_it(cuda: FakeCuda) -> None
     p.launched(("F", 3), [3], None)  # into an empty queue: begins now
     p.launched(("B", 3), [3], None)
     assert p.queued_ms() == pytest.approx(13.0) and p.wait_ms() == pytest.approx(3.0)
-    clock.advance(3.0)
+    clock.advance_ms(3.0)
     assert p.queued_ms() == pytest.approx(10.0) and p.wait_ms() == 0.0  # 1 ms of F left + B
-    clock.advance(2.0)  # F ran 5 ms: its estimate is used up, it is counted as nothing until its event says done
+    clock.advance_ms(2.0)  # F ran 5 ms: its estimate is used up, it is counted as nothing until its event says done
     assert p.queued_ms() == pytest.approx(9.0)
     p._queue[0][1][0].done = True  # F's end: B began between this poll and the last (midpoint)
-    clock.advance(2.0)
+    clock.advance_ms(2.0)
     assert p.queued_ms() == pytest.approx(8.0)  # B from 1 ms ago: 8 of 9 ms left
     p.launched(("F", 3), [3], None)  # the next forward: 12 ms queued
     assert p.wait_ms() == pytest.approx(2.0)
-    clock.advance(2.5)
+    clock.advance_ms(2.5)
     assert p.wait_ms() == 0.0  # B has 5.5 ms left: commit the next backward now
     # the old accounting for comparison: B counted whole until its end event
     old = _policy(cuda, FakeClock(), horizon_ms=10.0, learn_steps=0, count_running=False)
     old._timing.est.update({("B", 3): 9.0, ("F", 3): 4.0})
     old.launched(("B", 3), [3], None)
     old.launched(("F", 3), [3], None)
-    old._clock.advance(8.0)
+    old._clock.advance_ms(8.0)
     assert old.wait_ms() == pytest.approx(3.0)
 
 
@@ -280,10 +268,10 @@ def test_the_running_head_begins_no_earlier_than_its_launch_and_pops_several_at_
     p.begin_step()
     p.launched(("F", 3), [3], None)
     assert p.queued_ms() == pytest.approx(2.0)  # polled at launch
-    clock.advance(100.0)  # the host away 100 ms (a long launch); then a backward is committed behind F
+    clock.advance_ms(100.0)  # the host away 100 ms (a long launch); then a backward is committed behind F
     p.launched(("B", 3), [3], None)
     p._queue[0][1][0].done = True
-    clock.advance(1.0)
+    clock.advance_ms(1.0)
     # F was done at some point of the 101 ms; the midpoint (50.5 ms ago) is before B's launch (1 ms ago):
     # B began no earlier than its launch, so 4 of its 5 ms are left (the midpoint would say none)
     assert p.queued_ms() == pytest.approx(4.0)
@@ -294,7 +282,7 @@ def test_the_running_head_begins_no_earlier_than_its_launch_and_pops_several_at_
     for i in range(3):
         for e in p._queue[i][1]:
             e.done = True
-    clock.advance(2.0)
+    clock.advance_ms(2.0)
     # B, F, B done in one poll: the last F (2 ms) is the head; it began half-way since the last poll (1 ms ago)
     assert len(p._queue) == 4 and p.queued_ms() == pytest.approx(1.0)
     assert len(p._queue) == 1

@@ -2,18 +2,9 @@
 
 from __future__ import annotations
 
+from fake_clock import FakeClock
+
 from pipeloom.runtime.liveness import RECONNECT_GRACE, LostPeer, PeerLiveness
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def make(world: int = 3, rank: int = 0, hb: float = 10.0, stall: float = 30.0) -> tuple[PeerLiveness, FakeClock]:
