@@ -395,6 +395,25 @@ def _gaps(trace_path: str) -> dict[str, Any]:
                     out["dependency_us"] += gap
         out["busy_us"] += max(0.0, en - max(st, end))
         end = max(end, en)
+    # two stage streams at once (two stages on a rank, OVERLAP_F_B): how long their compute kernels ran side by
+    # side; the CUDA-event device time of an action spans the other stream's kernels then, so the actions' summed
+    # device times exceed the union busy time by about this much (per stream: the kernels' own summed time)
+    per_stream: dict[str, float] = {}
+    edges = []
+    for st, en, _, stream in comp:
+        per_stream[str(stream)] = per_stream.get(str(stream), 0.0) + (en - st)
+        edges += [(st, 1, stream), (en, -1, stream)]
+    edges.sort(key=lambda e: (e[0], e[1]))
+    active: dict[Any, int] = {}
+    concurrent = 0.0
+    last_t = None
+    for t, d, stream in edges:
+        if last_t is not None and sum(1 for v in active.values() if v > 0) >= 2:
+            concurrent += t - last_t
+        active[stream] = active.get(stream, 0) + d
+        last_t = t
+    out["kernel_us_by_stream"] = {k: round(v, 1) for k, v in sorted(per_stream.items())}
+    out["concurrent_streams_us"] = round(concurrent, 1)
     if ranges:
         out["host_gap_at_idle_us"] = {k: round(v, 1) for k, v in sorted(by_range.items(), key=lambda kv: -kv[1])}
         out["host_gap_late_launch_us"] = {k: round(v, 1) for k, v in sorted(late.items(), key=lambda kv: -kv[1])}

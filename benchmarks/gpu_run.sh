@@ -15,6 +15,7 @@
 #              alternating in ALTERNATE rounds (default 3); 1F1B of size l profiled (--profile 3, traces of
 #              ranks 0 and last under $OUT/prof-$CODE; NO_TRACES=1 keeps none, NO_PROFILE=1 skips); CODE tags rows
 #   gpt4       the same on 4 GPUs, size l, no profile
+#   streams2   benchmarks/gpu_pipeline.py --profile on GPUs VIS2: per rank, how long two stage streams ran kernels at once
 #   fsdp       benchmarks/gpu_fsdp.py, 2 pipeline ranks x 2 FSDP ranks
 #   straggler  benchmarks/straggler.py on 4 GPUs
 #   moe4       benchmarks/gpu_moe.py on 4 GPUs (pp 2 x ep 2): DualPipeV with / without overlap (also (F;I) pairs, CTA cap), torch's DualPipeV,
@@ -103,6 +104,23 @@ for part in "$@"; do
       CUDA_VISIBLE_DEVICES=$vis bench $n "" --model gpt --size $size --schedule "$gs" --engines "$eng" \
         --alternate "${ALTERNATE:-3}" $prof --code "${CODE:-}"
     done
+    ;;
+  streams2)
+    # how long two stage streams' kernels run side by side on a rank (concurrent_streams_us, kernel_us_by_stream
+    # per rank in $OUT/streams.jsonl): GPT size STREAMS_SIZE (default s), pipeloom (ENGINES to add torch), profiled
+    (cd /tmp && CUDA_VISIBLE_DEVICES=$VIS2 timeout "${STREAMS_TIMEOUT:-200}" torchrun --master-port "$PORT" --nproc-per-node 2 \
+       "$REPO/benchmarks/gpu_pipeline.py" --json "$OUT/streams.jsonl" --model gpt --size "${STREAMS_SIZE:-s}" \
+       --schedule "${STREAMS_SCHEDULES:-1F1B,Interleaved1F1B,ZBVZeroBubble,DualPipeV}" --engines "${ENGINES:-pipeloom}" \
+       --profile 2 --profile-schedules "${STREAMS_SCHEDULES:-1F1B,Interleaved1F1B,ZBVZeroBubble,DualPipeV}" \
+       2>&1 | grep -v "^\[W\|Warning\|warn" | cut -c1-300 | tail -8)
+    python3 - "$OUT/streams.jsonl" <<'PY' | tee "$OUT/streams.txt"
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    for k, g in enumerate(r.get("gaps_by_rank") or []):
+        print(r["engine"], r["schedule"], "rank", k, "step_ms", round(r.get("step_ms", 0), 2), "busy_us", round(g["busy_us"]),
+              "span_us", round(g["span_us"]), "concurrent_us", g.get("concurrent_streams_us"), "by_stream", g.get("kernel_us_by_stream"))
+PY
     ;;
   bench4)
     for s in ${SCHEDULES4:-$ALL}; do echo "== 4 GPUs $s"; bench 4 "" --schedule "$s"; done
