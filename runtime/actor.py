@@ -1095,6 +1095,8 @@ class RankActor:
         pending = self._pending = list(self.train_actions if train else self.eval_actions)
         self._train_now = train
         spec = False
+        # (traced: the step begins here, its agreement on the input layouts included)
+        step_start = clock_ns() if self.trace is not None else 0
         if self._static:
             layout = (train, await self._agree_layout(inputs, step, train) if self._auto else None)
             tables = self._known.get(layout)
@@ -1157,7 +1159,6 @@ class RankActor:
         in_turn_only = spec and self._direct is None and dispatcher.rule != "list"
         in_flight = self._in_flight if dispatcher.rule == "guarded" else None
         trace = self.trace
-        step_start = clock_ns() if trace is not None else 0
         last_liveness = time.monotonic()
         landings.inline()  # back to the loop after the step, or in run_step after a failure
         lazy_yield = coll is None
@@ -1300,7 +1301,11 @@ class RankActor:
                 raise PipelineError(f"rank {self.rank} step {step}: static shapes: transfers never sent (internal error): {left}")
             for peer in self._send_order[train]:
                 self.tensors.send_end(peer, step)
+            late = [p for p in self._recv_order[train] if p not in self._ends]
+            d0 = clock_ns() if trace is not None and late else 0
             await self._await_ends(step, train)
+            if d0:  # (traced: the wait for a peer still running its part of the step is a wait, not runtime)
+                trace.wait(step, d0, clock_ns(), [f"peers' end of step: from rank {p}" for p in late])
         if coll is not None and coll.outstanding:
             # Reductions still in flight: wait for them without blocking the loop.
             self.state = ("waiting", "data-parallel collectives", time.monotonic())
@@ -1395,6 +1400,7 @@ class RankActor:
             return (sig,)
         try:
             g = self.agree(sig)  # (runtime/pipeline.py _gather_ints: an all-gather in flight)
+            w0 = clock_ns() if self.trace is not None and not g.done() else 0
             if not g.done():
                 # the ranks start their steps about together: a short spin usually sees it complete,
                 # without a thread hop; else the loop waits (liveness checked) for gloo's callback
@@ -1416,6 +1422,8 @@ class RankActor:
                     # keeps it from being finalized (which would end the process with terminate)
                     guard_exit_works([g.work])
                     raise
+            if w0 and self.trace is not None:  # (a wait for the ranks not yet at this step, not runtime)
+                self.trace.wait(step, w0, clock_ns(), ["the ranks' input layouts"])
             got = tuple(g.result())
         except PipelineError:
             raise

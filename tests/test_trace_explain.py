@@ -11,6 +11,7 @@ numbers are known.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import textwrap
 from pathlib import Path
@@ -230,3 +231,64 @@ def test_tune_ranks_configurations_from_a_run(runs: Path, capsys: pytest.Capture
     assert a2[(0, "F", None)] - o == pytest.approx(2 * (a4[(0, "F", None)] - o))
     r = tune(rc, schedules=["1F1B"], microbatches=[4], stages_per_rank=[1], activation_memory=1000)
     assert r.recorded is not None and r.candidates[0].peak_activation_bytes == 1000 * r.candidates[0].peak_live
+
+
+SLOW_FIRST_STAGE = textwrap.dedent(
+    """\
+    import os, sys, time
+    import torch, pipeloom
+    from torch import nn
+    out = sys.argv[1]
+    torch.set_num_threads(1)
+
+    class SlowBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            time.sleep(0.04)
+            return g
+
+    class Slow(nn.Module):
+        def forward(self, x):
+            return SlowBackward.apply(x)
+
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(8, 8), Slow()), nn.Linear(8, 8)]
+    pipe = pipeloom.Pipeline(lambda s: stages[s], schedule="1F1B", num_microbatches=2,
+                             loss_fn=nn.functional.mse_loss, trace=f"{out}/slow.jsonl")
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    for _ in range(3):
+        pipe.step(x, target=y)
+    pipe.close()
+    """
+)
+
+
+def test_the_wait_for_a_peers_end_of_step_is_a_wait_on_that_peer(tmp_path: Path) -> None:
+    # 1F1B on 2 ranks: rank 1 (the last stage) runs its last backward, then waits for rank 0 to end its
+    # step (static shapes: rank 0's end-of-step header), which comes after rank 0's last backward: 40 ms
+    # of sleep here.  That wait is the peer's, not the runtime's own time.
+    proc = launch_script(tmp_path, SLOW_FIRST_STAGE, str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = load_trace(tmp_path / "slow.jsonl")
+    ends = [w for w in model.waits[1] if any("end of step" in str(t) for t in w.event.get("for", []))]
+    assert {w.step for w in ends} >= {1, 2}, "rank 1 waited at the end of its static-shape steps"
+    for step in (1, 2):
+        a = attribute(model, 1, step)
+        peer_end = a.waits_ns.get(("peer_end", 0), 0)
+        assert peer_end >= 30e6, a.waits_ns  # ~ rank 0's last backward (40 ms)
+        assert a.runtime_ns < peer_end, (a.runtime_ns, peer_end)
+        assert a.total_ns == a.window_ns
+
+
+def test_layout_and_end_of_step_waits_by_hand() -> None:
+    m = _hand()
+    w = m.waits[1][0]
+    for texts, want in ((["peers' end of step: from rank 0"], ("peer_end", 0)),
+                        (["the ranks' input layouts"], ("layouts", None))):
+        got = wait_causes(m, dataclasses.replace(w, event=dict(w.event, **{"for": texts})))
+        assert [(c, p) for _, _, c, p in got] == [want]
+        assert got[0][:2] == (w.start, w.end)

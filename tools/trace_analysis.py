@@ -60,7 +60,8 @@ __all__ = [
     "select_steps",
 ]
 
-WAIT_CAUSES = ("not_sent", "in_flight", "wakeup", "memory_cap", "unshard", "reduction", "sends", "other")
+WAIT_CAUSES = ("not_sent", "in_flight", "wakeup", "memory_cap", "unshard", "reduction", "sends", "peer_end", "layouts",
+               "other")
 """Causes of a wait, in report order."""
 
 DEFINITIONS = """\
@@ -79,6 +80,11 @@ window exactly (one label per instant; an action beats a send beats a wait):
     unshard      an FSDP all-gather not complete
     reduction    data-parallel gradient reduction (at the end of the step)
     sends        the rank's own sends completing at the end of the step
+    peer_end     static shapes, at the end of the step: a peer that sends to this
+                 rank has not yet said that its sends are done (it is still
+                 running its part of the step: the rank named is the late one)
+    layouts      static shapes, at the start of the step: the ranks' input
+                 layouts being agreed (a rank not yet at this step)
     other        anything else the dispatcher named
   send         blocking in a send (after the action that produced the data)
   runtime      inside the rank's step but in no action, send or wait: the
@@ -165,6 +171,11 @@ def _text_cause(texts: Sequence[str]) -> tuple[str, int | None]:
     low = joined.lower()
     if "sends to complete" in low:
         return "sends", None
+    if "end of step" in low:
+        m = _PEER.search(joined)
+        return "peer_end", int(m.group(1)) if m else None
+    if "input layouts" in low:
+        return "layouts", None
     if "collectives to complete" in low or "reduce_grad" in low or "backward of stage" in low:
         return "reduction", None
     if "unshard" in low or "all-gather" in low:
@@ -186,6 +197,9 @@ def wait_causes(model: TraceModel, wait: Span, index: _RankIndex | None = None) 
     """
     idx = index or _RankIndex(model, wait.rank)
     texts = [str(x) for x in (wait.event.get("for") or [])]
+    if any("input layouts" in t or "end of step" in t for t in texts):  # not waits for an action's input
+        cause, peer = _text_cause(texts)
+        return [(wait.start, wait.end, cause, peer)]
     nxt = idx.next_action(wait.end, wait.step)
     if nxt is not None:
         late = [x for x in idx.inputs(nxt) if x.end > wait.start]
