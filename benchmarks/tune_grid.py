@@ -326,15 +326,21 @@ def _rank_main(args: argparse.Namespace) -> None:
     pipes = [build(c["schedule"], c["microbatches"], c["stages_per_rank"], _blocks(tuple(c["split"])),
                    **({"trace": os.path.join(args.out, f"grid{i:02d}.jsonl")} if args.trace_grid else {}))
              for i, c in enumerate(grid)]
-    for pipe in pipes:
+    # the profiled configuration itself, measured beside the grid (alive with the others, traced with them, in
+    # the same rounds): the step the tuner's calibration would have read had the profile run under the grid's
+    # conditions (index -1 in the rounds)
+    anchor = build(pname, pm, pv, psplit, **({"trace": os.path.join(args.out, "anchor.jsonl")} if args.trace_grid else {}))
+    members = {**dict(enumerate(pipes)), -1: anchor}
+    for pipe in members.values():
         timed(pipe, 0, args.warmup)
     times: dict[int, list[float]] = {}
     for r in range(args.rounds):
-        order = list(range(len(grid))) if r % 2 == 0 else list(range(len(grid)))[::-1]
+        order = [*range(len(grid)), -1] if r % 2 == 0 else [-1, *range(len(grid))][::-1]
         for i in order:
-            times.setdefault(i, []).extend(timed(pipes[i], args.steps, 1))
-    for pipe in pipes:
+            times.setdefault(i, []).extend(timed(members[i], args.steps, 1))
+    for pipe in members.values():
         pipe.close()
+    del anchor, members
     del pipes
     release()
     if rank == 0:
@@ -348,6 +354,7 @@ def _rank_main(args: argparse.Namespace) -> None:
         doc = {"profile": {"schedule": pname, "microbatches": pm, "stages_per_rank": pv, "blocks": psplit,
                            "split_backward_from": args.profile_iw or None,
                            "step_ns": prof_real * 1e9, "calibration": plan[0]["calibration"],
+                           "step_in_grid_ns": statistics.median(times[-1]) * 1e9,
                            "sizes_fitted": plan[0]["sizes_fitted"], "host_fixed_ns": plan[0]["host_fixed_ns"],
                            "host_units_ns": plan[0].get("host_units_ns"), "host_rank_speed": plan[0].get("host_rank_speed"),
                            "device_model": plan[0]["device_model"], "other_model": plan[0]["other_model"],
@@ -447,6 +454,9 @@ def format_grid(doc: dict[str, Any]) -> str:
     ref = [r for r in rows if r["schedule"] == prof["schedule"] and r["microbatches"] == prof["microbatches"]
            and r["stages_per_rank"] == prof.get("stages_per_rank", 1) and not r["searched"]]
     recal = ref[0]["measured_ns"] / ref[0]["step_ns"] if ref else 1.0
+    # the profiled configuration measured among the grid's (same rounds, same conditions): every prediction
+    # rescaled by its step there over the profile run's own (what the calibration would have been)
+    anchored = prof["step_in_grid_ns"] / prof["step_ns"] if prof.get("step_in_grid_ns") else None
     by_meas = sorted(range(len(rows)), key=lambda i: rows[i]["measured_ns"])
     by_pred = sorted(range(len(rows)), key=lambda i: rows[i]["step_ns"])
     rm = {i: k + 1 for k, i in enumerate(by_meas)}
@@ -473,6 +483,10 @@ def format_grid(doc: dict[str, Any]) -> str:
     pick, best = rows[by_pred[0]], rows[by_meas[0]]
     lines.append(f"{len(rows)} configurations (* = the tuner's layer split); {model} model: error {stats(errs)}; "
                  f"recalibrated to the grid's {prof['schedule']} m={prof['microbatches']} (x{recal:.3f}): {stats(rerrs)}")
+    if anchored is not None:
+        aerrs = [abs(r["step_ns"] * anchored / r["measured_ns"] - 1) for r in rows]
+        lines.append(f"the profiled configuration measured in the grid: {prof['step_in_grid_ns'] / 1e6:.2f} ms against "
+                     f"{prof['step_ns'] / 1e6:.2f} ms in the profile run (x{anchored:.3f}); calibrated to it: {stats(aerrs)}")
     lines.append(f"tuner's first pick {pick['schedule']} m={pick['microbatches']} ({','.join(map(str, _blocks(tuple(pick['split']))))}): "
                  f"measured {pick['measured_ns'] / 1e6:.2f} ms; best measured {best['schedule']} m={best['microbatches']} "
                  f"({','.join(map(str, _blocks(tuple(best['split']))))}): {best['measured_ns'] / 1e6:.2f} ms; "
@@ -525,8 +539,8 @@ def main() -> None:
     p.add_argument("--synced-device", action="store_true",
                    help="GPUs: take the device side from a profile run with a device sync per action (check_finite) "
                    "instead of the engine's CUDA-event device times of the untouched traced run")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default="/tmp/tunegrid")
     p.add_argument("--table", metavar="JSON", default=None, help="print the table of an earlier run's tune_grid.json")
