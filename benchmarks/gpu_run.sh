@@ -36,7 +36,8 @@
 #              the tuner's host fit (fixed + per layer, embedding, head) and each row's modelled busy time per rank
 #              (about 100 s; TUNE_ARGS="--device-model max" makes the old model pick; "--trace-grid" traces the grid
 #              and prints each row's traced host and device busy time per rank beside the model's);
-#              TUNE_ARGS adds arguments, TUNE_TIMEOUT bounds it (default 300 s); JSON in $OUT/tunegrid/tune_grid.json
+#              TUNE_ARGS adds arguments, TUNE_TIMEOUT bounds it (default 300 s); JSON in $OUT/tunegrid/tune_grid.json;
+#              run it alone on its host (the model is host-bound: a job on the other GPUs put the predictions 15-40% under)
 # Environment: SCHEDULES, BENCH_ARGS, BENCH_TIMEOUT, VARIANTS (see bench2).  VIS2: the GPUs of the 2-GPU parts
 # (default 0,1) and PORT: torchrun's rendezvous port (default 29500), so that two invocations can share a
 # 4-GPU host (e.g. VIS2=2,3 PORT=29600 SKIP_INSTALL=1 for the second; each its own OUT).
