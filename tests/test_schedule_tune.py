@@ -24,11 +24,15 @@ from pipeloom.schedules import Costs, generate, lower, simulate
 from pipeloom.tools.cli import main
 from pipeloom.tools.run_costs import RunCosts, _affine, costs_from_trace, merge_types, with_host_costs
 from pipeloom.tools.schedule_tune import (
+    TIE,
+    Candidate,
     Layers,
+    TuneResult,
     _action_costs,
     calibration,
     fixed_per_action,
     format_tune,
+    near_ties,
     search_split,
     stage_compute,
     tune,
@@ -568,3 +572,20 @@ def test_posted_receives_time_the_link_only_where_the_receiver_was_already_waiti
     rc = costs_from_trace(TraceModel(base.header, events))
     assert rc.link_latency_ns == pytest.approx(40_000)
     assert rc.costs.send_latency == pytest.approx(40_000)
+
+
+def test_near_ties_are_said_to_be_ties() -> None:
+    def cand(name: str, ms: float) -> Candidate:
+        return Candidate(name, 8, 1, ms * 1e6, 0.1, 2, 1 << 20, True)
+
+    tied = [cand("1F1B", 70.54), cand("GPipe", 71.0), cand("1F1B", 71.0), cand("ZBVZeroBubble", 80.0)]
+    assert near_ties(tied) == [0, 1, 2]
+    assert near_ties([cand("1F1B", 70.0), cand("GPipe", 70.0 * (1 + TIE) + 0.01)]) == [0]
+    assert near_ties([]) == []
+    text = format_tune(TuneResult(candidates=tuple(tied), skipped=(), recorded=None, measured_step_ns=0.0, memory_cap=None,
+                                  activation_memory=0, activation_memory_is_proxy=False))
+    assert "#1-#3 are predicted within 0.7% of each other" in text and "measure them" in text
+    alone = format_tune(TuneResult(candidates=(cand("GPipe", 60.0), cand("1F1B", 70.0)), skipped=(), recorded=None,
+                                   measured_step_ns=0.0, memory_cap=None, activation_memory=0,
+                                   activation_memory_is_proxy=False))
+    assert "of each other" not in alone

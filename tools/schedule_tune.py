@@ -98,8 +98,8 @@ from pipeloom.schedules import (
 from ..schedules.dataflow import consumer_stage
 from .run_costs import RunCosts
 
-__all__ = ["Candidate", "HostFit", "Layers", "TuneResult", "calibration", "commit_horizon", "fixed_per_action", "format_tune",
-           "host_fit", "parse_size", "sampled_runs", "search_split", "stage_compute", "tune"]
+__all__ = ["TIE", "Candidate", "HostFit", "Layers", "TuneResult", "calibration", "commit_horizon", "fixed_per_action", "format_tune",
+           "host_fit", "near_ties", "parse_size", "sampled_runs", "search_split", "stage_compute", "tune"]
 
 
 @dataclass(frozen=True)
@@ -981,6 +981,21 @@ def format_host_units(units: dict[str, dict[str, float]]) -> str:
     return "; ".join(out)
 
 
+TIE = 0.03
+"""Candidates predicted within this fraction of the fastest are a tie: the model's per-configuration error on a
+measured GPU grid was up to 6.8% (median 4.8%; ``benchmarks/tune_grid.py``, 2 x H200), and the fastest three of that
+grid, predicted within 0.7% of each other, measured 68.1-73.7 ms.  :func:`format_tune` says so rather than let the
+first row look decided."""
+
+
+def near_ties(candidates: Sequence[Candidate], tie: float = TIE) -> list[int]:
+    """Indices of the leading candidates (sorted fastest first) whose predicted step is within ``tie`` of the first."""
+    if not candidates:
+        return []
+    first = candidates[0].step_ns
+    return [i for i, c in enumerate(candidates) if c.step_ns <= first * (1 + tie)]
+
+
 def format_tune(r: TuneResult, *, top: int = 5, source: str = "") -> str:
     lines = []
     if r.recorded is not None and r.measured_step_ns:
@@ -1002,6 +1017,12 @@ def format_tune(r: TuneResult, *, top: int = 5, source: str = "") -> str:
                      f"{c.bubble:.1%}", str(c.peak_live), _size(c.peak_activation_bytes)))
     widths = [max(len(row[k]) for row in rows) for k in range(len(rows[0]))]
     lines += ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in rows]
+    close = near_ties(fits[:top])
+    if len(close) > 1:
+        spread = fits[close[-1]].step_ns / fits[0].step_ns - 1
+        lines.append(f"#1-#{close[-1] + 1} are predicted within {spread:.1%} of each other, closer than the model resolves "
+                     f"(TIE = {TIE:.0%}; its errors were up to 7% per configuration on a 2-GPU grid, "
+                     "benchmarks/RESULTS.md): measure them before choosing")
     over = [c for c in r.candidates if not c.fits]
     if over:
         best = over[0]
