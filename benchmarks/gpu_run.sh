@@ -16,6 +16,7 @@
 #              ranks 0 and last under $OUT/prof-$CODE; NO_TRACES=1 keeps none, NO_PROFILE=1 skips); CODE tags rows
 #   gpt4       the same on 4 GPUs, size l, no profile
 #   streams2   benchmarks/gpu_pipeline.py --profile on GPUs VIS2: per rank, how long two stage streams ran kernels at once
+#   p2p2       benchmarks/p2p_cost.py on GPUs VIS2: host us per NCCL post, standalone vs batched, flight recorder on/off
 #   fsdp       benchmarks/gpu_fsdp.py, 2 pipeline ranks x 2 FSDP ranks
 #   straggler  benchmarks/straggler.py on 4 GPUs
 #   moe4       benchmarks/gpu_moe.py on 4 GPUs (pp 2 x ep 2): DualPipeV with / without overlap (also (F;I) pairs, CTA cap), torch's DualPipeV,
@@ -122,6 +123,14 @@ for line in open(sys.argv[1]):
         print(r["engine"], r["schedule"], "rank", k, "step_ms", round(r.get("step_ms", 0), 2), "busy_us", round(g["busy_us"]),
               "span_us", round(g["span_us"]), "concurrent_us", g.get("concurrent_streams_us"), "by_stream", g.get("kernel_us_by_stream"))
 PY
+    ;;
+  p2p2)
+    # the host's cost of posting an NCCL send/recv: standalone (the runtime's), batched (torch's), with a poll per post;
+    # then again without NCCL's flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE=0)
+    for fr in "" 0; do
+      (cd /tmp && CUDA_VISIBLE_DEVICES=$VIS2 ${fr:+TORCH_NCCL_TRACE_BUFFER_SIZE=$fr} timeout 120 torchrun --master-port "$PORT" \
+         --nproc-per-node 2 "$REPO/benchmarks/p2p_cost.py" --json "$OUT/p2p.jsonl" 2>&1 | grep -v "^\[W\|Warning\|warn\|^W11\|\*\*\*" | tail -5)
+    done
     ;;
   bench4)
     for s in ${SCHEDULES4:-$ALL}; do echo "== 4 GPUs $s"; bench 4 "" --schedule "$s"; done
