@@ -134,6 +134,16 @@ class RuntimeOptions:
     """NCCL only: cap on the CTAs (thread blocks) each pair group's communicator uses; None:
     NCCL's default.  Environment: ``PIPELOOM_P2P_MAX_CTAS``."""
 
+    batch_p2p: bool = False
+    """Post each transfer's payload sends, and each transfer's payload receives, as one
+    ``torch.distributed.batch_isend_irecv`` call (torch's runtime's way: on NCCL one coalesced
+    group, with one ``Work`` for the group rather than one per operation) instead of one
+    ``ProcessGroup.send``/``recv`` per tensor.  Off until measured: a cProfile of a host-bound
+    GPU step put each standalone NCCL post at 124-170 us of host time against ~42 us per
+    coalesced call in torch's runtime (``benchmarks/RESULTS.md``, session H), but the public
+    batched call adds Python checks (on gloo it costs ~90 us more per post);
+    ``benchmarks/p2p_cost.py`` measures both ways alone.  Environment: ``PIPELOOM_BATCH_P2P=1``."""
+
     ep_max_ctas: int | None = None
     """NCCL only, expert parallelism: cap on the CTAs (thread blocks) the stage groups' all-to-all
     kernels use, so that an overlapped half's compute keeps more SMs while the other half's
@@ -392,6 +402,7 @@ ENV_VARS: dict[str, tuple[str, Any]] = {
     "PIPELOOM_TRACE_ENDPOINT": ("trace_endpoint", str),
     "PIPELOOM_PAIR_GROUPS": ("pair_groups", _flag),
     "PIPELOOM_P2P_MAX_CTAS": ("p2p_max_ctas", _int),
+    "PIPELOOM_BATCH_P2P": ("batch_p2p", _flag),
     "PIPELOOM_EP_MAX_CTAS": ("ep_max_ctas", _int),
     "PIPELOOM_GPU_COMMIT_MS": ("gpu_commit_ms", _ms),
     "PIPELOOM_GPU_COMMIT_LAUNCHES": ("gpu_commit_launches", _number),

@@ -490,7 +490,7 @@ class Pipeline:
             with self._construction("connecting the point-to-point groups"):
                 pair_groups = make_pair_groups(edges, max_ctas=opts.p2p_max_ctas)
         self._tensors = TensorPlane(self.rank, device=self.device, pair_groups=pair_groups, prepost_depth=self.options.gloo_prepost_depth,
-                                    header_group=self._header_group)
+                                    header_group=self._header_group, batch_p2p=self.options.batch_p2p)
         self._actor = RankActor(
             rank=self.rank,
             schedule=self.schedule,

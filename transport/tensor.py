@@ -300,6 +300,11 @@ def _peer(group: Any, rank: int) -> tuple[Any, int]:
     return got
 
 
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """What goes on the wire for ``t``: a complex tensor as its real view (the backends move real data)."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 def _isend(t: torch.Tensor, peer: int, group: Any, tag: int = 0) -> Any:
     """``dist.isend`` without its per-call checks and rank translation (ProcessGroup.send, public):
     about 100 us of Python per call on a GPU host, paid twice per transfer."""
@@ -851,9 +856,12 @@ class TensorPlane:
         pair_groups: dict[tuple[int, int], dist.ProcessGroup] | None = None,
         prepost_depth: int = 2,
         header_group: Any = None,
+        batch_p2p: bool = False,
     ) -> None:
         self.rank = rank
         self.device = device
+        #: post a transfer's payload operations as one batch_isend_irecv (RuntimeOptions.batch_p2p)
+        self.batch_p2p = batch_p2p
         #: NCCL: the gloo group that carries transfer headers (the payloads go through the pair
         #: groups, received by the loop when the header has landed); None: headers and payloads
         #: both through gloo
@@ -1063,6 +1071,15 @@ class TensorPlane:
         """NCCL: post the payload sends of one transfer, in order; return its bytes."""
         group = self.pair_groups.get((self.rank, peer))
         nbytes = 0
+        if self.batch_p2p:
+            ts = tuple(_sendable(t.detach()) for t in tensors if t is not None)
+            if ts:
+                # (one Work per batch on NCCL, one per operation on gloo: each keeps the whole batch alive)
+                for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, _real(t), peer, group) for t in ts]):
+                    self._inflight_sends.append((work, ts, peer))
+                nbytes = sum(t.numel() * t.element_size() for t in ts)
+            self._reap_sends()
+            return nbytes
         for t in tensors:
             if t is None:
                 continue
@@ -1127,7 +1144,11 @@ class TensorPlane:
         """
         buffers = _alloc(shapes, self.device)
         group = self.pair_groups.get((peer, self.rank))
-        works = [_irecv(b, peer, group) for b in buffers if b is not None]
+        if self.batch_p2p:
+            ops = [dist.P2POp(dist.irecv, _real(b), peer, group) for b in buffers if b is not None]
+            works = dist.batch_isend_irecv(ops) if ops else []
+        else:
+            works = [_irecv(b, peer, group) for b in buffers if b is not None]
         self._inflight_recvs.extend(works)
         self._reap_recvs()
         return buffers, works
