@@ -138,13 +138,9 @@ def _nccl_protocol_cases(world: int, table: dict[str, list[int]]) -> list[dict[s
                  options=opts),
             dict(id="static-critical-zbv", schedule="ZBVZeroBubble", microbatches=6, dim=4, batch=12, steps=3, dispatch="critical", options=opts),
             # RuntimeOptions.batch_p2p: each transfer's payload posted as one batch_isend_irecv (several tensors,
-            # kwargs, uneven; the awkward model's views; the header protocol; gloo's own static path)
+            # kwargs, uneven, the first step with headers and the later without; gloo's own static path)
             dict(id="batch-p2p-multi-kwargs-uneven", schedule="Interleaved1F1B", microbatches=4, dim=4, batch=66, multi=True,
                  kwargs=True, steps=3, eval=True, options={**opts, "batch_p2p": True}),
-            dict(id="batch-p2p-awkward-zbv", schedule="ZBVZeroBubble", microbatches=4, dim=4, batch=8, model="awkward", steps=3,
-                 options={**opts, "batch_p2p": True}),
-            dict(id="batch-p2p-nccl-headers-1F1B", schedule="1F1B", microbatches=4, dim=4, batch=8, steps=2,
-                 options={"static_shapes": False, "emulate_nccl_transport": True, "batch_p2p": True}),
             dict(id="batch-p2p-gloo-dualpipev", schedule="DualPipeV", microbatches=4, dim=4, batch=8, steps=3, eval=True,
                  options={"batch_p2p": True}, headerless=[False, True, True]),
         ]
