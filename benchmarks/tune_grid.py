@@ -349,6 +349,7 @@ def _rank_main(args: argparse.Namespace) -> None:
             meas = statistics.median(times[i]) * 1e9
             rows.append({**c, "measured_ns": meas, "error": c["step_ns"] / meas - 1,
                          "spread": [min(times[i]) * 1e9 / meas - 1, max(times[i]) * 1e9 / meas - 1],
+                         "times_ns": [t * 1e9 for t in times[i]],
                          **({"trace": f"grid{i:02d}.jsonl",
                              **_traced_busy(os.path.join(args.out, f"grid{i:02d}.jsonl"), world)} if args.trace_grid else {})})
         doc = {"profile": {"schedule": pname, "microbatches": pm, "stages_per_rank": pv, "blocks": psplit,
@@ -368,6 +369,19 @@ def _rank_main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)
+
+
+def _ratio_ci(a: list[float] | None, b: list[float] | None, draws: int = 2000) -> tuple[float, float] | None:
+    """95% bootstrap interval of ``median(a) / median(b) - 1`` (each configuration's measured steps resampled),
+    seeded: how far apart two measured configurations really are, given their step-to-step spread."""
+    if not a or not b or len(a) < 3 or len(b) < 3:
+        return None
+    import random
+
+    rng = random.Random(0)
+    out = sorted(statistics.median(rng.choices(a, k=len(a))) / statistics.median(rng.choices(b, k=len(b))) - 1
+                 for _ in range(draws))
+    return out[int(0.025 * draws)], out[int(0.975 * draws) - 1]
 
 
 def _traced_busy(path: str, world: int, keep: Any = None) -> dict[str, list[float]]:
@@ -487,10 +501,12 @@ def format_grid(doc: dict[str, Any]) -> str:
         aerrs = [abs(r["step_ns"] * anchored / r["measured_ns"] - 1) for r in rows]
         lines.append(f"the profiled configuration measured in the grid: {prof['step_in_grid_ns'] / 1e6:.2f} ms against "
                      f"{prof['step_ns'] / 1e6:.2f} ms in the profile run (x{anchored:.3f}); calibrated to it: {stats(aerrs)}")
+    ci = _ratio_ci(pick.get("times_ns"), best.get("times_ns")) if pick is not best else None
     lines.append(f"tuner's first pick {pick['schedule']} m={pick['microbatches']} ({','.join(map(str, _blocks(tuple(pick['split']))))}): "
                  f"measured {pick['measured_ns'] / 1e6:.2f} ms; best measured {best['schedule']} m={best['microbatches']} "
                  f"({','.join(map(str, _blocks(tuple(best['split']))))}): {best['measured_ns'] / 1e6:.2f} ms; "
-                 f"pick is {pick['measured_ns'] / best['measured_ns'] - 1:+.1%} from the best (goal: within 3%)")
+                 f"pick is {pick['measured_ns'] / best['measured_ns'] - 1:+.1%} from the best (goal: within 3%)"
+                 + (f"; 95% interval of that difference over the steps measured: {ci[0]:+.1%}..{ci[1]:+.1%}" if ci else ""))
     if has_other:
         assert key_o is not None
         oerrs = [abs(r[key_o] / r["measured_ns"] - 1) for r in rows]
