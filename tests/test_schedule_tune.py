@@ -32,6 +32,7 @@ from pipeloom.tools.schedule_tune import (
     calibration,
     fixed_per_action,
     format_tune,
+    _nonneg_fit,
     near_ties,
     search_split,
     stage_compute,
@@ -589,3 +590,26 @@ def test_near_ties_are_said_to_be_ties() -> None:
                                    measured_step_ns=0.0, memory_cap=None, activation_memory=0,
                                    activation_memory_is_proxy=False))
     assert "of each other" not in alone
+
+
+def test_the_host_fit_is_the_best_non_negative_fit() -> None:
+    # unconstrained, the fit of these rows puts a negative unit on the second class; dropping every negative part at
+    # once (the old rule) then also lost the first class's and fitted a constant (residual 49.48); the best fit with
+    # every part >= 0 keeps the first class's unit (residual 46.08)
+    rows = [[1.0, 0.0], [0.0, 1.0], [3.0, 0.0], [2.0, 0.0]]
+    ys = [8.22, 0.751, 3.155, 9.258]
+
+    def residual(fixed: float, units: list[float]) -> float:
+        return sum((fixed + sum(a * b for a, b in zip(r, units)) - y) ** 2 for r, y in zip(rows, ys))
+
+    got = _nonneg_fit(rows, ys)
+    assert got is not None
+    fixed, units = got
+    assert fixed >= 0 and min(units) >= 0
+    assert residual(fixed, units) < residual(5.346, [0.0, 0.0]) - 3
+    # no non-negative point of a grid around it does better
+    grid = [i * 0.05 for i in range(0, 201)]
+    assert all(residual(f, [u, 0.0]) >= residual(fixed, units) - 1e-6 for f in grid[::4] for u in grid[:60])
+    assert all(residual(f, [u1, u2]) >= residual(fixed, units) - 1e-6 for f in grid[::8] for u1 in grid[:40:4] for u2 in grid[:40:4])
+    # rows that cannot tell the fixed part from a unit: no fit
+    assert _nonneg_fit([[1.0], [1.0], [1.0]], [2.0, 2.1, 1.9]) is None

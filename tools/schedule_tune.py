@@ -455,32 +455,34 @@ class HostFit:
 
 
 def _nonneg_fit(rows: list[list[float]], ys: list[float]) -> tuple[float, list[float]] | None:
-    """``ys ~ fixed + rows . units`` by least squares with every part >= 0: a class whose unit comes out negative
-    costs nothing (dropped and refitted), a negative fixed part is none (refitted through the origin); None where
-    the rows cannot tell the parts apart."""
+    """``ys ~ fixed + rows . units`` by least squares with every part >= 0 (exact: the best fit over the subsets of
+    parts left free, the others at 0); None where the rows cannot tell the parts apart (the unconstrained system is
+    singular).  A class whose unit would come out negative costs nothing; a negative fixed part is none.
+
+    (Dropping every negative part at once and refitting, what this did before, can end at a worse fit than the
+    best non-negative one when two parts trade off; with at most a few classes the subsets are few.)"""
     k = len(rows[0]) if rows else 0
-    for intercept in (True, False):
-        active = [c for c in range(k) if any(r[c] for r in rows)]
-        while True:
-            cols = [[1.0] if intercept else [] for _ in rows]
-            mat = [pre + [r[c] for c in active] for pre, r in zip(cols, rows)]
-            if not mat[0]:
-                return None
-            sol = _least_squares(mat, ys)
-            if sol is None:
-                return None
-            off = 1 if intercept else 0
-            neg = [c for c, u in zip(active, sol[off:]) if u < 0]
-            if not neg:
-                break
-            active = [c for c in active if c not in neg]
-        if intercept and sol[0] < 0:
-            continue  # a negative fixed part (noise, or a device-bound run): none
+    seen = [c for c in range(k) if any(r[c] for r in rows)]
+    if not rows or _least_squares([[1.0] + [r[c] for c in seen] for r in rows], ys) is None:
+        return None
+    best: tuple[float, float, list[float]] | None = None
+    n = len(seen) + 1  # the fixed part, then the classes seen
+    for mask in range(1, 1 << n):
+        use = [j for j in range(n) if mask >> j & 1]
+        mat = [[1.0 if j == 0 else r[seen[j - 1]] for j in use] for r in rows]
+        sol = _least_squares(mat, ys)
+        if sol is None or any(x < 0 for x in sol):
+            continue
+        res = sum((sum(m * x for m, x in zip(row, sol)) - y) ** 2 for row, y in zip(mat, ys))
+        fixed = sol[0] if use[0] == 0 else 0.0
         units = [0.0] * k
-        for c, u in zip(active, sol[off:]):
-            units[c] = u
-        return (sol[0] if intercept else 0.0), units
-    return None
+        for j, x in zip(use, sol):
+            if j:
+                units[seen[j - 1]] = x
+        # the least residual (among equal ones, within rounding, the first found: the fewest parts)
+        if best is None or res < best[0] * (1 - 1e-9) - 1e-12:
+            best = (res, fixed, units)
+    return None if best is None else (best[1], best[2])
 
 
 def host_fit(run: RunCosts, layers: Layers, nbytes: float, *, rank_speed: bool = False) -> HostFit | None:
