@@ -43,6 +43,7 @@ from .agreement import SetupAgreement, config_record, short_traceback
 from .checks import Replicate, check_batch, install_stage_checks
 from .data_parallel import DEFAULT_BUCKET_BYTES, Layout, StageCollectives
 from .errors import PeerLostError, PipelineConfigError, PipelineError, RemoteRankError
+from .fingerprint import ModelFingerprint
 from .options import RuntimeOptions, resolve_options
 from .stage import StageExecutor
 from .trace import FileSink, StreamSink, TraceRecorder, make_header
@@ -65,12 +66,12 @@ class _Gathering:
     """An all-gather of one int64 per rank in flight: ``done()`` polls it, ``on_done(fn)`` calls ``fn`` (from
     gloo's thread) once it completes, ``result()`` the values by rank (raises gloo's error: a rank gone)."""
 
-    __slots__ = ("work", "fut", "out")
+    __slots__ = ("work", "fut", "mine", "out")
 
-    def __init__(self, work: Any, out: list[torch.Tensor]) -> None:
+    def __init__(self, work: Any, mine: torch.Tensor, out: list[torch.Tensor]) -> None:
         # (the future, not ``work.is_completed()``: gloo runs the future's callbacks before the Work
         # reads completed, so a waiter woken by the callback could see it pending and sleep on)
-        self.work, self.fut, self.out = work, work.get_future(), out
+        self.work, self.fut, self.mine, self.out = work, work.get_future(), mine, out
 
     def done(self) -> bool:
         return bool(self.fut.done())
@@ -90,10 +91,19 @@ def _gather_ints(group: Any) -> Callable[[int], _Gathering]:
     hopping to an executor thread and back for each step's gather (measured ~35 us for the
     gather itself on one rank, against a thread round trip of a few hundred)."""
 
+    last: list[_Gathering] = []  # the previous gather: its buffers are reused once it has completed
+
     def gather(value: int) -> _Gathering:
-        mine = torch.tensor([value], dtype=torch.int64)
-        out = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
-        return _Gathering(dist.all_gather(out, mine, group=group, async_op=True), out)
+        prev = last[0] if last else None
+        if prev is not None and prev.done():
+            mine, out = prev.mine, prev.out
+            mine.fill_(value)
+        else:  # (the first, or one a failed step left pending: gloo may still write into its buffers)
+            mine = torch.tensor([value], dtype=torch.int64)
+            out = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+        g = _Gathering(dist.all_gather(out, mine, group=group, async_op=True), mine, out)
+        last[:] = [g]
+        return g
 
     return gather
 
@@ -144,10 +154,41 @@ def split_microbatches(
     kw_chunks = {k: _split_value(v, n, f"keyword input {k!r}", device) for k, v in kwargs.items()}
     targets = None if target is None else _split_value(target, n, "target", device)
     return StepInputs(
-        args=[tuple(c[m] for c in arg_chunks) for m in range(n)],
-        kwargs=[{k: c[m] for k, c in kw_chunks.items()} for m in range(n)],
+        args=list(zip(*arg_chunks)) if arg_chunks else [()] * n,
+        kwargs=[{k: c[m] for k, c in kw_chunks.items()} for m in range(n)] if kw_chunks else [{} for _ in range(n)],
         targets=targets,
+        layout_key=_layout_key(args, kwargs, target, n),
     )
+
+
+_PLAIN = (type(None), bool, int, str)
+
+
+def _uncut_key(value: Any) -> Any:
+    """What fixes the layout (``actor._layout``) of ``_split_value``'s microbatches of ``value``, for the
+    values whose key is cheap (tensors, plain scalars, ``Replicate`` of either); None for the others."""
+    if isinstance(value, torch.Tensor):  # cut along dim 0 (or shared, 0-d): the shape and n fix the pieces'
+        return ("T", value.shape, value.dtype, value.requires_grad)
+    t = type(value)
+    if t in _PLAIN:  # (the type too: True == 1)
+        return (t, value)
+    if t is float:  # (its repr, as the layout: 0.0 == -0.0)
+        return (t, repr(value))
+    if t is Replicate:
+        inner = _uncut_key(value.value)
+        return None if inner is None else ("R", inner)
+    return None  # Microbatches, containers, other objects: the signature walks them
+
+
+def _layout_key(args: tuple[Any, ...], kwargs: Mapping[str, Any], target: Any, n: int) -> Any:
+    """``StepInputs.layout_key``: a key that fixes every microbatch's layout, or None."""
+    keys = [_uncut_key(a) for a in args]
+    keys += [(k, _uncut_key(v)) for k, v in kwargs.items()]
+    keys.append(_uncut_key(target))
+    if None in keys or any(k[1] is None for k in keys[len(args):len(args) + len(kwargs)]):
+        return None
+    # (grad mode: a piece of a tensor that requires grad does not under no_grad)
+    return (n, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), len(args), *keys)
 
 
 def _merge(outputs: list[Any], *, precut: bool) -> Any:
@@ -452,6 +493,7 @@ class Pipeline:
                                  check_finite=opts.check_finite)
         #: parameter sets (and modes) this rank has run a step with: a new one is a cold step
         self._seen_fingerprints: set[Any] = set()
+        self._fingerprint: ModelFingerprint | None = None
         #: whether data-parallel collectives overlap compute (False: each blocks the dispatcher until done)
         self.overlap_collectives = opts.overlap_collectives
         self._collectives: StageCollectives | None = None
@@ -912,8 +954,9 @@ class Pipeline:
         ``requires_grad``, shapes), module modes (train/eval) and step kind: compiled code
         is (re)traced then.  Peers read the budget from this rank's heartbeats.
         """
-        fingerprint = (train, tuple((id(p), p.requires_grad, tuple(p.shape)) for p in self.parameters()),
-                       tuple(m.training for st in self.stages.values() for m in st.modules()))
+        if self._fingerprint is None:
+            self._fingerprint = ModelFingerprint(self.stages.values())
+        fingerprint = (train, self._fingerprint.key())  # (cheap: runtime/fingerprint.py says what it can miss)
         if fingerprint in self._seen_fingerprints:
             return self.options.stall_timeout
         if len(self._seen_fingerprints) > 64:
