@@ -92,7 +92,7 @@ from ..schedules import Action, ActionType, Dataflow, Schedule, consumer_stage, 
 from ..schedules.dispatch import Dispatcher, choose_rule, plan_ranks
 from ..transport.control import ControlPlane
 from ..transport.tensor import END, Landed, SendError, TensorPlane, TransferError, guard_exit_works, signature
-from .device import make_policy
+from .device import DevicePolicy, make_policy
 from .direct_wait import DirectWait
 from .errors import PeerLostError, PipelineError, RemoteRankError, StageError
 from .landing import LandingQueue
@@ -109,6 +109,7 @@ log = logging.getLogger("pipeloom.actor")
 _F, _B, _I, _W, _OVL = ActionType.F, ActionType.B, ActionType.I, ActionType.W, ActionType.OVERLAP_F_B
 #: data-parallel events, run through the ``collectives`` object (runtime/data_parallel.py)
 _DP = frozenset({ActionType.UNSHARD, ActionType.RESHARD, ActionType.REDUCE_GRAD})
+_UNSHARD, _RESHARD, _REDUCE_GRAD = ActionType.UNSHARD, ActionType.RESHARD, ActionType.REDUCE_GRAD
 #: after a transport error on a transfer with a peer: how long to wait for the control plane to
 #: confirm that the peer is gone (its connection's close is read every heartbeat interval)
 _CONFIRM_LOST = 1.5
@@ -394,6 +395,8 @@ class RankActor:
             count_running=options.gpu_commit_running,
         )
         self._commit_ahead = self.dev.commit_ahead
+        #: whether a compute must enter the policy's ``on_stage`` context (CPU: a null context, skipped per action)
+        self._stage_context = type(self.dev).on_stage is not DevicePolicy.on_stage
         if trace is not None and self._commit_ahead:
             self.dev.on_timed = self._device_timed
         #: NCCL: headers through gloo, payloads received when their header lands (posted, committed)
@@ -1012,14 +1015,17 @@ class RankActor:
             for leaf in a.sub_actions:
                 self._run(leaf, step, inputs, train, results, losses)
             return
-        if t in _DP:
+        if t is _UNSHARD or t is _RESHARD or t is _REDUCE_GRAD:  # (_DP; an identity test is cheaper than a set's hash)
             if self._coll_on_stage:
                 with self.dev.on_stage(a.stage):  # ordered after the stage's backward on its stream
                     self.collectives.run(a, step)
             else:
                 self.collectives.run(a, step)
             return
-        with self.dev.on_stage(a.stage):
+        if self._stage_context:
+            with self.dev.on_stage(a.stage):
+                self._compute(a, step, inputs, train, results, losses)
+        else:  # (the policy's on_stage is a null context: CPU)
             self._compute(a, step, inputs, train, results, losses)
 
     def _name(self, a: Action) -> str:
@@ -1186,6 +1192,7 @@ class RankActor:
         landings.inline()  # back to the loop after the step, or in run_step after a failure
         lazy_yield = coll is None
         last_yield = time.perf_counter()
+        ready_base, ready_live = None, -1
         while pending:
             if landings:
                 landings.drain()
@@ -1200,7 +1207,9 @@ class RankActor:
                 self._head = pending[0]
             pick = -1
             if not hold:
-                ready = functools.partial(self._ready, step=step, live=live, train=train)
+                if live != ready_live:  # (one partial per value of ``live``, not per turn)
+                    ready_base, ready_live = functools.partial(self._ready, step=step, live=live, train=train), live
+                ready = ready_base
                 if direct_order:
                     # gloo, static shapes, a rule that reorders: an action whose inputs are here (local,
                     # or posted ahead and landed) goes first, if its outputs can leave at once (sends to
@@ -1253,8 +1262,8 @@ class RankActor:
             a0 = clock_ns() if trace is not None else 0
             self._act_t0 = -1  # (traced: where a direct wait at the action's start moves its span's start)
             leaves = a.leaves()
-            tkey = (a.type, leaves[0].stage)
             if commit_ahead:
+                tkey = (a.type, leaves[0].stage)
                 h0 = time.perf_counter()
                 # (traced: the action's device time comes back through _device_timed)
                 token = self._token = dev.start(tkey, None if trace is None else (
@@ -1285,16 +1294,18 @@ class RankActor:
                 trace.action(step, str(a), a.type.value, leaf.stage, leaf.microbatch, a0, clock_ns(),
                              [str(x) for x in a.sub_actions] if a.sub_actions else None)
             # Hand the outputs on after the compute (its trace span ends before the sends).
-            outbox, self._outbox = self._outbox, []
-            try:
-                with (torch.profiler.record_function("PP:send") if self._profile_ranges and outbox
-                      else contextlib.nullcontext()):
-                    for item in outbox:
-                        self._emit(*item)
-            except PipelineError:
-                raise
-            except Exception as exc:
-                raise self._abort(exc, a, step) from exc
+            outbox = self._outbox
+            if outbox:
+                self._outbox = []
+                try:
+                    with (torch.profiler.record_function("PP:send") if self._profile_ranges
+                          else contextlib.nullcontext()):
+                        for item in outbox:
+                            self._emit(*item)
+                except PipelineError:
+                    raise
+                except Exception as exc:
+                    raise self._abort(exc, a, step) from exc
             if commit_ahead:
                 dev.host_time(tkey, time.perf_counter() - h0)
             ran += 1
