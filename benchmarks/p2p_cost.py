@@ -50,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.is_available()
     if gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if gpu else "gloo")
+    # (with the device bound, as the runtime's own setup does: NCCL then gives every point-to-point way one
+    # communicator per pair)
+    dist.init_process_group("nccl" if gpu else "gloo",
+                            **({"device_id": torch.device("cuda", torch.cuda.current_device())} if gpu else {}))
     rank = dist.get_rank()
     if dist.get_world_size() != 2:
         raise SystemExit("run on 2 ranks")

@@ -335,7 +335,7 @@ def _rank_main(args: argparse.Namespace) -> None:
         timed(pipe, 0, args.warmup)
     times: dict[int, list[float]] = {}
     for r in range(args.rounds):
-        order = [*range(len(grid)), -1] if r % 2 == 0 else [-1, *range(len(grid))][::-1]
+        order = [*range(len(grid)), -1] if r % 2 == 0 else [*range(len(grid)), -1][::-1]
         for i in order:
             times.setdefault(i, []).extend(timed(members[i], args.steps, 1))
     for pipe in members.values():
@@ -355,7 +355,7 @@ def _rank_main(args: argparse.Namespace) -> None:
         doc = {"profile": {"schedule": pname, "microbatches": pm, "stages_per_rank": pv, "blocks": psplit,
                            "split_backward_from": args.profile_iw or None,
                            "step_ns": prof_real * 1e9, "calibration": plan[0]["calibration"],
-                           "step_in_grid_ns": statistics.median(times[-1]) * 1e9,
+                           "step_in_grid_ns": statistics.median(times[-1]) * 1e9 if times.get(-1) else None,
                            "sizes_fitted": plan[0]["sizes_fitted"], "host_fixed_ns": plan[0]["host_fixed_ns"],
                            "host_units_ns": plan[0].get("host_units_ns"), "host_rank_speed": plan[0].get("host_rank_speed"),
                            "device_model": plan[0]["device_model"], "other_model": plan[0]["other_model"],
@@ -555,12 +555,14 @@ def main() -> None:
     p.add_argument("--synced-device", action="store_true",
                    help="GPUs: take the device side from a profile run with a device sync per action (check_finite) "
                    "instead of the engine's CUDA-event device times of the untouched traced run")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds (>= 1), the order reversed every other one")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default="/tmp/tunegrid")
     p.add_argument("--table", metavar="JSON", default=None, help="print the table of an earlier run's tune_grid.json")
     args = p.parse_args()
+    if args.rounds < 1 or args.steps < 1:
+        p.error("--rounds and --steps must be >= 1")
     if args.table:
         with open(args.table) as f:
             print(format_grid(json.load(f)))

@@ -362,6 +362,8 @@ class RankActor:
         self._head: Action | None = None
         #: static shapes: the peers whose end-of-step header has landed
         self._ends: set[int] = set()
+        #: traced: when each peer's end of step landed (the last of the late ones is the wait's cause)
+        self._end_at: dict[int, int] = {}
         if self._static:
             self._init_static(row)
         self.step_index = 0
@@ -585,6 +587,8 @@ class RankActor:
             return
         if got.kind == END:  # static shapes: the peer sent all of the step's payloads
             self._ends.add(got.src)
+            if self.trace is not None:
+                self._end_at[got.src] = clock_ns()  # (traced: which late peer ended last, see _run_step)
             self._wake.set()
             return
         key = (got.step, got.kind, got.stage, got.microbatch)
@@ -1124,9 +1128,9 @@ class RankActor:
         pending = self._pending = list(self.train_actions if train else self.eval_actions)
         self._train_now = train
         spec = False
-        # (traced: the step begins here, its agreement on the input layouts included)
-        step_start = clock_ns() if self.trace is not None else 0
         if self._static:
+            # (traced: the agreement's wait is a wait before the step's span; the span begins after it, where every
+            # rank has ended its previous step, so step windows on the trace stay apart)
             layout = (train, await self._agree_layout(inputs, step, train) if self._auto else None)
             tables = self._known.get(layout)
             spec = tables is not None
@@ -1188,6 +1192,7 @@ class RankActor:
         in_turn_only = spec and self._direct is None and dispatcher.rule != "list"
         in_flight = self._in_flight if dispatcher.rule == "guarded" else None
         trace = self.trace
+        step_start = clock_ns() if trace is not None else 0
         last_liveness = time.monotonic()
         landings.inline()  # back to the loop after the step, or in run_step after a failure
         lazy_yield = coll is None
@@ -1339,6 +1344,8 @@ class RankActor:
             d0 = clock_ns() if trace is not None and late else 0
             await self._await_ends(step, train)
             if d0:  # (traced: the wait for a peer still running its part of the step is a wait, not runtime)
+                # the peer whose end landed last named first: the one the wait was for (trace_analysis reads it)
+                late.sort(key=lambda p: -self._end_at.get(p, 0))
                 trace.wait(step, d0, clock_ns(), [f"peers' end of step: from rank {p}" for p in late])
         if coll is not None and coll.outstanding:
             # Reductions still in flight: wait for them without blocking the loop.

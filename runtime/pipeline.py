@@ -530,7 +530,7 @@ class Pipeline:
             # every replica's pipeline edges, in global ranks
             edges = {(column[a], column[b]) for column in columns for a, b in links}
             with self._construction("connecting the point-to-point groups"):
-                pair_groups = make_pair_groups(edges, max_ctas=opts.p2p_max_ctas)
+                pair_groups = make_pair_groups(edges, max_ctas=opts.p2p_max_ctas, batch_p2p=opts.batch_p2p)
         self._tensors = TensorPlane(self.rank, device=self.device, pair_groups=pair_groups, prepost_depth=self.options.gloo_prepost_depth,
                                     header_group=self._header_group, batch_p2p=self.options.batch_p2p)
         self._actor = RankActor(
@@ -613,7 +613,8 @@ class Pipeline:
             dp_options=dict(dp_options, prefetch=prefetch) if self._with_dp else None,
         )
         # (the transfer protocol of the later steps depends on it: every rank must agree)
-        rec = {"static_shapes": self.options.static_shapes, "emulate_nccl_transport": self.options.emulate_nccl_transport, **rec}
+        rec = {"static_shapes": self.options.static_shapes, "emulate_nccl_transport": self.options.emulate_nccl_transport,
+               "batch_p2p": self.options.batch_p2p, **rec}
         return rec
 
     def _make_stages(self, stage_fn: Callable[[int], nn.Module], backend: str, *, data_parallel: int,

@@ -992,7 +992,7 @@ first row look decided."""
 
 def near_ties(candidates: Sequence[Candidate], tie: float = TIE) -> list[int]:
     """Indices of the leading candidates (sorted fastest first) whose predicted step is within ``tie`` of the first."""
-    if not candidates:
+    if not candidates or not candidates[0].step_ns > 0:
         return []
     first = candidates[0].step_ns
     return [i for i, c in enumerate(candidates) if c.step_ns <= first * (1 + tie)]

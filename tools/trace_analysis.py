@@ -83,8 +83,9 @@ window exactly (one label per instant; an action beats a send beats a wait):
     peer_end     static shapes, at the end of the step: a peer that sends to this
                  rank has not yet said that its sends are done (it is still
                  running its part of the step: the rank named is the late one)
-    layouts      static shapes, at the start of the step: the ranks' input
-                 layouts being agreed (a rank not yet at this step)
+    layouts      static shapes, before the step: the ranks' input layouts being
+                 agreed (a rank not yet at this step); traced before the step's
+                 span, so the parts below count it as outside
     other        anything else the dispatcher named
   send         blocking in a send (after the action that produced the data)
   runtime      inside the rank's step but in no action, send or wait: the

@@ -685,9 +685,12 @@ def _nccl_options(max_ctas: int | None) -> Any:
 
 
 def make_pair_groups(
-    edges: set[tuple[int, int]], *, backend: str | None = None, max_ctas: int | None = None
+    edges: set[tuple[int, int]], *, backend: str | None = None, max_ctas: int | None = None, batch_p2p: bool = False
 ) -> dict[tuple[int, int], dist.ProcessGroup]:
     """One two-rank group per ordered pair in ``edges``; every rank must call this with the same set.
+    ``batch_p2p``: the payloads will be posted with ``batch_isend_irecv`` (``RuntimeOptions.batch_p2p``), so the
+    pairs are connected that way (a process group without a bound device gives NCCL's coalesced point-to-point
+    operations a communicator of their own, which must not be created mid-step).
 
     ``new_group`` is collective over the whole job, so the pairs are created in
     sorted order everywhere; a rank outside a pair gets no group for it.
@@ -700,11 +703,11 @@ def make_pair_groups(
         g = dist.new_group([a, b] if a < b else [b, a], backend=backend, pg_options=opts)
         if dist.get_rank() in (a, b):
             groups[(a, b)] = g
-    _connect(groups, torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu"))
+    _connect(groups, torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu"), batched=batch_p2p)
     return groups
 
 
-def _connect(groups: dict[tuple[int, int], dist.ProcessGroup], dev: torch.device) -> None:
+def _connect(groups: dict[tuple[int, int], dist.ProcessGroup], dev: torch.device, *, batched: bool = False) -> None:
     """One tiny transfer per pair, now, while every rank is here.
 
     NCCL connects a pair's point-to-point channels at its first send/receive,
@@ -719,7 +722,10 @@ def _connect(groups: dict[tuple[int, int], dist.ProcessGroup], dev: torch.device
     works = []
     for a, b in sorted(groups):
         t = torch.zeros(1, device=dev)
-        if me == a:
+        if batched:
+            op = dist.P2POp(dist.isend, t, b, groups[(a, b)]) if me == a else dist.P2POp(dist.irecv, t, a, groups[(a, b)])
+            works += [(w, t) for w in dist.batch_isend_irecv([op])]
+        elif me == a:
             works.append((dist.isend(t, dst=b, group=groups[(a, b)]), t))
         else:
             works.append((dist.irecv(t, src=a, group=groups[(a, b)]), t))
