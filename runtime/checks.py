@@ -65,6 +65,9 @@ def _rows(value: Any) -> int | None:
 
 def check_batch(args: Sequence[Any], kwargs: Mapping[str, Any], target: Any, *, rank: int) -> None:
     """Every tensor that will be cut along dim 0 must have the batch's row count (see the module docstring)."""
+    rows = [r for v in (*args, *kwargs.values(), target) if (r := _rows(v)) is not None]
+    if all(r == rows[0] for r in rows):  # (each step: the names are formatted only for the error)
+        return
     named = [(f"positional input {i}", a) for i, a in enumerate(args)]
     named += [(f"keyword input {k!r}", v) for k, v in kwargs.items()]
     if target is not None:
