@@ -119,6 +119,9 @@ _CONFIRM_LOST = 1.5
 _YIELD_EVERY = 1e-3
 #: static shapes, auto: how long the step's layout agreement is polled on the loop's thread before it waits
 _AGREE_SPIN = 5e-5
+#: static shapes, auto: how long a rank whose peer aborted during the layout agreement still waits for the
+#: gather's own result (see ``_agree_layout``), in seconds
+_AGREE_GRACE = 0.5
 #: traced direct waits (gloo, static shapes) shorter than this are not written as wait events (the
 #: data had landed: the wait only took it)
 _TRACED_WAIT_NS = 20_000
@@ -1457,7 +1460,20 @@ class RankActor:
 
                 g.on_done(woken)
                 try:
-                    await self._wait_until(g.done, step, "the ranks' input layouts")
+                    try:
+                        await self._wait_until(g.done, step, "the ranks' input layouts")
+                    except RemoteRankError:
+                        # A peer that failed on the gather's result (the ranks disagree on the kind of
+                        # step) aborts as soon as its side completes, which can reach this rank before
+                        # its own side does: the gather is complete but for its delivery here. Judge it
+                        # here too, so that every side names the disagreement (a peer that failed before
+                        # joining leaves it pending: its abort stands after the grace).
+                        until = time.monotonic() + _AGREE_GRACE
+                        while not g.done() and time.monotonic() < until:
+                            self._wake.clear()
+                            await self._wake.wait_for(_AGREE_GRACE / 10)
+                        if not g.done():
+                            raise
                 except BaseException:
                     # a peer failed before joining: the gather stays pending in gloo; the exit guard
                     # keeps it from being finalized (which would end the process with terminate)

@@ -211,6 +211,47 @@ async def test_pipelines_disagreeing_on_training_or_evaluation_fail_at_the_steps
 
 
 @pytest.mark.asyncio
+async def test_a_rank_whose_gather_lands_after_the_peers_abort_still_names_the_disagreement(tmp_path: Path) -> None:
+    """The same disagreement, with rank 1's side of the layout gather delivered 200 ms late (as a loaded host
+    may): rank 0 sees the result first and aborts, and its abort reaches rank 1 while its gather is pending.
+    Rank 1 still judges the gather itself (a bounded grace), so it names the disagreement rather than only
+    relaying rank 0's failure (seen in CI under load before the grace)."""
+    script = tmp_path / "late.py"
+    script.write_text(linear_job("""
+        import time
+        for _ in range(2):
+            pipe.step(x, target=y)
+            pipe.eval(x)
+        if rank == 1:
+            orig = pipe._actor.agree
+
+            class Late:
+                def __init__(self, g):
+                    self.g, self.t0, self.work = g, time.monotonic(), g.work
+
+                def done(self):
+                    return self.g.done() and time.monotonic() - self.t0 > 0.2
+
+                def on_done(self, fn):
+                    self.g.on_done(fn)
+
+                def result(self):
+                    return self.g.result()
+
+            pipe._actor.agree = lambda value: Late(orig(value))
+        try:
+            pipe.step(x, target=y) if rank == 0 else pipe.eval(x)
+        except pipeloom.PipelineError as exc:
+            print("error", type(exc).__name__, str(exc).replace("\\n", " "), flush=True)
+        pipe.close()
+    """, microbatches=2, rows=8, pipe_args="options=pipeloom.RuntimeOptions(stall_timeout=20, emulate_nccl_transport=True)"))
+    codes, outs, errs = await spawn_ranks(2, [str(script)], timeout=60)
+    assert codes == [0, 0], "\n".join(e[-3000:] for e in errs)
+    line = next(ln for ln in outs[1].splitlines() if ln.startswith("error"))
+    assert line.startswith("error PipelineError") and "rank 1 step 4: the ranks disagree on the kind of step" in line, line
+
+
+@pytest.mark.asyncio
 async def test_headers_tell_the_sender_which_of_its_transfers_landed(tmp_path: Path) -> None:
     """A gloo header carries how many of the receiver's transfers its sender has landed, so a rank
     knows which of its sends completed without waiting for them (the end of a step then needs no
