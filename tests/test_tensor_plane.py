@@ -191,11 +191,22 @@ async def test_pipelines_disagreeing_on_training_or_evaluation_fail_at_the_steps
     rank calling eval() while the other calls step() fails on both ranks at the step's start, naming each
     side (the per-step layout agreement carries the kind; before, the end-of-step header caught it on one
     rank, after the step's transfers, and that rank reported the other as lost)."""
+    outs = await _disagree_on_the_kind(tmp_path)
+    for r in range(2):
+        line = next(ln for ln in outs[r].splitlines() if ln.startswith("error"))
+        assert f"rank {r} step 4: the ranks disagree on the kind of step" in line, line
+        assert "rank(s) 0 run a training step" in line and "rank(s) 1 an evaluation step" in line, line
+
+
+async def _disagree_on_the_kind(tmp_path: Path, before: str = "") -> list[str]:
+    """2 ranks, static shapes (emulated NCCL protocol): two training and evaluation steps, ``before`` (a block of
+    the script), then rank 0 calls step() and rank 1 eval(); each prints the error it got; their outputs."""
     script = tmp_path / "kinds.py"
-    script.write_text(linear_job("""
+    script.write_text(linear_job(f"""
         for _ in range(2):
             pipe.step(x, target=y)
             pipe.eval(x)
+{textwrap.indent(textwrap.dedent(before), " " * 8)}
         try:
             pipe.step(x, target=y) if rank == 0 else pipe.eval(x)
         except pipeloom.PipelineError as exc:
@@ -204,10 +215,7 @@ async def test_pipelines_disagreeing_on_training_or_evaluation_fail_at_the_steps
     """, microbatches=2, rows=8, pipe_args="options=pipeloom.RuntimeOptions(stall_timeout=20, emulate_nccl_transport=True)"))
     codes, outs, errs = await spawn_ranks(2, [str(script)], timeout=60)
     assert codes == [0, 0], "\n".join(e[-3000:] for e in errs)
-    for r in range(2):
-        line = next(ln for ln in outs[r].splitlines() if ln.startswith("error"))
-        assert f"rank {r} step 4: the ranks disagree on the kind of step" in line, line
-        assert "rank(s) 0 run a training step" in line and "rank(s) 1 an evaluation step" in line, line
+    return outs
 
 
 @pytest.mark.asyncio
@@ -216,12 +224,8 @@ async def test_a_rank_whose_gather_lands_after_the_peers_abort_still_names_the_d
     may): rank 0 sees the result first and aborts, and its abort reaches rank 1 while its gather is pending.
     Rank 1 still judges the gather itself (a bounded grace), so it names the disagreement rather than only
     relaying rank 0's failure (seen in CI under load before the grace)."""
-    script = tmp_path / "late.py"
-    script.write_text(linear_job("""
+    outs = await _disagree_on_the_kind(tmp_path, before="""
         import time
-        for _ in range(2):
-            pipe.step(x, target=y)
-            pipe.eval(x)
         if rank == 1:
             orig = pipe._actor.agree
 
@@ -239,14 +243,7 @@ async def test_a_rank_whose_gather_lands_after_the_peers_abort_still_names_the_d
                     return self.g.result()
 
             pipe._actor.agree = lambda value: Late(orig(value))
-        try:
-            pipe.step(x, target=y) if rank == 0 else pipe.eval(x)
-        except pipeloom.PipelineError as exc:
-            print("error", type(exc).__name__, str(exc).replace("\\n", " "), flush=True)
-        pipe.close()
-    """, microbatches=2, rows=8, pipe_args="options=pipeloom.RuntimeOptions(stall_timeout=20, emulate_nccl_transport=True)"))
-    codes, outs, errs = await spawn_ranks(2, [str(script)], timeout=60)
-    assert codes == [0, 0], "\n".join(e[-3000:] for e in errs)
+    """)
     line = next(ln for ln in outs[1].splitlines() if ln.startswith("error"))
     assert line.startswith("error PipelineError") and "rank 1 step 4: the ranks disagree on the kind of step" in line, line
 
