@@ -11,7 +11,16 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-__all__ = ["StepTimer"]
+__all__ = ["StepTimer", "append_row"]
+
+
+def append_row(path: str | None, row: dict[str, Any]) -> None:
+    """Append ``row`` to the JSON Lines file ``path`` (nothing when ``path`` is None)."""
+    if path:
+        import json
+
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 class StepTimer:

@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import statistics
+import sys
 import time
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import append_row  # noqa: E402
 
 WAYS = ("pg", "batch", "pg+poll")
 
@@ -108,9 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"host us per post ({row['device']}, TORCH_NCCL_TRACE_BUFFER_SIZE={row['trace_buffer']}):")
         for w in ways:
             print(f"  {w:<8} send {both[0][w]:7.1f}   recv {both[1][w]:7.1f}")
-        if args.json:
-            with open(args.json, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        append_row(args.json, row)
     dist.destroy_process_group()
     return 0
 

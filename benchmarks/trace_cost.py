@@ -24,7 +24,6 @@ Usage (2 GPUs)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -32,6 +31,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import append_row  # noqa: E402
 
 VARIANTS = ("off", "on", "on-nodevice", "on-nosink", "on-bare")
 
@@ -125,9 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         for v in variants:
             print(f"  {v:<12} {row['median_ms'][v]:8.2f} ms  x{row['ratio'][v]:.3f}  "
                   f"(range {min(times[v]) * 1e3:.1f}-{max(times[v]) * 1e3:.1f})")
-        if args.json:
-            with open(args.json, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        append_row(args.json, row)
     dist.destroy_process_group()
     return 0
 
