@@ -128,7 +128,7 @@ PY
     # the host's cost of posting an NCCL send/recv: standalone (the runtime's), batched (torch's), with a poll per post;
     # then again without NCCL's flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE=0)
     for fr in "" 0; do
-      (cd /tmp && CUDA_VISIBLE_DEVICES=$VIS2 ${fr:+TORCH_NCCL_TRACE_BUFFER_SIZE=$fr} timeout 120 torchrun --master-port "$PORT" \
+      (cd /tmp && env CUDA_VISIBLE_DEVICES=$VIS2 ${fr:+TORCH_NCCL_TRACE_BUFFER_SIZE=$fr} timeout 120 torchrun --master-port "$PORT" \
          --nproc-per-node 2 "$REPO/benchmarks/p2p_cost.py" --json "$OUT/p2p.jsonl" 2>&1 | grep -v "^\[W\|Warning\|warn\|^W11\|\*\*\*" | tail -5)
     done
     ;;
