@@ -338,6 +338,20 @@ def _rank_main(args: argparse.Namespace) -> None:
         order = [*range(len(grid)), -1] if r % 2 == 0 else [*range(len(grid)), -1][::-1]
         for i in order:
             times.setdefault(i, []).extend(timed(members[i], args.steps, 1))
+    # 4. head to head: the grid's best measured row is the minimum of many noisy medians, so it reads low (the
+    # winner's curse); the tuner's pick and that row (or, when the pick is it, the runner-up) measured again,
+    # alone, alternating, is the fair comparison (every rank holds the same all-reduced times, so all agree)
+    duel: dict[str, Any] = {}
+    if args.final_rounds > 0 and len(grid) > 1:
+        pick_i = min(range(len(grid)), key=lambda i: grid[i]["step_ns"])
+        by_meas = sorted(range(len(grid)), key=lambda i: statistics.median(times[i]))
+        other_i = by_meas[0] if by_meas[0] != pick_i else by_meas[1]
+        duel = {"pick": pick_i, "other": other_i, "other_is_best": other_i == by_meas[0],
+                "pick_times_ns": [], "other_times_ns": []}
+        for r in range(args.final_rounds):
+            for i in ((pick_i, other_i) if r % 2 == 0 else (other_i, pick_i)):
+                key = "pick_times_ns" if i == pick_i else "other_times_ns"
+                duel[key].extend(t * 1e9 for t in timed(members[i], args.steps, 1))
     for pipe in members.values():
         pipe.close()
     del anchor, members
@@ -362,6 +376,7 @@ def _rank_main(args: argparse.Namespace) -> None:
                            "calibration_other": plan[0]["calibration_other"], "variants": plan[0]["variants"],
                            "busy": plan[0].get("profile_busy")},
                "device": torch.cuda.get_device_name() if gpu else "cpu", "size": args.size, "rows": rows,
+               **({"head_to_head": duel} if duel else {}),
                "seconds": {"profile_and_tune": t_profile, "total": time.perf_counter() - t_start}}
         with open(os.path.join(args.out, "tune_grid.json"), "w") as f:
             json.dump(doc, f, indent=1)
@@ -507,6 +522,17 @@ def format_grid(doc: dict[str, Any]) -> str:
                  f"({','.join(map(str, _blocks(tuple(best['split']))))}): {best['measured_ns'] / 1e6:.2f} ms; "
                  f"pick is {pick['measured_ns'] / best['measured_ns'] - 1:+.1%} from the best (goal: within 3%)"
                  + (f"; 95% interval of that difference over the steps measured: {ci[0]:+.1%}..{ci[1]:+.1%}" if ci else ""))
+    duel = doc.get("head_to_head")
+    if duel:
+        a, b = rows[duel["pick"]], rows[duel["other"]]
+        ma, mb = statistics.median(duel["pick_times_ns"]), statistics.median(duel["other_times_ns"])
+        dci = _ratio_ci(duel["pick_times_ns"], duel["other_times_ns"])
+        lines.append(f"head to head ({len(duel['pick_times_ns'])} steps each, alternating, after the grid): the pick "
+                     f"{ma / 1e6:.2f} ms against {'the best measured' if duel['other_is_best'] else 'the runner-up'} "
+                     f"{b['schedule']} m={b['microbatches']} ({','.join(map(str, _blocks(tuple(b['split']))))}) "
+                     f"{mb / 1e6:.2f} ms: pick is {ma / mb - 1:+.1%}"
+                     + (f" (95% interval {dci[0]:+.1%}..{dci[1]:+.1%})" if dci else "")
+                     + (f"; {a['schedule']} m={a['microbatches']} is the grid's best" if not duel["other_is_best"] else ""))
     if has_other:
         assert key_o is not None
         oerrs = [abs(r[key_o] / r["measured_ns"] - 1) for r in rows]
@@ -557,12 +583,17 @@ def main() -> None:
                    "instead of the engine's CUDA-event device times of the untouched traced run")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (>= 1), the order reversed every other one")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--final-rounds", type=int, default=6,
+                   help="after the grid, the tuner's pick and the best measured row (the runner-up if the pick is the "
+                        "best) timed again in this many alternating rounds of --steps (0: none)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default="/tmp/tunegrid")
     p.add_argument("--table", metavar="JSON", default=None, help="print the table of an earlier run's tune_grid.json")
     args = p.parse_args()
     if args.rounds < 1 or args.steps < 1:
         p.error("--rounds and --steps must be >= 1")
+    if args.final_rounds < 0:
+        p.error("--final-rounds must be >= 0")
     if args.table:
         with open(args.table) as f:
             print(format_grid(json.load(f)))
