@@ -533,7 +533,11 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
                     f.write(json.dumps(row) + "\n")
 
     def build_pipeloom() -> tuple[Any, Any, Any]:
-        pipe = pipeloom.Pipeline(lambda s: mods[s], schedule=name, num_microbatches=n, loss_fn=loss_fn)
+        # --trace-dir: the engine's own rank trace (per-action host spans, device times from CUDA events, waits
+        # by cause) for `pipeloom trace summary`; its cost on GPUs is within 1% (benchmarks/trace_cost.py)
+        traced = ({"trace": os.path.join(args.trace_dir, f"{name}-{args.model}-{args.size}.jsonl")}
+                  if args.trace_dir else {})
+        pipe = pipeloom.Pipeline(lambda s: mods[s], schedule=name, num_microbatches=n, loss_fn=loss_fn, **traced)
         if args.varlen:
             x_in, y_in = pipeloom.Microbatches(xs), pipeloom.Microbatches(ys)
         else:
@@ -752,6 +756,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-cpu", action="store_true",
                     help="--profile with CPU activity too: host gaps attributed to the runtime's PP:... ranges (set "
                          "PIPELOOM_PROFILE_RANGES=1 for pipeloom): what the host was in when the device ran dry")
+    ap.add_argument("--trace-dir", default=None, help="record engine pipeloom's rank trace here, one file per schedule "
+                    "(pipeloom trace summary reads it)")
     ap.add_argument("--profile-dir", default=None, help="keep the gzipped traces of the first and last rank here")
     ap.add_argument("--profile-schedules", default="1F1B", help="which schedules --profile applies to (comma-separated)")
     ap.add_argument("--code", default="", help="a tag for the code under test (e.g. main@abc1234)")
