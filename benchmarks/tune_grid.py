@@ -343,7 +343,7 @@ def _rank_main(args: argparse.Namespace) -> None:
     # alone, alternating, is the fair comparison (every rank holds the same all-reduced times, so all agree)
     duel: dict[str, Any] = {}
     if args.final_rounds > 0 and len(grid) > 1:
-        pick_i = min(range(len(grid)), key=lambda i: grid[i]["step_ns"])
+        pick_i = 0  # (the grid keeps the tuner's order: schedule_tune.rank_candidates)
         by_meas = sorted(range(len(grid)), key=lambda i: statistics.median(times[i]))
         other_i = by_meas[0] if by_meas[0] != pick_i else by_meas[1]
         duel = {"pick": pick_i, "other": other_i, "other_is_best": other_i == by_meas[0],
@@ -509,7 +509,9 @@ def format_grid(doc: dict[str, Any]) -> str:
 
     errs = [abs(r["error"]) for r in rows]
     rerrs = [abs(r["step_ns"] * recal / r["measured_ns"] - 1) for r in rows]
-    pick, best = rows[by_pred[0]], rows[by_meas[0]]
+    # the tuner's first pick: its first row (the rows keep its order, schedule_tune.rank_candidates, which within a
+    # predicted tie puts the even split and the least memory first)
+    pick, best = rows[0], rows[by_meas[0]]
     lines.append(f"{len(rows)} configurations (* = the tuner's layer split); {model} model: error {stats(errs)}; "
                  f"recalibrated to the grid's {prof['schedule']} m={prof['microbatches']} (x{recal:.3f}): {stats(rerrs)}")
     if anchored is not None:

@@ -34,6 +34,7 @@ from pipeloom.tools.schedule_tune import (
     format_tune,
     _nonneg_fit,
     near_ties,
+    rank_candidates,
     search_split,
     stage_compute,
     tune,
@@ -590,6 +591,27 @@ def test_near_ties_are_said_to_be_ties() -> None:
                                    measured_step_ns=0.0, memory_cap=None, activation_memory=0,
                                    activation_memory_is_proxy=False))
     assert "of each other" not in alone
+
+
+def test_a_tie_is_ranked_by_the_even_split_then_memory_and_a_clear_lead_by_speed() -> None:
+    def cand(name: str, ms: float, live: int, *, searched: bool = False, fits: bool = True) -> Candidate:
+        return Candidate(name, 8, 1, ms * 1e6, 0.1, live, live << 20, fits, (5, 3) if searched else (4, 4), searched)
+
+    # the two GPU grids' case: the searched split predicted 1.9% ahead of the even ones (measured 12% behind)
+    searched, gpipe, ofob = cand("1F1B", 72.69, 2, searched=True), cand("GPipe", 74.09, 8), cand("1F1B", 74.09, 2)
+    far = cand("ZBVZeroBubble", 80.0, 1)
+    ranked = rank_candidates([gpipe, far, searched, ofob])
+    assert ranked == [ofob, gpipe, searched, far]  # even split first, then less memory; the 10% slower one stays last
+    assert near_ties(ranked) == [0, 1, 2]
+    # a searched split clearly ahead (beyond the tie) keeps first place
+    ahead = cand("1F1B", 74.09 / (1 + TIE) - 0.5, 2, searched=True)
+    assert rank_candidates([ofob, gpipe, ahead])[0] is ahead
+    # a faster candidate over the memory cap never comes before one that fits
+    over = cand("GPipe", 60.0, 8, fits=False)
+    assert rank_candidates([over, gpipe, ofob]) == [ofob, gpipe, over]
+    text = format_tune(TuneResult(candidates=tuple(ranked), skipped=(), recorded=None, measured_step_ns=0.0,
+                                  memory_cap=None, activation_memory=0, activation_memory_is_proxy=False))
+    assert "#1-#3 are predicted within 1.9% of each other" in text and "even layer split first" in text
 
 
 def test_the_host_fit_is_the_best_non_negative_fit() -> None:

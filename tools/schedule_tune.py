@@ -99,7 +99,7 @@ from ..schedules.dataflow import consumer_stage
 from .run_costs import RunCosts
 
 __all__ = ["TIE", "Candidate", "HostFit", "Layers", "TuneResult", "calibration", "commit_horizon", "fixed_per_action", "format_tune",
-           "host_fit", "near_ties", "parse_size", "sampled_runs", "search_split", "stage_compute", "tune"]
+           "host_fit", "near_ties", "parse_size", "rank_candidates", "sampled_runs", "search_split", "stage_compute", "tune"]
 
 
 @dataclass(frozen=True)
@@ -952,7 +952,7 @@ def tune(
             if split != c.split:
                 _, res = _simulate(run, c.schedule, p, c.stages_per_rank, c.microbatches, layers=layers, split=split, **kw)
                 cands.append(candidate(c.schedule, c.microbatches, c.stages_per_rank, res, split, True))
-    cands.sort(key=lambda c: (not c.fits, c.step_ns))
+    cands = rank_candidates(cands)
     hfit = host_fit(run, layers, run.ref_bytes) if layers is not None and run.host is not None else None
     fixed = dict(hfit.fixed) if hfit is not None else None
     return TuneResult(tuple(cands), tuple(skipped), recorded, measured_step_ns or run.step_ns_median or run.step_ns,
@@ -987,15 +987,44 @@ TIE = 0.03
 """Candidates predicted within this fraction of the fastest are a tie: the model's per-configuration error on a
 measured GPU grid was up to 6.8% (median 4.8%; ``benchmarks/tune_grid.py``, 2 x H200), and the fastest three of that
 grid, predicted within 0.7% of each other, measured 68.1-73.7 ms.  :func:`format_tune` says so rather than let the
-first row look decided."""
+first row look decided, and :func:`rank_candidates` orders a tie by what is safest rather than by noise."""
+
+
+def rank_candidates(candidates: Sequence[Candidate], tie: float = TIE) -> list[Candidate]:
+    """Fitting candidates first, fastest predicted first; but the ones predicted within ``tie`` of the fastest
+    (closer than the model resolves) go first in the order of what the prediction can be trusted on and what
+    risks least: the even layer split before a searched one (an extrapolation from the profiled stages' costs
+    to stage shapes nobody ran), then the least activation memory (peak bytes, then live microbatch-stages),
+    then the predicted step.
+
+    Why (``benchmarks/tune_grid.py``, two grids on 2 x H200, GPT size s): both times the search's split of 1F1B
+    m=8 (5,3) was predicted 0.6% and 1.9% faster than the even split (4,4) and measured 1.7% and 12.0% slower
+    (the second head to head over 24 alternating steps, 95% interval +0.0..+17.4%); a ranking by predicted step
+    alone picked it."""
+    ordered = sorted(candidates, key=lambda c: (not c.fits, c.step_ns))
+    fits = [c for c in ordered if c.fits]
+    if not fits or not fits[0].step_ns > 0:
+        return ordered
+    limit = fits[0].step_ns * (1 + tie)
+    n = sum(1 for c in fits if c.step_ns <= limit)  # (sorted: the tie is the head)
+    head = sorted(ordered[:n], key=lambda c: (c.searched, c.peak_activation_bytes, c.peak_live, c.step_ns))
+    return head + ordered[n:]
 
 
 def near_ties(candidates: Sequence[Candidate], tie: float = TIE) -> list[int]:
-    """Indices of the leading candidates (sorted fastest first) whose predicted step is within ``tie`` of the first."""
-    if not candidates or not candidates[0].step_ns > 0:
+    """Indices of the leading candidates (as :func:`rank_candidates` orders them) whose predicted step is within
+    ``tie`` of the fastest of them."""
+    if not candidates:
         return []
-    first = candidates[0].step_ns
-    return [i for i, c in enumerate(candidates) if c.step_ns <= first * (1 + tie)]
+    fastest = min(c.step_ns for c in candidates)
+    if not fastest > 0:
+        return []
+    out = []
+    for i, c in enumerate(candidates):
+        if c.step_ns > fastest * (1 + tie):
+            break
+        out.append(i)
+    return out
 
 
 def format_tune(r: TuneResult, *, top: int = 5, source: str = "") -> str:
@@ -1021,10 +1050,12 @@ def format_tune(r: TuneResult, *, top: int = 5, source: str = "") -> str:
     lines += ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in rows]
     close = near_ties(fits[:top])
     if len(close) > 1:
-        spread = fits[close[-1]].step_ns / fits[0].step_ns - 1
+        fastest = min(fits[i].step_ns for i in close)
+        spread = max(fits[i].step_ns for i in close) / fastest - 1
         lines.append(f"#1-#{close[-1] + 1} are predicted within {spread:.1%} of each other, closer than the model resolves "
-                     f"(TIE = {TIE:.0%}; its errors were up to 7% per configuration on a 2-GPU grid, "
-                     "benchmarks/RESULTS.md): measure them before choosing")
+                     f"(TIE = {TIE:.0%}; its errors were up to 9% per configuration on 2-GPU grids, "
+                     "benchmarks/RESULTS.md): ranked among themselves by the even layer split first, then the least "
+                     "activation memory; measure them before choosing")
     over = [c for c in r.candidates if not c.fits]
     if over:
         best = over[0]
