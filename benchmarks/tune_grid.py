@@ -57,6 +57,12 @@ Run (2 GPUs; about 80 s for ``--size s``)::
 and on CPU, tiny (a smoke test of the whole path)::
 
     pipeloom launch --nproc-per-node 2 benchmarks/tune_grid.py --smoke --out /tmp/tunegrid
+
+and, without a run, a saved grid predicted again by the tuner as it is now (``--replay``: the
+profile traces and ``tune_grid.json`` of a run's ``--out``; the measurements stay, the predictions,
+errors and the tuner's order are recomputed, with the recorded and the current first pick)::
+
+    python benchmarks/tune_grid.py --replay benchmarks/results/tunegrid-sessionI/grid-a benchmarks/results/tunegrid-sessionI/grid-b
 """
 
 from __future__ import annotations
@@ -222,26 +228,11 @@ def _rank_main(args: argparse.Namespace) -> None:
     plan: list[Any] = [None]
     if rank == 0:
         try:
-            from pipeloom.tools.run_costs import (
-                costs_from_trace,
-                merge_types,
-                with_host_costs,
-            )
             from dataclasses import replace
 
             from pipeloom.tools.schedule_tune import Layers, _action_costs, _simulate, calibration, host_fit, tune
-            from pipeloom.tools.trace_model import load_trace
 
-            def costs(tag: str) -> Any:
-                # the typical steps' costs (run_costs.TYPICAL), as `pipeloom schedule tune` takes them
-                host_model = load_trace(traces["host" + tag])
-                dev = (costs_from_trace(host_model, typical=True, device=True) if events else
-                       costs_from_trace(load_trace(traces["device" + tag]), typical=True))
-                return with_host_costs(dev, costs_from_trace(host_model, typical=True))
-
-            run = costs("")
-            if "_iw" in profiles:
-                run = merge_types(run, costs("_iw"))  # I and W as measured, not shares of B
+            run = profile_costs(traces, events)
             layers = Layers(tuple(layer_weights(args)), _units(psplit), ends=(1, 1))
             res = tune(run, schedules=names, microbatches=mbs, stages_per_rank=None, measured_step_ns=prof_real * 1e9,
                        layers=layers, search=args.search, device_model=args.device_model)
@@ -384,6 +375,119 @@ def _rank_main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)
+
+
+def profile_costs(traces: dict[str, str], events: bool) -> Any:
+    """The tuner's ``RunCosts`` from the profile traces, as ``pipeloom schedule tune`` takes them (the typical steps,
+    ``run_costs.TYPICAL``): ``traces`` maps ``host`` (and ``device`` without CUDA-event device times, ``events``
+    False), and ``host_iw`` (``device_iw``) for the split-backward profile, to trace paths; the second profile's I
+    and W taken as measured (``merge_types``)."""
+    from pipeloom.tools.run_costs import costs_from_trace, merge_types, with_host_costs
+    from pipeloom.tools.trace_model import load_trace
+
+    def costs(tag: str) -> Any:
+        host_model = load_trace(traces["host" + tag])
+        dev = (costs_from_trace(host_model, typical=True, device=True) if events else
+               costs_from_trace(load_trace(traces["device" + tag]), typical=True))
+        return with_host_costs(dev, costs_from_trace(host_model, typical=True))
+
+    run = costs("")
+    if "host_iw" in traces:
+        run = merge_types(run, costs("_iw"))  # I and W as measured, not shares of B
+    return run
+
+
+def replay(directory: str, *, search: int = 3, device_model: str = "lanes") -> tuple[dict[str, Any], list[str]]:
+    """A saved grid (``tune_grid.json`` and the profile traces beside it, as a run writes them under ``--out``)
+    predicted again with the tuner as it is now: (the grid's document with every row's prediction, error and model
+    busy times recomputed and the rows in the tuner's order (``rank_candidates``), a summary of before and after).
+
+    The profile is rebuilt as the run built it (:func:`profile_costs`, the model's layers of ``layer_weights``,
+    the profile's measured step for the calibration) and ``tune`` ranks the grid's schedules and microbatch counts
+    with the layer-split search (``search``); a measured row that the tuner now does not propose (a split the
+    earlier search found) is simulated with the same calibration.  Rows keep their measurements, so the lead can
+    show a model change on recorded grids without a GPU."""
+    from pipeloom.tools.schedule_tune import Candidate, Layers, _action_costs, _simulate, rank_candidates, tune
+
+    with open(os.path.join(directory, "tune_grid.json")) as f:
+        doc = json.load(f)
+    prof = doc["profile"]
+    if doc.get("size") not in SIZES:
+        raise SystemExit(f"{directory}: size {doc.get('size')!r} is not one of {', '.join(SIZES)}")
+    args = argparse.Namespace()
+    args.layers, args.hidden, args.heads, args.batch, args.seq, args.vocab = SIZES[doc["size"]]
+
+    def have(name: str) -> bool:
+        path = os.path.join(directory, name)
+        return os.path.exists(path) or os.path.exists(path + ".rank0")
+
+    traces = {}
+    for tag in ("", "_iw"):
+        for side in ("host", "device"):
+            if have(f"profile{tag}_{side}.jsonl"):
+                traces[side + tag] = os.path.join(directory, f"profile{tag}_{side}.jsonl")
+    if "host" not in traces:
+        raise SystemExit(f"{directory}: no profile trace (profile_host.jsonl.rankN) beside tune_grid.json")
+    run = profile_costs(traces, events="device" not in traces)
+    world = run.world_size
+    layers = Layers(tuple(layer_weights(args)), _units(prof["blocks"]), ends=(1, 1))
+    rows = doc["rows"]
+    names = list(dict.fromkeys(r["schedule"] for r in rows))
+    mbs = sorted({r["microbatches"] for r in rows})
+    res = tune(run, schedules=names, microbatches=mbs, stages_per_rank=None, measured_step_ns=prof["step_ns"],
+               layers=layers, search=search, device_model=device_model)
+
+    def key(schedule: str, m: int, v: int, split: Any) -> tuple[Any, ...]:
+        return (schedule, m, v, tuple(split))
+
+    proposed = {key(c.schedule, c.microbatches, c.stages_per_rank, c.split): c for c in res.candidates}
+    new_rows, cands = [], []
+    for r in rows:
+        k = key(r["schedule"], r["microbatches"], r["stages_per_rank"], r["split"])
+        sched, sim = _simulate(run, r["schedule"], world, r["stages_per_rank"], r["microbatches"], layers=layers,
+                               split=k[3], device_model=device_model)
+        step = proposed[k].step_ns if k in proposed else sim.makespan * res.calibration
+        hc, dc, _ = _action_costs(run, world, r["stages_per_rank"], r["microbatches"], sched.stage_to_rank,
+                                  layers=layers, split=k[3], lanes=True)
+        even = k[3] == layers.even_split(world * r["stages_per_rank"])
+        nr = {key_: val for key_, val in r.items() if not key_.startswith("step_ns_")}
+        nr.update(step_ns=step, error=step / r["measured_ns"] - 1, searched=not even,
+                  host_busy_ns=_busy(sched, hc, world), device_busy_ns=_busy(sched, dc, world))
+        new_rows.append(nr)
+        cands.append(Candidate(r["schedule"], r["microbatches"], r["stages_per_rank"], step, 0.0,
+                               r.get("peak_live_microbatch_stages", 0), r.get("peak_activation_bytes", 0), True,
+                               k[3], not even))
+    order = [cands.index(c) for c in rank_candidates(cands)]
+    new = {**doc, "rows": [new_rows[i] for i in order],
+           "profile": {**{k: v for k, v in prof.items() if k not in ("variants", "other_model", "calibration_other",
+                                                                       "busy", "host_rank_speed")},
+                       "calibration": res.calibration, "host_fixed_ns": res.host_fixed_ns,
+                       "host_units_ns": res.host_units_ns, "device_model": device_model}}
+    new.pop("head_to_head", None)  # (its row indices are the recorded order's; summarised below instead)
+
+    def summary(label: str, rs: list[dict[str, Any]]) -> str:
+        errs = [abs(r["error"]) for r in rs]
+        best = min(rs, key=lambda r: r["measured_ns"])
+        pick = rs[0]
+        return (f"{label}: first pick {pick['schedule']} m={pick['microbatches']} "
+                f"({','.join(map(str, _blocks(tuple(pick['split']))))}) {pick['measured_ns'] / best['measured_ns'] - 1:+.1%} "
+                f"from the best measured; error largest {max(errs):.1%}, median {statistics.median(errs):.1%}")
+
+    lines = [summary("recorded tuner", rows), summary("current tuner", new["rows"])]
+    first = res.candidates[0] if res.candidates else None
+    if first is not None and key(first.schedule, first.microbatches, first.stages_per_rank, first.split) not in {
+            key(r["schedule"], r["microbatches"], r["stages_per_rank"], r["split"]) for r in rows}:
+        lines.append(f"current tuner's own first pick {first.schedule} m={first.microbatches} "
+                     f"({','.join(map(str, _blocks(tuple(first.split or ()))))}) was not measured in this grid")
+    duel = doc.get("head_to_head")
+    if duel:
+        a, b = rows[duel["pick"]], rows[duel["other"]]
+        ma, mb = statistics.median(duel["pick_times_ns"]), statistics.median(duel["other_times_ns"])
+        lines.append(f"recorded head to head: {a['schedule']} m={a['microbatches']} "
+                     f"({','.join(map(str, _blocks(tuple(a['split']))))}) {ma / 1e6:.2f} ms against {b['schedule']} "
+                     f"m={b['microbatches']} ({','.join(map(str, _blocks(tuple(b['split']))))}) {mb / 1e6:.2f} ms: "
+                     f"{ma / mb - 1:+.1%}")
+    return new, lines
 
 
 def _ratio_ci(a: list[float] | None, b: list[float] | None, draws: int = 2000) -> tuple[float, float] | None:
@@ -591,6 +695,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default="/tmp/tunegrid")
     p.add_argument("--table", metavar="JSON", default=None, help="print the table of an earlier run's tune_grid.json")
+    p.add_argument("--replay", metavar="DIR", nargs="+", default=None,
+                   help="no run: predict saved grids again with the tuner as it is now (each DIR holds a run's "
+                   "tune_grid.json and profile traces, e.g. benchmarks/results/tunegrid-sessionI/grid-a) and print "
+                   "the table, with the recorded and the current tuner's first pick and errors (uses --search, "
+                   "--device-model)")
     args = p.parse_args()
     if args.rounds < 1 or args.steps < 1:
         p.error("--rounds and --steps must be >= 1")
@@ -599,6 +708,13 @@ def main() -> None:
     if args.table:
         with open(args.table) as f:
             print(format_grid(json.load(f)))
+        return
+    if args.replay:
+        for i, directory in enumerate(args.replay):
+            doc, summary = replay(directory, search=args.search, device_model=args.device_model)
+            print(("\n" if i else "") + f"=== {directory} (replayed)")
+            print(format_grid(doc))
+            print("\n".join(summary))
         return
     if args.smoke:
         args.size = "smoke"

@@ -635,3 +635,32 @@ def test_the_host_fit_is_the_best_non_negative_fit() -> None:
     assert all(residual(f, [u1, u2]) >= residual(fixed, units) - 1e-6 for f in grid[::8] for u1 in grid[:40:4] for u2 in grid[:40:4])
     # rows that cannot tell the fixed part from a unit: no fit
     assert _nonneg_fit([[1.0], [1.0], [1.0]], [2.0, 2.1, 1.9]) is None
+
+
+def test_tune_grid_replay_predicts_a_saved_grid_again() -> None:
+    # benchmarks/tune_grid.py --replay: a recorded GPU grid (profile traces + tune_grid.json) predicted again with the
+    # tuner as it is now; the measurements stay, every prediction, error and the order are the current tuner's
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import tune_grid
+
+    grid = Path(__file__).parents[1] / "benchmarks" / "results" / "tunegrid-sessionI" / "grid-a"
+    recorded = json.loads((grid / "tune_grid.json").read_text())
+    doc, summary = tune_grid.replay(str(grid))
+    rows = doc["rows"]
+    assert sorted(r["measured_ns"] for r in rows) == sorted(r["measured_ns"] for r in recorded["rows"])
+    for r in rows:
+        assert r["error"] == pytest.approx(r["step_ns"] / r["measured_ns"] - 1)
+        assert len(r["host_busy_ns"]) == len(r["device_busy_ns"]) == 2
+    cands = [Candidate(r["schedule"], r["microbatches"], r["stages_per_rank"], r["step_ns"], 0.0,
+                       r["peak_live_microbatch_stages"], r["peak_activation_bytes"], True, tuple(r["split"]),
+                       r["searched"]) for r in rows]
+    assert [(c.schedule, c.microbatches, c.split) for c in rank_candidates(cands)] == \
+        [(c.schedule, c.microbatches, c.split) for c in cands]  # the rows in the tuner's order: its pick first
+    # the recorded tuner's pick (the grid's first row) and how far it measured from the best
+    assert summary[0].startswith("recorded tuner: first pick 1F1B m=8 (5,3) +12.2% from the best measured")
+    assert summary[1].startswith("current tuner: first pick ")
+    assert "head to head" in summary[-1]
+    table = tune_grid.format_grid(doc)
+    assert "tuner's first pick" in table and len(table.splitlines()) > len(rows)
