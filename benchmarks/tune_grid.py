@@ -35,7 +35,9 @@ list so that any split of the blocks over the stages can be run:
    median of its steps;
 4. prints measured vs predicted per configuration, the error, the tuner's
    first pick and how far its measured step is from the best measured one
-   (goal: within 3%), and writes it all as JSON to ``--out``.  The tuner's
+   (goal: within 3%), the same round by round (each round's fastest row; rows are timed minutes apart from
+   the next round, and the machine does not stay alike) and the head to head block by block, and writes it
+   all as JSON to ``--out``.  The tuner's
    device model (``--device-model``, default ``lanes``: the host commits ahead
    of the device, :data:`pipeloom.tools.schedule_tune.DEVICE_MODELS`) makes the
    pick; the other model's prediction of every row, its errors and its pick
@@ -368,6 +370,7 @@ def _rank_main(args: argparse.Namespace) -> None:
                            "busy": plan[0].get("profile_busy")},
                "device": torch.cuda.get_device_name() if gpu else "cpu", "size": args.size, "rows": rows,
                **({"head_to_head": duel} if duel else {}),
+               "rounds": args.rounds, "steps": args.steps,
                "seconds": {"profile_and_tune": t_profile, "total": time.perf_counter() - t_start}}
         with open(os.path.join(args.out, "tune_grid.json"), "w") as f:
             json.dump(doc, f, indent=1)
@@ -487,6 +490,7 @@ def replay(directory: str, *, search: int = 3, device_model: str = "lanes") -> t
                      f"({','.join(map(str, _blocks(tuple(a['split']))))}) {ma / 1e6:.2f} ms against {b['schedule']} "
                      f"m={b['microbatches']} ({','.join(map(str, _blocks(tuple(b['split']))))}) {mb / 1e6:.2f} ms: "
                      f"{ma / mb - 1:+.1%}")
+    lines += [f"recorded tuner's pick, {x}" for x in _by_round(doc)]
     return new, lines
 
 
@@ -553,6 +557,40 @@ def _profile_config(spec: str, args: argparse.Namespace, world: int) -> tuple[st
         raise SystemExit(f"profile {spec}: {name} has {world * v} stages on {world} ranks; the split must give "
                          f"each at least one of the {args.layers} blocks")
     return name, m, v, split
+
+
+def _by_round(doc: dict[str, Any]) -> list[str]:
+    """The grid round by round (rows timed one after another, minutes apart from the next round): each round's
+    fastest row and the tuner's pick against it, and the head to head block by block (``--steps`` each).
+
+    Why: a configuration's measured step is the median over every round, and the machine does not stay alike
+    between rounds (on 2 x H200, session I: a host-bound row ran 33% slower in rounds 2-3 than in round 1 while a
+    device-bound one moved 5%); a pick that is best in one round and not in the next is not a model error alone.
+    Nothing where the steps per round are not known (``rounds``, default 3, must divide the steps)."""
+    rows = doc["rows"]
+    n = min((len(r.get("times_ns") or []) for r in rows), default=0)
+    rounds = doc.get("rounds") or 3
+    if not n or n % rounds or len(rows) < 2:
+        return []
+    steps = n // rounds
+
+    def name(r: dict[str, Any]) -> str:
+        return f"{r['schedule']} m={r['microbatches']} ({','.join(map(str, _blocks(tuple(r['split']))))})"
+
+    out = []
+    for k in range(rounds):
+        med = [statistics.median(r["times_ns"][k * steps:(k + 1) * steps]) for r in rows]
+        best = min(range(len(rows)), key=lambda i: med[i])
+        out.append(f"round {k + 1}: fastest {name(rows[best])} {med[best] / 1e6:.2f} ms; the pick {name(rows[0])} "
+                   f"{med[0] / 1e6:.2f} ms ({med[0] / med[best] - 1:+.1%})")
+    duel = doc.get("head_to_head")
+    if duel and duel.get("pick_times_ns") and len(duel["pick_times_ns"]) % steps == 0:
+        def blocks(ts: list[float]) -> str:
+            return " ".join(f"{statistics.median(ts[i:i + steps]) / 1e6:.1f}" for i in range(0, len(ts), steps))
+
+        out.append(f"head to head by block of {steps} steps (ms): the pick {blocks(duel['pick_times_ns'])}; "
+                   f"{name(rows[duel['other']])} {blocks(duel['other_times_ns'])}")
+    return out
 
 
 def format_grid(doc: dict[str, Any]) -> str:
@@ -639,6 +677,7 @@ def format_grid(doc: dict[str, Any]) -> str:
                      f"{mb / 1e6:.2f} ms: pick is {ma / mb - 1:+.1%}"
                      + (f" (95% interval {dci[0]:+.1%}..{dci[1]:+.1%})" if dci else "")
                      + (f"; {a['schedule']} m={a['microbatches']} is the grid's best" if not duel["other_is_best"] else ""))
+    lines += _by_round(doc)
     if has_other:
         assert key_o is not None
         oerrs = [abs(r[key_o] / r["measured_ns"] - 1) for r in rows]

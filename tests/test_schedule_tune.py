@@ -664,3 +664,29 @@ def test_tune_grid_replay_predicts_a_saved_grid_again() -> None:
     assert "head to head" in summary[-1]
     table = tune_grid.format_grid(doc)
     assert "tuner's first pick" in table and len(table.splitlines()) > len(rows)
+    # the recorded grid round by round: the searched split was the fastest row of round 1, 12.3% behind in round 2
+    assert "recorded tuner's pick, round 1: fastest 1F1B m=8 (5,3) 57.01 ms; the pick 1F1B m=8 (5,3) 57.01 ms (+0.0%)" \
+        in summary
+    assert any(x.startswith("recorded tuner's pick, round 2: fastest 1F1B m=8 (4,4)") and x.endswith("(+12.3%)")
+               for x in summary)
+    assert any("head to head by block of 4 steps (ms): the pick 79.4 60.4 58.7 73.0 76.5 79.5;" in x for x in summary)
+
+
+def test_tune_grid_by_round() -> None:
+    # format_grid's rounds: each round's fastest row and the pick (the first row) against it; none where the steps
+    # per round are unknown
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import tune_grid
+
+    def row(schedule: str, split: list[int], times: list[float]) -> dict[str, Any]:
+        return {"schedule": schedule, "microbatches": 8, "stages_per_rank": 1, "split": split,
+                "times_ns": [t * 1e6 for t in times]}
+
+    doc = {"rounds": 2, "rows": [row("1F1B", [6, 4], [50, 52, 80, 82]), row("GPipe", [5, 5], [60, 61, 60, 62])]}
+    assert tune_grid._by_round(doc) == [
+        "round 1: fastest 1F1B m=8 (5,3) 51.00 ms; the pick 1F1B m=8 (5,3) 51.00 ms (+0.0%)",
+        "round 2: fastest GPipe m=8 (4,4) 61.00 ms; the pick 1F1B m=8 (5,3) 81.00 ms (+32.8%)"]
+    doc["rounds"] = 3  # 4 steps cannot be 3 rounds
+    assert tune_grid._by_round(doc) == []
