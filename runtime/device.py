@@ -258,6 +258,13 @@ class CudaPolicy(DevicePolicy):
         self.learn_steps = learn_steps
         self.default_ms = default_ms
         stages = sorted(stages)
+        # A rank with one stage has nothing to overlap its compute with: its stage runs on the caller's
+        # stream, so no action pays the stream switches (set_stream twice per compute, send and
+        # receive: ~6 pybind calls per action on a GPU host) and the step's start and end need no
+        # cross-stream waits.  (The same arrangement as stage_streams=False, which data parallelism
+        # uses and the NCCL tests cover.)
+        if len(stages) < 2:
+            stage_streams = False
         #: stage -> its stream; None: the caller's current stream
         self.streams: dict[int, Any] = {s: (torch.cuda.Stream(device=device) if stage_streams else None) for s in stages}
         self._distinct = [s for s in dict.fromkeys(self.streams.values()) if s is not None]
@@ -313,7 +320,10 @@ class CudaPolicy(DevicePolicy):
     # -- streams --------------------------------------------------------------
     def stream(self, stage: int) -> Any:
         s = self.streams.get(stage)
-        return s if s is not None else torch.cuda.current_stream(self.device)
+        if s is not None:
+            return s
+        # inside a step every switch goes through the policy, which knows the current stream (no device lookup)
+        return self._cur if self._cur is not None else torch.cuda.current_stream(self.device)
 
     def on_stage(self, stage: int) -> contextlib.AbstractContextManager[Any]:
         s = self.streams.get(stage)

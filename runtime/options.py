@@ -228,7 +228,8 @@ class RuntimeOptions:
 
     overlap_streams: bool = True
     """GPUs: one compute stream per local stage (True), so OVERLAP_F_B's forward and backward
-    halves (two stages) run concurrently, or every stage on the caller's stream (False).
+    halves (two stages) run concurrently, or every stage on the caller's stream (False).  A rank
+    with a single stage (1F1B, GPipe) always runs it on the caller's stream: nothing to overlap.
     Data parallelism uses the caller's stream, except with expert parallelism (whose
     all-to-alls must run on their stage's stream to overlap).  Environment: ``PIPELOOM_OVERLAP_STREAMS=0``."""
 

@@ -179,6 +179,24 @@ def test_shared_stream_when_stage_streams_are_off(cuda: FakeCuda) -> None:
     assert not any(k == "wait_stream" for k, _ in cuda.default.log)
 
 
+def test_a_rank_with_one_stage_runs_it_on_the_callers_stream(cuda: FakeCuda) -> None:
+    p = devmod.CudaPolicy(torch.device("cuda", 0), [2], clock=FakeClock())  # stage_streams on (the default)
+    assert p.streams == {2: None} and cuda.created == [p._xfer]  # only the transfer stream is created
+    p.begin_step()
+    with p.on_stage(2):
+        assert cuda.current is cuda.default
+    assert p.stream(2) is cuda.default
+    works = [FakeWork()]
+    p.consume(2, [FakeBuffer()], works)
+    assert works[0].waited_on == [cuda.default]
+    tok = p.start(("F", 2))
+    p.inputs_ready(tok, 2)
+    p.launched(("F", 2), [2], tok)
+    assert tok[0].stream is cuda.default
+    p.end_step()
+    assert not any(k == "wait_stream" for k, _ in cuda.default.log)  # no cross-stream waits at the step's ends
+
+
 def test_receive_posted_on_the_consumer_stream_by_default(cuda: FakeCuda) -> None:
     p = _policy(cuda)
     with p.posting(3):
