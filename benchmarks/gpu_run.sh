@@ -39,6 +39,12 @@
 #              and prints each row's traced host and device busy time per rank beside the model's);
 #              TUNE_ARGS adds arguments, TUNE_TIMEOUT bounds it (default 300 s); JSON in $OUT/tunegrid/tune_grid.json;
 #              run it alone on its host (the model is host-bound: a job on the other GPUs put the predictions 15-40% under)
+#   tunemodes  issue 13: the searched split 1F1B m=8 (5,3) against (4,4) alone (the pair and the profiled configuration
+#              alive, not the whole grid), 6 rounds + 8 head-to-head blocks, three times: free, each rank pinned to its
+#              half of the CPUs (--cpu-pin), free and traced (--trace-grid: $OUT/tunemodes-trace/grid0N.jsonl for
+#              `pipeloom trace summary`); whether (5,3)'s slow blocks (+25-35% in session I, fast ones beat (4,4)) follow
+#              the many pipelines alive, the OS's placement of the host threads, or neither (about 3 x 50 s;
+#              TUNEMODES_TIMEOUT bounds each, default 150 s); tables in $OUT/tunemodes-{free,pin,trace}.txt
 # Environment: SCHEDULES, BENCH_ARGS, BENCH_TIMEOUT, VARIANTS (see bench2).  VIS2: the GPUs of the 2-GPU parts
 # (default 0,1) and PORT: torchrun's rendezvous port (default 29500), so that two invocations can share a
 # 4-GPU host (e.g. VIS2=2,3 PORT=29600 SKIP_INSTALL=1 for the second; each its own OUT).
@@ -166,6 +172,14 @@ PY
   tunegrid)
     (cd /tmp && CUDA_VISIBLE_DEVICES=$VIS2 timeout "${TUNE_TIMEOUT:-300}" torchrun --master-port "$PORT" --nproc-per-node 2 "$REPO/benchmarks/tune_grid.py" \
        --out "$OUT/tunegrid" ${TUNE_ARGS:-} 2>&1 | grep -v "^\[W\|Warning\|warn" | cut -c1-400 | tail -40 | tee "$OUT/tunegrid.txt")
+    ;;
+  tunemodes)
+    for mode in free pin trace; do
+      case $mode in free) extra="" ;; pin) extra="--cpu-pin" ;; trace) extra="--trace-grid" ;; esac
+      (cd /tmp && CUDA_VISIBLE_DEVICES=$VIS2 timeout "${TUNEMODES_TIMEOUT:-150}" torchrun --master-port "$PORT" --nproc-per-node 2 \
+         "$REPO/benchmarks/tune_grid.py" --names 1F1B --microbatches 8 --also-split 5,3 --rounds 6 --final-rounds 8 $extra \
+         --out "$OUT/tunemodes-$mode" ${TUNE_ARGS:-} 2>&1 | grep -v "^\[W\|Warning\|warn" | cut -c1-400 | tail -32 | tee "$OUT/tunemodes-$mode.txt")
+    done
     ;;
   *) echo "unknown part $part"; exit 2 ;;
   esac

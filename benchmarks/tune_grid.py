@@ -60,6 +60,13 @@ and on CPU, tiny (a smoke test of the whole path)::
 
     pipeloom launch --nproc-per-node 2 benchmarks/tune_grid.py --smoke --out /tmp/tunegrid
 
+The pair behind issue 13's misses, alone, with each rank's process pinned to its half of the CPUs
+(``--also-split`` adds a split to every configuration with as many stages, whatever the search finds;
+``--cpu-pin``; ``gpu_run.sh tunemodes`` runs it free, pinned and traced)::
+
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/tune_grid.py --names 1F1B --microbatches 8 \
+        --also-split 5,3 --rounds 6 --final-rounds 8 --cpu-pin --out /tmp/tunemodes
+
 and, without a run, a saved grid predicted again by the tuner as it is now (``--replay``: the
 profile traces and ``tune_grid.json`` of a run's ``--out``; the measurements stay, the predictions,
 errors and the tuner's order are recomputed, with the recorded and the current first pick)::
@@ -144,7 +151,22 @@ def _loss(out: Any, target: Any) -> Any:
     return F.cross_entropy(out.float().flatten(0, -2), target.flatten())
 
 
+def _pin_cpus() -> list[int]:
+    """Pin this rank's process to its own share of the CPUs it may use (``--cpu-pin``): the ``LOCAL_RANK``-th of
+    ``LOCAL_WORLD_SIZE`` equal slices, so that no two ranks' threads (the actor's, autograd's backward thread,
+    NCCL's proxies) share a core.  Called before torch starts its threads, which inherit the mask.  Returns the
+    CPUs pinned to."""
+    allowed = sorted(os.sched_getaffinity(0))
+    n = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))))
+    r = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) % n
+    per = max(1, len(allowed) // n)
+    mine = allowed[r * per:(r + 1) * per] or allowed[-per:]
+    os.sched_setaffinity(0, mine)
+    return mine
+
+
 def _rank_main(args: argparse.Namespace) -> None:
+    pinned = _pin_cpus() if args.cpu_pin else None
     import torch
     import torch.distributed as dist
     from pipeloom.schedules import ScheduleError, generate
@@ -238,7 +260,7 @@ def _rank_main(args: argparse.Namespace) -> None:
             layers = Layers(tuple(layer_weights(args)), _units(psplit), ends=(1, 1))
             res = tune(run, schedules=names, microbatches=mbs, stages_per_rank=None, measured_step_ns=prof_real * 1e9,
                        layers=layers, search=args.search, device_model=args.device_model)
-            cands = [c.to_json() for c in res.candidates]
+            cands = [c.to_json() for c in _with_splits(res, run, layers, world, args.also_split)]
             if not cands:
                 raise ValueError("no configuration could be simulated: " + "; ".join(res.skipped[:3]))
             # the other device model's prediction of the same candidates, side by side (same profile, same grid)
@@ -370,7 +392,7 @@ def _rank_main(args: argparse.Namespace) -> None:
                            "busy": plan[0].get("profile_busy")},
                "device": torch.cuda.get_device_name() if gpu else "cpu", "size": args.size, "rows": rows,
                **({"head_to_head": duel} if duel else {}),
-               "rounds": args.rounds, "steps": args.steps,
+               "rounds": args.rounds, "steps": args.steps, "cpu_pin": len(pinned) if pinned else None,
                "seconds": {"profile_and_tune": t_profile, "total": time.perf_counter() - t_start}}
         with open(os.path.join(args.out, "tune_grid.json"), "w") as f:
             json.dump(doc, f, indent=1)
@@ -378,6 +400,34 @@ def _rank_main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)
+
+
+def _with_splits(res: Any, run: Any, layers: Any, world: int, also: list[list[int]] | None) -> list[Any]:
+    """The tuner's candidates plus, for every schedule and microbatch count with as many stages as a split of
+    ``also`` (blocks per stage, ``--also-split``) and not already among them, that split, predicted by the same model
+    and calibration (``searched`` True: not the even split), all in the tuner's order (``rank_candidates``)."""
+    from dataclasses import replace
+
+    from pipeloom.tools.schedule_tune import _simulate, rank_candidates
+
+    cands = list(res.candidates)
+    seen = {(c.schedule, c.microbatches, c.stages_per_rank, c.split) for c in cands}
+    for blocks in also or []:
+        units = _units(blocks)
+        for c in list(res.candidates):
+            if world * c.stages_per_rank != len(units) or c.searched:
+                continue
+            k = (c.schedule, c.microbatches, c.stages_per_rank, units)
+            if k in seen:
+                continue
+            seen.add(k)
+            _, sim = _simulate(run, c.schedule, world, c.stages_per_rank, c.microbatches, layers=layers, split=units,
+                               device_model=res.device_model or "lanes")
+            peak = max(sim.peak_live_activations.values(), default=0)
+            cands.append(replace(c, step_ns=sim.makespan * res.calibration, bubble=sim.overall_bubble_fraction,
+                                 peak_live=peak, peak_activation_bytes=int(c.peak_activation_bytes * peak / c.peak_live)
+                                 if c.peak_live else c.peak_activation_bytes, split=units, searched=True))
+    return rank_candidates(cands) if also else cands
 
 
 def profile_costs(traces: dict[str, str], events: bool) -> Any:
@@ -700,7 +750,8 @@ def format_grid(doc: dict[str, Any]) -> str:
         lines.append(f"profile busy ms per rank, host | device: model {ms(pb['model_host'])} | {ms(pb['model_device'])}; "
                      f"traced {ms(pb['host_busy_traced_ns'])} | {ms(pb.get('device_busy_traced_ns') or []) or '-'} "
                      "(model: launch + runtime + sends per action, full batch; traced: action spans, median full step)")
-    lines.append(f"time: profile + tune {doc['seconds']['profile_and_tune']:.0f} s, total {doc['seconds']['total']:.0f} s")
+    lines.append(f"time: profile + tune {doc['seconds']['profile_and_tune']:.0f} s, total {doc['seconds']['total']:.0f} s"
+                 + (f"; each rank pinned to {doc['cpu_pin']} CPUs (--cpu-pin)" if doc.get("cpu_pin") else ""))
     return "\n".join(lines)
 
 
@@ -732,6 +783,14 @@ def main() -> None:
                    help="after the grid, the tuner's pick and the best measured row (the runner-up if the pick is the "
                         "best) timed again in this many alternating rounds of --steps (0: none)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--also-split", metavar="B1,B2,...", action="append", default=None,
+                   type=lambda t: [int(x) for x in t.split(",")],
+                   help="also measure this split (blocks per stage) for every configuration with as many stages "
+                   "(repeatable), e.g. --names 1F1B --microbatches 8 --also-split 5,3: the searched split against "
+                   "the even one whatever the search finds")
+    p.add_argument("--cpu-pin", action="store_true",
+                   help="pin each rank's process to its own equal share of the CPUs (no two ranks' threads on one "
+                   "core): whether a configuration's slow rounds follow where the OS put the host threads")
     p.add_argument("--out", default="/tmp/tunegrid")
     p.add_argument("--table", metavar="JSON", default=None, help="print the table of an earlier run's tune_grid.json")
     p.add_argument("--replay", metavar="DIR", nargs="+", default=None,
@@ -761,6 +820,9 @@ def main() -> None:
         args.profile = "Interleaved1F1B:8:2,1,3,2" if args.profile == p.get_default("profile") else args.profile
         args.profile_iw = "ZBVZeroBubble:8:2,1,3,2" if args.profile_iw == p.get_default("profile_iw") else args.profile_iw
     args.layers, args.hidden, args.heads, args.batch, args.seq, args.vocab = SIZES[args.size]
+    for blocks in args.also_split or []:
+        if sum(blocks) != args.layers or min(blocks) < 1:
+            p.error(f"--also-split {','.join(map(str, blocks))}: give every stage at least one of the {args.layers} blocks")
     os.makedirs(args.out, exist_ok=True)
     _rank_main(args)
 

@@ -690,3 +690,28 @@ def test_tune_grid_by_round() -> None:
         "round 2: fastest GPipe m=8 (4,4) 61.00 ms; the pick 1F1B m=8 (5,3) 81.00 ms (+32.8%)"]
     doc["rounds"] = 3  # 4 steps cannot be 3 rounds
     assert tune_grid._by_round(doc) == []
+
+
+def test_tune_grid_also_split_adds_a_split_to_every_matching_configuration() -> None:
+    # tune_grid.py --also-split: a given split measured beside the tuner's candidates, predicted by the same model
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import argparse
+
+    import tune_grid
+
+    grid = Path(__file__).parents[1] / "benchmarks" / "results" / "tunegrid-sessionI" / "grid-a"
+    run = tune_grid.profile_costs({"host": str(grid / "profile_host.jsonl"), "host_iw": str(grid / "profile_iw_host.jsonl")},
+                                  events=True)
+    args = argparse.Namespace()
+    args.layers, args.hidden, args.heads, args.batch, args.seq, args.vocab = tune_grid.SIZES["s"]
+    layers = Layers(tuple(tune_grid.layer_weights(args)), tune_grid._units([2, 1, 3, 2]), ends=(1, 1))
+    res = tune(run, schedules=["1F1B", "Interleaved1F1B"], microbatches=[8], stages_per_rank=None,
+               measured_step_ns=155e6, layers=layers, device_model="lanes")
+    out = tune_grid._with_splits(res, run, layers, 2, [[3, 5]])
+    added = [c for c in out if c.split == (4, 6)]
+    assert [(c.schedule, c.searched) for c in added] == [("1F1B", True)]  # (Interleaved1F1B has 4 stages)
+    assert len(out) == len(res.candidates) + 1 and added[0].step_ns > 0
+    assert out == rank_candidates(out)
+    assert tune_grid._with_splits(res, run, layers, 2, None) == list(res.candidates)
