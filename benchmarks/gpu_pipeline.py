@@ -535,6 +535,8 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
     def build_pipeloom() -> tuple[Any, Any, Any]:
         # --trace-dir: the engine's own rank trace (per-action host spans, device times from CUDA events, waits
         # by cause) for `pipeloom trace summary`; its cost on GPUs is within 1% (benchmarks/trace_cost.py)
+        if args.trace_dir:
+            os.makedirs(args.trace_dir, exist_ok=True)
         traced = ({"trace": os.path.join(args.trace_dir, f"{name}-{args.model}-{args.size}.jsonl")}
                   if args.trace_dir else {})
         pipe = pipeloom.Pipeline(lambda s: mods[s], schedule=name, num_microbatches=n, loss_fn=loss_fn, **traced)

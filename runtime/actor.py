@@ -74,6 +74,7 @@ lost.  Measured in ``benchmarks/RESULTS.md`` ("CPU host path, round 5").
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -107,6 +108,11 @@ __all__ = ["RankActor", "StepInputs", "ActorStatistics"]
 log = logging.getLogger("pipeloom.actor")
 
 _F, _B, _I, _W, _OVL = ActionType.F, ActionType.B, ActionType.I, ActionType.W, ActionType.OVERLAP_F_B
+
+
+def _forward_only(ready: Any, a: Action) -> bool:
+    """options.host_overlap_backward: while a backward launches on the worker only forwards run beside it."""
+    return a.type is _F and ready(a)
 #: data-parallel events, run through the ``collectives`` object (runtime/data_parallel.py)
 _DP = frozenset({ActionType.UNSHARD, ActionType.RESHARD, ActionType.REDUCE_GRAD})
 _UNSHARD, _RESHARD, _REDUCE_GRAD = ActionType.UNSHARD, ActionType.RESHARD, ActionType.REDUCE_GRAD
@@ -162,6 +168,8 @@ class ActorStatistics:
     headerless_sends: int = 0
     #: static shapes: outputs produced ahead of their turn in a peer's send order, held until it came
     held_sends: int = 0
+    #: options.host_overlap_backward: backwards launched on the worker thread beside the next forward
+    overlapped_backwards: int = 0
 
 
 class Wakeup:
@@ -436,6 +444,14 @@ class RankActor:
         #: options.profile_ranges: a profiler range per action, by this name
         self._profile_ranges = options.profile_ranges
         self._range_names: dict[Action, str] = {}
+        #: options.host_overlap_backward: a full backward launched on a worker thread beside the forwards
+        #: after it (not with data/expert-parallel collectives, not traced: see the option)
+        self._bg_ok = options.host_overlap_backward and collectives is None and trace is None
+        #: the first training step runs inline and tells whether the stages' forwards draw random numbers
+        #: (then never overlapped: see _rng_state)
+        self._bg_checked = False
+        self._bg_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._bg_fut: concurrent.futures.Future[Any] | None = None
         self._names: dict[Action, str] = {}
         #: the actions of the step in progress not yet run (for debug_state)
         self._pending: list[Action] = []
@@ -764,9 +780,12 @@ class RankActor:
         self.dev.flush()
 
     def close(self) -> None:
-        """Stop this actor's threads (the watchdog of direct waits)."""
+        """Stop this actor's threads (the watchdog of direct waits, the backward worker)."""
         if self._direct is not None:
             self._direct.close()
+        if self._bg_pool is not None:
+            self._bg_pool.shutdown(wait=True)
+            self._bg_pool = None
 
     def _post_static(self, key: tuple[int, str, int, int]) -> None:
         """Static shapes: post the receives of the peer's transfers up to ``key``, in its send order.
@@ -1035,6 +1054,57 @@ class RankActor:
         else:  # (the policy's on_stage is a null context: CPU)
             self._compute(a, step, inputs, train, results, losses)
 
+    def _rng_state(self) -> torch.Tensor:
+        """The default generator's state for this rank's device (host_overlap_backward's check)."""
+        return torch.cuda.get_rng_state(self.device) if self._cuda else torch.get_rng_state()
+
+    def _launch_bg(self, a: Action, step: int, tkey: Any, token: Any, h0: float) -> tuple[Action, Any, Any, Any, float]:
+        """options.host_overlap_backward: take B's input here, launch its backward on the worker thread."""
+        mb = a.microbatch
+        assert mb is not None
+        with self.dev.on_stage(a.stage) if self._stage_context else contextlib.nullcontext():
+            grads = None if a.stage == self.last_stage else self._take((step, "B", a.stage, mb), a.stage)
+            if token is not None:
+                self.dev.inputs_ready(token, a.stage)
+            stream = self.dev.stream(a.stage) if self._cuda else None
+        if self._bg_pool is None:
+            self._bg_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"pipeloom-backward-r{self.rank}")
+        fut = self._bg_fut = self._bg_pool.submit(self._bg_backward, self.stages[a.stage], mb, grads, stream)
+        return a, fut, tkey, token, h0
+
+    def _bg_backward(self, stage: StageExecutor, mb: int, grads: Any, stream: Any) -> list[torch.Tensor | None]:
+        if stream is not None:  # the current device and stream are the thread's own: the stage's, as on the loop
+            torch.cuda.set_device(self.device)
+            torch.cuda.set_stream(stream)
+        return stage.backward(mb, grads)
+
+    def _finish_bg(self, bg: tuple[Action, Any, Any, Any, float], step: int) -> None:
+        """The backward launched by :meth:`_launch_bg` is done on the host: hand its input gradients on."""
+        a, fut, tkey, token, h0 = bg
+        self._bg_fut = None
+        try:
+            in_grads = fut.result()
+        except PipelineError:
+            raise
+        except Exception as exc:
+            raise self._abort(exc, a, step) from exc
+        if a.stage > 0:
+            self._outbox.append((a.stage, step, "B", consumer_stage("B", a.stage), a.microbatch, in_grads))
+        if tkey is not None:
+            self.dev.launched(tkey, [a.stage], token)
+        outbox = self._outbox
+        if outbox:
+            self._outbox = []
+            try:
+                for item in outbox:
+                    self._emit(*item)
+            except PipelineError:
+                raise
+            except Exception as exc:
+                raise self._abort(exc, a, step) from exc
+        if tkey is not None:
+            self.dev.host_time(tkey, time.perf_counter() - h0)
+
     def _name(self, a: Action) -> str:
         """``str(a)``, once per action (the state the heartbeats report is set twice per action)."""
         name = self._names.get(a)
@@ -1104,6 +1174,12 @@ class RankActor:
         try:
             return await self._run_step(inputs, train, keep_outputs)
         except BaseException:
+            fut, self._bg_fut = self._bg_fut, None
+            if fut is not None:  # a backward still launching on the worker: let it end before the step is torn down
+                try:
+                    fut.result()
+                except BaseException:  # noqa: BLE001 - the step's own failure is what is raised
+                    pass
             if self._landings is not None:
                 self._landings.release()  # later landings (a peer's failure) still reach the loop
             self.dev.abandon_step()
@@ -1201,7 +1277,17 @@ class RankActor:
         lazy_yield = coll is None
         last_yield = time.perf_counter()
         ready_base, ready_live = None, -1
-        while pending:
+        # options.host_overlap_backward, with the list's order: the backward in flight on the worker
+        # thread (action, future, timing key, token, launch start) while the forwards after it launch here
+        bg_ok = self._bg_ok and self._bg_checked and dispatcher.rule == "list"
+        rng0 = self._rng_state() if self._bg_ok and train and not self._bg_checked else None
+        bg: tuple[Action, Any, Any, Any, float] | None = None
+        n_bg = 0
+        while pending or bg is not None:
+            if bg is not None and (not pending or bg[1].done()):
+                self._finish_bg(bg, step)
+                bg = None
+                continue
             if landings:
                 landings.drain()
             if self._remote_error is not None:
@@ -1218,6 +1304,8 @@ class RankActor:
                 if live != ready_live:  # (one partial per value of ``live``, not per turn)
                     ready_base, ready_live = functools.partial(self._ready, step=step, live=live, train=train), live
                 ready = ready_base
+                if bg is not None:  # only the forwards after a backward in flight run beside it
+                    ready = functools.partial(_forward_only, ready)
                 if direct_order:
                     # gloo, static shapes, a rule that reorders: an action whose inputs are here (local,
                     # or posted ahead and landed) goes first, if its outputs can leave at once (sends to
@@ -1233,6 +1321,10 @@ class RankActor:
                     ready = functools.partial(self._ready_in_turn, ready, step)
                 if pick < 0:
                     pick = dispatcher.pick(pending, ready, live, in_flight)
+            if pick < 0 and bg is not None:
+                self._finish_bg(bg, step)  # (its host launch: the next action waits for it, or for it to send)
+                bg = None
+                continue
             if pick < 0:
                 if not hold:
                     waits += 1
@@ -1278,8 +1370,11 @@ class RankActor:
                     step, self._name(a), a.type.value, leaves[0].stage, leaves[0].microbatch, a0))
             else:
                 token = self._token = None
+            launch_bg = bg_ok and bg is None and a.type is _B and pending and pending[0].type is _F
             try:
-                if self._profile_ranges:  # (options.profile_ranges: a profiler range per action)
+                if launch_bg:
+                    bg = self._launch_bg(a, step, tkey if commit_ahead else None, token, h0 if commit_ahead else 0.0)
+                elif self._profile_ranges:  # (options.profile_ranges: a profiler range per action)
                     with torch.profiler.record_function(self._range_name(a)):
                         self._run(a, step, inputs, train, results, losses)
                 else:
@@ -1293,6 +1388,11 @@ class RankActor:
                 if lost is not None:
                     raise lost from exc
                 raise self._abort(exc, a, step) from exc
+            if launch_bg:  # launched, sent and timed when the worker is done (_finish_bg)
+                n_bg += 1
+                ran += 1
+                live -= 1  # (its activations are being released: the next forward may take its place)
+                continue
             if commit_ahead:
                 dev.launched(tkey, [x.stage for x in leaves], token)
             if trace is not None:
@@ -1380,6 +1480,13 @@ class RankActor:
             if trace is not None:
                 trace.wait(step, d0, clock_ns(), ["sends to complete"])
         dev.end_step()
+        if rng0 is not None:
+            self._bg_checked = True
+            if not torch.equal(rng0, self._rng_state()):
+                self._bg_ok = False
+                log.info("rank %d: the stages draw random numbers in their forwards: host_overlap_backward stays off "
+                         "(an activation checkpoint's recomputation restores the generator's state around it; a "
+                         "forward drawing from it meanwhile would change the recomputed masks)", self.rank)
         if self._static and not spec:
             self._learn_done(train)
         self.state = ("idle", "", time.monotonic())
@@ -1390,7 +1497,7 @@ class RankActor:
                 trace.memory(step, peak)
             trace.step(step, step_start, clock_ns(), train=train)
         self.statistics = ActorStatistics(ran, out_of_order, waits, idle + self._waited, peak,
-                                          sum(self._tx_next.values()) if spec else 0, self._held_sends)
+                                          sum(self._tx_next.values()) if spec else 0, self._held_sends, n_bg)
         self.control.steps_done = self.step_index
         return (results if results is not None else {}), losses
 

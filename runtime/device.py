@@ -34,7 +34,9 @@ Streams by role.  One fixed compute stream per local stage: every compute of
 a stage runs there, so its forward, its backward and the gradient
 accumulation (autograd runs AccumulateGrad on the stream where the node was
 created: the stage's first forward) stay on one stream, and the halves of an
-OVERLAP_F_B (always two different stages) really run concurrently.  Receives
+OVERLAP_F_B (always two different stages) really run concurrently; a rank
+with one stage has nothing to overlap and runs it on the caller's stream (no
+stream switch per action).  Receives
 are posted with the *consumer's* stream current (as torch does): NCCL orders
 its receive kernel after what that stream has queued, so the kernel starts
 about when its data is needed.  Posting them on a separate transfer stream

@@ -176,6 +176,26 @@ class RuntimeOptions:
     one.  For comparison; True is the engine's behaviour.  Environment:
     ``PIPELOOM_GPU_COMMIT_RUNNING=0``."""
 
+    host_overlap_backward: bool = False
+    """Launch a full backward (B) on a worker thread while the dispatcher launches the forwards
+    that follow it in the list.  On a host-bound GPU job (many small microbatches) the host's
+    launches bound the step, and during ``torch.autograd.backward`` the loop's thread only waits
+    for the autograd engine's device thread: a 2 x H200 rank trace of a GPT's 1F1B step (session
+    I, ``benchmarks/RESULTS.md``) spent 55-58% of it in B spans, 33-36% in F spans.  With this
+    on, B(i) and the next F(i+1) are launched at the same time by two threads.  While a
+    backward is in flight only forwards run beside it (one backward at a time: gradient
+    accumulation keeps the list's order, as in the inline run); its
+    outputs are sent when it has finished (static shapes keep each peer's list order).  Not
+    with data or expert parallelism (their hooks and collectives are not thread-safe that way),
+    nor for I/W (the split backward's graph hooks), nor in traced steps (two overlapping action
+    spans would break the trace's attribution), nor with a dispatch rule that reorders (the
+    launch order stays the list's); there it runs inline as before.  The first training step
+    runs inline and checks whether the stages' forwards draw random numbers (dropout): if they
+    do, the overlap stays off, because an activation checkpoint's recomputation restores the
+    generator's process-wide state around itself, and a forward drawing from it on the other
+    thread meanwhile would change the recomputed masks (a wrong gradient).  Off by default until
+    measured on GPUs.  Environment: ``PIPELOOM_HOST_OVERLAP_BACKWARD=1``."""
+
     gpu_early_receives: bool = False
     """GPUs: post each NCCL receive on a separate transfer stream (True), so its data may land
     before the consumer's stream reaches it, or on the consumer's stream as torch does (False,
@@ -412,6 +432,7 @@ ENV_VARS: dict[str, tuple[str, Any]] = {
     "PIPELOOM_STATIC_SHAPES": ("static_shapes", _auto_flag),
     "PIPELOOM_PROFILE_RANGES": ("profile_ranges", _flag),
     "PIPELOOM_GPU_COMMIT_RUNNING": ("gpu_commit_running", _flag),
+    "PIPELOOM_HOST_OVERLAP_BACKWARD": ("host_overlap_backward", _flag),
     "PIPELOOM_OVERLAP_COLLECTIVES": ("overlap_collectives", _flag),
     "PIPELOOM_FSDP_REDUCE": ("fsdp_reduce", str),
     "PIPELOOM_DISPATCH": ("dispatch", str),

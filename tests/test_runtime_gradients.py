@@ -143,6 +143,21 @@ def _nccl_protocol_cases(world: int, table: dict[str, list[int]]) -> list[dict[s
                  kwargs=True, steps=3, eval=True, options={**opts, "batch_p2p": True}),
             dict(id="batch-p2p-gloo-dualpipev", schedule="DualPipeV", microbatches=4, dim=4, batch=8, steps=3, eval=True,
                  options={"batch_p2p": True}, headerless=[False, True, True]),
+            # RuntimeOptions.host_overlap_backward: each B followed by an F in the list launched on a worker thread
+            # while the F runs (the first training step inline: it checks that the forwards draw no random
+            # numbers); gradients equal the unsplit model's
+            dict(id="host-overlap-1F1B", schedule="1F1B", microbatches=4, dim=4, batch=8, steps=3, eval=True,
+                 options={"host_overlap_backward": True}, overlapped=[False, True, True]),
+            dict(id="host-overlap-headers-1F1B", schedule="1F1B", microbatches=6, dim=4, batch=12, steps=3,
+                 options={"host_overlap_backward": True, "static_shapes": False}, overlapped=[False, True, True]),
+            dict(id="host-overlap-nccl-protocol-multi-kwargs-uneven", schedule="Interleaved1F1B", microbatches=4, dim=4,
+                 batch=66, multi=True, kwargs=True, steps=3, eval=True, options={**opts, "host_overlap_backward": True},
+                 overlapped=[False, True, True]),
+            dict(id="host-overlap-awkward-ckpt-1F1B", schedule="1F1B", microbatches=4, dim=4, batch=8, model="awkward-ckpt",
+                 steps=3, options={"host_overlap_backward": True}, overlapped=[False, True, True]),
+            # forwards that draw random numbers: the overlap stays off (a checkpoint's recomputation would race them)
+            dict(id="host-overlap-draws-1F1B", schedule="1F1B", microbatches=4, dim=4, batch=8, model="draws", steps=3,
+                 options={"host_overlap_backward": True}, overlapped=[False, False, False]),
         ]
     return out
 
@@ -184,6 +199,9 @@ CASES = {
     2: _cases(2, MICROBATCHES_2) + _special_cases_2() + _oracle_cases(ORACLE_2, 4) + _nccl_protocol_cases(2, MICROBATCHES_2),
     4: _cases(4, MICROBATCHES_4) + _oracle_cases(ORACLE_4, 8) + _awkward_cases(4) + _nccl_protocol_cases(4, MICROBATCHES_4) + [
         dict(id="dispatch-guarded-dualpipev-4", schedule="DualPipeV", microbatches=8, dim=4, batch=16, seq="per_mb", steps=2, dispatch="guarded"),
+        # options.host_overlap_backward on 4 ranks (the middle stages receive and send both ways)
+        dict(id="host-overlap-1F1B-4", schedule="1F1B", microbatches=8, dim=4, batch=16, steps=3,
+             options={"host_overlap_backward": True}, overlapped=[False, True, True]),
         # one process group per ordered rank pair, as on NCCL (connected in one global order at
         # construction), incl. the loop edge 3 -> 0; last: the worker keeps the variable set
         dict(id="pair-groups-interleaved1f1b", schedule="Interleaved1F1B", microbatches=8, dim=4, batch=16, steps=2,
@@ -259,6 +277,17 @@ def _check_against_reference(world: int, cfg: dict[str, Any], results: list[dict
             assert all(o is None for o in r["outputs"])
 
 
+def _check_overlapped(world: int, cfg: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    """options.host_overlap_backward: which steps launched backwards on the worker thread (every rank)."""
+    want = cfg.get("overlapped")
+    if want is None:
+        assert all(s["overlapped_backwards"] == 0 for r in results for s in r["stats"] if s is not None)
+        return
+    for step, on in enumerate(want):
+        n = [r["stats"][step]["overlapped_backwards"] for r in results]
+        assert all(x > 0 for x in n) if on else n == [0] * world, f"step {step}: backwards overlapped per rank {n}"
+
+
 def _check_headerless(world: int, cfg: dict[str, Any], results: list[dict[str, Any]]) -> None:
     """Static shapes: which steps ran without headers (True: all after the first; auto: as listed)."""
     want = cfg.get("headerless")
@@ -279,6 +308,7 @@ def test_two_ranks_match_unsplit_model(pool_results: Any, case_id: str) -> None:
     cfg = next(c for c in CASES[2] if c["id"] == case_id)
     _check_against_reference(2, cfg, pool_results[2][case_id])
     _check_headerless(2, cfg, pool_results[2][case_id])
+    _check_overlapped(2, cfg, pool_results[2][case_id])
 
 
 @pytest.mark.parametrize("case_id", _ids(4) if 4 in CASES else [])
@@ -286,6 +316,7 @@ def test_four_ranks_match_unsplit_model(pool_results: Any, case_id: str) -> None
     cfg = next(c for c in CASES[4] if c["id"] == case_id)
     _check_against_reference(4, cfg, pool_results[4][case_id])
     _check_headerless(4, cfg, pool_results[4][case_id])
+    _check_overlapped(4, cfg, pool_results[4][case_id])
 
 
 @pytest.mark.parametrize("world,name", [(2, n) for n in ORACLE_2] + ([(4, n) for n in ORACLE_4] if 4 in CASES else []))

@@ -128,7 +128,8 @@ class Candidate:
 @dataclass(frozen=True)
 class TuneResult:
     candidates: tuple[Candidate, ...]
-    """Every simulated candidate, fastest first (those over the memory cap included, ``fits`` False)."""
+    """Every simulated candidate as :func:`rank_candidates` orders them: fastest first, except that a predicted
+    tie at the head is ordered by the even split and memory (those over the memory cap last, ``fits`` False)."""
     skipped: tuple[str, ...]
     recorded: Candidate | None
     """The run's own configuration, simulated."""
@@ -1007,7 +1008,10 @@ def rank_candidates(candidates: Sequence[Candidate], tie: float = TIE) -> list[C
         return ordered
     limit = fits[0].step_ns * (1 + tie)
     n = sum(1 for c in fits if c.step_ns <= limit)  # (sorted: the tie is the head)
-    head = sorted(ordered[:n], key=lambda c: (c.searched, c.peak_activation_bytes, c.peak_live, c.step_ns))
+    # (activation bytes where the profile gave them; else live microbatch-stages weighted by a microbatch-stage's
+    # share of the model, peak_live / (m * v): GPipe m=8 holds 8/8 of the batch, 1F1B m=8 2/8, v=2 halves it)
+    head = sorted(ordered[:n], key=lambda c: (c.searched, c.peak_activation_bytes,
+                                               c.peak_live / max(1, c.microbatches * c.stages_per_rank), c.step_ns))
     return head + ordered[n:]
 
 
@@ -1037,7 +1041,7 @@ def format_tune(r: TuneResult, *, top: int = 5, source: str = "") -> str:
                      f"measured {_ms(r.measured_step_ns)} (median), simulated {_ms(raw)} ({err:+.1%}){cal}")
     fits = [c for c in r.candidates if c.fits]
     cap = f" under {_size(r.memory_cap)} of activations per rank" if r.memory_cap is not None else ""
-    lines.append(f"top {min(top, len(fits))} of {len(r.candidates)} candidates{cap}, by simulated step time:")
+    lines.append(f"top {min(top, len(fits))} of {len(r.candidates)} candidates{cap}, by simulated step time (a tie at the head: see below):")
     with_split = any(c.split is not None for c in r.candidates)
     rows = [("#", "schedule", "microbatches", "stages/rank", *(("layers per stage",) if with_split else ()), "step time",
              "vs recorded", "bubble", "peak act. (mb-stages)", "peak act. memory")]

@@ -92,13 +92,20 @@ class AwkwardBlock(nn.Module):
         return y * scale if scale is not None else y
 
 
+def _draw(module: nn.Module, args: Any) -> None:
+    torch.rand(1)
+
+
 def build_stages(num_stages: int, *, dim: int, multi: bool, seed: int, dtype: torch.dtype, model: str = "block") -> list[nn.Module]:
     """``model``: "block" (Linear + tanh), "tied-ends" (blocks, the first and last sharing a weight),
-    "awkward" (AwkwardBlock) or "awkward-ckpt" (checkpointed)."""
+    "awkward" (AwkwardBlock), "awkward-ckpt" (checkpointed) or "draws" (blocks whose forwards draw a random number)."""
     torch.manual_seed(seed)
     if model.startswith("awkward"):
         return [AwkwardBlock(dim, checkpointed=model.endswith("ckpt")).to(dtype) for _ in range(num_stages)]
     stages = [Block(dim, first=s == 0, last=s == num_stages - 1, multi=multi).to(dtype) for s in range(num_stages)]
+    if model == "draws":  # every stage's forward draws a random number (that changes nothing it computes)
+        for st in stages:
+            st.register_forward_pre_hook(_draw)
     if model == "tied-ends":
         # the first and the last stage share a weight, as a tied embedding and LM head do;
         # V schedules place both on rank 0
