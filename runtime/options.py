@@ -184,7 +184,8 @@ class RuntimeOptions:
     I, ``benchmarks/RESULTS.md``) spent 55-58% of it in B spans, 33-36% in F spans.  With this
     on, B(i) and the next F(i+1) are launched at the same time by two threads.  While a
     backward is in flight only forwards run beside it (one backward at a time: gradient
-    accumulation keeps the list's order, as in the inline run); its
+    accumulation keeps the list's order, as in the inline run), so a rank may hold one more
+    microbatch's activations than inline while a backward and the next forward overlap; its
     outputs are sent when it has finished (static shapes keep each peer's list order).  Not
     with data or expert parallelism (their hooks and collectives are not thread-safe that way),
     nor for I/W (the split backward's graph hooks), nor in traced steps (two overlapping action
