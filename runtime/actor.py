@@ -1055,8 +1055,9 @@ class RankActor:
             self._compute(a, step, inputs, train, results, losses)
 
     def _rng_state(self) -> torch.Tensor:
-        """The default generator's state for this rank's device (host_overlap_backward's check)."""
-        return torch.cuda.get_rng_state(self.device) if self._cuda else torch.get_rng_state()
+        """The default generators' state: the CPU's, and this rank's GPU's (host_overlap_backward's check)."""
+        cpu = torch.get_rng_state()
+        return torch.cat([cpu, torch.cuda.get_rng_state(self.device)]) if self._cuda else cpu
 
     def _launch_bg(self, a: Action, step: int, tkey: Any, token: Any, h0: float) -> tuple[Action, Any, Any, Any, float]:
         """options.host_overlap_backward: take B's input here, launch its backward on the worker thread."""
