@@ -1093,18 +1093,22 @@ class RankActor:
             self._outbox.append((a.stage, step, "B", consumer_stage("B", a.stage), a.microbatch, in_grads))
         if tkey is not None:
             self.dev.launched(tkey, [a.stage], token)
-        outbox = self._outbox
-        if outbox:
-            self._outbox = []
-            try:
-                for item in outbox:
-                    self._emit(*item)
-            except PipelineError:
-                raise
-            except Exception as exc:
-                raise self._abort(exc, a, step) from exc
+        if self._outbox:
+            self._send_outbox(a, step)
         if tkey is not None:
             self.dev.host_time(tkey, time.perf_counter() - h0)
+
+    def _send_outbox(self, a: Action, step: int) -> None:
+        """Hand on the payloads ``a`` produced (after its compute: its trace span ends before the sends)."""
+        outbox, self._outbox = self._outbox, []
+        try:
+            with (torch.profiler.record_function("PP:send") if self._profile_ranges else contextlib.nullcontext()):
+                for item in outbox:
+                    self._emit(*item)
+        except PipelineError:
+            raise
+        except Exception as exc:
+            raise self._abort(exc, a, step) from exc
 
     def _name(self, a: Action) -> str:
         """``str(a)``, once per action (the state the heartbeats report is set twice per action)."""
@@ -1402,19 +1406,8 @@ class RankActor:
                     a0 = self._act_t0
                 trace.action(step, str(a), a.type.value, leaf.stage, leaf.microbatch, a0, clock_ns(),
                              [str(x) for x in a.sub_actions] if a.sub_actions else None)
-            # Hand the outputs on after the compute (its trace span ends before the sends).
-            outbox = self._outbox
-            if outbox:
-                self._outbox = []
-                try:
-                    with (torch.profiler.record_function("PP:send") if self._profile_ranges
-                          else contextlib.nullcontext()):
-                        for item in outbox:
-                            self._emit(*item)
-                except PipelineError:
-                    raise
-                except Exception as exc:
-                    raise self._abort(exc, a, step) from exc
+            if self._outbox:  # the outputs, handed on after the compute
+                self._send_outbox(a, step)
             if commit_ahead:
                 dev.host_time(tkey, time.perf_counter() - h0)
             ran += 1
