@@ -90,7 +90,7 @@ from typing import Any
 import torch
 
 from ..schedules import Action, ActionType, Dataflow, Schedule, consumer_stage, producer_stage
-from ..schedules.dispatch import Dispatcher, choose_rule, plan_ranks
+from ..schedules.dispatch import Dispatcher, choose_rule, overlappable_backwards, plan_ranks
 from ..transport.control import ControlPlane
 from ..transport.tensor import END, Landed, SendError, TensorPlane, TransferError, guard_exit_works, signature
 from .device import DevicePolicy, make_policy
@@ -447,6 +447,9 @@ class RankActor:
         #: options.host_overlap_backward: a full backward launched on a worker thread beside the forwards
         #: after it (not with data/expert-parallel collectives, not traced: see the option)
         self._bg_ok = options.host_overlap_backward and collectives is None and trace is None
+        #: options.host_overlap_backward: the backwards (stage, microbatch) that may launch beside the forward after
+        #: them without making a peer wait on their outputs forever (schedules/dispatch.py)
+        self._bg_pairs = overlappable_backwards(schedule)[row] if self._bg_ok else frozenset()
         #: the first training step runs inline and tells whether the stages' forwards draw random numbers
         #: (then never overlapped: see _rng_state)
         self._bg_checked = False
@@ -1082,13 +1085,13 @@ class RankActor:
     def _finish_bg(self, bg: tuple[Action, Any, Any, Any, float], step: int) -> None:
         """The backward launched by :meth:`_launch_bg` is done on the host: hand its input gradients on."""
         a, fut, tkey, token, h0 = bg
-        self._bg_fut = None
         try:
             in_grads = fut.result()
         except PipelineError:
             raise
         except Exception as exc:
             raise self._abort(exc, a, step) from exc
+        self._bg_fut = None  # (not before: an interrupt in the wait leaves it to run_step's failure path)
         if a.stage > 0:
             self._outbox.append((a.stage, step, "B", consumer_stage("B", a.stage), a.microbatch, in_grads))
         if tkey is not None:
@@ -1285,7 +1288,8 @@ class RankActor:
         # options.host_overlap_backward, with the list's order: the backward in flight on the worker
         # thread (action, future, timing key, token, launch start) while the forwards after it launch here
         bg_ok = self._bg_ok and self._bg_checked and dispatcher.rule == "list"
-        rng0 = self._rng_state() if self._bg_ok and train and not self._bg_checked else None
+        # every training step: did the forwards draw random numbers? (see host_overlap_backward)
+        rng0 = self._rng_state() if self._bg_ok and train else None
         bg: tuple[Action, Any, Any, Any, float] | None = None
         n_bg = 0
         while pending or bg is not None:
@@ -1375,7 +1379,8 @@ class RankActor:
                     step, self._name(a), a.type.value, leaves[0].stage, leaves[0].microbatch, a0))
             else:
                 token = self._token = None
-            launch_bg = bg_ok and bg is None and a.type is _B and pending and pending[0].type is _F
+            launch_bg = (bg_ok and bg is None and a.type is _B and bool(pending) and pending[0].type is _F
+                         and (a.stage, a.microbatch) in self._bg_pairs)
             try:
                 if launch_bg:
                     bg = self._launch_bg(a, step, tkey if commit_ahead else None, token, h0 if commit_ahead else 0.0)
@@ -1478,6 +1483,15 @@ class RankActor:
             self._bg_checked = True
             if not torch.equal(rng0, self._rng_state()):
                 self._bg_ok = False
+                if n_bg:
+                    err = PipelineError(
+                        f"rank {self.rank} step {step}: host_overlap_backward: the stages' forwards drew random numbers in "
+                        f"this step (none in the training steps before it) while {n_bg} backward(s) ran beside them; an "
+                        "activation checkpoint's recomputation restores the generator's state around itself, so its "
+                        "masks may differ from the forward's: this step's gradients are not trusted. Turn "
+                        "host_overlap_backward off for a model whose forwards draw random numbers (dropout)")
+                    self.broadcast_abort(err, None, step)
+                    raise err
                 log.info("rank %d: the stages draw random numbers in their forwards: host_overlap_backward stays off "
                          "(an activation checkpoint's recomputation restores the generator's state around it; a "
                          "forward drawing from it meanwhile would change the recomputed masks)", self.rank)

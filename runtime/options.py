@@ -190,11 +190,20 @@ class RuntimeOptions:
     with data or expert parallelism (their hooks and collectives are not thread-safe that way),
     nor for I/W (the split backward's graph hooks), nor in traced steps (two overlapping action
     spans would break the trace's attribution), nor with a dispatch rule that reorders (the
-    launch order stays the list's); there it runs inline as before.  The first training step
-    runs inline and checks whether the stages' forwards draw random numbers (dropout): if they
-    do, the overlap stays off, because an activation checkpoint's recomputation restores the
-    generator's process-wide state around itself, and a forward drawing from it on the other
-    thread meanwhile would change the recomputed masks (a wrong gradient).  Off by default until
+    launch order stays the list's), nor for a pair whose forward's input depends on the
+    backward's output (possible in a custom list: ``schedules.dispatch.overlappable_backwards``
+    keeps only pairs that cannot make a peer wait forever; the generated 1F1B and
+    Interleaved1F1B lists keep all); there it runs inline as before.  Random numbers: an
+    activation checkpoint's recomputation restores the generator's process-wide state around
+    itself, so a forward drawing from it on the other thread meanwhile would change the
+    recomputed masks (a wrong gradient).  The first training step therefore runs inline and
+    compares the CPU (and GPU) generators' states around it: forwards that draw (dropout) keep
+    the overlap off; every later training step is compared too, and one whose forwards drew
+    while backwards ran beside them fails loudly (``PipelineError``) instead of returning
+    untrusted gradients.  Buffers that forwards update (batch norm's running statistics) may be
+    updated in another order when a recomputation runs beside a forward.  On GPUs a
+    single-stage rank's gradient send is queued behind the forward launched beside its
+    backward (one stream), which can delay it on the critical path: off by default until
     measured on GPUs.  Environment: ``PIPELOOM_HOST_OVERLAP_BACKWARD=1``."""
 
     gpu_early_receives: bool = False

@@ -91,10 +91,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .action import Action, ActionType
+from .dataflow import consumer_stage
 from .schedule import Schedule
 from .simulate import Costs, simulate
 
-__all__ = ["RULES", "Dispatcher", "RankPlan", "choose_rule", "plan_ranks", "static_peak"]
+__all__ = ["RULES", "Dispatcher", "RankPlan", "choose_rule", "overlappable_backwards", "plan_ranks", "static_peak"]
 
 #: The dispatch rules: ``list`` (deterministic), ``ready`` (first ready in list order),
 #: ``critical`` (longest planned remaining path first, W last), ``guarded`` (backfill the
@@ -351,3 +352,92 @@ def choose_rule(
         if gain > best_gain + 1e-9:
             best, best_gain = p, gain
     return {"static": "list", "dynamic": "ready", "critical": "critical", "guarded": "guarded"}[best]
+
+
+def overlappable_backwards(schedule: Schedule) -> dict[int, frozenset[tuple[int, int]]]:
+    """Per rank, the backwards ``(stage, microbatch)`` that ``RuntimeOptions.host_overlap_backward`` may launch
+    beside the forward after them without a deadlock.
+
+    With the option a B that a rank's compute list follows with a plain F runs on a worker thread while
+    the loop runs the F, and the B's outputs leave only once the F has been dispatched (its input arrived,
+    or on GPUs posted ahead of the device).  That adds, for each such pair, an edge "F dispatched -> B's
+    output sent" to the order the list already imposes.  If the F's input itself depends on that output
+    (a custom list ``0F0 0B0 0F1 ...`` / ``1F0 1B0 1F1 ...``: rank 1's F1 needs rank 0's F1, which rank 0
+    runs after its B0, which needs rank 1's B0 gradient), the ranks would wait on each other forever.
+    This builds the happens-before graph of every rank's compute list (list order plus each output to its
+    consumer) with the pairs' edges added, and keeps the pairs greedily in list order while the graph
+    stays acyclic.  The generated schedules keep every pair (tests/test_dispatch.py).
+    """
+    nodes: list[tuple[int, int]] = []
+    index: dict[tuple[int, int], int] = {}
+    where: dict[tuple[ActionType, int, int], int] = {}  # (type, stage, mb) of a leaf -> its action's node
+    lists: dict[int, list[Action]] = {}
+    for rank, acts in schedule.actions.items():
+        lists[rank] = [a for a in acts if a.is_compute]
+        for k, a in enumerate(lists[rank]):
+            index[(rank, k)] = len(nodes)
+            nodes.append((rank, k))
+            for leaf in a.leaves():
+                if leaf.microbatch is not None:
+                    where[(leaf.type, leaf.stage, leaf.microbatch)] = index[(rank, k)]
+    n_stages = schedule.num_stages
+    base: list[set[int]] = [set() for _ in nodes]
+    outs: dict[int, set[int]] = {}  # a node's data edges (to its outputs' consumers)
+    for rank, acts in lists.items():
+        for k, a in enumerate(acts):
+            u = index[(rank, k)]
+            if k + 1 < len(acts):
+                base[u].add(index[(rank, k + 1)])
+            for leaf in a.leaves():
+                mb = leaf.microbatch
+                if leaf.type is ActionType.F:
+                    c = consumer_stage("F", leaf.stage, n_stages)
+                    targets = [where.get((ActionType.F, c, mb))] if c is not None else []
+                elif leaf.type in (ActionType.B, ActionType.I):
+                    c = consumer_stage("B", leaf.stage, n_stages)
+                    targets = ([where.get((ActionType.B, c, mb)), where.get((ActionType.I, c, mb))]
+                               if c is not None else [])
+                else:
+                    targets = []
+                for v in targets:
+                    if v is not None and v != u:
+                        outs.setdefault(u, set()).add(v)
+    # candidate pairs: a plain B followed by a plain F on the same rank
+    cands = [(rank, k) for rank, acts in lists.items() for k in range(len(acts) - 1)
+             if acts[k].type is ActionType.B and acts[k + 1].type is ActionType.F]
+    chosen: set[tuple[int, int]] = set()
+
+    def acyclic(pairs: set[tuple[int, int]]) -> bool:
+        succ = [set(b) for b in base]
+        for u, vs in outs.items():
+            succ[u] |= vs
+        for rank, k in pairs:  # the B's outputs leave after the F after it is dispatched
+            b, f = index[(rank, k)], index[(rank, k + 1)]
+            for v in outs.get(b, ()):
+                succ[f].add(v)
+        indeg = [0] * len(nodes)
+        for vs in succ:
+            for v in vs:
+                indeg[v] += 1
+        ready = [u for u, d in enumerate(indeg) if d == 0]
+        seen = 0
+        while ready:
+            u = ready.pop()
+            seen += 1
+            for v in succ[u]:
+                indeg[v] -= 1
+                if indeg[v] == 0:
+                    ready.append(v)
+        return seen == len(nodes)
+
+    if cands and acyclic(set(cands)):
+        chosen = set(cands)
+    else:
+        for pair in cands:
+            if acyclic(chosen | {pair}):
+                chosen.add(pair)
+    out: dict[int, frozenset[tuple[int, int]]] = {}
+    for rank in lists:
+        keep = {(lists[rank][k].stage, lists[rank][k].microbatch) for r, k in chosen if r == rank}
+        out[rank] = frozenset((s, mb) for s, mb in keep if mb is not None)
+    return out

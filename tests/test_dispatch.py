@@ -9,7 +9,7 @@ import random
 import pytest
 
 from pipeloom import RuntimeOptions
-from pipeloom.schedules import SCHEDULE_NAMES, Costs, ScheduleConfigError, generate, parse_action, simulate_policy
+from pipeloom.schedules import SCHEDULE_NAMES, ActionType, Costs, ScheduleConfigError, generate, parse_action, simulate_policy
 from pipeloom.schedules.dispatch import RULES, Dispatcher, RankPlan, choose_rule, plan_ranks, static_peak
 from pipeloom.schedules.policy_sim import _compute_lists, draw_costs
 
@@ -213,3 +213,33 @@ def test_critical_rule_asks_ready_in_key_order_and_chooses_as_the_scan(name: str
             assert got == want, (name, r, trial)
             if got >= 0:
                 assert calls[-1] is pending[got]  # it stopped at the first ready one
+
+
+def test_overlappable_backwards_keep_every_pair_of_the_generated_schedules() -> None:
+    from pipeloom.schedules.dispatch import overlappable_backwards
+
+    for name in ("1F1B", "Interleaved1F1B"):
+        for p, m in ((2, 4), (2, 8), (4, 8), (4, 16)):
+            sch = generate(name, num_ranks=p, num_microbatches=m)
+            pairs = overlappable_backwards(sch)
+            want = {}
+            for r, acts in sch.actions.items():
+                lst = [a for a in acts if a.is_compute]
+                want[r] = {(lst[k].stage, lst[k].microbatch) for k in range(len(lst) - 1)
+                           if lst[k].type is ActionType.B and lst[k + 1].type is ActionType.F}
+            assert {r: set(v) for r, v in pairs.items()} == want, (name, p, m)
+            assert any(want.values())
+    assert not any(overlappable_backwards(generate("GPipe", num_ranks=2, num_microbatches=4)).values())
+
+
+def test_overlappable_backwards_drop_a_pair_whose_forward_waits_on_the_backwards_output() -> None:
+    from pipeloom.schedules import Schedule, parse_action
+    from pipeloom.schedules.dispatch import overlappable_backwards
+
+    # rank 1's F1 needs rank 0's F1, which rank 0 runs after its B0, which needs rank 1's B0 gradient:
+    # overlapping rank 1's B0 with its F1 would hold that gradient until F1's input came (never)
+    acts = {0: [parse_action(x) for x in "0F0 0B0 0F1 0B1".split()],
+            1: [parse_action(x) for x in "1F0 1B0 1F1 1B1".split()]}
+    pairs = overlappable_backwards(Schedule(acts, (0, 1), 2))
+    assert (1, 0) not in pairs[1]
+    assert pairs[0] == frozenset({(0, 0)})  # rank 0's F1 takes the batch: its B0 may run beside it

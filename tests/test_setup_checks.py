@@ -239,6 +239,16 @@ def test_missing_target_or_loss_fn_is_named(checks: list[dict[str, Any]]) -> Non
     assert checks[1]["forward_only_eval"] == {"status": "ok", "out_rows": 8}
 
 
+def test_host_overlap_fails_loudly_when_forwards_start_drawing_random_numbers(checks: list[dict[str, Any]]) -> None:
+    # the first training step (inline) drew nothing, so the second overlapped its backwards; its forwards drew:
+    # an activation checkpoint's recomputation beside them could have taken other masks, so the step fails
+    recs = [c["overlap_draws_later"] for c in checks]
+    for c in recs:
+        assert c["status"] == "error" and "host_overlap_backward" in c["message"], c
+        assert "drew random numbers" in c["message"] and "step 1" in c["message"], c
+    assert any(c["type"] == "PipelineError" for c in recs), recs
+
+
 def test_dtype_mismatch_between_stages_names_both(checks: list[dict[str, Any]]) -> None:
     c = checks[1]["dtype_mismatch"]
     assert c["type"] == "StageError" and c["stage"] == 1, c

@@ -293,6 +293,30 @@ def main() -> None:
     hooked[0].weight.register_hook(lambda g: g * float("nan"))
     results["nan_param_grad"] = run_case("nan_param_grad", pipe(lambda s: hooked[s], check_finite=True), step(x, target=y))
     results["finite_ok"] = run_case("finite_ok", pipe(check_finite=True), step(x, target=y))
+    # -- host_overlap_backward: forwards that start drawing random numbers after the first training step (a
+    # dropout warmed up at p=0) while backwards run beside them: the step fails loudly, on both ranks
+    torch.manual_seed(0)
+    drawing = [nn.Linear(D, D).double() for _ in range(2)]
+    calls = [0]
+
+    def draw_later(module: nn.Module, args: Any) -> None:
+        calls[0] += 1
+        if calls[0] > 4:  # (4 microbatches a step: from the second step on)
+            torch.rand(1)
+
+    for m in drawing:
+        m.register_forward_pre_hook(draw_later)
+
+    def three_steps(p: pipeloom.Pipeline) -> dict[str, Any]:
+        done = []
+        for i in range(3):
+            p.step(x, target=y)
+            done.append((i, p.statistics.overlapped_backwards))
+        return {"steps": done}
+
+    results["overlap_draws_later"] = run_case(
+        "overlap_draws_later", pipe(lambda s: drawing[s], options=pipeloom.RuntimeOptions(host_overlap_backward=True)),
+        three_steps)
 
     with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as f:
         json.dump(results, f)
