@@ -87,7 +87,9 @@ def test_costs_of_a_profile_with_two_batch_sizes(profile: Path) -> None:
     st = summarize(model, skip_warmup=1, critical=False).step_times_ns
     assert rc.step_ns == pytest.approx(sum(st[s] for s in (2, 4, 6)) / 3)
     assert rc.step_ns_median == sorted(st[s] for s in (2, 4, 6))[1]
-    assert rc.link_latency_ns > 0 and not rc.overlap_measured
+    # the link was timed: a fixed part, or (where the two sizes' fit has no intercept, as on a loaded machine) a
+    # part per byte through the origin (run_costs._affine)
+    assert (rc.link_latency_ns > 0 or rc.link_ns_per_byte > 0) and not rc.overlap_measured
     # the tuner's own configuration, calibrated, is the measured median; without calibration it is the model's
     r = tune(rc, schedules=["1F1B", "DualPipeV"], microbatches=[2, 4, 8], stages_per_rank=None)
     assert r.recorded is not None and r.recorded.step_ns == pytest.approx(rc.step_ns_median)
