@@ -532,6 +532,13 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
                 with open(args.json, "a") as f:
                     f.write(json.dumps(row) + "\n")
 
+    def _overlapped(pipe: Any) -> list[Any]:
+        """Every rank's backwards launched beside a forward in its last step (host_overlap_backward), gathered."""
+        st = pipe.statistics
+        got: list[Any] = [None] * world
+        dist.all_gather_object(got, st.overlapped_backwards if st else None)
+        return got
+
     def build_pipeloom() -> tuple[Any, Any, Any]:
         # --trace-dir: the engine's own rank trace (per-action host spans, device times from CUDA events, waits
         # by cause) for `pipeloom trace summary`; its cost on GPUs is within 1% (benchmarks/trace_cost.py)
@@ -549,7 +556,7 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         def extra() -> dict[str, Any]:
             st = pipe.statistics
             # (private, for the record: the commit horizon the GPU policy settled on)
-            return {"out_of_order": st.out_of_order if st else None,
+            return {"out_of_order": st.out_of_order if st else None, "overlapped_by_rank": _overlapped(pipe),
                     "horizon_ms": getattr(getattr(pipe._actor, "dev", None), "horizon_ms", None)}
 
         fn.idle = lambda: pipe.statistics.idle_seconds  # type: ignore[attr-defined]
@@ -620,7 +627,8 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         x_in, y_in = torch.cat(xs), torch.cat(ys)
         fn = lambda: pipe.step(x_in, target=y_in, return_outputs=args.return_outputs)  # noqa: E731
         fn.idle = lambda: pipe.statistics.idle_seconds  # type: ignore[attr-defined]
-        return fn, pipe.close, lambda: {"variant": variant, "horizon_ms": getattr(getattr(pipe._actor, "dev", None), "horizon_ms", None)}
+        return fn, pipe.close, lambda: {"variant": variant, "overlapped_by_rank": _overlapped(pipe),
+                                        "horizon_ms": getattr(getattr(pipe._actor, "dev", None), "horizon_ms", None)}
 
     builders = {"pipeloom": build_pipeloom, "torch": build_torch, "pipeloom-1s": build_pipeloom_one_stream,
                 "pipeloom-x": build_pipeloom_x}

@@ -93,7 +93,7 @@ from ..schedules import Action, ActionType, Dataflow, Schedule, consumer_stage, 
 from ..schedules.dispatch import Dispatcher, choose_rule, overlappable_backwards, plan_ranks
 from ..transport.control import ControlPlane
 from ..transport.tensor import END, Landed, SendError, TensorPlane, TransferError, guard_exit_works, signature
-from .device import DevicePolicy, make_policy
+from .device import DevicePolicy, backward_overlap_pays, make_policy
 from .direct_wait import DirectWait
 from .errors import PeerLostError, PipelineError, RemoteRankError, StageError
 from .landing import LandingQueue
@@ -446,7 +446,12 @@ class RankActor:
         self._range_names: dict[Action, str] = {}
         #: options.host_overlap_backward: a full backward launched on a worker thread beside the forwards
         #: after it (not with data/expert-parallel collectives, not traced: see the option)
-        self._bg_ok = options.host_overlap_backward and collectives is None and trace is None
+        mode = options.host_overlap_backward
+        self._bg_ok = (mode is True or (mode is None and self._cuda)) and collectives is None and trace is None
+        #: auto (None): a pair on one stream only where the B's host launch outlasts its device time (_bg_pays)
+        self._bg_auto = mode is None
+        #: auto: (B's stage, F's stage) -> overlapped?, decided once the B's times are learned
+        self._bg_decided: dict[tuple[int, int], bool] = {}
         #: options.host_overlap_backward: the backwards (stage, microbatch) that may launch beside the forward after
         #: them without making a peer wait on their outputs forever (schedules/dispatch.py)
         self._bg_pairs = overlappable_backwards(schedule)[row] if self._bg_ok else frozenset()
@@ -1062,6 +1067,25 @@ class RankActor:
         cpu = torch.get_rng_state()
         return torch.cat([cpu, torch.cuda.get_rng_state(self.device)]) if self._cuda else cpu
 
+    def _bg_pays(self, b_stage: int, f_stage: int) -> bool:
+        """host_overlap_backward auto: whether B of ``b_stage`` is launched beside the F of ``f_stage`` after
+        it (``device.backward_overlap_pays``), decided once per pair when its times are learned."""
+        key = (b_stage, f_stage)
+        got = self._bg_decided.get(key)
+        if got is not None:
+            return got
+        one = self.dev.shares_stream(b_stage, f_stage)
+        host_ms, dev_ms = self.dev.learned((_B, b_stage)) if one else (None, None)
+        got = backward_overlap_pays(one, host_ms, dev_ms)
+        if got is None:
+            return False  # not learned yet: inline, decided later
+        if one:
+            log.info("rank %d: host_overlap_backward auto: B of stage %d (host %.2f ms, device %.2f ms) %s beside "
+                     "the F of stage %d on one stream", self.rank, b_stage, host_ms, dev_ms,
+                     "launched" if got else "not launched", f_stage)
+        self._bg_decided[key] = got
+        return got
+
     def _launch_bg(self, a: Action, step: int, tkey: Any, token: Any, h0: float) -> tuple[Action, Any, Any, Any, float]:
         """options.host_overlap_backward: take B's input here, launch its backward on the worker thread."""
         mb = a.microbatch
@@ -1380,7 +1404,8 @@ class RankActor:
             else:
                 token = self._token = None
             launch_bg = (bg_ok and bg is None and a.type is _B and bool(pending) and pending[0].type is _F
-                         and (a.stage, a.microbatch) in self._bg_pairs)
+                         and (a.stage, a.microbatch) in self._bg_pairs
+                         and (not self._bg_auto or self._bg_pays(a.stage, pending[0].stage)))
             try:
                 if launch_bg:
                     bg = self._launch_bg(a, step, tkey if commit_ahead else None, token, h0 if commit_ahead else 0.0)
@@ -1489,7 +1514,8 @@ class RankActor:
                         f"this step (none in the training steps before it) while {n_bg} backward(s) ran beside them; an "
                         "activation checkpoint's recomputation restores the generator's state around itself, so its "
                         "masks may differ from the forward's: this step's gradients are not trusted. Turn "
-                        "host_overlap_backward off for a model whose forwards draw random numbers (dropout)")
+                        "host_overlap_backward off (RuntimeOptions(host_overlap_backward=False); auto, the default, "
+                        "overlaps on GPUs) for a model whose forwards draw random numbers (dropout)")
                     self.broadcast_abort(err, None, step)
                     raise err
                 log.info("rank %d: the stages draw random numbers in their forwards: host_overlap_backward stays off "

@@ -125,6 +125,14 @@ class DevicePolicy:
         """0 when another action may be committed now; else about how long (ms) until one may."""
         return 0.0
 
+    def learned(self, key: tuple[Any, int]) -> tuple[float | None, float | None]:
+        """An action type's learned (mean host launch ms, device ms); None where not learned yet (CPU: never)."""
+        return None, None
+
+    def shares_stream(self, a: int, b: int) -> bool:
+        """Whether stages ``a`` and ``b`` compute on one stream (their kernels queue behind each other)."""
+        return True
+
     def consume(self, stage: int, buffers: Sequence[torch.Tensor | None], works: Sequence[Any]) -> None:
         """Order ``stage``'s stream after a posted receive whose buffers it is about to read."""
 
@@ -155,6 +163,21 @@ def commit_horizon(min_ms: float, launches: float, host_ms: float, max_ms: float
     if launches <= 0 or host_ms <= 0:
         return min_ms
     return min(max(min_ms, launches * host_ms), max(max_ms, min_ms))
+
+
+def backward_overlap_pays(shares_stream: bool, host_ms: float | None, device_ms: float | None) -> bool | None:
+    """``host_overlap_backward`` auto: whether a B is launched on the worker beside the F after it.
+
+    On two streams yes (their kernels run side by side).  On one stream the F's kernels queue
+    among the B's, so the B's input gradients leave up to a forward later: yes only where the
+    device would otherwise idle while the host launches the B, i.e. its mean host launch time
+    (``host_ms``) exceeds its device time (``device_ms``); None while either is not learned.
+    """
+    if not shares_stream:
+        return True
+    if host_ms is None or device_ms is None:
+        return None
+    return host_ms > device_ms
 
 
 #: launches of an action type averaged into its host launch time
@@ -466,6 +489,13 @@ class CudaPolicy(DevicePolicy):
     def wait_ms(self) -> float:
         over = self.queued_ms() - self.horizon_ms
         return over if over > 0 else 0.0
+
+    def learned(self, key: tuple[Any, int]) -> tuple[float | None, float | None]:
+        acc = self._timing.host.get(key)
+        return (acc[0] / acc[1] * 1e3 if acc and acc[1] else None), self._timing.est.get(key)
+
+    def shares_stream(self, a: int, b: int) -> bool:
+        return self.streams.get(a) is self.streams.get(b)
 
     def describe(self) -> str:
         per = "one stream per stage" if self._distinct else "the caller's stream"

@@ -176,14 +176,28 @@ class RuntimeOptions:
     one.  For comparison; True is the engine's behaviour.  Environment:
     ``PIPELOOM_GPU_COMMIT_RUNNING=0``."""
 
-    host_overlap_backward: bool = False
+    host_overlap_backward: bool | None = None
     """Launch a full backward (B) on a worker thread while the dispatcher launches the forwards
     that follow it in the list.  On a host-bound GPU job (many small microbatches) the host's
     launches bound the step, and during ``torch.autograd.backward`` the loop's thread only waits
     for the autograd engine's device thread: a 2 x H200 rank trace of a GPT's 1F1B step (session
     I, ``benchmarks/RESULTS.md``) spent 55-58% of it in B spans, 33-36% in F spans.  With this
-    on, B(i) and the next F(i+1) are launched at the same time by two threads.  While a
-    backward is in flight only forwards run beside it (one backward at a time: gradient
+    on, B(i) and the next F(i+1) are launched at the same time by two threads.
+
+    ``None`` (default, "auto"): on GPUs only, and for each pair by where its kernels go.  A B
+    and an F of stages on different streams (a rank with several stages: Interleaved1F1B,
+    DualPipeV) are always overlapped: their kernels run side by side.  On one stream (a rank
+    with one stage: 1F1B) the F's kernels are queued among the B's, so the B's input gradients,
+    which the previous rank waits for, leave up to one forward later; that pays only where the
+    host, not the device, bounds the B: once the rank has learned the B's host launch time and
+    its device time (CUDA events, over the first steps; inline until then), such a pair is
+    overlapped only if the launch takes longer than the device does.  4 x H200, GPT, 1F1B
+    (session J): host-bound (size s) x0.76 of the inline step; device-bound (size l) x1.50
+    if overlapped regardless, which the rule avoids.  ``True``: every pair, on CPU ranks too
+    (gloo: ``benchmarks/host_overlap.py``, x0.65 of the inline step with compute-bound
+    microbatches and a free core).  ``False``: never.
+
+    While a backward is in flight only forwards run beside it (one backward at a time: gradient
     accumulation keeps the list's order, as in the inline run), so a rank may hold one more
     microbatch's activations than inline while a backward and the next forward overlap; its
     outputs are sent when it has finished (static shapes keep each peer's list order).  Not
@@ -201,10 +215,8 @@ class RuntimeOptions:
     the overlap off; every later training step is compared too, and one whose forwards drew
     while backwards ran beside them fails loudly (``PipelineError``) instead of returning
     untrusted gradients.  Buffers that forwards update (batch norm's running statistics) may be
-    updated in another order when a recomputation runs beside a forward.  On GPUs a
-    single-stage rank's gradient send is queued behind the forward launched beside its
-    backward (one stream), which can delay it on the critical path: off by default until
-    measured on GPUs.  Environment: ``PIPELOOM_HOST_OVERLAP_BACKWARD=1``."""
+    updated in another order when a recomputation runs beside a forward.  Environment:
+    ``PIPELOOM_HOST_OVERLAP_BACKWARD`` (``1``, ``0`` or ``auto``)."""
 
     gpu_early_receives: bool = False
     """GPUs: post each NCCL receive on a separate transfer stream (True), so its data may land
@@ -319,6 +331,8 @@ class RuntimeOptions:
             problems.append(f"dispatch must be 'auto', 'ready', 'critical' or 'guarded' (got {self.dispatch!r}; deterministic=True runs the list order)")
         if self.static_shapes not in (None, True, False):
             problems.append(f"static_shapes must be None (auto), True or False (got {self.static_shapes!r})")
+        if self.host_overlap_backward not in (None, True, False):
+            problems.append(f"host_overlap_backward must be None (auto), True or False (got {self.host_overlap_backward!r})")
         if self.fsdp_reduce not in ("auto", "fsdp"):
             problems.append(f"fsdp_reduce must be 'auto' or 'fsdp' (got {self.fsdp_reduce!r})")
         if problems:
@@ -442,7 +456,7 @@ ENV_VARS: dict[str, tuple[str, Any]] = {
     "PIPELOOM_STATIC_SHAPES": ("static_shapes", _auto_flag),
     "PIPELOOM_PROFILE_RANGES": ("profile_ranges", _flag),
     "PIPELOOM_GPU_COMMIT_RUNNING": ("gpu_commit_running", _flag),
-    "PIPELOOM_HOST_OVERLAP_BACKWARD": ("host_overlap_backward", _flag),
+    "PIPELOOM_HOST_OVERLAP_BACKWARD": ("host_overlap_backward", _auto_flag),
     "PIPELOOM_OVERLAP_COLLECTIVES": ("overlap_collectives", _flag),
     "PIPELOOM_FSDP_REDUCE": ("fsdp_reduce", str),
     "PIPELOOM_DISPATCH": ("dispatch", str),

@@ -55,7 +55,7 @@ def test_from_env_maps_every_variable() -> None:
         "PIPELOOM_STATIC_SHAPES": "1",
         "PIPELOOM_GPU_COMMIT_RUNNING": "0",
         "PIPELOOM_BATCH_P2P": "1",
-        "PIPELOOM_HOST_OVERLAP_BACKWARD": "1",
+        "PIPELOOM_HOST_OVERLAP_BACKWARD": "0",
         "UNRELATED": "x",
     }
     assert set(env) - {"UNRELATED"} == set(ENV_VARS)
@@ -64,7 +64,7 @@ def test_from_env_maps_every_variable() -> None:
         backend="gloo", heartbeat_timeout=7.5, stall_timeout=12.0, first_step_stall_timeout=600.0, trace="/tmp/t.json",
         trace_endpoint="tcp://127.0.0.1:5555", pair_groups=True, p2p_max_ctas=4, ep_max_ctas=8, gpu_commit_ms=3.0, gpu_commit_launches=0.0,
         gpu_early_receives=True, overlap_streams=False, profile_ranges=True, overlap_collectives=False, fsdp_reduce="fsdp", dispatch="ready",
-        static_shapes=True, gpu_commit_running=False, batch_p2p=True, host_overlap_backward=True,
+        static_shapes=True, gpu_commit_running=False, batch_p2p=True, host_overlap_backward=False,
     )
 
 
@@ -120,3 +120,11 @@ def test_precedence_kwargs_over_options_over_environment(monkeypatch: pytest.Mon
     assert (o.heartbeat_timeout, o.stall_timeout, o.gpu_commit_ms, o.overlap_collectives) == (10.0, 30.0, 2.0, False)
     with pytest.raises(TypeError, match="options must be a RuntimeOptions, not dict"):
         resolve_options({"stall_timeout": 1})  # type: ignore[arg-type]
+
+
+def test_host_overlap_backward_is_auto_by_default() -> None:
+    assert RuntimeOptions().host_overlap_backward is None
+    for raw, want in (("auto", None), ("1", True), ("0", False)):
+        assert RuntimeOptions.from_env({"PIPELOOM_HOST_OVERLAP_BACKWARD": raw}).host_overlap_backward is want
+    with pytest.raises(ValueError, match="host_overlap_backward must be None"):
+        RuntimeOptions(host_overlap_backward="yes")  # type: ignore[arg-type]
