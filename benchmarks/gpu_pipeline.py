@@ -535,8 +535,14 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
     def _overlapped(pipe: Any) -> list[Any]:
         """Every rank's backwards launched beside a forward in its last step (host_overlap_backward), gathered."""
         st = pipe.statistics
+        actor = pipe._actor  # (private, for the record: host_overlap_backward auto's decisions and what they read)
+        from pipeloom.schedules import ActionType
+
+        mine = {"n": st.overlapped_backwards if st else None,
+                "decided": {f"{b}>{f}": v for (b, f), v in getattr(actor, "_bg_decided", {}).items()},
+                "learned_B": {s: actor.dev.learned((ActionType.B, s)) for s in actor.stages}}
         got: list[Any] = [None] * world
-        dist.all_gather_object(got, st.overlapped_backwards if st else None)
+        dist.all_gather_object(got, mine)
         return got
 
     def build_pipeloom() -> tuple[Any, Any, Any]:
