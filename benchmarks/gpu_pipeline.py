@@ -540,7 +540,7 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
 
         mine = {"n": st.overlapped_backwards if st else None,
                 "decided": {f"{b}>{f}": v for (b, f), v in getattr(actor, "_bg_decided", {}).items()},
-                "learned_B": {s: actor.dev.learned((ActionType.B, s)) for s in actor.stages}}
+                "learned": {f"{t.value}{s}": actor.dev.learned((t, s)) for s in actor.stages for t in (ActionType.F, ActionType.B)}}
         got: list[Any] = [None] * world
         dist.all_gather_object(got, mine)
         return got

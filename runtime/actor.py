@@ -1075,14 +1075,15 @@ class RankActor:
         if got is not None:
             return got
         one = self.dev.shares_stream(b_stage, f_stage)
-        host_ms, dev_ms, caught = self.dev.learned((_B, b_stage)) if one else (None, None, None)
-        got = backward_overlap_pays(one, caught)
+        host_ms, b_ms = self.dev.learned((_B, b_stage)) if one else (None, None)
+        f_ms = self.dev.learned((_F, f_stage))[1] if one else None
+        got = backward_overlap_pays(one, host_ms, b_ms, f_ms)
         if got is None:
             return False  # not learned yet: inline, decided later
         if one:
-            log.info("rank %d: host_overlap_backward auto: B of stage %d (host %s ms, device %s ms, device caught up "
-                     "in %.0f%% of its launches) %s beside the F of stage %d on one stream", self.rank, b_stage,
-                     host_ms, dev_ms, 100 * caught, "launched" if got else "not launched", f_stage)
+            log.info("rank %d: host_overlap_backward auto: B of stage %d (host launch %.2f ms, device %.2f ms) %s "
+                     "beside the F of stage %d (device %.2f ms) on one stream", self.rank, b_stage, host_ms, b_ms,
+                     "launched" if got else "not launched", f_stage, f_ms)
         self._bg_decided[key] = got
         return got
 

@@ -125,11 +125,9 @@ class DevicePolicy:
         """0 when another action may be committed now; else about how long (ms) until one may."""
         return 0.0
 
-    def learned(self, key: tuple[Any, int]) -> tuple[float | None, float | None, float | None]:
-        """An action type's learned mean host launch ms, device ms, and the share of its launches (learning
-        steps after its first) at whose end the device had already reached the action's start; None where
-        not learned yet (CPU: never)."""
-        return None, None, None
+    def learned(self, key: tuple[Any, int]) -> tuple[float | None, float | None]:
+        """An action type's learned (mean host launch ms, device ms); None where not learned yet (CPU: never)."""
+        return None, None
 
     def shares_stream(self, a: int, b: int) -> bool:
         """Whether stages ``a`` and ``b`` compute on one stream (their kernels queue behind each other)."""
@@ -167,23 +165,25 @@ def commit_horizon(min_ms: float, launches: float, host_ms: float, max_ms: float
     return min(max(min_ms, launches * host_ms), max(max_ms, min_ms))
 
 
-def backward_overlap_pays(shares_stream: bool, caught_up: float | None) -> bool | None:
+def backward_overlap_pays(shares_stream: bool, host_b: float | None, device_b: float | None,
+                          device_f: float | None) -> bool | None:
     """``host_overlap_backward`` auto: whether a B is launched on the worker beside the F after it.
 
     On two streams yes (their kernels run side by side).  On one stream the F's kernels queue
-    among the B's, so the B's input gradients leave up to a forward later: yes only where the
-    device would otherwise idle while the host launches the B, i.e. where in most of the
-    learning steps' launches the device had already reached the B's start when the host
-    finished launching it (``caught_up``: that share; None while not learned).  A launch time
-    against a device time does not tell: on a device-bound rank that runs ahead, launches block
-    on the full launch queue and last as long as the device's work (4 x H200, GPT 1F1B size l:
-    three of four ranks measured host > device and overlapped, x1.41 of the inline step).
+    among the B's: the B's input gradients, which the previous rank waits for, leave no later
+    only if the device can run both while the host is still launching the B, i.e. the B's mean
+    host launch time (``host_b``, ms) exceeds the B's and the F's device times together
+    (``device_b``, ``device_f``); None while any is not learned.  (4 x GPUs, GPT 1F1B: size s
+    launches a B in 2.1-2.5 ms that runs 0.6-1.4 ms, an F 0.3-0.9 ms: overlapped, x0.76 of the
+    inline step on H200; size l launches in 3.6-4.0 ms, runs 3.9-6.0 ms: inline; overlapped
+    regardless it took x1.41-1.50.  A launch against the B's device time alone let the
+    device-bound ranks through.)
     """
     if not shares_stream:
         return True
-    if caught_up is None:
+    if host_b is None or device_b is None or device_f is None:
         return None
-    return caught_up > 0.5
+    return host_b > device_b + device_f
 
 
 #: launches of an action type averaged into its host launch time
@@ -194,7 +194,7 @@ class _Timing:
     """Per (type, stage) GPU time in ms, learned from events over the first steps, and the
     host's launch time per (type, stage) (sum of seconds, count)."""
 
-    __slots__ = ("est", "pending", "host", "first_seen", "caught")
+    __slots__ = ("est", "pending", "host", "first_seen")
 
     def __init__(self) -> None:
         self.est: dict[tuple[Any, int], float] = {}
@@ -204,9 +204,6 @@ class _Timing:
         self.host: dict[tuple[Any, int], list[float]] = {}
         #: the step each action type was first launched in (its launches there are not learned)
         self.first_seen: dict[tuple[Any, int], int] = {}
-        #: per type, over the learning steps after its first: [launches after whose end the device had already
-        #: reached the action's start, launches] (the device caught up with the host: it idles on the host)
-        self.caught: dict[tuple[Any, int], list[int]] = {}
 
     def host_ms(self) -> float:
         """The longest mean launch time of an action type, in ms (0 before any was learned)."""
@@ -434,13 +431,7 @@ class CudaPolicy(DevicePolicy):
                 ev.record(other)
                 ends.append(ev)
         if timed:
-            t = self._timing
-            t.pending.append((key, token[0], ends, token[2], token[1]))
-            first = t.first_seen.get(key)
-            if token[2] and first is not None and first != self._steps:
-                c = t.caught.setdefault(key, [0, 0])
-                c[0] += bool(token[0].query())  # the device is past the action's input waits already
-                c[1] += 1
+            self._timing.pending.append((key, token[0], ends, token[2], token[1]))
         est = self._timing.est.get(key, self.default_ms)
         now = self._clock()
         if not self._queue:
@@ -505,12 +496,9 @@ class CudaPolicy(DevicePolicy):
         over = self.queued_ms() - self.horizon_ms
         return over if over > 0 else 0.0
 
-    def learned(self, key: tuple[Any, int]) -> tuple[float | None, float | None, float | None]:
-        t = self._timing
-        acc = t.host.get(key)
-        c = t.caught.get(key)
-        caught = c[0] / c[1] if c and c[1] and self._steps >= self.learn_steps else None
-        return (acc[0] / acc[1] * 1e3 if acc and acc[1] else None), t.est.get(key), caught
+    def learned(self, key: tuple[Any, int]) -> tuple[float | None, float | None]:
+        acc = self._timing.host.get(key)
+        return (acc[0] / acc[1] * 1e3 if acc and acc[1] else None), self._timing.est.get(key)
 
     def shares_stream(self, a: int, b: int) -> bool:
         return self.streams.get(a) is self.streams.get(b)

@@ -366,41 +366,36 @@ def test_horizon_grows_to_cover_the_slowest_learned_launch(cuda: FakeCuda) -> No
 
 
 def test_backward_overlap_learned_times_and_streams(cuda: FakeCuda) -> None:
-    # host_overlap_backward auto reads whether two stages share a stream and, for one stream, whether the
-    # device had caught up with the host by the end of the B's launches in the learning steps
+    # host_overlap_backward auto reads whether two stages share a stream and the learned host and device times
     p = _policy(cuda, horizon_ms=10.0, learn_steps=2)
     assert not p.shares_stream(0, 3) and p.shares_stream(3, 3)  # two stages: a stream each
     one = devmod.CudaPolicy(torch.device("cuda", 0), [2], clock=FakeClock())
     assert one.shares_stream(2, 2)  # one stage: the caller's stream
-    assert p.learned(("B", 3)) == (None, None, None)
-    # step 0: the first (not learned); step 1: three launches, the device past the start of two; step 2: not learning
-    for step, launches in enumerate([[(0.5, True)], [(0.004, True), (0.006, False), (0.005, True)], [(0.004, False)]]):
+    assert p.learned(("B", 3)) == (None, None)
+    for step, launches in enumerate([[0.5], [0.004, 0.006], [0.005]]):  # the first step's launch is not learned
         p.begin_step()
-        for host_s, reached in launches:
+        for host_s in launches:
             tok = p.start(("B", 3))
             p.inputs_ready(tok, 3)
-            if tok is not None:
-                tok[0].done = reached  # the device reached the action's start before its launch ended
             p.launched(("B", 3), [3], tok)
             if tok is not None:
+                tok[0].done = True
                 end = p._timing.pending[-1][2][0]
                 end.t, end.done = 3.0 + step, True  # 3 ms, then 4 ms: the least is learned
             p.host_time(("B", 3), host_s)
-        if step == 1:
-            assert p.learned(("B", 3))[2] is None  # still learning
         p.end_step()
-    host_ms, dev_ms, caught = p.learned(("B", 3))
-    assert host_ms == pytest.approx(4.75) and dev_ms == 3.0 and caught == pytest.approx(2 / 3)
-    assert devmod.HostPolicy().learned(("B", 0)) == (None, None, None)
+    assert p.learned(("B", 3)) == (pytest.approx(5.0), 3.0)
+    assert devmod.HostPolicy().learned(("B", 0)) == (None, None)
 
 
 def test_backward_overlap_rule() -> None:
     pays = devmod.backward_overlap_pays
-    assert pays(False, None) is True  # two streams: the kernels run side by side
-    assert pays(True, None) is None  # one stream, not learned: undecided
-    assert pays(True, 0.75) is True  # the device caught up with the host's launches: it idles on the host
-    assert pays(True, 0.25) is False  # device-bound: the F's kernels would delay the B's gradients
-    assert pays(True, 0.5) is False
+    assert pays(False, None, None, None) is True  # two streams: the kernels run side by side
+    assert pays(True, None, 1.0, 1.0) is None and pays(True, 5.0, None, 1.0) is None  # one stream, not learned
+    assert pays(True, 5.0, 1.0, None) is None
+    assert pays(True, 2.1, 0.75, 0.4) is True  # host-bound: the device runs both while the host launches the B
+    assert pays(True, 3.7, 4.5, 2.0) is False  # device-bound: the F's kernels would delay the B's gradients
+    assert pays(True, 2.1, 1.4, 0.9) is False  # the host launches the B in less than both take on the device
 
 
 def test_horizon_rule_floor_cap_and_off() -> None:
