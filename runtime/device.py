@@ -126,7 +126,8 @@ class DevicePolicy:
         return 0.0
 
     def learned(self, key: tuple[Any, int]) -> tuple[float | None, float | None]:
-        """An action type's learned (mean host launch ms, device ms); None where not learned yet (CPU: never)."""
+        """An action type's learned (mean host launch ms, device ms); None where not learned yet (CPU: never;
+        GPUs: the device time once the learning steps are over and timed)."""
         return None, None
 
     def shares_stream(self, a: int, b: int) -> bool:
@@ -497,8 +498,12 @@ class CudaPolicy(DevicePolicy):
         return over if over > 0 else 0.0
 
     def learned(self, key: tuple[Any, int]) -> tuple[float | None, float | None]:
-        acc = self._timing.host.get(key)
-        return (acc[0] / acc[1] * 1e3 if acc and acc[1] else None), self._timing.est.get(key)
+        t = self._timing
+        acc = t.host.get(key)
+        # the device time once its learning steps are over and every launch of theirs was timed: before,
+        # it may hold the first step's alone (one-time work: 2 x H100, a host-bound rank's B read as 3x)
+        done = self._steps >= self.learn_steps and not any(p[3] for p in t.pending)
+        return (acc[0] / acc[1] * 1e3 if acc and acc[1] else None), (t.est.get(key) if done else None)
 
     def shares_stream(self, a: int, b: int) -> bool:
         return self.streams.get(a) is self.streams.get(b)

@@ -188,14 +188,16 @@ class RuntimeOptions:
     and an F of stages on different streams (a rank with several stages: Interleaved1F1B,
     DualPipeV) are always overlapped: their kernels run side by side.  On one stream (a rank
     with one stage: 1F1B) the F's kernels are queued among the B's, so the B's input gradients,
-    which the previous rank waits for, leave up to one forward later; that pays only where the
-    host, not the device, bounds the B: once the rank has learned the B's host launch time and
-    its device time (CUDA events, over the first steps; inline until then), such a pair is
-    overlapped only if the launch takes longer than the device does.  4 x H200, GPT, 1F1B
-    (session J): host-bound (size s) x0.76 of the inline step; device-bound (size l) x1.50
-    if overlapped regardless, which the rule avoids.  ``True``: every pair, on CPU ranks too
-    (gloo: ``benchmarks/host_overlap.py``, x0.65 of the inline step with compute-bound
-    microbatches and a free core).  ``False``: never.
+    which the previous rank waits for, may leave up to one forward later; that costs nothing
+    only where the device runs both while the host is still launching the B: such a pair is
+    overlapped once the rank has learned (over its first steps, inline until then) that the B's
+    mean host launch time exceeds the B's and the F's device times together
+    (``runtime.device.backward_overlap_pays``).  Session J, GPT, same process, overlap vs
+    inline: 2 x H100 1F1B size s x0.78, Interleaved1F1B size s x0.75, size l x0.97; 4 x H200
+    1F1B size s x0.76 (forced on), Interleaved1F1B size s x0.75-0.78; a device-bound 1F1B (size
+    l) forced on took x1.41-1.50, which the rule keeps inline.  ``True``: every pair, on CPU
+    ranks too (gloo: ``benchmarks/host_overlap.py``, x0.65 of the inline step with
+    compute-bound microbatches and a free core).  ``False``: never.
 
     While a backward is in flight only forwards run beside it (one backward at a time: gradient
     accumulation keeps the list's order, as in the inline run), so a rank may hold one more

@@ -383,9 +383,30 @@ def test_backward_overlap_learned_times_and_streams(cuda: FakeCuda) -> None:
                 end = p._timing.pending[-1][2][0]
                 end.t, end.done = 3.0 + step, True  # 3 ms, then 4 ms: the least is learned
             p.host_time(("B", 3), host_s)
+        if step == 1:
+            assert p.learned(("B", 3)) == (pytest.approx(5.0), None)  # the device time only once learning is over
         p.end_step()
     assert p.learned(("B", 3)) == (pytest.approx(5.0), 3.0)
     assert devmod.HostPolicy().learned(("B", 0)) == (None, None)
+
+
+def test_device_time_waits_for_the_learning_steps_launches_to_be_timed(cuda: FakeCuda) -> None:
+    p = _policy(cuda, horizon_ms=10.0, learn_steps=2)
+    ends = []
+    for _ in range(2):  # two learning steps whose device work is still running when the host ends them
+        p.begin_step()
+        tok = p.start(("F", 0))
+        p.inputs_ready(tok, 0)
+        p.launched(("F", 0), [0], tok)
+        tok[0].done = True
+        ends.append(p._timing.pending[-1][2][0])
+        p.end_step()
+    assert p.learned(("F", 0))[1] is None  # the second step's launch not timed yet
+    for k, e in enumerate(ends):
+        e.t, e.done = 2.0 + k, True
+    p.begin_step()
+    p.end_step()  # harvested here
+    assert p.learned(("F", 0))[1] == 2.0
 
 
 def test_backward_overlap_rule() -> None:
