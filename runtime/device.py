@@ -195,7 +195,7 @@ class _Timing:
     """Per (type, stage) GPU time in ms, learned from events over the first steps, and the
     host's launch time per (type, stage) (sum of seconds, count)."""
 
-    __slots__ = ("est", "pending", "host", "first_seen")
+    __slots__ = ("est", "pending", "host", "first_seen", "seen")
 
     def __init__(self) -> None:
         self.est: dict[tuple[Any, int], float] = {}
@@ -205,6 +205,8 @@ class _Timing:
         self.host: dict[tuple[Any, int], list[float]] = {}
         #: the step each action type was first launched in (its launches there are not learned)
         self.first_seen: dict[tuple[Any, int], int] = {}
+        #: per action type: [steps it was started in, the last of them] (its device time is learned in its first ones)
+        self.seen: dict[tuple[Any, int], list[int]] = {}
 
     def host_ms(self) -> float:
         """The longest mean launch time of an action type, in ms (0 before any was learned)."""
@@ -399,7 +401,16 @@ class CudaPolicy(DevicePolicy):
     def start(self, key: tuple[Any, int], meta: Any = None) -> Any:
         """While learning, or for every action with :attr:`on_timed` set: a token [start event (recorded by
         :meth:`inputs_ready`), meta, learning?]."""
-        learn = self._steps < self.learn_steps
+        # learned over the first ``learn_steps`` steps the action type appears in (not the pipeline's first
+        # steps: evaluation steps before training would leave the backwards never timed)
+        seen = self._timing.seen
+        got = seen.get(key)
+        if got is None:
+            got = seen[key] = [0, -1]
+        if got[1] != self._steps:
+            got[0] += 1
+            got[1] = self._steps
+        learn = got[0] <= self.learn_steps
         if not learn and self.on_timed is None:
             return None
         return [None, meta if self.on_timed is not None else None, learn]
@@ -502,7 +513,9 @@ class CudaPolicy(DevicePolicy):
         acc = t.host.get(key)
         # the device time once its learning steps are over and every launch of theirs was timed: before,
         # it may hold the first step's alone (one-time work: 2 x H100, a host-bound rank's B read as 3x)
-        done = self._steps >= self.learn_steps and not any(p[3] for p in t.pending)
+        seen = t.seen.get(key)
+        done = (seen is not None and (seen[0] > self.learn_steps or (seen[0] == self.learn_steps and seen[1] < self._steps))
+                and not any(p[3] and p[0] == key for p in t.pending))
         return (acc[0] / acc[1] * 1e3 if acc and acc[1] else None), (t.est.get(key) if done else None)
 
     def shares_stream(self, a: int, b: int) -> bool:

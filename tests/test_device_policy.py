@@ -409,6 +409,36 @@ def test_device_time_waits_for_the_learning_steps_launches_to_be_timed(cuda: Fak
     assert p.learned(("F", 0))[1] == 2.0
 
 
+def test_device_time_is_learned_in_the_first_steps_of_each_action_type(cuda: FakeCuda) -> None:
+    # two evaluation steps first (forwards only): the backward's device time is still learned, in its own first steps
+    p = _policy(cuda, horizon_ms=10.0, learn_steps=2)
+
+    def step(keys: list[tuple[str, int]], ms: float) -> list[Any]:
+        p.begin_step()
+        toks = []
+        for key in keys:
+            tok = p.start(key)
+            p.inputs_ready(tok, key[1])
+            p.launched(key, [key[1]], tok)
+            if tok is not None:
+                tok[0].done = True
+                end = p._timing.pending[-1][2][0]
+                end.t, end.done = ms, True
+            toks.append(tok)
+        p.end_step()
+        return toks
+
+    step([("F", 0)], 2.0)
+    step([("F", 0)], 1.5)
+    assert step([("F", 0)], 9.0) == [None]  # F's learning steps are over
+    assert p.learned(("F", 0))[1] == 1.5
+    assert step([("F", 0), ("B", 0)], 5.0)[1] is not None  # B's first step, learning
+    assert p.learned(("B", 0))[1] is None
+    step([("F", 0), ("B", 0)], 4.0)
+    assert p.learned(("B", 0))[1] == 4.0
+    assert step([("B", 0)], 1.0) == [None]
+
+
 def test_backward_overlap_rule() -> None:
     pays = devmod.backward_overlap_pays
     assert pays(False, None, None, None) is True  # two streams: the kernels run side by side
