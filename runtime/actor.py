@@ -85,7 +85,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -108,6 +108,18 @@ __all__ = ["RankActor", "StepInputs", "ActorStatistics"]
 log = logging.getLogger("pipeloom.actor")
 
 _F, _B, _I, _W, _OVL = ActionType.F, ActionType.B, ActionType.I, ActionType.W, ActionType.OVERLAP_F_B
+
+
+class _Beside(NamedTuple):
+    """options.host_overlap_backward: a backward in flight on the worker thread."""
+
+    action: Action
+    future: Any
+    #: the policy's timing key and token (GPUs), the host clock at its launch (perf_counter) and its trace start (ns)
+    tkey: Any
+    token: Any
+    h0: float
+    a0: int
 
 
 def _forward_only(ready: Any, a: Action) -> bool:
@@ -447,7 +459,7 @@ class RankActor:
         #: options.host_overlap_backward: a full backward launched on a worker thread beside the forwards
         #: after it (not with data/expert-parallel collectives, not traced: see the option)
         mode = options.host_overlap_backward
-        self._bg_ok = (mode is True or (mode is None and self._cuda)) and collectives is None and trace is None
+        self._bg_ok = (mode is True or (mode is None and self._cuda)) and collectives is None
         #: auto (None): a pair on one stream only where the B's host launch outlasts its device time (_bg_pays)
         self._bg_auto = mode is None
         #: auto: (B's stage, F's stage) -> overlapped?, decided once the B's times are learned
@@ -1087,7 +1099,7 @@ class RankActor:
         self._bg_decided[key] = got
         return got
 
-    def _launch_bg(self, a: Action, step: int, tkey: Any, token: Any, h0: float) -> tuple[Action, Any, Any, Any, float]:
+    def _launch_bg(self, a: Action, step: int, tkey: Any, token: Any, h0: float, a0: int) -> _Beside:
         """options.host_overlap_backward: take B's input here, launch its backward on the worker thread."""
         mb = a.microbatch
         assert mb is not None
@@ -1096,31 +1108,45 @@ class RankActor:
             if token is not None:
                 self.dev.inputs_ready(token, a.stage)
             stream = self.dev.stream(a.stage) if self._cuda else None
+        if self._act_t0 > a0:  # (traced: a direct wait for its input moves its span's start, as inline)
+            a0 = self._act_t0
         if self._bg_pool is None:
             self._bg_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"pipeloom-backward-r{self.rank}")
-        fut = self._bg_fut = self._bg_pool.submit(self._bg_backward, self.stages[a.stage], mb, grads, stream)
-        return a, fut, tkey, token, h0
+        fut = self._bg_fut = self._bg_pool.submit(self._bg_backward, self.stages[a.stage], mb, grads, stream,
+                                                  token is not None and token[0] is not None)
+        return _Beside(a, fut, tkey, token, h0, a0)
 
-    def _bg_backward(self, stage: StageExecutor, mb: int, grads: Any, stream: Any) -> list[torch.Tensor | None]:
+    def _bg_backward(self, stage: StageExecutor, mb: int, grads: Any, stream: Any,
+                     timed: bool) -> tuple[list[torch.Tensor | None], Any, int]:
+        """On the worker: the backward's launch; its input gradients, the end of its kernels on the stream (a
+        CUDA event recorded here, before any forward launched meanwhile on one stream counts as its own) and
+        the host clock when it returned (its trace span's end)."""
         if stream is not None:  # the current device and stream are the thread's own: the stage's, as on the loop
             torch.cuda.set_device(self.device)
             torch.cuda.set_stream(stream)
-        return stage.backward(mb, grads)
+        grads_in = stage.backward(mb, grads)
+        end = None
+        if stream is not None:
+            end = torch.cuda.Event(enable_timing=timed)
+            end.record(stream)
+        return grads_in, end, clock_ns()
 
-    def _finish_bg(self, bg: tuple[Action, Any, Any, Any, float], step: int) -> None:
+    def _finish_bg(self, bg: _Beside, step: int) -> None:
         """The backward launched by :meth:`_launch_bg` is done on the host: hand its input gradients on."""
-        a, fut, tkey, token, h0 = bg
+        a, fut, tkey, token, h0, a0 = bg
         try:
-            in_grads = fut.result()
+            in_grads, end, t_end = fut.result()
         except PipelineError:
             raise
         except Exception as exc:
             raise self._abort(exc, a, step) from exc
         self._bg_fut = None  # (not before: an interrupt in the wait leaves it to run_step's failure path)
+        if self.trace is not None:  # its span from its launch on the loop to the worker's return, beside the forwards'
+            self.trace.action(step, self._name(a), a.type.value, a.stage, a.microbatch, a0, t_end, None, beside=True)
         if a.stage > 0:
             self._outbox.append((a.stage, step, "B", consumer_stage("B", a.stage), a.microbatch, in_grads))
         if tkey is not None:
-            self.dev.launched(tkey, [a.stage], token)
+            self.dev.launched(tkey, [a.stage], token, end=end)
         if self._outbox:
             self._send_outbox(a, step)
         if tkey is not None:
@@ -1315,10 +1341,10 @@ class RankActor:
         bg_ok = self._bg_ok and self._bg_checked and dispatcher.rule == "list"
         # every training step: did the forwards draw random numbers? (see host_overlap_backward)
         rng0 = self._rng_state() if self._bg_ok and train else None
-        bg: tuple[Action, Any, Any, Any, float] | None = None
+        bg: _Beside | None = None
         n_bg = 0
         while pending or bg is not None:
-            if bg is not None and (not pending or bg[1].done()):
+            if bg is not None and (not pending or bg.future.done()):
                 self._finish_bg(bg, step)
                 bg = None
                 continue
@@ -1409,7 +1435,7 @@ class RankActor:
                          and (not self._bg_auto or self._bg_pays(a.stage, pending[0].stage)))
             try:
                 if launch_bg:
-                    bg = self._launch_bg(a, step, tkey if commit_ahead else None, token, h0 if commit_ahead else 0.0)
+                    bg = self._launch_bg(a, step, tkey if commit_ahead else None, token, h0 if commit_ahead else 0.0, a0)
                 elif self._profile_ranges:  # (options.profile_ranges: a profiler range per action)
                     with torch.profiler.record_function(self._range_name(a)):
                         self._run(a, step, inputs, train, results, losses)

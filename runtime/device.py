@@ -115,8 +115,9 @@ class DevicePolicy:
     def inputs_ready(self, token: Any, stage: int) -> None:
         """After ``stage``'s stream was ordered after the inputs of the action of ``token``."""
 
-    def launched(self, key: tuple[Any, int], stages: Sequence[int], token: Any) -> None:
-        """After an action's launch on the streams of ``stages``."""
+    def launched(self, key: tuple[Any, int], stages: Sequence[int], token: Any, end: Any = None) -> None:
+        """After an action's launch on the streams of ``stages`` (``end``: its end, recorded on the first
+        stage's stream by whoever launched it; default: recorded here, now)."""
 
     def host_time(self, key: tuple[Any, int], seconds: float) -> None:
         """How long the host took to launch an action (its compute and its sends)."""
@@ -430,11 +431,12 @@ class CudaPolicy(DevicePolicy):
             ev.record(self.stream(stage))
             token[0] = ev
 
-    def launched(self, key: tuple[Any, int], stages: Sequence[int], token: Any) -> None:
+    def launched(self, key: tuple[Any, int], stages: Sequence[int], token: Any, end: Any = None) -> None:
         s = self.stream(stages[0])
         timed = token is not None and token[0] is not None
-        end = torch.cuda.Event(enable_timing=timed)
-        end.record(s)
+        if end is None:
+            end = torch.cuda.Event(enable_timing=timed)
+            end.record(s)
         ends = [end]
         for st in stages[1:]:  # the other half of an OVERLAP_F_B, on its own stream
             other = self.stream(st)

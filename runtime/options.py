@@ -204,12 +204,14 @@ class RuntimeOptions:
     microbatch's activations than inline while a backward and the next forward overlap; its
     outputs are sent when it has finished (static shapes keep each peer's list order).  Not
     with data or expert parallelism (their hooks and collectives are not thread-safe that way),
-    nor for I/W (the split backward's graph hooks), nor in traced steps (two overlapping action
-    spans would break the trace's attribution), nor with a dispatch rule that reorders (the
+    nor for I/W (the split backward's graph hooks), nor with a dispatch rule that reorders (the
     launch order stays the list's), nor for a pair whose forward's input depends on the
     backward's output (possible in a custom list: ``schedules.dispatch.overlappable_backwards``
     keeps only pairs that cannot make a peer wait forever; the generated 1F1B and
-    Interleaved1F1B lists keep all); there it runs inline as before.  Random numbers: an
+    Interleaved1F1B lists keep all); there it runs inline as before.  Traced runs overlap as
+    untraced ones do: the backward's span (from its launch to the worker's return) is recorded
+    with ``"beside": true`` and ``pipeloom trace summary`` counts it where the loop ran no
+    action and no send (its device time, on GPUs, ends at its own last kernel).  Random numbers: an
     activation checkpoint's recomputation restores the generator's process-wide state around
     itself, so a forward drawing from it on the other thread meanwhile would change the
     recomputed masks (a wrong gradient).  The first training step therefore runs inline and

@@ -124,10 +124,13 @@ class TraceRecorder:
         self.rank = rank
         self._events: list[dict[str, Any]] = []
 
-    def action(self, step: int, name: str, type_: str, stage: int, mb: int | None, start: int, end: int, sub: list[str] | None = None) -> None:
+    def action(self, step: int, name: str, type_: str, stage: int, mb: int | None, start: int, end: int, sub: list[str] | None = None,
+               *, beside: bool = False) -> None:
         ev = {"ev": "action", "rank": self.rank, "step": step, "name": name, "type": type_, "stage": stage, "mb": mb, "start": start, "end": end}
         if sub:
             ev["sub"] = sub
+        if beside:  # (options.host_overlap_backward: launched on the worker thread while the loop ran the forwards)
+            ev["beside"] = True
         self._events.append(ev)
 
     def device(self, step: int, name: str, type_: str, stage: int, mb: int | None, t: int, ns: int) -> None:

@@ -34,13 +34,15 @@ SCRIPT = textwrap.dedent(
     import torch.distributed as dist
     from torch import nn
     out, names = sys.argv[1], sys.argv[2].split(",")
+    # (argv[3] "overlap": every backward the list follows with a forward launched beside it, traced)
+    opts = pipeloom.RuntimeOptions(host_overlap_backward=True) if sys.argv[3:] == ["overlap"] else None
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     for name in names:
         stages = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)]
         pipe = pipeloom.Pipeline(lambda s: stages[s], schedule=name, num_microbatches=4,
-                                 loss_fn=nn.functional.mse_loss, trace=f"{out}/{name}.jsonl")
+                                 loss_fn=nn.functional.mse_loss, trace=f"{out}/{name}.jsonl", options=opts)
         x, y = torch.randn(16, 16), torch.randn(16, 16)
         pipe.step(x, target=y)
         pipe.eval(x, target=y)
@@ -145,6 +147,45 @@ def test_export_carries_the_critical_path_and_attribution(runs: Path) -> None:
         a = e["args"]["attribution_ns"]
         assert a["total_ns"] == a["window_ns"]
     assert any(e["args"]["eval"] for e in steps)
+
+
+@pytest.fixture(scope="module")
+def overlap_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("explain-overlap")
+    proc = launch_script(d, SCRIPT, str(d), "1F1B,Interleaved1F1B", "overlap")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return d
+
+
+@pytest.mark.parametrize("name", ["1F1B", "Interleaved1F1B"])
+def test_backwards_beside_forwards_are_traced(overlap_runs: Path, name: str) -> None:
+    # host_overlap_backward in a traced run: the backwards launched on the worker thread are recorded with
+    # "beside", their spans overlap the loop's forwards, and the attribution still tiles every window
+    model = load_trace(overlap_runs / f"{name}.jsonl")
+    beside = [a for lst in model.actions.values() for a in lst if a.event.get("beside")]
+    assert {a.step for a in beside} == {2, 3}  # the first training step inline (its random-number check), eval none
+    assert {a.rank for a in beside} == {0, 1} and all(a.type == "B" for a in beside)
+    inline = {(a.rank, a.step, a.name): a for lst in model.actions.values() for a in lst if not a.event.get("beside")}
+    # some backward's span covers the forward launched after it on its rank
+    assert any(f.rank == b.rank and f.step == b.step and f.type == "F" and b.start < f.start < b.end
+               for b in beside for f in inline.values())
+    att = Attributor(model)
+    for step in model.train_steps:
+        lo, hi = model.window(step)
+        for rank in model.ranks:
+            a = att.attribute(rank, step)
+            assert a.total_ns == a.window_ns == hi - lo and a.actions_ns.get("B", 0) > 0
+        cp = critical_path(model, step, attributor=att)
+        assert sum(x.duration for x in cp.segments) == hi - lo
+    # the host costs of a backward come from the inline ones (the first step) where the steps measured have any,
+    # else from the spans beside the forwards
+    from pipeloom.tools.run_costs import costs_from_trace
+
+    for skip, steps in ((0, (0, 2, 3)), (1, (2, 3))):
+        own = [a.duration for a in inline.values() if a.type == "B" and a.stage == 0 and a.step in steps]
+        assert own and costs_from_trace(model, skip_warmup=skip).compute_ns[(0, "B")] == pytest.approx(sum(own) / len(own))
+    doc = chrome_trace(model)  # exported beside the forwards, on a row of their own where they overlap
+    assert len([e for e in doc["traceEvents"] if e.get("ph") == "X" and e.get("name", "").endswith("B0") and e.get("cat") == "compute"]) >= 1
 
 
 # ---------------------------------------------------------------- by hand
@@ -292,3 +333,25 @@ def test_layout_and_end_of_step_waits_by_hand() -> None:
         got = wait_causes(m, dataclasses.replace(w, event=dict(w.event, **{"for": texts})))
         assert [(c, p) for _, _, c, p in got] == [want]
         assert got[0][:2] == (w.start, w.end)
+
+
+def test_a_backward_beside_forwards_counts_where_the_loop_ran_nothing_else() -> None:
+    # rank 0 launched 0B0 on the worker at 100 (done at 200); meanwhile the loop ran 0F1 (120-150), sent its
+    # output (150-160) and waited (160-190): F 30, send 10, B the other 60 of its span, runtime 200-220
+    h = trace_api().make_header(world_size=1, schedule="1F1B", num_microbatches=2, stage_to_rank=[0])
+    ev: list[dict[str, Any]] = [
+        {"ev": "step", "rank": 0, "step": 0, "start": 100, "end": 220},
+        {"ev": "action", "rank": 0, "step": 0, "name": "0B0", "type": "B", "stage": 0, "mb": 0, "start": 100, "end": 200,
+         "beside": True},
+        {"ev": "action", "rank": 0, "step": 0, "name": "0F1", "type": "F", "stage": 0, "mb": 1, "start": 120, "end": 150},
+        {"ev": "send", "rank": 0, "step": 0, "peer": 1, "stage": 1, "mb": 1, "kind": "F", "seq": 0, "bytes": 8, "start": 150, "end": 160},
+        {"ev": "wait", "rank": 0, "step": 0, "start": 160, "end": 190, "for": ["0B1: gradient"]},
+    ]
+    model = TraceModel(h, sorted(ev, key=lambda e: e.get("start", 0)))
+    a = attribute(model, 0, 0)
+    assert a.window_ns == a.total_ns == 120
+    assert a.actions_ns == {"B": 60, "F": 30} and a.sends_ns == 10 and a.runtime_ns == 20 and not a.waits_ns
+    from pipeloom.tools.run_costs import costs_from_trace
+
+    # no inline backward to measure: the span beside the forwards stands for it
+    assert costs_from_trace(model, skip_warmup=0).compute_ns[(0, "B")] == 100

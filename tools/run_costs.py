@@ -179,6 +179,7 @@ def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None, typic
     durations: dict[tuple[int, str], list[int]] = {}
     ovl: list[tuple[str, str, int]] = []
     n_actions: dict[int, int] = {}
+    beside: dict[tuple[int, str], list[int]] = {}
     sized: dict[tuple[int, str], list[tuple[int, int]]] = {}
     dev_ns = model.device_ns
     if device and not dev_ns:
@@ -194,6 +195,12 @@ def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None, typic
                 if d is None:
                     continue
                 dur = d
+            if not device and a.event.get("beside") and isinstance(a.stage, int):
+                # a backward launched on the worker thread beside forwards (host_overlap_backward): its span is
+                # shared with theirs; the host cost of a backward is read from the inline ones where there are any
+                if a.step in ref_steps:
+                    beside.setdefault((a.stage, a.type), []).append(dur)
+                continue
             if a.type in ("F", "B", "I", "W") and isinstance(a.stage, int):
                 if a.step in ref_steps:
                     durations.setdefault((a.stage, a.type), []).append(dur)
@@ -201,6 +208,8 @@ def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None, typic
                     sized.setdefault((a.stage, a.type), []).append((mb_bytes[(a.step, a.mb)], dur))
             elif a.type == "OVERLAP_F_B" and isinstance(a.event.get("sub"), list) and len(a.event["sub"]) == 2:
                 ovl.append((str(a.event["sub"][0]), str(a.event["sub"][1]), dur))
+    for k, v in beside.items():
+        durations.setdefault(k, v)
     if not durations and not ovl:
         raise ValueError("the trace has no F/B/I/W actions to measure")
     compute = {k: sum(v) / len(v) for k, v in durations.items()}

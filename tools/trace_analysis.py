@@ -66,7 +66,9 @@ WAIT_CAUSES = ("not_sent", "in_flight", "wakeup", "memory_cap", "unshard", "redu
 
 DEFINITIONS = """\
 Every rank's time in a step's window is split into parts that add up to the
-window exactly (one label per instant; an action beats a send beats a wait):
+window exactly (one label per instant; an action beats a send beats a wait; a
+backward launched on a worker thread beside the forwards (host_overlap_backward,
+on by default on GPUs) counts where the loop ran no action and no send):
   window       the job's time for the step: from the first rank's start of it to
                the last rank's end of it, cut where the next step starts (windows
                never overlap); the step time is its length
@@ -233,7 +235,7 @@ def wait_causes(model: TraceModel, wait: Span, index: _RankIndex | None = None) 
 # ---------------------------------------------------------------- painting
 
 # priorities: higher wins where intervals overlap
-_P_ACTION, _P_SEND, _P_WAIT = 3, 2, 1
+_P_ACTION, _P_SEND, _P_BESIDE, _P_WAIT = 4, 3, 2, 1
 
 
 class _Painter:
@@ -245,7 +247,9 @@ class _Painter:
         self.index = _RankIndex(model, rank)
         ivs: list[tuple[int, int, int, tuple[Any, ...]]] = []
         for a in self.index.actions:
-            ivs.append((a.start, a.end, _P_ACTION, ("action", a.type)))
+            # a backward launched on the worker thread beside the loop's forwards (host_overlap_backward): what
+            # the loop did meanwhile goes first, the backward covers the rest (its waits, its runtime)
+            ivs.append((a.start, a.end, _P_BESIDE if a.event.get("beside") else _P_ACTION, ("action", a.type)))
         for t in self.index.sends:
             ivs.append((t.start, t.end, _P_SEND, ("send",)))
         for w in self.index.waits:
