@@ -110,6 +110,17 @@ log = logging.getLogger("pipeloom.actor")
 _F, _B, _I, _W, _OVL = ActionType.F, ActionType.B, ActionType.I, ActionType.W, ActionType.OVERLAP_F_B
 
 
+def _own_collectives(module: torch.nn.Module) -> bool:
+    """Whether a stage's module visibly issues collectives of its own (host_overlap_backward auto stays off)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        DTensor = ()  # type: ignore[assignment,misc]  # noqa: N806
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        return True
+    return any(isinstance(m, torch.nn.SyncBatchNorm) for m in module.modules())
+
+
 class _Beside(NamedTuple):
     """options.host_overlap_backward: a backward in flight on the worker thread."""
 
@@ -120,6 +131,8 @@ class _Beside(NamedTuple):
     token: Any
     h0: float
     a0: int
+    #: when it was handed to the worker (perf_counter)
+    submitted: float
 
 
 def _forward_only(ready: Any, a: Action) -> bool:
@@ -459,7 +472,12 @@ class RankActor:
         #: options.host_overlap_backward: a full backward launched on a worker thread beside the forwards
         #: after it (not with data/expert-parallel collectives, not traced: see the option)
         mode = options.host_overlap_backward
-        self._bg_ok = (mode is True or (mode is None and self._cuda)) and collectives is None
+        # auto leaves out what the worker thread would change: profiler ranges (a profiler records ops on the
+        # threads it was started on), and stages that issue collectives of their own (DTensor parameters,
+        # SyncBatchNorm: from two threads the ranks of their group could issue them in different orders)
+        auto_ok = (self._cuda and not options.profile_ranges
+                   and not any(_own_collectives(ex.module) for ex in stages.values()))
+        self._bg_ok = (mode is True or (mode is None and auto_ok)) and collectives is None
         #: auto (None): a pair on one stream only where the B's host launch outlasts its device time (_bg_pays)
         self._bg_auto = mode is None
         #: auto: (B's stage, F's stage) -> overlapped?, decided once the B's times are learned
@@ -470,6 +488,11 @@ class RankActor:
         #: the first training step runs inline and tells whether the stages' forwards draw random numbers
         #: (then never overlapped: see _rng_state)
         self._bg_checked = False
+        #: the check step's backwards ran module forwards (recomputation: activation checkpointing)
+        self._bg_recomputes = False
+        self._probing = False
+        self._in_backward = False
+        self._probe: Any = None
         self._bg_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._bg_fut: concurrent.futures.Future[Any] | None = None
         self._names: dict[Action, str] = {}
@@ -1074,6 +1097,38 @@ class RankActor:
         else:  # (the policy's on_stage is a null context: CPU)
             self._compute(a, step, inputs, train, results, losses)
 
+    def _recompute_probe(self, module: torch.nn.Module, args: Any) -> None:
+        """A process-wide forward pre-hook in host_overlap_backward's check step (any thread: on GPUs the
+        autograd engine's device thread runs a checkpoint's recomputation)."""
+        if self._in_backward:
+            self._bg_recomputes = True
+
+    def _after_draws(self, step: int, n_bg: int) -> None:
+        """host_overlap_backward: this training step's forwards drew random numbers (the generators moved)."""
+        self._bg_ok = False
+        if not n_bg:  # (the check step, or no pair overlapped): inline from now on
+            log.info("rank %d: the stages draw random numbers in their forwards: host_overlap_backward stays off "
+                     "(an activation checkpoint's recomputation restores the generator's state around it; a "
+                     "forward drawing from it meanwhile would change the recomputed masks)", self.rank)
+            return
+        if not self._bg_recomputes:
+            # the check step's backwards ran no module forward (no activation checkpoint): drawing beside
+            # them took the list's masks; inline from now on all the same (a recomputation of a plain
+            # function is not seen by the check)
+            log.warning("rank %d step %d: the stages' forwards started drawing random numbers (none in the first "
+                        "training step); host_overlap_backward is off from the next step (the backwards recompute "
+                        "nothing, so this step's masks are the inline run's)", self.rank, step)
+            return
+        err = PipelineError(
+            f"rank {self.rank} step {step}: host_overlap_backward: the stages' forwards drew random numbers in "
+            f"this step (none in the training steps before it) while {n_bg} backward(s) ran beside them, and the "
+            "backwards recompute (activation checkpointing); a recomputation restores the generator's state around "
+            "itself, so its masks may differ from the forward's: this step's gradients are not trusted. Turn "
+            "host_overlap_backward off (RuntimeOptions(host_overlap_backward=False); auto, the default, "
+            "overlaps on GPUs) for a model whose forwards draw random numbers (dropout)")
+        self.broadcast_abort(err, None, step)
+        raise err
+
     def _rng_state(self) -> torch.Tensor:
         """The default generators' state: the CPU's, and this rank's GPU's (host_overlap_backward's check)."""
         cpu = torch.get_rng_state()
@@ -1112,30 +1167,39 @@ class RankActor:
             a0 = self._act_t0
         if self._bg_pool is None:
             self._bg_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"pipeloom-backward-r{self.rank}")
+        # the caller's autocast (thread-local) as the inline backward would see it: a custom Function's backward
+        # or a recomputation runs under it
+        dt = self.device.type
+        cast = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
         fut = self._bg_fut = self._bg_pool.submit(self._bg_backward, self.stages[a.stage], mb, grads, stream,
-                                                  token is not None and token[0] is not None)
-        return _Beside(a, fut, tkey, token, h0, a0)
+                                                  token is not None and token[0] is not None, cast)
+        return _Beside(a, fut, tkey, token, h0, a0, time.perf_counter())
 
     def _bg_backward(self, stage: StageExecutor, mb: int, grads: Any, stream: Any,
-                     timed: bool) -> tuple[list[torch.Tensor | None], Any, int]:
+                     timed: bool, cast: torch.dtype | None) -> tuple[list[torch.Tensor | None], Any, int, float]:
         """On the worker: the backward's launch; its input gradients, the end of its kernels on the stream (a
         CUDA event recorded here, before any forward launched meanwhile on one stream counts as its own) and
         the host clock when it returned (its trace span's end)."""
+        t0 = time.perf_counter()
         if stream is not None:  # the current device and stream are the thread's own: the stage's, as on the loop
             torch.cuda.set_device(self.device)
             torch.cuda.set_stream(stream)
-        grads_in = stage.backward(mb, grads)
+        if cast is None:
+            grads_in = stage.backward(mb, grads)
+        else:
+            with torch.autocast(self.device.type, dtype=cast):
+                grads_in = stage.backward(mb, grads)
         end = None
         if stream is not None:
             end = torch.cuda.Event(enable_timing=timed)
             end.record(stream)
-        return grads_in, end, clock_ns()
+        return grads_in, end, clock_ns(), time.perf_counter() - t0
 
     def _finish_bg(self, bg: _Beside, step: int) -> None:
         """The backward launched by :meth:`_launch_bg` is done on the host: hand its input gradients on."""
-        a, fut, tkey, token, h0, a0 = bg
+        a, fut, tkey, token, h0, a0, _ = bg
         try:
-            in_grads, end, t_end = fut.result()
+            in_grads, end, t_end, launch_s = fut.result()
         except PipelineError:
             raise
         except Exception as exc:
@@ -1147,10 +1211,13 @@ class RankActor:
             self._outbox.append((a.stage, step, "B", consumer_stage("B", a.stage), a.microbatch, in_grads))
         if tkey is not None:
             self.dev.launched(tkey, [a.stage], token, end=end)
+        s0 = time.perf_counter()
         if self._outbox:
             self._send_outbox(a, step)
         if tkey is not None:
-            self.dev.host_time(tkey, time.perf_counter() - h0)
+            # its launch on the worker and its sends, not the forwards the loop launched meanwhile (the auto rule
+            # and the commit horizon read these)
+            self.dev.host_time(tkey, (bg.submitted - h0) + launch_s + (time.perf_counter() - s0))
 
     def _send_outbox(self, a: Action, step: int) -> None:
         """Hand on the payloads ``a`` produced (after its compute: its trace span ends before the sends)."""
@@ -1206,7 +1273,14 @@ class RankActor:
             if self._token is not None:
                 self.dev.inputs_ready(self._token, a.stage)
             if t is _B:
-                in_grads = stage.backward(mb, grads)
+                if self._probing:  # (host_overlap_backward's check step: does a backward run module forwards?)
+                    self._in_backward = True
+                    try:
+                        in_grads = stage.backward(mb, grads)
+                    finally:
+                        self._in_backward = False
+                else:
+                    in_grads = stage.backward(mb, grads)
             else:
                 in_grads = stage.backward_input(mb, grads)
                 self._i_done.add((a.stage, mb))
@@ -1239,6 +1313,9 @@ class RankActor:
                     fut.result()
                 except BaseException:  # noqa: BLE001 - the step's own failure is what is raised
                     pass
+            if self._probe is not None:  # (host_overlap_backward's check step failed: its process-wide hook goes)
+                self._probe.remove()
+                self._probe, self._probing = None, False
             if self._landings is not None:
                 self._landings.release()  # later landings (a peer's failure) still reach the loop
             self.dev.abandon_step()
@@ -1341,6 +1418,11 @@ class RankActor:
         bg_ok = self._bg_ok and self._bg_checked and dispatcher.rule == "list"
         # every training step: did the forwards draw random numbers? (see host_overlap_backward)
         rng0 = self._rng_state() if self._bg_ok and train else None
+        if rng0 is not None and not self._bg_checked:
+            # the check step (inline): a module forward while a backward runs is a recomputation (activation
+            # checkpointing), which restores the generators' state around itself (see _after_draws)
+            self._probe = torch.nn.modules.module.register_module_forward_pre_hook(self._recompute_probe)
+            self._probing = True
         bg: _Beside | None = None
         n_bg = 0
         while pending or bg is not None:
@@ -1532,22 +1614,12 @@ class RankActor:
                 trace.wait(step, d0, clock_ns(), ["sends to complete"])
         dev.end_step()
         if rng0 is not None:
+            if self._probe is not None:
+                self._probe.remove()
+                self._probe, self._probing = None, False
             self._bg_checked = True
             if not torch.equal(rng0, self._rng_state()):
-                self._bg_ok = False
-                if n_bg:
-                    err = PipelineError(
-                        f"rank {self.rank} step {step}: host_overlap_backward: the stages' forwards drew random numbers in "
-                        f"this step (none in the training steps before it) while {n_bg} backward(s) ran beside them; an "
-                        "activation checkpoint's recomputation restores the generator's state around itself, so its "
-                        "masks may differ from the forward's: this step's gradients are not trusted. Turn "
-                        "host_overlap_backward off (RuntimeOptions(host_overlap_backward=False); auto, the default, "
-                        "overlaps on GPUs) for a model whose forwards draw random numbers (dropout)")
-                    self.broadcast_abort(err, None, step)
-                    raise err
-                log.info("rank %d: the stages draw random numbers in their forwards: host_overlap_backward stays off "
-                         "(an activation checkpoint's recomputation restores the generator's state around it; a "
-                         "forward drawing from it meanwhile would change the recomputed masks)", self.rank)
+                self._after_draws(step, n_bg)
         if self._static and not spec:
             self._learn_done(train)
         self.state = ("idle", "", time.monotonic())

@@ -186,7 +186,8 @@ class RuntimeOptions:
 
     ``None`` (default, "auto"): on GPUs only, and for each pair by where its kernels go.  A B
     and an F of stages on different streams (a rank with several stages: Interleaved1F1B,
-    DualPipeV) are always overlapped: their kernels run side by side.  On one stream (a rank
+    DualPipeV; unless ``overlap_streams=False`` puts them on one) are always overlapped: their
+    kernels run side by side.  On one stream (a rank
     with one stage: 1F1B) the F's kernels are queued among the B's, so the B's input gradients,
     which the previous rank waits for, may leave up to one forward later; that costs nothing
     only where the device runs both while the host is still launching the B: such a pair is
@@ -197,7 +198,16 @@ class RuntimeOptions:
     1F1B size s x0.76 (forced on), Interleaved1F1B size s x0.75-0.78; a device-bound 1F1B (size
     l) forced on took x1.41-1.50, which the rule keeps inline.  ``True``: every pair, on CPU
     ranks too (gloo: ``benchmarks/host_overlap.py``, x0.65 of the inline step with
-    compute-bound microbatches and a free core).  ``False``: never.
+    compute-bound microbatches and a free core).  ``False``: never.  Auto also stays off with
+    ``profile_ranges`` (a profiler records the ops of the threads it was started on, so an
+    overlapped backward's would be missing) and where a stage visibly issues collectives of
+    its own (DTensor parameters, ``SyncBatchNorm``: issued from two threads, the ranks of their
+    group could order them differently).  Set ``False`` yourself for a stage that issues
+    collectives by hand (tensor parallelism written with ``all_reduce``), for a stage compiled
+    with ``mode="reduce-overhead"`` (CUDA graph trees keep per-thread state), and while a
+    dispatch mode (``FlopCounterMode``) or ``torch.profiler`` should see the backwards: the
+    worker thread inherits the caller's autocast, its device and stream, nothing else
+    thread-local.
 
     While a backward is in flight only forwards run beside it (one backward at a time: gradient
     accumulation keeps the list's order, as in the inline run), so a rank may hold one more
@@ -216,9 +226,12 @@ class RuntimeOptions:
     itself, so a forward drawing from it on the other thread meanwhile would change the
     recomputed masks (a wrong gradient).  The first training step therefore runs inline and
     compares the CPU (and GPU) generators' states around it: forwards that draw (dropout) keep
-    the overlap off; every later training step is compared too, and one whose forwards drew
-    while backwards ran beside them fails loudly (``PipelineError``) instead of returning
-    untrusted gradients.  Buffers that forwards update (batch norm's running statistics) may be
+    the overlap off; it also notes whether any backward runs a module's forward (a
+    recomputation).  Every later training step is compared too: one whose forwards started
+    drawing while backwards ran beside them turns the overlap off from the next step where the
+    backwards recompute nothing (their masks were the inline run's), and fails loudly
+    (``PipelineError``) where they recompute, instead of returning untrusted gradients (a
+    checkpointed plain function, with no module inside, is not seen by that check).  Buffers that forwards update (batch norm's running statistics) may be
     updated in another order when a recomputation runs beside a forward.  Environment:
     ``PIPELOOM_HOST_OVERLAP_BACKWARD`` (``1``, ``0`` or ``auto``)."""
 

@@ -318,6 +318,25 @@ def main() -> None:
         "overlap_draws_later", pipe(lambda s: drawing[s], options=pipeloom.RuntimeOptions(host_overlap_backward=True)),
         three_steps)
 
+    # the same with activation checkpointing (its recomputation restores the generators' state around itself):
+    # the step whose forwards drew beside a recomputing backward fails loudly, on both ranks
+    class Ckpt(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(D, D).double()
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return torch.utils.checkpoint.checkpoint(self.inner, h, use_reentrant=False)
+
+    torch.manual_seed(0)
+    calls[0] = 0
+    ckpt = [Ckpt() for _ in range(2)]
+    for m in ckpt:
+        m.register_forward_pre_hook(draw_later)
+    results["overlap_draws_later_ckpt"] = run_case(
+        "overlap_draws_later_ckpt", pipe(lambda s: ckpt[s], options=pipeloom.RuntimeOptions(host_overlap_backward=True)),
+        three_steps)
+
     with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as f:
         json.dump(results, f)
 
