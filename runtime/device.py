@@ -75,6 +75,8 @@ from typing import Any
 
 import torch
 
+from ..schedules.dispatch import backward_overlap_pays  # (the rule's home: the simulator applies it too)
+
 __all__ = ["DevicePolicy", "HostPolicy", "CudaPolicy", "make_policy", "commit_horizon"]
 
 
@@ -165,27 +167,6 @@ def commit_horizon(min_ms: float, launches: float, host_ms: float, max_ms: float
     if launches <= 0 or host_ms <= 0:
         return min_ms
     return min(max(min_ms, launches * host_ms), max(max_ms, min_ms))
-
-
-def backward_overlap_pays(shares_stream: bool, host_b: float | None, device_b: float | None,
-                          device_f: float | None) -> bool | None:
-    """``host_overlap_backward`` auto: whether a B is launched on the worker beside the F after it.
-
-    On two streams yes (their kernels run side by side).  On one stream the F's kernels queue
-    among the B's: the B's input gradients, which the previous rank waits for, leave no later
-    only if the device can run both while the host is still launching the B, i.e. the B's mean
-    host launch time (``host_b``, ms) exceeds the B's and the F's device times together
-    (``device_b``, ``device_f``); None while any is not learned.  (4 x GPUs, GPT 1F1B: size s
-    launches a B in 2.1-2.5 ms that runs 0.6-1.4 ms, an F 0.3-0.9 ms: overlapped, x0.76 of the
-    inline step on H200; size l launches in 3.6-4.0 ms, runs 3.9-6.0 ms: inline; overlapped
-    regardless it took x1.41-1.50.  A launch against the B's device time alone let the
-    device-bound ranks through.)
-    """
-    if not shares_stream:
-        return True
-    if host_b is None or device_b is None or device_f is None:
-        return None
-    return host_b > device_b + device_f
 
 
 #: launches of an action type averaged into its host launch time

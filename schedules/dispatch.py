@@ -95,7 +95,7 @@ from .dataflow import consumer_stage
 from .schedule import Schedule
 from .simulate import Costs, simulate
 
-__all__ = ["RULES", "Dispatcher", "RankPlan", "choose_rule", "overlappable_backwards", "plan_ranks", "static_peak"]
+__all__ = ["RULES", "Dispatcher", "RankPlan", "backward_overlap_pays", "choose_rule", "overlappable_backwards", "plan_ranks", "static_peak"]
 
 #: The dispatch rules: ``list`` (deterministic), ``ready`` (first ready in list order),
 #: ``critical`` (longest planned remaining path first, W last), ``guarded`` (backfill the
@@ -352,6 +352,30 @@ def choose_rule(
         if gain > best_gain + 1e-9:
             best, best_gain = p, gain
     return {"static": "list", "dynamic": "ready", "critical": "critical", "guarded": "guarded"}[best]
+
+
+def backward_overlap_pays(shares_stream: bool, host_b: float | None, device_b: float | None,
+                          device_f: float | None) -> bool | None:
+    """``RuntimeOptions.host_overlap_backward`` auto: whether a B is launched on the worker beside the F after it.
+
+    On two streams yes (their kernels run side by side).  On one stream the F's kernels queue
+    among the B's: the B's input gradients, which the previous rank waits for, leave no later
+    only if the device can run both while the host is still launching the B, i.e. the B's mean
+    host launch time (``host_b``, ms) exceeds the B's and the F's device times together
+    (``device_b``, ``device_f``); None while any is not learned.  (4 x GPUs, GPT 1F1B: size s
+    launches a B in 2.1-2.5 ms that runs 0.6-1.4 ms, an F 0.3-0.9 ms: overlapped, x0.76 of the
+    inline step on H200; size l launches in 3.6-4.0 ms, runs 3.9-6.0 ms: inline; overlapped
+    regardless it took x1.41-1.50.  A launch against the B's device time alone let the
+    device-bound ranks through.)
+
+    Pure, and here rather than in ``runtime/device.py`` so that the simulator
+    (``simulate(host_overlap_backward="auto")``) applies the runtime's own rule.
+    """
+    if not shares_stream:
+        return True
+    if host_b is None or device_b is None or device_f is None:
+        return None
+    return host_b > device_b + device_f
 
 
 def overlappable_backwards(schedule: Schedule) -> dict[int, frozenset[tuple[int, int]]]:

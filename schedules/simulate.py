@@ -63,6 +63,40 @@ receive behind its stream's work), and it ends no earlier than its launch.
 The step ends when both lanes are done.  Without ``device_costs`` (CPUs: an
 action *is* its work) one lane, as above.
 
+**Host-overlapped backwards (``host_overlap_backward``, two lanes only).**
+The runtime may launch a full backward B on a worker thread while its loop
+launches the forwards after it (``RuntimeOptions.host_overlap_backward``,
+auto on GPUs): on a host-bound GPU job the B's launch and the next F's
+launch then take the time of about one of them.  A model without it
+predicted such a step ~25% too slow (session J).  Here a B that its rank's
+list follows with a plain F (comm actions between them aside), whose pair
+:func:`~pipeloom.schedules.dispatch.overlappable_backwards` keeps and whose
+``(B stage, F stage)`` the rule accepts (``"auto"``:
+:func:`~pipeloom.schedules.dispatch.backward_overlap_pays`, the runtime's own
+function, on the stages' mean host and device costs, two stages sharing a
+stream unless ``device_streams`` and they differ; True: every kept pair), is
+launched on a *second host lane*: the main lane moves on at once to the
+forwards after it; while both lanes launch, each runs ``overlap_contention``
+times slower (processor sharing of one interpreter: 1 no contention, 2 no
+gain); the next non-forward (a B, I, W, OVERLAP_F_B, FSDP or reduction
+action) and the list's end wait for the B's launch to end, and the B's
+sends are posted then (on the device lane, as any send).  Device side: on
+one stream (one device lane, or the B's own stage) the kernels of the
+forwards launched before the B's launch ended run among the B's, so the
+B's device end is ``max(its launch end, its device start + its device time +
+those forwards' device times)`` -- the forwards are not delayed, the B (whose
+input gradient the previous rank waits for) is; those forwards start no
+earlier than the B's device start (the stream waits on the B's input).  On
+separate streams the B takes a device gap once its launch allows, like any
+other launch.  Approximations: a B's device work is counted in the commit
+horizon as if it ran alone; where the simulation reaches a second or later
+forward beside a B before that forward's input has been simulated, the B
+is handed on at once as if it launched alone from there (the next
+non-forward still waits for its end), since that input may depend on the
+B's outputs through other ranks (the first forward's never does:
+``overlappable_backwards``).  None or False (default): no second lane; every
+result above stands unchanged.
+
 ``busy`` is compute-lane time (compute, RESHARD, REDUCE_GRAD; the device lane
 with ``device_costs``); ``idle`` is the rest of the makespan; ``bubble_fraction`` is ``idle / makespan`` per rank.
 With uniform costs and free communication this reproduces the textbook bubble
@@ -74,7 +108,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, fields
 from functools import partial
 from operator import itemgetter
@@ -96,6 +130,16 @@ _SEND_B = ActionType.SEND_B
 _RECV_B = ActionType.RECV_B
 _UNSHARD = ActionType.UNSHARD
 _RESHARD = ActionType.RESHARD
+
+
+OVERLAP_CONTENTION = 1.4
+"""``simulate(overlap_contention=...)``'s default: how much slower each host lane launches while a backward and the
+forwards beside it are launched at once (1: as fast as alone; 2: the two threads share one interpreter evenly, no
+gain: two Python threads launching kernels contend for the GIL, except where one waits in the autograd engine or
+the CUDA driver).  Fitted on session J's GPU rows (``benchmarks/host_overlap_sim.py``: the simulated
+overlap/inline ratio of each measured pair, GPT on 2 and 4 x H100, with each stage's learned host and device
+times): 1.39 by least squares over the six pairs where a rank overlapped (rms residual 0.075 of the ratio);
+size s alone 1.31, size l alone 1.80: one value does not fit both models, see benchmarks/RESULTS.md."""
 
 
 @dataclass(frozen=True)
@@ -205,6 +249,7 @@ class SimulationResult:
         bubble_fraction: ``idle / makespan`` (0 when the makespan is 0).
         peak_live_activations: most activations (microbatch-stages) held at once.
         events: every action's time span, in start order per rank.
+        overlapped_backwards: per rank, the B actions launched on the second host lane.
     """
 
     makespan: float
@@ -213,6 +258,8 @@ class SimulationResult:
     bubble_fraction: Mapping[int, float]
     peak_live_activations: Mapping[int, int]
     events: tuple[TimedEvent, ...] = field(repr=False, default=())
+    overlapped_backwards: Mapping[int, int] = field(default_factory=dict)
+    """Per rank, the backwards launched beside the forwards after them (``host_overlap_backward``; empty without)."""
 
     @property
     def overall_bubble_fraction(self) -> float:
@@ -242,7 +289,9 @@ ActionCosts = Mapping[tuple[int, str, "int | None"], float]
 def simulate(schedule: Schedule, costs: Costs | None = None, *, action_costs: ActionCosts | None = None,
              device_costs: ActionCosts | None = None, commit_horizon: float = math.inf,
              device_transfer: float | None = None, host_overlap: float = 1.0,
-             device_streams: bool = False) -> SimulationResult:
+             device_streams: bool = False, host_overlap_backward: bool | str | None = None,
+             overlap_contention: float = OVERLAP_CONTENTION,
+             overlap_pairs: Mapping[int, Collection[tuple[int, int]]] | None = None) -> SimulationResult:
     """Simulate ``schedule`` under ``costs`` (default :class:`Costs`).
 
     ``action_costs`` overrides the compute costs of F, B, I and W per stage
@@ -263,6 +312,20 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, action_costs: Ac
     stage whose input is late does not hold up another's (default: one
     device lane in launch order).  The events are the device lane's.
 
+    ``host_overlap_backward`` (with ``device_costs``; the module docstring's
+    "Host-overlapped backwards"): None or False (default) every action is
+    launched by the one host lane, as above; ``"auto"`` a B followed in its
+    rank's list by an F is launched on a second host lane beside the forwards
+    after it where the runtime's auto rule says so for the pair
+    (:func:`~pipeloom.schedules.dispatch.backward_overlap_pays` on the mean
+    host and device costs of the two stages, two stages on two streams when
+    ``device_streams``); True every such pair (the runtime's ``True``).  Only
+    pairs :func:`~pipeloom.schedules.dispatch.overlappable_backwards` keeps.
+    ``overlap_pairs``: per rank, the ``(B stage, F stage)`` pairs to overlap
+    instead of the rule's (a recorded run's decisions).  ``overlap_contention``:
+    how much slower each of the two host lanes launches while both do (1: not
+    at all, 2: one interpreter shared evenly; :data:`OVERLAP_CONTENTION`).
+
     Accepts compute-only and lowered schedules, with or without FSDP actions,
     ``REDUCE_GRAD`` and ``OVERLAP_F_B``.  Raises :class:`ScheduleError` when
     the ranks cannot all finish (run :func:`pipeloom.schedules.check` for the
@@ -272,9 +335,19 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, action_costs: Ac
     lowered = any(a.is_comm for acts in schedule.actions.values() for a in acts)
     if device_costs is not None and not commit_horizon >= 0:
         raise ValueError(f"commit_horizon must be >= 0 (got {commit_horizon!r})")
+    if host_overlap_backward not in (None, False, True, "auto"):
+        raise ValueError(f"host_overlap_backward must be None, False, True or 'auto' (got {host_overlap_backward!r})")
+    bg_mode = overlap_pairs if overlap_pairs is not None else (host_overlap_backward or None)
+    if bg_mode is not None and device_costs is None:
+        raise ValueError("host_overlap_backward and overlap_pairs need device_costs: the second host lane launches "
+                         "beside the device lane (two-lane model)")
+    if not (isinstance(overlap_contention, (int, float)) and 1.0 <= overlap_contention <= 2.0):
+        raise ValueError(f"overlap_contention must be a number from 1 (no contention) to 2 (one interpreter shared "
+                         f"evenly) (got {overlap_contention!r})")
     return _run(schedule, costs, lowered=lowered, marks=None, record=True, action_costs=action_costs,
                 device_costs=device_costs, horizon=commit_horizon, device_transfer=device_transfer,
-                host_overlap=host_overlap, device_streams=device_streams)
+                host_overlap=host_overlap, device_streams=device_streams, bg_mode=bg_mode,
+                contention=float(overlap_contention))
 
 
 def lane_times(schedule: Schedule, costs: Costs | None = None) -> dict[int, list[float]]:
@@ -303,6 +376,8 @@ def _run(
     device_transfer: float | None = None,
     host_overlap: float = 1.0,
     device_streams: bool = False,
+    bg_mode: bool | str | Mapping[int, Collection[tuple[int, int]]] | None = None,
+    contention: float = 1.0,
 ) -> SimulationResult:
     """The simulation proper; ``marks`` collects lane clocks, ``record`` the events."""
     actions = schedule.actions
@@ -324,6 +399,18 @@ def _run(
     sfree: dict[tuple[int, int], float] = {}  # (rank, stage) -> when its stream is free (streams)
     gaps: dict[int, list[tuple[float, float]]] = {r: [] for r in schedule.actions}  # device busy spans (streams)
     overlap = costs.overlap
+    # host-overlapped backwards (bg_mode): the B in flight on each rank's second host lane, the pairs allowed
+    bg: dict[int, _Bg | None] = dict.fromkeys(actions)
+    bg_pairs = None
+    if bg_mode is not None and two_lane:
+        # (here, not at the top: dispatch imports this module)
+        from .dispatch import backward_overlap_pays as pays
+        from .dispatch import overlappable_backwards
+
+        bg_pairs = overlappable_backwards(schedule)
+    bg_decided: dict[tuple[int, int, int], bool] = {}
+    bg_count = dict.fromkeys(actions, 0)
+    bg_held = dict.fromkeys(actions, 0.0)  # a B handed on early (see run): its launch's end, which non-forwards wait for
 
     # value[kind * N + k]: when the value became available (None: not yet).
     value: list[float | None] = [None] * (5 * N)
@@ -402,6 +489,75 @@ def _run(
             ready_t = max(ready_t, unsharded_at[s])
         return ready_t, -1
 
+    def bg_decide(rank: int, b_stage: int, f_stage: int) -> bool:
+        """Whether a B of ``b_stage`` is launched beside the F of ``f_stage`` after it (decided once per pair)."""
+        if isinstance(bg_mode, Mapping):
+            return (b_stage, f_stage) in bg_mode.get(rank, ())
+        if bg_mode is True:
+            return True
+        got = bg_decided.get((rank, b_stage, f_stage))
+        if got is None:
+            assert dev_cost is not None
+            host = cost_of if cost_of is not None else (lambda x: leaf_cost[x.type])
+
+            def mean(f: Callable[[Action], float], st: int, typ: ActionType) -> float:
+                return sum(f(Action(st, typ, mb)) for mb in range(M)) / max(M, 1)
+
+            # the runtime's rule on its learned means: a stage's host launch and device times
+            got = bool(pays(not streams or b_stage == f_stage, mean(host, b_stage, _B), mean(dev_cost, b_stage, _B),
+                            mean(dev_cost, f_stage, _F)))
+            bg_decided[(rank, b_stage, f_stage)] = got
+        return got
+
+    def bg_advance(b: _Bg, t: float) -> None:
+        """The B's launch alone on its lane up to ``t`` (the main lane idle or waiting for it)."""
+        if b.hend is None and t > b.t:
+            if t - b.t >= b.left:
+                b.hend, b.left = b.t + b.left, 0.0
+            else:
+                b.left -= t - b.t
+            b.t = t
+
+    def bg_corun(b: _Bg, t0: float, work: float) -> float:
+        """A launch of ``work`` on the main lane from ``t0`` beside the B's: both ``contention`` times slower while
+        both run.  Returns the main lane's launch end."""
+        bg_advance(b, t0)
+        if b.hend is not None:
+            return t0 + work
+        if work < b.left:
+            b.left -= work
+            b.t = t0 + work * contention
+            return b.t
+        b.hend = b.t = t0 + b.left * contention
+        rest, b.left = work - b.left, 0.0
+        return b.hend + rest
+
+    def bg_finish(rank: int, b: _Bg) -> None:
+        """The B's launch is over (``b.hend``): its device span, its outputs, its deferred sends."""
+        a, ddur = b.action, b.ddur
+        hend = b.hend
+        assert hend is not None
+        if streams:  # its stage's stream, in a device gap like any launch; forwards of its stage ran among its kernels
+            ready_t = max(b.start, b.h0, hend - ddur, b.sfree0)
+            dend = _gap(gaps[rank], ready_t, ddur) + ddur
+            if b.inter:
+                dend = max(dend, ready_t + ddur + b.inter)
+            if ddur > 0:
+                bisect.insort(gaps[rank], (dend - ddur, dend))
+            sfree[(rank, a.stage)] = max(sfree.get((rank, a.stage), 0.0), dend)
+        else:  # one stream: the forwards launched beside it ran among its kernels, before its last one
+            dend = max(hend, b.ds + ddur + b.inter)
+        dclock[rank] = max(dclock[rank], dend)
+        if record:
+            events[rank].append(new_event((rank, a, max(b.ds, dend - ddur), dend, "compute")))
+        busy[rank] += ddur
+        bg[rank] = None
+        publish(_END_G * N + a.stage * M + (a.microbatch or 0), dend)
+        for slot, send in b.sends:
+            send_post[slot] = (dend, send)
+            if slot in recv_post:
+                land(slot)
+
     def run(rank: int) -> None:
         nonlocal makespan
         acts = actions[rank]
@@ -413,12 +569,32 @@ def _run(
         while i < n:
             a = acts[i]
             s, t, m, subs = a
+            b = bg[rank]
+            if bg_pairs is not None and (subs or not (t is _F or a.is_comm)):
+                # a non-forward waits for the B's launch (then the B's outputs leave)
+                if b is not None:
+                    bg_advance(b, now)
+                    if b.hend is None:
+                        b.hend = b.t + b.left
+                    now = max(now, b.hend)
+                    bg_finish(rank, b)
+                    b = None
+                now = max(now, bg_held[rank])
             if subs or t is _F or t is _B or t is _I or t is _W:
                 leaves = subs if subs else (a,)
                 start = now
                 for leaf in leaves:
                     when, key = input_time(rank, leaf)
                     if when is None:
+                        if b is not None and b.forwards:
+                            # not the first forward beside the B (which overlappable_backwards guarantees does not
+                            # wait on its outputs, even through other ranks): its input may, so the B is handed on
+                            # now, as if launched alone from here; the next non-forward still waits for its end
+                            bg_advance(b, now)
+                            if b.hend is None:
+                                b.hend = b.t + b.left
+                            bg_held[rank] = b.hend
+                            bg_finish(rank, b)
                         waiters.setdefault(key, []).append(rank)
                         blocked_on[rank] = key
                         pos[rank], clock[rank] = i, now
@@ -453,7 +629,36 @@ def _run(
                         if load <= horizon:
                             break
                         hstart, load = e, load - d
-                    hend = hstart + dur
+                    launch_bg = False
+                    if b is not None:  # a forward launched beside the B in flight
+                        hend = bg_corun(b, hstart, dur)
+                        b.forwards += 1
+                        # on one stream, launched before the B's last kernel: its kernels queue among the B's
+                        if (not streams or s == b.action.stage) and (b.hend is None or hstart < b.hend):
+                            b.inter += ddur
+                    else:
+                        hend = hstart + dur
+                        if bg_pairs is not None and t is _B and not subs and (s, m) in bg_pairs[rank]:
+                            j = i + 1
+                            while j < n and acts[j].is_comm:
+                                j += 1
+                            nxt = acts[j] if j < n else None
+                            launch_bg = (nxt is not None and nxt.type is _F and not nxt.sub_actions
+                                         and bg_decide(rank, s, nxt.stage))
+                    if launch_bg:
+                        # on the second host lane: the main lane moves on to the forwards at once
+                        nb = bg[rank] = _Bg(a, dur, hstart, start, ddur)
+                        if streams:
+                            nb.sfree0 = sfree.get((rank, s), 0.0)
+                            nb.ds = max(start, hstart, nb.sfree0)
+                        else:
+                            nb.ds = dclock[rank] = max(start, dclock[rank], hstart)
+                        bisect.insort(q, (nb.ds + ddur, ddur))  # (the horizon's account: its end as if alone)
+                        live[rank] -= 1
+                        bg_count[rank] += 1
+                        now = hstart
+                        i += 1
+                        continue
                     # the device runs the kernels as they are launched: it ends no earlier than its launch
                     # (a host-bound action's device time lies at the end of its launch)
                     if streams:
@@ -475,6 +680,8 @@ def _run(
                     if evs is not None:
                         evs(new_event((rank, a, dstart, dend, "compute")))
                     busy[rank] += ddur
+                    if b is not None and b.hend is not None and b.hend <= hend:
+                        bg_finish(rank, b)
                     start, dur, now = dstart, 0.0, hend  # the device lane's span is recorded; the host moves on
                 end = start + dur if dev_cost is None else dend
                 for leaf in leaves:
@@ -512,6 +719,10 @@ def _run(
                 else:
                     need, slot = _END_G * N + k, c * M + m + N
                 produced = value[need]
+                if produced is None and b is not None and need == _END_G * N + b.action.stage * M + (b.action.microbatch or 0):
+                    b.sends.append((slot, a))  # the B in flight: its outputs leave when its launch is over
+                    i += 1
+                    continue
                 if produced is None:  # a send listed before its producer: wait for the data
                     waiters.setdefault(need, []).append(rank)
                     blocked_on[rank] = need
@@ -546,6 +757,15 @@ def _run(
             if mark is not None:
                 mark(now)
             i += 1
+        b = bg[rank]
+        if b is not None:  # the list's end waits for the B's launch
+            bg_advance(b, now)
+            if b.hend is None:
+                b.hend = b.t + b.left
+            now = max(now, b.hend)
+            bg_finish(rank, b)
+        if bg_pairs is not None and bg_held[rank] > now:
+            now = bg_held[rank]
         pos[rank], clock[rank] = i, now
         if now > makespan:
             makespan = now
@@ -593,6 +813,7 @@ def _run(
         bubble_fraction=bubble,
         peak_live_activations=peak,
         events=all_events,
+        overlapped_backwards=bg_count if bg_pairs is not None else {},
     )
 
 
@@ -634,3 +855,25 @@ def _describe_wait(key: int | None, n: int, m_count: int) -> str:
     kind, k = divmod(key, n)
     s, m = divmod(k, m_count)
     return _WAIT_TEXT[kind].format(s=s, m=m)
+
+
+
+class _Bg:
+    """A backward in flight on a rank's second host lane (``host_overlap_backward``)."""
+
+    __slots__ = ("action", "ddur", "ds", "forwards", "h0", "hend", "inter", "left", "sends", "sfree0", "start", "t")
+
+    def __init__(self, action: Action, left: float, h0: float, start: float, ddur: float) -> None:
+        self.action = action
+        self.left = left  # host launch work not done yet (time units at full speed)
+        self.t = h0  # the time up to which ``left`` is accounted
+        self.h0 = h0  # launch start
+        self.start = start  # its inputs landed (device)
+        self.ddur = ddur
+        self.hend: float | None = None  # launch end, once known
+        self.ds = h0  # device start (one stream: the device queue it joins)
+        self.sfree0 = 0.0  # its stage's stream free (streams)
+        self.inter = 0.0  # device time of forwards whose kernels queue among its own (launched before its last)
+        self.sends: list[tuple[int, Action]] = []  # its sends, posted when its launch is over
+        self.forwards = 0  # forwards launched beside it so far
+

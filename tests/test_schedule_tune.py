@@ -717,3 +717,31 @@ def test_tune_grid_also_split_adds_a_split_to_every_matching_configuration() -> 
     assert len(out) == len(res.candidates) + 1 and added[0].step_ns > 0
     assert out == rank_candidates(out)
     assert tune_grid._with_splits(res, run, layers, 2, None) == list(res.candidates)
+
+
+def test_tuner_predicts_the_runtimes_overlapped_backwards() -> None:
+    """GPU profiles: the candidates are simulated with the runtime's default host_overlap_backward (auto): on a
+    host-bound profile every B followed by an F is launched beside it, the step is shorter than inline, and the
+    ranking says so per candidate; off, the inline launch as before."""
+    from pipeloom.tools.schedule_tune import _simulate
+
+    run = _host_bound(head=0.5)
+    auto = _simulate(run, "1F1B", 2, 1, 8, layers=UNEVEN, split=(5, 5))[1]
+    off = _simulate(run, "1F1B", 2, 1, 8, layers=UNEVEN, split=(5, 5), overlap_backward=False)[1]
+    assert auto.makespan < off.makespan * 0.9 and sum(auto.overlapped_backwards.values()) == 13  # 16 B, 3 not before an F
+    kw = {"schedules": ["1F1B", "Interleaved1F1B"], "microbatches": [8], "stages_per_rank": None, "layers": UNEVEN,
+          "calibrate": False}
+    r = tune(run, **kw)
+    assert r.overlap_backward == "auto"
+    c = next(c for c in r.candidates if c.schedule == "1F1B")
+    assert (c.overlapped_backwards, c.backwards) == (13, 16) and c.step_ns == pytest.approx(auto.makespan)
+    text = format_tune(r)
+    assert "B beside F" in text and "13/16" in text and "auto rule launches them" in text
+    r_off = tune(run, overlap_backward=False, **kw)
+    assert all(c.overlapped_backwards == 0 for c in r_off.candidates) and "launched inline" in format_tune(r_off)
+    assert r.to_json()["candidates"][0]["backwards"] > 0
+    # CPU profiles (no host side): one lane, nothing launched beside
+    cpu = tune(replace(run, host=None), schedules=["1F1B"], microbatches=[8], stages_per_rank=[1], calibrate=False)
+    assert cpu.overlap_backward is None and "B beside F" not in format_tune(cpu)
+    with pytest.raises(ValueError, match="overlap_backward must be"):
+        tune(run, overlap_backward="yes", **kw)

@@ -162,6 +162,10 @@ def add_parser(subparsers: Any) -> None:
                         "of its host path and its device time (the older model)")
     tune_p.add_argument("--commit-ms", type=float, default=10.0, metavar="MS",
                         help="with --device-model lanes: the runtime's gpu_commit_ms the candidates run with (default 10)")
+    tune_p.add_argument("--host-overlap-backward", choices=("auto", "on", "off"), default="auto",
+                        help="with --device-model lanes: the runtime's host_overlap_backward the candidates run with: "
+                        "'auto' (its default) a B followed by an F is launched beside it where the runtime's rule says "
+                        "so on the candidate's host and device costs, 'on' always, 'off' never (the inline launch)")
     tune_p.add_argument("--commit-launches", type=float, default=3.0, metavar="N",
                         help="with --device-model lanes: the runtime's gpu_commit_launches (default 3): the horizon also "
                         "covers N launches of the slowest action type")
@@ -659,7 +663,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     result = tune(run, schedules=names, microbatches=_int_list(args.microbatches, "--microbatches"),
                   stages_per_rank=_int_list(args.stages_per_rank, "--stages-per-rank") or [1, 2],
                   memory_cap=cap, activation_memory=act, calibrate=not args.no_calibrate, layers=layers, search=search,
-                  device_model=args.device_model, commit_ms=args.commit_ms, commit_launches=args.commit_launches)
+                  device_model=args.device_model, commit_ms=args.commit_ms, commit_launches=args.commit_launches,
+                  overlap_backward={"auto": "auto", "on": True, "off": False}[args.host_overlap_backward])
     if not result.candidates:
         raise _UsageError("no candidate configuration could be simulated: " + "; ".join(result.skipped[:3]))
     if args.json:

@@ -87,6 +87,7 @@ from typing import Any
 
 from pipeloom.schedules import (
     SCHEDULE_NAMES,
+    ActionType,
     Costs,
     ScheduleError,
     default_stages_per_rank,
@@ -96,6 +97,7 @@ from pipeloom.schedules import (
 )
 
 from ..schedules.dataflow import consumer_stage
+from ..schedules.simulate import OVERLAP_CONTENTION as _SIM_OVERLAP_CONTENTION
 from .run_costs import RunCosts
 
 __all__ = ["TIE", "Candidate", "HostFit", "Layers", "TuneResult", "calibration", "commit_horizon", "fixed_per_action", "format_tune",
@@ -117,12 +119,18 @@ class Candidate:
     """Layers per stage (with a layer model; else None: the recorded stages' costs divided evenly)."""
     searched: bool = False
     """``split`` is the layer split search's, not the even one."""
+    overlapped_backwards: int = 0
+    """Backwards (B) the simulation launched beside the forward after them in a step, over all ranks
+    (``host_overlap_backward``: the runtime's auto rule on the profile's host and device costs; GPU profiles)."""
+    backwards: int = 0
+    """Backwards (B) in a step, over all ranks (of which ``overlapped_backwards``)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"schedule": self.schedule, "microbatches": self.microbatches, "stages_per_rank": self.stages_per_rank,
                 "step_ns": self.step_ns, "bubble_fraction": self.bubble, "peak_live_microbatch_stages": self.peak_live,
                 "peak_activation_bytes": self.peak_activation_bytes, "fits": self.fits,
-                "split": list(self.split) if self.split is not None else None, "searched": self.searched}
+                "split": list(self.split) if self.split is not None else None, "searched": self.searched,
+                "overlapped_backwards": self.overlapped_backwards, "backwards": self.backwards}
 
 
 @dataclass(frozen=True)
@@ -154,6 +162,9 @@ class TuneResult:
     device_events: bool = False
     """With a host side: the device times were measured with CUDA events (the trace's ``device`` events), not
     taken from spans synchronised per action."""
+    overlap_backward: bool | str | None = None
+    """With the two-lane model: the runtime's ``host_overlap_backward`` the candidates were simulated with
+    (``"auto"``: its default; None where it does not apply: CPU profiles, ``max``)."""
 
     @property
     def device_source(self) -> str:
@@ -167,7 +178,8 @@ class TuneResult:
                 "activation_memory_is_proxy": self.activation_memory_is_proxy, "calibration": self.calibration,
                 "sizes_fitted": self.sizes_fitted, "host_fixed_ns": self.host_fixed_ns, "host_units_ns": self.host_units_ns,
                 "host_separate": self.host_separate,
-                "device_model": self.device_model, "device_events": self.device_events}
+                "device_model": self.device_model, "device_events": self.device_events,
+                "overlap_backward": self.overlap_backward}
 
 
 def parse_size(text: str) -> int:
@@ -239,6 +251,18 @@ DEVICE_MODELS = ("lanes", "max")
   the device for others, and puts the pipeline's cross-rank waits on the host.
 
 CPU profiles have no host side: one lane, an action is its work."""
+OVERLAP_BACKWARD = "auto"
+"""How the two-lane model (``device_model`` ``lanes``) launches a full backward followed by a forward: as the runtime
+does by default (``RuntimeOptions.host_overlap_backward`` None, "auto"), on a second host lane beside the forwards
+after it where :func:`~pipeloom.schedules.dispatch.backward_overlap_pays` says so for the pair (always for two stages
+on two streams; on one stream where the B's host launch outlasts the B's and the F's device times), judged on the
+candidate's own host and device costs; each host lane :data:`~pipeloom.schedules.simulate.OVERLAP_CONTENTION` times
+slower while both launch (``simulate(host_overlap_backward=...)``).  Without it the model predicted the inline step
+on host-bound GPU configurations: ~25% too slow once the runtime overlapped (session J: 2 x H100, GPT size s, 1F1B
+x0.78, Interleaved1F1B x0.75 of the inline step; ``benchmarks/host_overlap_sim.py``)."""
+OVERLAP_CONTENTION = _SIM_OVERLAP_CONTENTION
+"""The contention of the two host lanes the tuner simulates with (fitted on session J's GPU rows:
+``benchmarks/host_overlap_sim.py``)."""
 UNMEASURED_OVERLAP = 1.0
 """``Costs.overlap`` where the run had no OVERLAP_F_B to measure: its halves one after the other (measured
 0.72-0.93 on CPU, where one thread runs both)."""
@@ -781,11 +805,14 @@ def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layer
               split: Sequence[int] | None = None, lowered: dict[Any, Any] | None = None,
               device_model: str = "lanes", commit_ns: float = COMMIT_MS * 1e6, commit_launches: float = COMMIT_LAUNCHES,
               samples: int = 0, stage_streams: bool = True, host_units: bool = True,
-              host_rank_speed: bool = False) -> tuple[Any, Any]:
+              host_rank_speed: bool = False, overlap_backward: bool | str | None = "auto") -> tuple[Any, Any]:
     """(schedule, simulation) of one candidate with ``run``'s costs carried to it (ScheduleError if rejected).
     ``lowered``: a cache of lowered schedules by (name, p, v, m) (the split changes only the action costs).
     ``host_units`` False: the host side as before :func:`host_fit`'s units (for comparisons: see
-    :func:`_action_costs`); ``host_rank_speed``: a host speed per rank (``host_fit(rank_speed=True)``)."""
+    :func:`_action_costs`); ``host_rank_speed``: a host speed per rank (``host_fit(rank_speed=True)``).
+    ``overlap_backward``: the runtime's ``host_overlap_backward`` (two-lane model only: a B launched on a second
+    host lane beside the forwards after it, :data:`OVERLAP_BACKWARD`); "auto" (its default) decides per pair on
+    the candidate's own host and device costs, False or None never, True always."""
     costs = _link_costs(run, m)
     key = (name, p, v, m)
     if lowered is not None and key in lowered:
@@ -814,7 +841,8 @@ def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layer
     return sched, simulate(low, costs, action_costs=host, device_costs=dev, commit_horizon=horizon,
                            device_transfer=lat + per_byte * costs.activation_bytes,
                            host_overlap=_pair_overlap(run, host),  # the host's time per action paid once per pair
-                           device_streams=stage_streams)
+                           device_streams=stage_streams, host_overlap_backward=overlap_backward or None,
+                           overlap_contention=OVERLAP_CONTENTION)
 
 
 def _pair_overlap(run: RunCosts, ac: dict[tuple[int, str, int | None], float]) -> float:
@@ -831,7 +859,7 @@ def _pair_overlap(run: RunCosts, ac: dict[tuple[int, str, int | None], float]) -
 
 def calibration(run: RunCosts, *, measured_step_ns: float | None = None, layers: Layers | None = None,
                 device_model: str = "lanes", commit_ms: float = COMMIT_MS, commit_launches: float = COMMIT_LAUNCHES,
-                samples: int = SAMPLES) -> float:
+                samples: int = SAMPLES, overlap_backward: bool | str | None = "auto") -> float:
     """Measured over simulated step time of the run's own configuration, with the costs as carried to
     other configurations (1.0 where it cannot be simulated): what the cost model misses on the
     machine as a whole (contention, the runtime's reordering) is assumed to scale every step alike.
@@ -846,7 +874,7 @@ def calibration(run: RunCosts, *, measured_step_ns: float | None = None, layers:
         _, res = _simulate(run, run.schedule, run.world_size, run.stages_per_rank, run.num_microbatches,
                            layers=layers, split=layers.recorded if layers is not None else None,
                            device_model=device_model, commit_ns=commit_ms * 1e6, commit_launches=commit_launches,
-                           samples=samples)
+                           samples=samples, overlap_backward=overlap_backward)
     except (ScheduleError, ValueError):
         return 1.0
     return measured / res.makespan if res.makespan else 1.0
@@ -854,14 +882,16 @@ def calibration(run: RunCosts, *, measured_step_ns: float | None = None, layers:
 
 def search_split(run: RunCosts, name: str, p: int, v: int, m: int, layers: Layers, *,
                  max_simulations: int = 300, device_model: str = "lanes",
-                 commit_ms: float = COMMIT_MS, commit_launches: float = COMMIT_LAUNCHES) -> tuple[tuple[int, ...], float]:
+                 commit_ms: float = COMMIT_MS, commit_launches: float = COMMIT_LAUNCHES,
+                 overlap_backward: bool | str | None = "auto") -> tuple[tuple[int, ...], float]:
     """The layer split of ``p * v`` stages with the shortest simulated step, by local search from the even
     split: move one layer across one boundary at a time while that shortens the step (each move one
     simulation, a few milliseconds).  Returns (layers per stage, simulated step time, uncalibrated)."""
     n = p * v
     cache: dict[Any, Any] = {}
     cur = list(layers.even_split(n))
-    kw: dict[str, Any] = {"device_model": device_model, "commit_ns": commit_ms * 1e6, "commit_launches": commit_launches}
+    kw: dict[str, Any] = {"device_model": device_model, "commit_ns": commit_ms * 1e6, "commit_launches": commit_launches,
+                          "overlap_backward": overlap_backward}
     best = _simulate(run, name, p, v, m, layers=layers, split=cur, lowered=cache, **kw)[1].makespan
     sims, improved = 1, True
     while improved and sims < max_simulations:
@@ -896,6 +926,7 @@ def tune(
     commit_ms: float = COMMIT_MS,
     commit_launches: float = COMMIT_LAUNCHES,
     samples: int = SAMPLES,
+    overlap_backward: bool | str | None = "auto",
 ) -> TuneResult:
     """Simulate every candidate configuration with ``run``'s costs; see the module docstring.
 
@@ -907,12 +938,16 @@ def tune(
     ``commit_ms``, ``commit_launches``: the runtime's ``gpu_commit_ms`` and ``gpu_commit_launches`` the candidates
     will run with (:func:`commit_horizon`).  ``samples``: simulations per
     candidate with drawn action costs, the median kept (:data:`SAMPLES`; CPU profiles only; 0 or 1: the means).
+    ``overlap_backward``: the runtime's ``host_overlap_backward`` the candidates will run with (two-lane model:
+    :data:`OVERLAP_BACKWARD`; "auto", the runtime's default, decides per pair on each candidate's costs).
     The layer-split search compares splits on the means (hundreds of simulations).
     """
     if device_model not in DEVICE_MODELS:
         raise ValueError(f"device_model must be one of {', '.join(DEVICE_MODELS)} (got {device_model!r})")
+    if overlap_backward not in (None, False, True, "auto"):
+        raise ValueError(f"overlap_backward must be 'auto', True, False or None (got {overlap_backward!r})")
     kw: dict[str, Any] = {"device_model": device_model, "commit_ns": commit_ms * 1e6, "commit_launches": commit_launches,
-                          "samples": samples}
+                          "samples": samples, "overlap_backward": overlap_backward}
     p = run.world_size
     m0 = run.num_microbatches or 1
     v0 = run.stages_per_rank
@@ -921,16 +956,20 @@ def tune(
     act0 = activation_memory if activation_memory is not None else run.costs.activation_bytes
     proxy = activation_memory is None
     factor = (calibration(run, measured_step_ns=measured_step_ns, layers=layers, device_model=device_model,
-                          commit_ms=commit_ms, commit_launches=commit_launches, samples=samples) if calibrate else 1.0)
+                          commit_ms=commit_ms, commit_launches=commit_launches, samples=samples,
+                          overlap_backward=overlap_backward) if calibrate else 1.0)
     cands: list[Candidate] = []
     skipped: list[str] = []
     recorded: Candidate | None = None
 
-    def candidate(name: str, m: int, v: int, res: Any, split: tuple[int, ...] | None, searched: bool) -> Candidate:
+    def candidate(name: str, m: int, v: int, sched: Any, res: Any, split: tuple[int, ...] | None,
+                  searched: bool) -> Candidate:
         peak = max(res.peak_live_activations.values(), default=0)
         mem = int(peak * act0 * (m0 / m) * v0 / v)
+        n_b = sum(1 for acts in sched.actions.values() for a in acts if a.type is ActionType.B)
         return Candidate(name, m, v, res.makespan * factor, res.overall_bubble_fraction, peak, mem,
-                         memory_cap is None or mem <= memory_cap, split, searched)
+                         memory_cap is None or mem <= memory_cap, split, searched,
+                         sum(res.overlapped_backwards.values()), n_b)
 
     for name in schedules:
         for v in stages_per_rank if stages_per_rank is not None else (default_stages_per_rank(name),):
@@ -941,7 +980,7 @@ def tune(
                 except (ScheduleError, ValueError) as exc:
                     skipped.append(f"{name} m={m} v={v}: {exc}")
                     continue
-                c = candidate(name, m, v, res, split, False)
+                c = candidate(name, m, v, sched, res, split, False)
                 cands.append(c)
                 if (name, m, list(sched.stage_to_rank)) == (run.schedule, m0, run.stage_to_rank):
                     recorded = c
@@ -949,10 +988,11 @@ def tune(
         base = sorted((c for c in cands if c.fits), key=lambda c: c.step_ns)[:search]
         for c in base:
             split, _ = search_split(run, c.schedule, p, c.stages_per_rank, c.microbatches, layers,
-                                    device_model=device_model, commit_ms=commit_ms, commit_launches=commit_launches)
+                                    device_model=device_model, commit_ms=commit_ms, commit_launches=commit_launches,
+                                    overlap_backward=overlap_backward)
             if split != c.split:
-                _, res = _simulate(run, c.schedule, p, c.stages_per_rank, c.microbatches, layers=layers, split=split, **kw)
-                cands.append(candidate(c.schedule, c.microbatches, c.stages_per_rank, res, split, True))
+                sched, res = _simulate(run, c.schedule, p, c.stages_per_rank, c.microbatches, layers=layers, split=split, **kw)
+                cands.append(candidate(c.schedule, c.microbatches, c.stages_per_rank, sched, res, split, True))
     cands = rank_candidates(cands)
     hfit = host_fit(run, layers, run.ref_bytes) if layers is not None and run.host is not None else None
     fixed = dict(hfit.fixed) if hfit is not None else None
@@ -960,7 +1000,8 @@ def tune(
                       memory_cap, act0, proxy, calibration=factor, sizes_fitted=run.sizes_fitted,
                       host_fixed_ns=fixed, host_units_ns=hfit.describe(layers) if hfit is not None and layers is not None else None,
                       host_separate=run.host is not None, device_events=run.device_measured,
-                      device_model=device_model if run.host is not None else None)
+                      device_model=device_model if run.host is not None else None,
+                      overlap_backward=overlap_backward if run.host is not None and device_model == "lanes" else None)
 
 
 def _ms(ns: float) -> str:
@@ -1043,13 +1084,15 @@ def format_tune(r: TuneResult, *, top: int = 5, source: str = "") -> str:
     cap = f" under {_size(r.memory_cap)} of activations per rank" if r.memory_cap is not None else ""
     lines.append(f"top {min(top, len(fits))} of {len(r.candidates)} candidates{cap}, by simulated step time (a tie at the head: see below):")
     with_split = any(c.split is not None for c in r.candidates)
+    beside = r.overlap_backward is not None  # the two-lane model: a column of the backwards launched beside a forward
     rows = [("#", "schedule", "microbatches", "stages/rank", *(("layers per stage",) if with_split else ()), "step time",
-             "vs recorded", "bubble", "peak act. (mb-stages)", "peak act. memory")]
+             "vs recorded", "bubble", "peak act. (mb-stages)", "peak act. memory", *(("B beside F",) if beside else ()))]
     for i, c in enumerate(fits[:top], 1):
         vs = f"{(c.step_ns / r.recorded.step_ns - 1):+.1%}" if r.recorded is not None and r.recorded.step_ns else "-"
         sp = ((",".join(map(str, c.split or ())) + (" (searched)" if c.searched else ""),) if with_split else ())
         rows.append((str(i), c.schedule, str(c.microbatches), str(c.stages_per_rank), *sp, _ms(c.step_ns), vs,
-                     f"{c.bubble:.1%}", str(c.peak_live), _size(c.peak_activation_bytes)))
+                     f"{c.bubble:.1%}", str(c.peak_live), _size(c.peak_activation_bytes),
+                     *((f"{c.overlapped_backwards}/{c.backwards}" if c.backwards else "-",) if beside else ())))
     widths = [max(len(row[k]) for row in rows) for k in range(len(rows[0]))]
     lines += ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in rows]
     close = near_ties(fits[:top])
@@ -1084,6 +1127,14 @@ def format_tune(r: TuneResult, *, top: int = 5, source: str = "") -> str:
         how = ("each rank's host launches its list, committing ahead of its device (two lanes)" if r.device_model == "lanes"
                else "each action costs the longer of its host path and its device time (one lane)")
         lines.append(f"host and device recorded apart ({r.device_source}): {how}")
+    if beside:
+        how = {"auto": "where the runtime's auto rule launches them (its default: two stages on two streams always, "
+                       "one stream where the B's host launch outlasts the B's and the F's device times, on each "
+                       "candidate's costs)", True: "every one (host_overlap_backward=True)"}.get(r.overlap_backward)  # type: ignore[call-overload]
+        lines.append("backwards followed by a forward: " + (
+            f"launched beside it on a second host lane {how}; 'B beside F' counts them per step over all ranks "
+            f"(host lanes x{OVERLAP_CONTENTION:g} slower while both launch)" if how else
+            "launched inline (host_overlap_backward off)"))
     if r.activation_memory_is_proxy:
         lines.append(f"activation memory per recorded microbatch-stage: {_size(r.activation_memory)} = the stage-boundary "
                      "activation (a lower bound; give --activation-memory for the real figure)")
