@@ -385,7 +385,8 @@ def overlappable_backwards(schedule: Schedule) -> dict[int, frozenset[tuple[int,
     With the option a B that a rank's compute list follows with a plain F runs on a worker thread while
     the loop runs the F, and the B's outputs leave only once the F has been dispatched (its input arrived,
     or on GPUs posted ahead of the device).  That adds, for each such pair, an edge "F dispatched -> B's
-    output sent" to the order the list already imposes.  If the F's input itself depends on that output
+    output sent" to the order the list already imposes, for every forward of the run of forwards after the
+    B (while it is in flight the loop may dispatch any of them).  If the F's input itself depends on that output
     (a custom list ``0F0 0B0 0F1 ...`` / ``1F0 1B0 1F1 ...``: rank 1's F1 needs rank 0's F1, which rank 0
     runs after its B0, which needs rank 1's B0 gradient), the ranks would wait on each other forever.
     This builds the happens-before graph of every rank's compute list (list order plus each output to its
@@ -435,10 +436,14 @@ def overlappable_backwards(schedule: Schedule) -> dict[int, frozenset[tuple[int,
         succ = [set(b) for b in base]
         for u, vs in outs.items():
             succ[u] |= vs
-        for rank, k in pairs:  # the B's outputs leave after the F after it is dispatched
-            b, f = index[(rank, k)], index[(rank, k + 1)]
-            for v in outs.get(b, ()):
-                succ[f].add(v)
+        for rank, k in pairs:  # the B's outputs may leave after every forward the list runs next is dispatched
+            b = index[(rank, k)]
+            acts = lists[rank]
+            j = k + 1
+            while j < len(acts) and acts[j].type is ActionType.F:  # (only forwards run beside a backward)
+                for v in outs.get(b, ()):
+                    succ[index[(rank, j)]].add(v)
+                j += 1
         indeg = [0] * len(nodes)
         for vs in succ:
             for v in vs:

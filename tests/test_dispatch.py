@@ -243,3 +243,17 @@ def test_overlappable_backwards_drop_a_pair_whose_forward_waits_on_the_backwards
     pairs = overlappable_backwards(Schedule(acts, (0, 1), 2))
     assert (1, 0) not in pairs[1]
     assert pairs[0] == frozenset({(0, 0)})  # rank 0's F1 takes the batch: its B0 may run beside it
+
+
+def test_overlappable_backwards_check_every_forward_that_may_run_beside() -> None:
+    from pipeloom.schedules import Schedule, parse_action
+    from pipeloom.schedules.dispatch import overlappable_backwards
+
+    # rank 1's B0 is followed by F1 (its input sent by rank 0 before rank 0's B0: fine) and F2, whose input
+    # rank 0 produces after its B0, which needs rank 1's B0 gradient: F2 may also launch while B0 is in
+    # flight, so the pair is dropped
+    acts = {0: [parse_action(x) for x in "0F0 0F1 0B0 0F2 0B1 0B2".split()],
+            1: [parse_action(x) for x in "1F0 1B0 1F1 1F2 1B1 1B2".split()]}
+    pairs = overlappable_backwards(Schedule(acts, (0, 1), 3))
+    assert (1, 0) not in pairs[1]
+    assert (0, 0) in pairs[0]  # rank 0's forwards take the batch: nothing it runs next waits on its B0
