@@ -18,7 +18,9 @@ Rows of call 3 learned only B's times: there F's host and device times are B's t
 of the same model in call 4 (marked ``~``).  ``overlap_contention`` is fitted (least squares over the
 pairs where some rank overlapped) on a grid from 1 to 2; the table is printed at the fit and at
 ``--contention`` values given.  ``rule`` says whether the simulator's auto rule on these costs decides as
-the run did.
+the run did; ``auto rule now`` is the simulated ratio with the rule's decisions on these costs (what the
+runtime decides since b8612bf, and what the tuner predicts), ``forced on`` with every pair overlapped
+(``host_overlap_backward=True``).
 
 Usage::
 
@@ -126,6 +128,8 @@ def simulate_pair(p: dict[str, Any], ratios: dict[str, tuple[float, float]], con
                       overlap_contention=contention, **kw)
     sim_auto = simulate(low, Costs(), commit_horizon=auto.get("horizon_ms") or 10.0, host_overlap_backward="auto",
                         overlap_contention=contention, **kw)
+    sim_all = simulate(low, Costs(), commit_horizon=auto.get("horizon_ms") or 10.0, host_overlap_backward=True,
+                       overlap_contention=contention, **kw)
     # the rule on these costs, pair by pair, against what the run decided
     rule_agrees = True
     for rank, info in enumerate(auto.get("overlapped_by_rank") or []):
@@ -140,7 +144,7 @@ def simulate_pair(p: dict[str, Any], ratios: dict[str, tuple[float, float]], con
             "n_run": [r.get("n", 0) for r in auto.get("overlapped_by_rank") or []],
             "n_sim": [sim_ov.overlapped_backwards.get(r, 0) for r in range(auto["gpus"])],
             "sim_inline": sim_in.makespan, "sim_overlap": sim_ov.makespan, "pred": sim_ov.makespan / sim_in.makespan,
-            "pred_auto": sim_auto.makespan / sim_in.makespan,
+            "pred_auto": sim_auto.makespan / sim_in.makespan, "pred_all": sim_all.makespan / sim_in.makespan,
             "meas": meas, "meas_lo": min(rounds, default=meas), "meas_hi": max(rounds, default=meas),
             "inline_ms": inline["step_ms"], "overlap_ms": auto["step_ms"], "rule_agrees": rule_agrees}
 
@@ -163,7 +167,7 @@ def fit(ps: list[dict[str, Any]], ratios: dict[str, tuple[float, float]], transf
 
 def table(ps: list[dict[str, Any]], ratios: dict[str, tuple[float, float]], c: float, transfer_ms: float) -> str:
     head = ("file", "schedule", "model", "gpus", "m", "B overlapped/rank (run; sim)", "sim inline ms (vs measured)", "sim overlap ms (vs measured)",
-            "predicted", "measured (rounds)", "residual", "rule", "auto rule now")
+            "predicted", "measured (rounds)", "residual", "rule", "auto rule now", "forced on")
     rows = [head]
     for p in ps:
         r = simulate_pair(p, ratios, c, transfer_ms)
@@ -172,7 +176,7 @@ def table(ps: list[dict[str, Any]], ratios: dict[str, tuple[float, float]], c: f
                      f"{r['sim_inline']:.1f} ({r['sim_inline'] / r['inline_ms'] - 1:+.0%})",
                      f"{r['sim_overlap']:.1f} ({r['sim_overlap'] / r['overlap_ms'] - 1:+.0%})", f"x{r['pred']:.3f}",
                      f"x{r['meas']:.3f} ({r['meas_lo']:.2f}-{r['meas_hi']:.2f})", f"{r['pred'] - r['meas']:+.3f}",
-                     "same" if r["rule_agrees"] else "differs", f"x{r['pred_auto']:.3f}"))
+                     "same" if r["rule_agrees"] else "differs", f"x{r['pred_auto']:.3f}", f"x{r['pred_all']:.3f}"))
     widths = [max(len(row[k]) for row in rows) for k in range(len(head))]
     return "\n".join("| " + " | ".join(x.ljust(w) for x, w in zip(row, widths)) + " |" for row in rows[:1]) + "\n" + \
         "| " + " | ".join("-" * w for w in widths) + " |\n" + \

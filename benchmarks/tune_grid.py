@@ -43,7 +43,8 @@ list so that any split of the blocks over the stages can be run:
    pick; the other model's prediction of every row, its errors and its pick
    are printed beside it (same profile, same measurements), and a line per
    variant of the two-lane model (``lanes-flopshare``: the host side as before
-   :func:`pipeloom.tools.schedule_tune.host_fit`).  The tuner's host fit
+   :func:`pipeloom.tools.schedule_tune.host_fit`; ``lanes-inline``: every backward launched inline, the model
+   before it knew of the runtime's ``host_overlap_backward``).  The tuner's host fit
    (fixed + per block, embedding, head, by type) is printed under the first
    line, and each row has the model's busy time per rank (host launches |
    device work over a step, uncalibrated; the host's includes the runtime's
@@ -259,7 +260,8 @@ def _rank_main(args: argparse.Namespace) -> None:
             run = profile_costs(traces, events)
             layers = Layers(tuple(layer_weights(args)), _units(psplit), ends=(1, 1))
             res = tune(run, schedules=names, microbatches=mbs, stages_per_rank=None, measured_step_ns=prof_real * 1e9,
-                       layers=layers, search=args.search, device_model=args.device_model)
+                       layers=layers, search=args.search, device_model=args.device_model,
+                       overlap_backward=OVERLAP[args.overlap_backward])
             cands = [c.to_json() for c in _with_splits(res, run, layers, world, args.also_split)]
             if not cands:
                 raise ValueError("no configuration could be simulated: " + "; ".join(res.skipped[:3]))
@@ -288,7 +290,10 @@ def _rank_main(args: argparse.Namespace) -> None:
                         "lanes-flopshare": (run, {"host_units": False}),
                         # a host speed per rank, fitted where the two profiles put the same stages on different
                         # ranks (schedule_tune.host_fit(rank_speed=True)), the units fitted on both profiles' rows
-                        "lanes-rankspeed": (run, {"host_rank_speed": True})}
+                        "lanes-rankspeed": (run, {"host_rank_speed": True}),
+                        # every backward launched inline: the model before it knew of the runtime's
+                        # host_overlap_backward (auto by default on GPUs: a B launched beside the next F)
+                        "lanes-inline": (run, {"overlap_backward": False})}
             cal_variants = {}
             for label, (vrun, kw) in variants.items():
                 cal_v = cal_variants[label] = (
@@ -422,7 +427,7 @@ def _with_splits(res: Any, run: Any, layers: Any, world: int, also: list[list[in
                 continue
             seen.add(k)
             _, sim = _simulate(run, c.schedule, world, c.stages_per_rank, c.microbatches, layers=layers, split=units,
-                               device_model=res.device_model or "lanes")
+                               device_model=res.device_model or "lanes", overlap_backward=res.overlap_backward)
             peak = max(sim.peak_live_activations.values(), default=0)
             cands.append(replace(c, step_ns=sim.makespan * res.calibration, bubble=sim.overall_bubble_fraction,
                                  peak_live=peak, peak_activation_bytes=int(c.peak_activation_bytes * peak / c.peak_live)
@@ -450,7 +455,12 @@ def profile_costs(traces: dict[str, str], events: bool) -> Any:
     return run
 
 
-def replay(directory: str, *, search: int = 3, device_model: str = "lanes") -> tuple[dict[str, Any], list[str]]:
+OVERLAP: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
+"""``--overlap-backward``: the tuner's ``overlap_backward`` (:data:`pipeloom.tools.schedule_tune.OVERLAP_BACKWARD`)."""
+
+
+def replay(directory: str, *, search: int = 3, device_model: str = "lanes",
+           overlap_backward: bool | str | None = "auto") -> tuple[dict[str, Any], list[str]]:
     """A saved grid (``tune_grid.json`` and the profile traces beside it, as a run writes them under ``--out``)
     predicted again with the tuner as it is now: (the grid's document with every row's prediction, error and model
     busy times recomputed and the rows in the tuner's order (``rank_candidates``), a summary of before and after).
@@ -459,7 +469,9 @@ def replay(directory: str, *, search: int = 3, device_model: str = "lanes") -> t
     the profile's measured step for the calibration) and ``tune`` ranks the grid's schedules and microbatch counts
     with the layer-split search (``search``); a measured row that the tuner now does not propose (a split the
     earlier search found) is simulated with the same calibration.  Rows keep their measurements, so the lead can
-    show a model change on recorded grids without a GPU."""
+    show a model change on recorded grids without a GPU.  ``overlap_backward``: the runtime's host_overlap_backward
+    the tuner predicts with (False for grids measured before session J, whose runtime launched every backward
+    inline)."""
     from pipeloom.tools.schedule_tune import Candidate, Layers, _action_costs, _simulate, rank_candidates, tune
 
     with open(os.path.join(directory, "tune_grid.json")) as f:
@@ -488,7 +500,7 @@ def replay(directory: str, *, search: int = 3, device_model: str = "lanes") -> t
     names = list(dict.fromkeys(r["schedule"] for r in rows))
     mbs = sorted({r["microbatches"] for r in rows})
     res = tune(run, schedules=names, microbatches=mbs, stages_per_rank=None, measured_step_ns=prof["step_ns"],
-               layers=layers, search=search, device_model=device_model)
+               layers=layers, search=search, device_model=device_model, overlap_backward=overlap_backward)
 
     def key(schedule: str, m: int, v: int, split: Any) -> tuple[Any, ...]:
         return (schedule, m, v, tuple(split))
@@ -498,7 +510,7 @@ def replay(directory: str, *, search: int = 3, device_model: str = "lanes") -> t
     for r in rows:
         k = key(r["schedule"], r["microbatches"], r["stages_per_rank"], r["split"])
         sched, sim = _simulate(run, r["schedule"], world, r["stages_per_rank"], r["microbatches"], layers=layers,
-                               split=k[3], device_model=device_model)
+                               split=k[3], device_model=device_model, overlap_backward=overlap_backward)
         step = proposed[k].step_ns if k in proposed else sim.makespan * res.calibration
         hc, dc, _ = _action_costs(run, world, r["stages_per_rank"], r["microbatches"], sched.stage_to_rank,
                                   layers=layers, split=k[3], lanes=True)
@@ -793,6 +805,10 @@ def main() -> None:
                    "core): whether a configuration's slow rounds follow where the OS put the host threads")
     p.add_argument("--out", default="/tmp/tunegrid")
     p.add_argument("--table", metavar="JSON", default=None, help="print the table of an earlier run's tune_grid.json")
+    p.add_argument("--overlap-backward", choices=sorted(OVERLAP), default="auto",
+                   help="the runtime's host_overlap_backward the tuner predicts with (default auto, what the grid runs "
+                   "with: the runtime's default); 'off' to --replay a grid measured before session J (every backward "
+                   "inline); the variant lanes-inline prints the inline prediction beside it")
     p.add_argument("--replay", metavar="DIR", nargs="+", default=None,
                    help="no run: predict saved grids again with the tuner as it is now (each DIR holds a run's "
                    "tune_grid.json and profile traces, e.g. benchmarks/results/tunegrid-sessionI/grid-a) and print "
@@ -809,7 +825,8 @@ def main() -> None:
         return
     if args.replay:
         for i, directory in enumerate(args.replay):
-            doc, summary = replay(directory, search=args.search, device_model=args.device_model)
+            doc, summary = replay(directory, search=args.search, device_model=args.device_model,
+                                  overlap_backward=OVERLAP[args.overlap_backward])
             print(("\n" if i else "") + f"=== {directory} (replayed)")
             print(format_grid(doc))
             print("\n".join(summary))

@@ -547,6 +547,10 @@ def _run(
             sfree[(rank, a.stage)] = max(sfree.get((rank, a.stage), 0.0), dend)
         else:  # one stream: the forwards launched beside it ran among its kernels, before its last one
             dend = max(hend, b.ds + ddur + b.inter)
+        for f_start, f_dend in b.queued:
+            # the B's kernels launched after the F's first one run after the F's (a stream waiting for the F's
+            # input holds them too): that share of its device time, launched evenly over its launch
+            dend = max(dend, f_dend + ddur * max(0.0, hend - f_start) / max(hend - b.h0, 1e-12))
         dclock[rank] = max(dclock[rank], dend)
         if record:
             events[rank].append(new_event((rank, a, max(b.ds, dend - ddur), dend, "compute")))
@@ -634,8 +638,7 @@ def _run(
                         hend = bg_corun(b, hstart, dur)
                         b.forwards += 1
                         # on one stream, launched before the B's last kernel: its kernels queue among the B's
-                        if (not streams or s == b.action.stage) and (b.hend is None or hstart < b.hend):
-                            b.inter += ddur
+                        shared = (not streams or s == b.action.stage) and (b.hend is None or hstart < b.hend)
                     else:
                         hend = hstart + dur
                         if bg_pairs is not None and t is _B and not subs and (s, m) in bg_pairs[rank]:
@@ -680,8 +683,12 @@ def _run(
                     if evs is not None:
                         evs(new_event((rank, a, dstart, dend, "compute")))
                     busy[rank] += ddur
-                    if b is not None and b.hend is not None and b.hend <= hend:
-                        bg_finish(rank, b)
+                    if b is not None:
+                        if shared:  # (the F's kernels queue among the B's: see bg_finish)
+                            b.inter += ddur
+                            b.queued.append((hstart, dend))
+                        if b.hend is not None and b.hend <= hend:
+                            bg_finish(rank, b)
                     start, dur, now = dstart, 0.0, hend  # the device lane's span is recorded; the host moves on
                 end = start + dur if dev_cost is None else dend
                 for leaf in leaves:
@@ -861,7 +868,8 @@ def _describe_wait(key: int | None, n: int, m_count: int) -> str:
 class _Bg:
     """A backward in flight on a rank's second host lane (``host_overlap_backward``)."""
 
-    __slots__ = ("action", "ddur", "ds", "forwards", "h0", "hend", "inter", "left", "sends", "sfree0", "start", "t")
+    __slots__ = ("action", "ddur", "ds", "forwards", "h0", "hend", "inter", "left", "queued", "sends", "sfree0", "start",
+                 "t")
 
     def __init__(self, action: Action, left: float, h0: float, start: float, ddur: float) -> None:
         self.action = action
@@ -876,4 +884,5 @@ class _Bg:
         self.inter = 0.0  # device time of forwards whose kernels queue among its own (launched before its last)
         self.sends: list[tuple[int, Action]] = []  # its sends, posted when its launch is over
         self.forwards = 0  # forwards launched beside it so far
+        self.queued: list[tuple[float, float]] = []  # those on its stream: (launch start, device end)
 
