@@ -89,13 +89,11 @@ input gradient the previous rank waits for) is; those forwards start no
 earlier than the B's device start (the stream waits on the B's input).  On
 separate streams the B takes a device gap once its launch allows, like any
 other launch.  Approximations: a B's device work is counted in the commit
-horizon as if it ran alone; where the simulation reaches a second or later
-forward beside a B before that forward's input has been simulated, the B
-is handed on at once as if it launched alone from there (the next
-non-forward still waits for its end), since that input may depend on the
-B's outputs through other ranks (the first forward's never does:
-``overlappable_backwards``).  None or False (default): no second lane; every
-result above stands unchanged.
+horizon as if it ran alone; its kernels are taken as launched evenly over
+its launch.  (A B stays in flight while the simulation waits for a
+forward's input: ``overlappable_backwards`` keeps only pairs where no
+forward of the run after the B waits on its outputs.)  None or False
+(default): no second lane; every result above stands unchanged.
 
 ``busy`` is compute-lane time (compute, RESHARD, REDUCE_GRAD; the device lane
 with ``device_costs``); ``idle`` is the rest of the makespan; ``bubble_fraction`` is ``idle / makespan`` per rank.
@@ -410,7 +408,6 @@ def _run(
         bg_pairs = overlappable_backwards(schedule)
     bg_decided: dict[tuple[int, int, int], bool] = {}
     bg_count = dict.fromkeys(actions, 0)
-    bg_held = dict.fromkeys(actions, 0.0)  # a B handed on early (see run): its launch's end, which non-forwards wait for
 
     # value[kind * N + k]: when the value became available (None: not yet).
     value: list[float | None] = [None] * (5 * N)
@@ -574,31 +571,22 @@ def _run(
             a = acts[i]
             s, t, m, subs = a
             b = bg[rank]
-            if bg_pairs is not None and (subs or not (t is _F or a.is_comm)):
+            if b is not None and (subs or not (t is _F or a.is_comm)):
                 # a non-forward waits for the B's launch (then the B's outputs leave)
-                if b is not None:
-                    bg_advance(b, now)
-                    if b.hend is None:
-                        b.hend = b.t + b.left
-                    now = max(now, b.hend)
-                    bg_finish(rank, b)
-                    b = None
-                now = max(now, bg_held[rank])
+                bg_advance(b, now)
+                if b.hend is None:
+                    b.hend = b.t + b.left
+                now = max(now, b.hend)
+                bg_finish(rank, b)
+                b = None
             if subs or t is _F or t is _B or t is _I or t is _W:
                 leaves = subs if subs else (a,)
                 start = now
                 for leaf in leaves:
                     when, key = input_time(rank, leaf)
                     if when is None:
-                        if b is not None and b.forwards:
-                            # not the first forward beside the B (which overlappable_backwards guarantees does not
-                            # wait on its outputs, even through other ranks): its input may, so the B is handed on
-                            # now, as if launched alone from here; the next non-forward still waits for its end
-                            bg_advance(b, now)
-                            if b.hend is None:
-                                b.hend = b.t + b.left
-                            bg_held[rank] = b.hend
-                            bg_finish(rank, b)
+                        # (a B in flight stays so: overlappable_backwards keeps only pairs where no forward of the
+                        # run after the B waits on its outputs, even through other ranks)
                         waiters.setdefault(key, []).append(rank)
                         blocked_on[rank] = key
                         pos[rank], clock[rank] = i, now
@@ -636,7 +624,6 @@ def _run(
                     launch_bg = False
                     if b is not None:  # a forward launched beside the B in flight
                         hend = bg_corun(b, hstart, dur)
-                        b.forwards += 1
                         # on one stream, launched before the B's last kernel: its kernels queue among the B's
                         shared = (not streams or s == b.action.stage) and (b.hend is None or hstart < b.hend)
                     else:
@@ -771,8 +758,6 @@ def _run(
                 b.hend = b.t + b.left
             now = max(now, b.hend)
             bg_finish(rank, b)
-        if bg_pairs is not None and bg_held[rank] > now:
-            now = bg_held[rank]
         pos[rank], clock[rank] = i, now
         if now > makespan:
             makespan = now
@@ -868,8 +853,7 @@ def _describe_wait(key: int | None, n: int, m_count: int) -> str:
 class _Bg:
     """A backward in flight on a rank's second host lane (``host_overlap_backward``)."""
 
-    __slots__ = ("action", "ddur", "ds", "forwards", "h0", "hend", "inter", "left", "queued", "sends", "sfree0", "start",
-                 "t")
+    __slots__ = ("action", "ddur", "ds", "h0", "hend", "inter", "left", "queued", "sends", "sfree0", "start", "t")
 
     def __init__(self, action: Action, left: float, h0: float, start: float, ddur: float) -> None:
         self.action = action
@@ -883,6 +867,5 @@ class _Bg:
         self.sfree0 = 0.0  # its stage's stream free (streams)
         self.inter = 0.0  # device time of forwards whose kernels queue among its own (launched before its last)
         self.sends: list[tuple[int, Action]] = []  # its sends, posted when its launch is over
-        self.forwards = 0  # forwards launched beside it so far
         self.queued: list[tuple[float, float]] = []  # those on its stream: (launch start, device end)
 

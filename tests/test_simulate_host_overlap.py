@@ -185,3 +185,22 @@ def test_bad_options_are_refused() -> None:
         _sim(low, host, dev, host_overlap_backward="auto", overlap_contention=0.5)
     with pytest.raises(ValueError, match="need device_costs"):
         simulate(low, Costs(), host_overlap_backward="auto")
+
+
+@pytest.mark.parametrize("lists", [
+    ("0F0 0B0 0F1 0B1", "1F0 1B0 1F1 1B1"),  # rank 1's F1 waits on rank 0's F1, after rank 0's B0 (rank 1's gradient)
+    ("0F0 0F1 0B0 0F2 0B1 0B2", "1F0 1B0 1F1 1F2 1B1 1B2"),  # rank 1's second forward beside B0 waits on it
+])
+def test_custom_lists_whose_forwards_wait_on_the_backward_finish(lists: tuple[str, str]) -> None:
+    """Forced on, a pair whose forwards (any of the run after the B) wait on the B's outputs stays inline, as the
+    runtime keeps it (overlappable_backwards): the simulation finishes, and overlaps the pairs that are safe."""
+    from pipeloom.schedules import Schedule, parse_action
+
+    acts = {r: [parse_action(x) for x in text.split()] for r, text in enumerate(lists)}
+    sched = Schedule(acts, (0, 1), max(len(t.split()) for t in lists) // 2)
+    host, dev = _costs(2, *HOST_BOUND)
+    res = simulate(sched, Costs(), action_costs=host, device_costs=dev, host_overlap_backward=True)
+    pairs = overlappable_backwards(sched)
+    assert (1, 0) not in pairs[1] and res.overlapped_backwards[1] == 0
+    assert res.overlapped_backwards[0] == len(pairs[0]) > 0
+    assert res.makespan <= simulate(sched, Costs(), action_costs=host, device_costs=dev).makespan  # (rank 1 bounds it)
