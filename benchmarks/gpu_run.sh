@@ -33,7 +33,9 @@
 #              microbatches 8,16,32 + the tuner's splits): measured vs predicted by the two-lane model (host commits
 #              ahead of the device; the tuner's default) and beside it the one-lane "max" model, the pick of each vs
 #              the best, and variants of the two-lane model (fixed 10 ms horizon; device time = the synced span;
-#              one device lane instead of a stream per stage; host time shared by FLOPs, the rule before host_fit);
+#              one device lane instead of a stream per stage; host time shared by FLOPs, the rule before host_fit;
+#              lanes-inline: every backward launched inline, the model before it knew of host_overlap_backward,
+#              which the grid runs with (auto, the default) and the tuner predicts since session J);
 #              the tuner's host fit (fixed + per layer, embedding, head) and each row's modelled busy time per rank
 #              (about 100 s; TUNE_ARGS="--device-model max" makes the old model pick; "--trace-grid" traces the grid
 #              and prints each row's traced host and device busy time per rank beside the model's);
