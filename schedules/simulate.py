@@ -39,7 +39,9 @@ without it):
   ``reduce_grad``.
 * **Activations** are live from the start of their F to the end of their
   backward: B, or W when the backward is split (I computes the input
-  gradient, but W still reads the activations).
+  gradient, but W still reads the activations); a B launched beside the
+  forwards after it (``host_overlap_backward``) holds its own until its
+  launch is over, so a rank may hold one more microbatch's activations.
 
 **Committing ahead (GPUs, ``device_costs``).**  On a GPU pipeloom's host only
 *launches* an action and commits ahead of the device (``runtime/device.py``):
@@ -552,6 +554,7 @@ def _run(
         if record:
             events[rank].append(new_event((rank, a, max(b.ds, dend - ddur), dend, "compute")))
         busy[rank] += ddur
+        live[rank] -= 1  # its activations held until it is done: one more microbatch's while forwards ran beside it
         bg[rank] = None
         publish(_END_G * N + a.stage * M + (a.microbatch or 0), dend)
         for slot, send in b.sends:
@@ -644,7 +647,6 @@ def _run(
                         else:
                             nb.ds = dclock[rank] = max(start, dclock[rank], hstart)
                         bisect.insort(q, (nb.ds + ddur, ddur))  # (the horizon's account: its end as if alone)
-                        live[rank] -= 1
                         bg_count[rank] += 1
                         now = hstart
                         i += 1

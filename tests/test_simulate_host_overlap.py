@@ -69,6 +69,9 @@ def test_one_rank_host_bound_exact() -> None:
     assert res.overlapped_backwards == {0: 2}
     ends = {str(e.action): e.end for e in res.events}
     assert ends["0B0"] == pytest.approx(5.0) and ends["0B1"] == pytest.approx(9.0) and ends["0F1"] == pytest.approx(2.0)
+    # B0's activations are held until its launch is over, F1's taken meanwhile: one microbatch more than inline
+    assert res.peak_live_activations == {0: 2}
+    assert simulate(sched, Costs(), action_costs=host, device_costs=dev).peak_live_activations == {0: 1}
     # with contention 1.5 F1 launches in 1.5 while B0 does 1 of its 4, then B0 goes on alone: 1 + 1.5 + 3
     res = simulate(sched, Costs(), action_costs=host, device_costs=dev, host_overlap_backward=True,
                    overlap_contention=1.5)
