@@ -82,7 +82,7 @@ import logging
 import time
 import traceback
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -90,7 +90,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..schedules import Action, ActionType, Dataflow, Schedule, consumer_stage, producer_stage
-from ..schedules.dispatch import Dispatcher, choose_rule, overlappable_backwards, plan_ranks
+from ..schedules.dispatch import Dispatcher, choose_rule, overlappable_backwards, plan_ranks, queueable_backwards
 from ..transport.control import ControlPlane
 from ..transport.tensor import END, Landed, SendError, TensorPlane, TransferError, guard_exit_works, signature
 from .device import DevicePolicy, backward_overlap_pays, make_policy
@@ -135,9 +135,12 @@ class _Beside(NamedTuple):
     submitted: float
 
 
-def _forward_only(ready: Any, a: Action) -> bool:
-    """options.host_overlap_backward: while a backward launches on the worker only forwards run beside it."""
-    return a.type is _F and ready(a)
+def _beside_only(ready: Any, queueable: Any, a: Action) -> bool:
+    """options.host_overlap_backward: while a backward launches on the worker only forwards run beside it, and
+    (host_queue_backwards) a backward that may be queued behind it."""
+    if a.type is _F:
+        return ready(a)
+    return a.type is _B and (a.stage, a.microbatch) in queueable and ready(a)
 #: data-parallel events, run through the ``collectives`` object (runtime/data_parallel.py)
 _DP = frozenset({ActionType.UNSHARD, ActionType.RESHARD, ActionType.REDUCE_GRAD})
 _UNSHARD, _RESHARD, _REDUCE_GRAD = ActionType.UNSHARD, ActionType.RESHARD, ActionType.REDUCE_GRAD
@@ -195,6 +198,8 @@ class ActorStatistics:
     held_sends: int = 0
     #: options.host_overlap_backward: backwards launched on the worker thread beside the next forward
     overlapped_backwards: int = 0
+    #: options.host_queue_backwards: of those, backwards queued on the worker behind another one
+    queued_backwards: int = 0
 
 
 class Wakeup:
@@ -484,7 +489,14 @@ class RankActor:
         self._bg_decided: dict[tuple[int, int], bool] = {}
         #: options.host_overlap_backward: the backwards (stage, microbatch) that may launch beside the forward after
         #: them without making a peer wait on their outputs forever (schedules/dispatch.py)
-        self._bg_pairs = overlappable_backwards(schedule)[row] if self._bg_ok else frozenset()
+        #: options.host_queue_backwards: the backwards (stage, microbatch) that may be queued on the worker behind
+        #: the backward the list runs just before them (their input from another rank)
+        self._bq: frozenset[tuple[int, int]] = frozenset()
+        if self._bg_ok and options.host_queue_backwards:
+            pairs, queued = queueable_backwards(schedule)
+            self._bg_pairs, self._bq = pairs[row], queued[row]
+        else:
+            self._bg_pairs = overlappable_backwards(schedule)[row] if self._bg_ok else frozenset()
         #: the first training step runs inline and tells whether the stages' forwards draw random numbers
         #: (then never overlapped: see _rng_state)
         self._bg_checked = False
@@ -494,7 +506,8 @@ class RankActor:
         self._in_backward = False
         self._probe: Any = None
         self._bg_pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._bg_fut: concurrent.futures.Future[Any] | None = None
+        #: the backwards launched or queued on the worker and not finished yet (a failed step waits for them)
+        self._bg_futs: list[concurrent.futures.Future[Any]] = []
         self._names: dict[Action, str] = {}
         #: the actions of the step in progress not yet run (for debug_state)
         self._pending: list[Action] = []
@@ -711,15 +724,18 @@ class RankActor:
             return all(w.is_completed() for w in posted[1])
         return True
 
-    def _take(self, key: tuple[int, str, int, int], stage: int) -> list[torch.Tensor | None]:
-        """An input of ``stage``: arrived, or (GPU) committed, with the stage's stream ordered after it."""
+    def _take(self, key: tuple[int, str, int, int], stage: int, defer: bool = False) -> Any:
+        """An input of ``stage``: arrived, or (GPU) committed, with the stage's stream ordered after it.
+
+        ``defer`` (a backward queued on the worker): returns (the buffers, the posted receive's Works) without
+        ordering the stream after them (the worker does); (arrived buffers, []) where nothing is to wait for."""
         got = self._inbox.pop(key, None)
         if got is not None:
             if self._handoff:
                 token = self._handoff.pop(key, None)
                 if token is not None:
                     self.dev.take_handed(token, stage, got)
-            return got
+            return (got, []) if defer else got
         if self._spec and key not in self._posted:
             self._post_static(key)
         buffers, works, rgs = self._posted.pop(key)
@@ -742,13 +758,15 @@ class RankActor:
                     trace.wait(key[0], w0, w1, [self._waiting_for(self._name(self._running), key, src)])
                 if self._act_t0 == -1:
                     self._act_t0 = w1
+        elif defer:
+            return buffers, works
         else:
             self.dev.consume(stage, buffers, works)
         if key[1] == "F":
             for b, rg in zip(buffers, rgs):
                 if b is not None and rg:
                     b.requires_grad_(True)
-        return buffers
+        return (buffers, []) if defer else buffers
 
     def _wait_direct(self, key: tuple[int, str, int, int], works: list[Any], *, clock: bool = False) -> int:
         """gloo, NCCL protocol: wait on this thread for the payload of ``key`` (runtime/direct_wait.py).
@@ -1154,13 +1172,25 @@ class RankActor:
         self._bg_decided[key] = got
         return got
 
-    def _launch_bg(self, a: Action, step: int, tkey: Any, token: Any, h0: float, a0: int) -> _Beside:
-        """options.host_overlap_backward: take B's input here, launch its backward on the worker thread."""
+    def _launch_bg(self, a: Action, step: int, tkey: Any, token: Any, h0: float, a0: int, queued: bool = False) -> _Beside:
+        """options.host_overlap_backward: take B's input here, launch its backward on the worker thread.
+
+        ``queued`` (host_queue_backwards): behind another backward on the worker; the wait for its posted
+        input is left to the worker, after that one's launch, so that on one stream it does not land among
+        the other's kernels (and hold them until this input comes)."""
         mb = a.microbatch
         assert mb is not None
+        works: list[Any] = []
+        buffers: Any = None
         with self.dev.on_stage(a.stage) if self._stage_context else contextlib.nullcontext():
-            grads = None if a.stage == self.last_stage else self._take((step, "B", a.stage, mb), a.stage)
-            if token is not None:
+            if a.stage == self.last_stage:
+                grads = None
+            elif queued:
+                grads, works = self._take((step, "B", a.stage, mb), a.stage, defer=True)
+                buffers = grads
+            else:
+                grads = self._take((step, "B", a.stage, mb), a.stage)
+            if token is not None and not works:
                 self.dev.inputs_ready(token, a.stage)
             stream = self.dev.stream(a.stage) if self._cuda else None
         if self._act_t0 > a0:  # (traced: a direct wait for its input moves its span's start, as inline)
@@ -1171,12 +1201,13 @@ class RankActor:
         # or a recomputation runs under it
         dt = self.device.type
         cast = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
-        fut = self._bg_fut = self._bg_pool.submit(self._bg_backward, self.stages[a.stage], mb, grads, stream,
-                                                  token is not None and token[0] is not None, cast)
+        fut = self._bg_pool.submit(self._bg_backward, self.stages[a.stage], mb, grads, stream,
+                                   token is not None and token[0] is not None, cast, works, buffers, token, a.stage)
+        self._bg_futs.append(fut)
         return _Beside(a, fut, tkey, token, h0, a0, time.perf_counter())
 
-    def _bg_backward(self, stage: StageExecutor, mb: int, grads: Any, stream: Any,
-                     timed: bool, cast: torch.dtype | None) -> tuple[list[torch.Tensor | None], Any, int, float]:
+    def _bg_backward(self, stage: StageExecutor, mb: int, grads: Any, stream: Any, timed: bool, cast: torch.dtype | None,
+                     works: list[Any], buffers: Any, token: Any, stage_id: int) -> tuple[list[torch.Tensor | None], Any, int, float]:
         """On the worker: the backward's launch; its input gradients, the end of its kernels on the stream (a
         CUDA event recorded here, before any forward launched meanwhile on one stream counts as its own) and
         the host clock when it returned (its trace span's end)."""
@@ -1184,6 +1215,15 @@ class RankActor:
         if stream is not None:  # the current device and stream are the thread's own: the stage's, as on the loop
             torch.cuda.set_device(self.device)
             torch.cuda.set_stream(stream)
+        if works:  # (queued: its input's wait, here after the backward before it on the stream)
+            for w in works:
+                w.wait()
+            if stream is not None and getattr(self.dev, "early_receives", False):
+                for b in buffers:
+                    if b is not None:
+                        b.record_stream(stream)
+            if token is not None:
+                self.dev.inputs_ready(token, stage_id)
         if cast is None:
             grads_in = stage.backward(mb, grads)
         else:
@@ -1204,7 +1244,7 @@ class RankActor:
             raise
         except Exception as exc:
             raise self._abort(exc, a, step) from exc
-        self._bg_fut = None  # (not before: an interrupt in the wait leaves it to run_step's failure path)
+        self._bg_futs.remove(fut)  # (not before: an interrupt in the wait leaves it to run_step's failure path)
         if self.trace is not None:  # its span from its launch on the loop to the worker's return, beside the forwards'
             self.trace.action(step, self._name(a), a.type.value, a.stage, a.microbatch, a0, t_end, None, beside=True)
         if a.stage > 0:
@@ -1307,8 +1347,8 @@ class RankActor:
         try:
             return await self._run_step(inputs, train, keep_outputs)
         except BaseException:
-            fut, self._bg_fut = self._bg_fut, None
-            if fut is not None:  # a backward still launching on the worker: let it end before the step is torn down
+            futs, self._bg_futs = self._bg_futs, []
+            for fut in futs:  # backwards still launching on the worker: let them end before the step is torn down
                 try:
                     fut.result()
                 except BaseException:  # noqa: BLE001 - the step's own failure is what is raised
@@ -1423,12 +1463,13 @@ class RankActor:
             # checkpointing), which restores the generators' state around itself (see _after_draws)
             self._probe = torch.nn.modules.module.register_module_forward_pre_hook(self._recompute_probe)
             self._probing = True
-        bg: _Beside | None = None
-        n_bg = 0
-        while pending or bg is not None:
-            if bg is not None and (not pending or bg.future.done()):
-                self._finish_bg(bg, step)
-                bg = None
+        bgq: deque[_Beside] = deque()  # in flight on the worker, in list order (host_queue_backwards: up to 2)
+        bq = self._bq
+        last: Action | None = None  # the action dispatched last (a queued backward follows the in-flight one directly)
+        n_bg = n_q = 0
+        while pending or bgq:
+            if bgq and (not pending or bgq[0].future.done()):
+                self._finish_bg(bgq.popleft(), step)
                 continue
             if landings:
                 landings.drain()
@@ -1446,8 +1487,8 @@ class RankActor:
                 if live != ready_live:  # (one partial per value of ``live``, not per turn)
                     ready_base, ready_live = functools.partial(self._ready, step=step, live=live, train=train), live
                 ready = ready_base
-                if bg is not None:  # only the forwards after a backward in flight run beside it
-                    ready = functools.partial(_forward_only, ready)
+                if bgq:  # only the forwards after a backward in flight run beside it (and, queued, the next backward)
+                    ready = functools.partial(_beside_only, ready, bq if (len(bgq) < 2 and last is bgq[-1].action) else ())
                 if direct_order:
                     # gloo, static shapes, a rule that reorders: an action whose inputs are here (local,
                     # or posted ahead and landed) goes first, if its outputs can leave at once (sends to
@@ -1463,9 +1504,8 @@ class RankActor:
                     ready = functools.partial(self._ready_in_turn, ready, step)
                 if pick < 0:
                     pick = dispatcher.pick(pending, ready, live, in_flight)
-            if pick < 0 and bg is not None:
-                self._finish_bg(bg, step)  # (its host launch: the next action waits for it, or for it to send)
-                bg = None
+            if pick < 0 and bgq:
+                self._finish_bg(bgq.popleft(), step)  # (its host launch: the next action waits for it, or for it to send)
                 continue
             if pick < 0:
                 if not hold:
@@ -1512,12 +1552,16 @@ class RankActor:
                     step, self._name(a), a.type.value, leaves[0].stage, leaves[0].microbatch, a0))
             else:
                 token = self._token = None
-            launch_bg = (bg_ok and bg is None and a.type is _B and bool(pending) and pending[0].type is _F
-                         and (a.stage, a.microbatch) in self._bg_pairs
-                         and (not self._bg_auto or self._bg_pays(a.stage, pending[0].stage)))
+            last = a
+            queued = bool(bgq)  # (the ready filter let only a queueable backward through beside one in flight)
+            launch_bg = bg_ok and a.type is _B and (queued or (bool(pending) and (
+                (pending[0].type is _F and (a.stage, a.microbatch) in self._bg_pairs
+                 and (not self._bg_auto or self._bg_pays(a.stage, pending[0].stage)))
+                or (pending[0].type is _B and (pending[0].stage, pending[0].microbatch) in bq))))
             try:
                 if launch_bg:
-                    bg = self._launch_bg(a, step, tkey if commit_ahead else None, token, h0 if commit_ahead else 0.0, a0)
+                    bgq.append(self._launch_bg(a, step, tkey if commit_ahead else None, token,
+                                               h0 if commit_ahead else 0.0, a0, queued=queued))
                 elif self._profile_ranges:  # (options.profile_ranges: a profiler range per action)
                     with torch.profiler.record_function(self._range_name(a)):
                         self._run(a, step, inputs, train, results, losses)
@@ -1534,6 +1578,7 @@ class RankActor:
                 raise self._abort(exc, a, step) from exc
             if launch_bg:  # launched, sent and timed when the worker is done (_finish_bg)
                 n_bg += 1
+                n_q += queued
                 ran += 1
                 live -= 1  # (its activations are being released: the next forward may take its place)
                 continue
@@ -1630,7 +1675,7 @@ class RankActor:
                 trace.memory(step, peak)
             trace.step(step, step_start, clock_ns(), train=train)
         self.statistics = ActorStatistics(ran, out_of_order, waits, idle + self._waited, peak,
-                                          sum(self._tx_next.values()) if spec else 0, self._held_sends, n_bg)
+                                          sum(self._tx_next.values()) if spec else 0, self._held_sends, n_bg, n_q)
         self.control.steps_done = self.step_index
         return (results if results is not None else {}), losses
 

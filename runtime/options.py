@@ -235,6 +235,20 @@ class RuntimeOptions:
     updated in another order when a recomputation runs beside a forward.  Environment:
     ``PIPELOOM_HOST_OVERLAP_BACKWARD`` (``1``, ``0`` or ``auto``)."""
 
+    host_queue_backwards: bool = False
+    """With ``host_overlap_backward`` in effect (on GPUs by default), a backward that the list runs
+    right after another backward is queued on the worker thread behind it, instead of waiting on
+    the loop for the first one's launch to end: the loop hands the first one's input gradients on
+    (its sends) and dispatches while the autograd engine launches the second (GPipe's and
+    LoopedBFS's backward phases, the drain of 1F1B; a rank's backwards never launch at once: the
+    worker runs them in list order, and gradient accumulation keeps the inline order).  At most
+    two backwards are in flight; a queued backward's input must come from another rank (or none:
+    the last stage), and its wait for that input (a stream wait on NCCL) is made on the worker
+    after the first one's launch, so that on one stream it does not land among the first one's
+    kernels.  Pairs that could make a peer wait forever are left inline
+    (``schedules.dispatch.queueable_backwards``).  Off until measured on GPUs.  Environment:
+    ``PIPELOOM_HOST_QUEUE_BACKWARDS=1``."""
+
     gpu_early_receives: bool = False
     """GPUs: post each NCCL receive on a separate transfer stream (True), so its data may land
     before the consumer's stream reaches it, or on the consumer's stream as torch does (False,
@@ -474,6 +488,7 @@ ENV_VARS: dict[str, tuple[str, Any]] = {
     "PIPELOOM_PROFILE_RANGES": ("profile_ranges", _flag),
     "PIPELOOM_GPU_COMMIT_RUNNING": ("gpu_commit_running", _flag),
     "PIPELOOM_HOST_OVERLAP_BACKWARD": ("host_overlap_backward", _auto_flag),
+    "PIPELOOM_HOST_QUEUE_BACKWARDS": ("host_queue_backwards", _flag),
     "PIPELOOM_OVERLAP_COLLECTIVES": ("overlap_collectives", _flag),
     "PIPELOOM_FSDP_REDUCE": ("fsdp_reduce", str),
     "PIPELOOM_DISPATCH": ("dispatch", str),

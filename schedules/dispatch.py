@@ -393,6 +393,25 @@ def overlappable_backwards(schedule: Schedule) -> dict[int, frozenset[tuple[int,
     consumer) with the pairs' edges added, and keeps the pairs greedily in list order while the graph
     stays acyclic.  The generated schedules keep every pair (tests/test_dispatch.py).
     """
+    return _beside_plan(schedule, False)[0]
+
+
+def queueable_backwards(schedule: Schedule) -> tuple[dict[int, frozenset[tuple[int, int]]], dict[int, frozenset[tuple[int, int]]]]:
+    """``RuntimeOptions.host_queue_backwards``: per rank, (the backwards that may launch beside the forwards
+    after them, the backwards ``(stage, microbatch)`` that may be queued on the worker behind the backward the
+    list runs just before them).
+
+    A queued backward's input must come from another rank (or none: the last stage), so that taking it
+    never waits on a local producer in flight; while the first is in flight the loop dispatches the
+    queued one and the forwards after it, so each of those gets an edge to the first's outputs' consumers,
+    and the pairs and queued backwards are kept greedily in list order while the happens-before graph stays
+    acyclic, as in :func:`overlappable_backwards` (which this extends: its pairs are kept first).
+    """
+    return _beside_plan(schedule, True)
+
+
+def _beside_plan(schedule: Schedule, queue: bool) -> tuple[dict[int, frozenset[tuple[int, int]]], dict[int, frozenset[tuple[int, int]]]]:
+    """(overlappable_backwards, queueable_backwards) of ``schedule``: see them."""
     nodes: list[tuple[int, int]] = []
     index: dict[tuple[int, int], int] = {}
     where: dict[tuple[ActionType, int, int], int] = {}  # (type, stage, mb) of a leaf -> its action's node
@@ -427,19 +446,32 @@ def overlappable_backwards(schedule: Schedule) -> dict[int, frozenset[tuple[int,
                 for v in targets:
                     if v is not None and v != u:
                         outs.setdefault(u, set()).add(v)
-    # candidate pairs: a plain B followed by a plain F on the same rank
-    cands = [(rank, k) for rank, acts in lists.items() for k in range(len(acts) - 1)
-             if acts[k].type is ActionType.B and acts[k + 1].type is ActionType.F]
-    chosen: set[tuple[int, int]] = set()
+    place = schedule.stage_to_rank
 
-    def acyclic(pairs: set[tuple[int, int]]) -> bool:
+    def remote_input(rank: int, a: Action) -> bool:  # a B's gradient comes from another rank, or none comes
+        return a.stage == n_stages - 1 or place[a.stage + 1] != rank
+
+    # candidates: a plain B followed by a plain F on the same rank ("F"), and (queue) a plain B followed by a
+    # plain B whose input comes from another rank ("B": the second queued behind the first on the worker)
+    cands = [(rank, k, "F") for rank, acts in lists.items() for k in range(len(acts) - 1)
+             if acts[k].type is ActionType.B and acts[k + 1].type is ActionType.F]
+    if queue:
+        cands += [(rank, k, "B") for rank, acts in lists.items() for k in range(len(acts) - 1)
+                  if acts[k].type is ActionType.B and acts[k + 1].type is ActionType.B and remote_input(rank, acts[k + 1])]
+    chosen: set[tuple[int, int, str]] = set()
+
+    def acyclic(pairs: set[tuple[int, int, str]]) -> bool:
         succ = [set(b) for b in base]
         for u, vs in outs.items():
             succ[u] |= vs
-        for rank, k in pairs:  # the B's outputs may leave after every forward the list runs next is dispatched
+        for rank, k, kind in pairs:  # the B's outputs may leave after everything dispatched while it is in flight
             b = index[(rank, k)]
             acts = lists[rank]
             j = k + 1
+            if kind == "B":  # the next backward, queued behind it, then the forwards after that one
+                for v in outs.get(b, ()):
+                    succ[index[(rank, j)]].add(v)
+                j += 1
             while j < len(acts) and acts[j].type is ActionType.F:  # (only forwards run beside a backward)
                 for v in outs.get(b, ()):
                     succ[index[(rank, j)]].add(v)
@@ -466,7 +498,10 @@ def overlappable_backwards(schedule: Schedule) -> dict[int, frozenset[tuple[int,
             if acyclic(chosen | {pair}):
                 chosen.add(pair)
     out: dict[int, frozenset[tuple[int, int]]] = {}
+    queued: dict[int, frozenset[tuple[int, int]]] = {}
     for rank in lists:
-        keep = {(lists[rank][k].stage, lists[rank][k].microbatch) for r, k in chosen if r == rank}
+        keep = {(lists[rank][k].stage, lists[rank][k].microbatch) for r, k, kind in chosen if r == rank and kind == "F"}
         out[rank] = frozenset((s, mb) for s, mb in keep if mb is not None)
-    return out
+        keep = {(lists[rank][k + 1].stage, lists[rank][k + 1].microbatch) for r, k, kind in chosen if r == rank and kind == "B"}
+        queued[rank] = frozenset((s, mb) for s, mb in keep if mb is not None)
+    return out, queued

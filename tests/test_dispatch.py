@@ -257,3 +257,21 @@ def test_overlappable_backwards_check_every_forward_that_may_run_beside() -> Non
     pairs = overlappable_backwards(Schedule(acts, (0, 1), 3))
     assert (1, 0) not in pairs[1]
     assert (0, 0) in pairs[0]  # rank 0's forwards take the batch: nothing it runs next waits on its B0
+
+
+def test_queueable_backwards() -> None:
+    from pipeloom.schedules import Schedule, parse_action
+    from pipeloom.schedules.dispatch import overlappable_backwards, queueable_backwards
+
+    # GPipe's backward phase: every backward after the first queued behind the one before it
+    sch = generate("GPipe", num_ranks=2, num_microbatches=4)
+    pairs, queued = queueable_backwards(sch)
+    assert pairs == overlappable_backwards(sch)
+    assert {r: set(v) for r, v in queued.items()} == {0: {(0, 1), (0, 2), (0, 3)}, 1: {(1, 1), (1, 2), (1, 3)}}
+    # a V placement: rank 0's B of stage 0 takes its gradient from rank 1's B of stage 1, which needs rank 0's
+    # B of stage 2 just before it: queued behind that one it would wait on its own rank's output forever
+    acts = {0: [parse_action(x) for x in "0F0 2F0 2B0 0B0".split()], 1: [parse_action(x) for x in "1F0 1B0".split()]}
+    assert queueable_backwards(Schedule(acts, (0, 1, 0), 1))[1][0] == frozenset()
+    # a backward whose input is produced on its own rank is never queued (its stream would wait on a local producer)
+    acts = {0: [parse_action(x) for x in "0F0 1F0 1B0 0B0".split()]}
+    assert queueable_backwards(Schedule(acts, (0, 0), 1))[1][0] == frozenset()

@@ -155,6 +155,23 @@ def _nccl_protocol_cases(world: int, table: dict[str, list[int]]) -> list[dict[s
                  overlapped=[False, True, True]),
             dict(id="host-overlap-awkward-ckpt-1F1B", schedule="1F1B", microbatches=4, dim=4, batch=8, model="awkward-ckpt",
                  steps=3, options={"host_overlap_backward": True}, overlapped=[False, True, True]),
+            # RuntimeOptions.host_queue_backwards: a backward the list runs right after another queued behind it on
+            # the worker (GPipe's backward phase, 1F1B's drain), its input's wait left to the worker (NCCL protocol)
+            dict(id="host-queue-GPipe", deterministic=True, schedule="GPipe", microbatches=4, dim=4, batch=8, steps=3, eval=True,
+                 options={"host_overlap_backward": True, "host_queue_backwards": True}, overlapped=[False, True, True],
+                 queued=[False, True, True]),
+            dict(id="host-queue-nccl-protocol-GPipe", deterministic=True, schedule="GPipe", microbatches=4, dim=4, batch=8, steps=3,
+                 options={**opts, "host_overlap_backward": True, "host_queue_backwards": True},
+                 overlapped=[False, True, True], queued=[False, True, True]),
+            dict(id="host-queue-nccl-protocol-1F1B", schedule="1F1B", microbatches=6, dim=4, batch=12, steps=3,
+                 options={**opts, "host_overlap_backward": True, "host_queue_backwards": True},
+                 overlapped=[False, True, True]),
+            dict(id="host-queue-headers-LoopedBFS", deterministic=True, schedule="LoopedBFS", microbatches=4, dim=4, batch=8, steps=3,
+                 options={"host_overlap_backward": True, "host_queue_backwards": True, "static_shapes": False},
+                 overlapped=[False, True, True], queued=[False, True, True]),
+            dict(id="host-queue-awkward-ckpt-GPipe", deterministic=True, schedule="GPipe", microbatches=4, dim=4, batch=8, model="awkward-ckpt",
+                 steps=3, options={"host_overlap_backward": True, "host_queue_backwards": True}, overlapped=[False, True, True],
+                 queued=[False, True, True]),
             # auto (the default): never on CPU ranks; on GPUs, stages on two streams overlap from the second
             # training step, one stream once the B's host launch is learned to outlast the B's and the F's
             # device times (tiny stages: host-bound; decided after the two learning steps' launches are timed)
@@ -299,6 +316,9 @@ def _check_overlapped(world: int, cfg: dict[str, Any], results: list[dict[str, A
             continue
         n = [r["stats"][step]["overlapped_backwards"] for r in results]
         assert all(x > 0 for x in n) if on else n == [0] * world, f"step {step}: backwards overlapped per rank {n}"
+    for step, on in enumerate(cfg.get("queued") or []):  # (host_queue_backwards: queued behind another one)
+        n = [r["stats"][step]["queued_backwards"] for r in results]
+        assert all(x > 0 for x in n) if on else n == [0] * world, f"step {step}: backwards queued per rank {n}"
 
 
 def _check_headerless(world: int, cfg: dict[str, Any], results: list[dict[str, Any]]) -> None:
