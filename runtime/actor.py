@@ -505,6 +505,9 @@ class RankActor:
         self._probing = False
         self._in_backward = False
         self._probe: Any = None
+        #: (stage, CUDA event): while a backward finished on the worker hands its outputs on, their sends wait for
+        #: that event rather than the stage's whole stream (device.sending_after)
+        self._send_after: tuple[int, Any] | None = None
         self._bg_pool: concurrent.futures.ThreadPoolExecutor | None = None
         #: the backwards launched or queued on the worker and not finished yet (a failed step waits for them)
         self._bg_futs: list[concurrent.futures.Future[Any]] = []
@@ -936,7 +939,9 @@ class RankActor:
             key = (step, kind, to_stage, mb)
             self._inbox[key] = local
             if self._commit_ahead:
-                self._handoff[key] = self.dev.handed(from_stage)
+                sa = self._send_after  # (a backward finished on the worker: its own end, not its stream's tail)
+                self._handoff[key] = (self.dev.handed(from_stage) if sa is None or sa[0] != from_stage
+                                      else (self.dev.stream(from_stage), sa[1]))
             return
         if self._spec:
             self._send_in_order(dst, from_stage, step, (kind, to_stage, mb), tensors)
@@ -952,7 +957,10 @@ class RankActor:
         connection becomes the peer's loss (broadcast), and the send is traced."""
         t0 = clock_ns() if self.trace is not None else 0
         try:
-            with self.dev.on_stage(from_stage):  # NCCL orders the payload's send after the producer's stream
+            sa = self._send_after
+            # NCCL orders the payload's send after the producer's stream (a backward finished on the worker: after
+            # its own end only, not what was launched on its stream since)
+            with self.dev.on_stage(from_stage) if sa is None or sa[0] != from_stage else self.dev.sending_after(*sa):
                 seq, nbytes = send()
         except RuntimeError as exc:
             err = self._lost_peer(dst, f"sending {kind} of stage {to_stage} microbatch {mb} (step {step})", exc)
@@ -1253,7 +1261,11 @@ class RankActor:
             self.dev.launched(tkey, [a.stage], token, end=end)
         s0 = time.perf_counter()
         if self._outbox:
-            self._send_outbox(a, step)
+            self._send_after = (a.stage, end) if end is not None else None
+            try:
+                self._send_outbox(a, step)
+            finally:
+                self._send_after = None
         if tkey is not None:
             # its launch on the worker and its sends, not the forwards the loop launched meanwhile (the auto rule
             # and the commit horizon read these)

@@ -106,6 +106,11 @@ class DevicePolicy:
         """The context receives for ``stage`` are posted in."""
         return contextlib.nullcontext()
 
+    def sending_after(self, stage: int, end: Any) -> contextlib.AbstractContextManager[Any]:
+        """The context sends of ``stage``'s outputs are posted in when their producer ended at ``end`` (a CUDA
+        event recorded right after its launch) and the stage's stream may hold later work already."""
+        return self.on_stage(stage)
+
     def start(self, key: tuple[Any, int], meta: Any = None) -> Any:
         """Before an action's launch; returns a token for :meth:`launched` (``meta``: what :attr:`on_timed`
         is handed with the action's device time, when set)."""
@@ -285,6 +290,8 @@ class CudaPolicy(DevicePolicy):
         self.streams: dict[int, Any] = {s: (torch.cuda.Stream(device=device) if stage_streams else None) for s in stages}
         self._distinct = [s for s in dict.fromkeys(self.streams.values()) if s is not None]
         self._xfer = torch.cuda.Stream(device=device)
+        #: sends of outputs whose producer's stream may hold later work (see sending_after), created when first used
+        self._sends: Any = None
         self._caller: Any = None
         #: inside a step: the current stream (every switch goes through :class:`_OnStream`); None outside
         self._cur: Any = None
@@ -350,6 +357,17 @@ class CudaPolicy(DevicePolicy):
 
     def posting(self, stage: int) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.stream(self._xfer) if self.early_receives else self.on_stage(stage)
+
+    def sending_after(self, stage: int, end: Any) -> contextlib.AbstractContextManager[Any]:
+        # (a backward launched on the worker: by the time its outputs are sent the worker or the loop may have
+        # launched more on its stream; NCCL orders a send after the current stream, so a stream of its own
+        # that waits for the producer's end only)
+        if end is None:
+            return self.on_stage(stage)
+        if self._sends is None:
+            self._sends = torch.cuda.Stream(device=self.device)
+        self._sends.wait_event(end)
+        return _OnStream(self, self._sends) if self._cur is not None else torch.cuda.stream(self._sends)
 
     def consume(self, stage: int, buffers: Sequence[torch.Tensor | None], works: Sequence[Any]) -> None:
         s = self.stream(stage)

@@ -212,7 +212,9 @@ class RuntimeOptions:
     While a backward is in flight only forwards run beside it (one backward at a time: gradient
     accumulation keeps the list's order, as in the inline run), so a rank may hold one more
     microbatch's activations than inline while a backward and the next forward overlap; its
-    outputs are sent when it has finished (static shapes keep each peer's list order).  Not
+    outputs are sent when it has finished (static shapes keep each peer's list order), on GPUs
+    from a stream of their own that waits for the backward's last kernel only (an event recorded
+    on the worker), not for what the loop or the worker launched on its stream since.  Not
     with data or expert parallelism (their hooks and collectives are not thread-safe that way),
     nor for I/W (the split backward's graph hooks), nor with a dispatch rule that reorders (the
     launch order stays the list's), nor for a pair whose forward's input depends on the

@@ -439,6 +439,25 @@ def test_device_time_is_learned_in_the_first_steps_of_each_action_type(cuda: Fak
     assert step([("B", 0)], 1.0) == [None]
 
 
+def test_sends_of_a_backward_finished_on_the_worker_wait_for_its_end_only(cuda: FakeCuda) -> None:
+    # a backward launched on the worker: by its finish more work may sit on its stream; its sends are posted on a
+    # stream of their own that waits for the backward's end event, not on the stage's stream
+    p = devmod.CudaPolicy(torch.device("cuda", 0), [2], clock=FakeClock())  # one stage: the caller's stream
+    p.begin_step()
+    end = FakeEvent()
+    end.record(cuda.default)
+    with p.sending_after(2, end):
+        sends = cuda.current
+        assert sends is not cuda.default and sends in cuda.created
+    assert ("wait_event", end) in sends.log and cuda.current is cuda.default
+    with p.sending_after(2, None):  # no event (CPU tensors, or not recorded): the stage's stream as before
+        assert cuda.current is cuda.default
+    with p.sending_after(2, end):
+        assert cuda.current is sends  # (created once)
+    p.end_step()
+    assert isinstance(devmod.HostPolicy().sending_after(0, None), contextlib.nullcontext)
+
+
 def test_backward_overlap_rule() -> None:
     pays = devmod.backward_overlap_pays
     assert pays(False, None, None, None) is True  # two streams: the kernels run side by side
