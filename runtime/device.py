@@ -77,7 +77,7 @@ import torch
 
 from ..schedules.dispatch import backward_overlap_pays  # (the rule's home: the simulator applies it too)
 
-__all__ = ["DevicePolicy", "HostPolicy", "CudaPolicy", "make_policy", "commit_horizon"]
+__all__ = ["DevicePolicy", "HostPolicy", "CudaPolicy", "make_policy", "commit_horizon", "backward_overlap_pays"]
 
 
 class DevicePolicy:
