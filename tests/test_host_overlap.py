@@ -7,12 +7,11 @@ backward, or a recomputation, runs under it inline).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent / "ranks"))
-from harness import spawn_ranks  # noqa: E402
+from harness import run_one_rank  # noqa: E402
 
 AUTOCAST = r"""
 import json, threading
@@ -58,11 +57,7 @@ print(json.dumps(steps))
 
 
 async def test_the_worker_runs_the_backward_under_the_callers_autocast(tmp_path: Path) -> None:
-    script = tmp_path / "autocast.py"
-    script.write_text(AUTOCAST)
-    codes, outs, errs = await spawn_ranks(1, [str(script)], timeout=90)
-    assert codes == [0], errs[0][-3000:]
-    steps = json.loads(outs[0].strip().splitlines()[-1])
+    steps = await run_one_rank(tmp_path, "autocast.py", AUTOCAST, timeout=90)
     assert steps[0]["overlapped"] == 0 and steps[2]["overlapped"] > 0, steps  # the first training step inline
     on_worker = [s for st in steps for s in st["seen"] if s[0]]
     assert on_worker, steps  # some backwards ran on the worker thread...

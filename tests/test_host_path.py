@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent / "ranks"))
-from harness import spawn_ranks  # noqa: E402
+from harness import run_one_rank  # noqa: E402
 
 import pipeloom  # noqa: E402
 from pipeloom.runtime.actor import StepInputs, input_signature  # noqa: E402
@@ -121,11 +120,7 @@ print(json.dumps(budgets))
 
 
 async def test_the_stall_budget_is_cold_again_when_the_model_changes(tmp_path: Path) -> None:
-    script = tmp_path / "budget.py"
-    script.write_text(STALL_BUDGET)
-    codes, outs, errs = await spawn_ranks(1, [str(script)], timeout=60)
-    assert codes == [0], errs[0][-3000:]
-    got = json.loads(outs[0].strip().splitlines()[-1])
+    got = await run_one_rank(tmp_path, "budget.py", STALL_BUDGET, timeout=60)
     cold = [note for note, b in got if b == 70.0]
     assert all(b in (7.0, 70.0) for _, b in got), got
     assert cold == ["first", "requires_grad off", "a stage in eval mode", "a replaced submodule", "eval"], got

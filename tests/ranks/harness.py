@@ -81,6 +81,16 @@ async def _drain(stream: asyncio.StreamReader | None, into: list[bytes]) -> None
         into.append(chunk)
 
 
+async def run_one_rank(directory: Path, name: str, script: str, *, timeout: float) -> Any:
+    """Write ``script`` to ``directory/name``, run it as a single rank and return the JSON its last stdout
+    line prints (the rank must exit 0: its stderr tail otherwise)."""
+    path = directory / name
+    path.write_text(script)
+    codes, outs, errs = await spawn_ranks(1, [str(path)], timeout=timeout)
+    assert codes == [0], errs[0][-3000:]
+    return json.loads(outs[0].strip().splitlines()[-1])
+
+
 async def spawn_ranks(
     world: int, argv: list[str], *, timeout: float, env: dict[str, str] | None = None
 ) -> tuple[list[int | None], list[str], list[str]]:
