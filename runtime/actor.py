@@ -1209,12 +1209,12 @@ class RankActor:
         # or a recomputation runs under it
         dt = self.device.type
         cast = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
-        fut = self._bg_pool.submit(self._bg_backward, self.stages[a.stage], mb, grads, stream,
-                                   token is not None and token[0] is not None, cast, works, buffers, token, a.stage)
+        fut = self._bg_pool.submit(self._bg_backward, self.stages[a.stage], mb, grads, stream, cast, works, buffers,
+                                   token, a.stage)
         self._bg_futs.append(fut)
         return _Beside(a, fut, tkey, token, h0, a0, time.perf_counter())
 
-    def _bg_backward(self, stage: StageExecutor, mb: int, grads: Any, stream: Any, timed: bool, cast: torch.dtype | None,
+    def _bg_backward(self, stage: StageExecutor, mb: int, grads: Any, stream: Any, cast: torch.dtype | None,
                      works: list[Any], buffers: Any, token: Any, stage_id: int) -> tuple[list[torch.Tensor | None], Any, int, float]:
         """On the worker: the backward's launch; its input gradients, the end of its kernels on the stream (a
         CUDA event recorded here, before any forward launched meanwhile on one stream counts as its own) and
@@ -1237,10 +1237,7 @@ class RankActor:
         else:
             with torch.autocast(self.device.type, dtype=cast):
                 grads_in = stage.backward(mb, grads)
-        end = None
-        if stream is not None:
-            end = torch.cuda.Event(enable_timing=timed)
-            end.record(stream)
+        end = self.dev.record_end(stage_id, token) if stream is not None else None
         return grads_in, end, clock_ns(), time.perf_counter() - t0
 
     def _finish_bg(self, bg: _Beside, step: int) -> None:

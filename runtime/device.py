@@ -116,6 +116,11 @@ class DevicePolicy:
         is handed with the action's device time, when set)."""
         return None
 
+    def record_end(self, stage: int, token: Any) -> Any:
+        """An action's end on ``stage``'s stream, recorded right after its launch by whichever thread launched
+        it (a backward on the worker), for :meth:`launched`'s ``end``; None on the host."""
+        return None
+
     def flush(self) -> None:
         """Hand every action timed so far to :attr:`on_timed` (waiting for their device work)."""
 
@@ -429,6 +434,14 @@ class CudaPolicy(DevicePolicy):
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(self.stream(stage))
             token[0] = ev
+
+    def record_end(self, stage: int, token: Any) -> Any:
+        # timed iff the action's start event exists *now*: a queued backward's start is recorded on the worker
+        # after its input's wait, later than the loop decided to launch it (both events of a timed pair must
+        # be created with enable_timing, or elapsed_time raises)
+        end = torch.cuda.Event(enable_timing=token is not None and token[0] is not None)
+        end.record(self.stream(stage))
+        return end
 
     def launched(self, key: tuple[Any, int], stages: Sequence[int], token: Any, end: Any = None) -> None:
         s = self.stream(stages[0])

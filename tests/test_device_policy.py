@@ -36,6 +36,8 @@ class FakeEvent:
         self.done = True
 
     def elapsed_time(self, end: FakeEvent) -> float:
+        if not (self.timing and end.timing):  # as torch's: both events must have been created timing
+            raise ValueError("Both events must be created with argument 'enable_timing=True'.")
         return end.t - self.t
 
 
@@ -437,6 +439,27 @@ def test_device_time_is_learned_in_the_first_steps_of_each_action_type(cuda: Fak
     step([("F", 0), ("B", 0)], 4.0)
     assert p.learned(("B", 0))[1] == 4.0
     assert step([("B", 0)], 1.0) == [None]
+
+
+def test_a_queued_backwards_end_is_timed_when_its_start_was_recorded_on_the_worker(cuda: FakeCuda) -> None:
+    # a backward queued on the worker: the loop takes its token before the start exists (the input's wait and the
+    # start event are the worker's); the end the worker records must be timed like the start, or harvesting
+    # raises (NCCL, session K: "Both events must be created with argument 'enable_timing=True'")
+    p = _policy(cuda, horizon_ms=5.0, default_ms=1.0, learn_steps=1)
+    key = ("B", 3)
+    p.begin_step()
+    tok = p.start(key)
+    assert tok[0] is None  # the loop launched it without a start: not timed yet
+    p.inputs_ready(tok, 3)  # on the worker, after the input's wait
+    end = p.record_end(3, tok)
+    assert end.timing and end.stream is p.streams[3]
+    p.launched(key, [3], tok, end=end)
+    tok[0].t, end.t, end.done = 2.0, 5.0, True
+    p.end_step()
+    assert p._timing.est[key] == pytest.approx(3.0)
+    # a launch nobody times records an untimed end, and nothing is harvested for it
+    assert not p.record_end(3, None).timing
+    assert devmod.HostPolicy().record_end(0, None) is None
 
 
 def test_sends_of_a_backward_finished_on_the_worker_wait_for_its_end_only(cuda: FakeCuda) -> None:
