@@ -436,6 +436,7 @@ class RankActor:
             early_receives=options.gpu_early_receives,
             launches=options.gpu_commit_launches,
             count_running=options.gpu_commit_running,
+            learn_sleep=options.gpu_learn_sleep,
         )
         self._commit_ahead = self.dev.commit_ahead
         #: whether a compute must enter the policy's ``on_stage`` context (CPU: a null context, skipped per action)

@@ -63,6 +63,21 @@ launches: measured on 2 H100s, a fixed 10 ms left 1F1B and GPipe 4.5-9%
 behind torch on a GPT whose backward takes the host about 10 ms to launch;
 30-60 ms were within 1%).  Enough to hide the host's launch time, small
 enough that an action not committed yet can still be reordered.
+
+Learning a device time.  Events around a launch measure the device's time
+between them, which is the action's compute only if its kernels were queued
+before the device reached them; on a host-bound rank whose input is already
+there the device runs each kernel as soon as the host launches it, and the
+pair measures the host's pace instead (measured, 4 x H200, GPT 1F1B: the last
+rank's forward read 0.54 ms in one pipeline and 1.28 ms in an identical one
+beside it, its backward 1.1 and 2.2 ms, which turned ``host_overlap_backward``
+auto off on that rank alone and cost the step 30%).  So in the learning steps
+the stream first sleeps (``torch.cuda._sleep``, calibrated once to ms) for
+1.5 x the slowest launch learned (4 ms at least, 25 at most) before the start
+event: the launch lands in the sleep's shadow and the pair measures compute
+alone.  It costs that idle time per action in the learning steps only.
+``torch.cuda._sleep`` is not public; without it the times are learned as
+before (the least of the learning steps' samples).
 """
 
 from __future__ import annotations
@@ -271,8 +286,13 @@ class CudaPolicy(DevicePolicy):
         max_horizon_ms: float = 250.0,
         count_running: bool = True,
         clock: Any = time.perf_counter,
+        pad_learning: bool = True,
     ) -> None:
         self.device = device
+        #: learning steps: the stream sleeps before an action's start event (see "Learning a device time");
+        #: _sleep cycles per ms, calibrated at the first step (None: not yet; 0: unavailable)
+        self.pad_learning = pad_learning
+        self._cycles_per_ms: float | None = None
         #: count the device time the queue's head has already run as no longer queued (see :meth:`queued_ms`)
         self.count_running = count_running
         self._clock = clock
@@ -314,8 +334,36 @@ class CudaPolicy(DevicePolicy):
     # -- step boundaries ----------------------------------------------------
     def begin_step(self) -> None:
         self._caller = self._cur = torch.cuda.current_stream(self.device)
+        if self.pad_learning and self._cycles_per_ms is None:
+            self._cycles_per_ms = self._calibrate_sleep()
         for s in self._distinct:
             s.wait_stream(self._caller)
+
+    def _calibrate_sleep(self) -> float:
+        """``torch.cuda._sleep``'s cycles per ms on this device (a few ms on the transfer stream, synchronized
+        once); 0 where it is missing or measures nothing."""
+        sleep = getattr(torch.cuda, "_sleep", None)
+        if sleep is None:
+            return 0.0
+        cycles = 2_000_000
+        with torch.cuda.stream(self._xfer):
+            sleep(cycles)  # (the first launch may load the kernel: not timed)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(self._xfer)
+            sleep(cycles)
+            b.record(self._xfer)
+        b.synchronize()
+        ms = a.elapsed_time(b)
+        return cycles / ms if ms > 0 else 0.0
+
+    def _pad(self, stream: Any) -> None:
+        """Learning: the stream sleeps while the host launches the action (see "Learning a device time")."""
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(int(self._pad_ms() * self._cycles_per_ms))
+
+    def _pad_ms(self) -> float:
+        """How long the stream sleeps before a learning step's action: 1.5 x the slowest launch learned, 4-25 ms."""
+        return min(max(1.5 * self._timing.host_ms(), 4.0), 25.0)
 
     def abandon_step(self) -> None:
         # the tracked current stream held only inside the step; a late header landing after the
@@ -431,8 +479,11 @@ class CudaPolicy(DevicePolicy):
         # recorded after the stream waits on the action's inputs, so that the time learned is
         # the action's own compute, not the wait for its producer
         if token is not None and token[0] is None:
+            s = self.stream(stage)
+            if token[2] and self._cycles_per_ms:  # learning: compute alone, not the host's pace
+                self._pad(s)
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record(self.stream(stage))
+            ev.record(s)
             token[0] = ev
 
     def record_end(self, stage: int, token: Any) -> Any:
@@ -545,9 +596,9 @@ class CudaPolicy(DevicePolicy):
 
 def make_policy(
     device: torch.device, stages: Iterable[int], *, stage_streams: bool, horizon_ms: float, early_receives: bool = False,
-    launches: float = 0.0, count_running: bool = True,
+    launches: float = 0.0, count_running: bool = True, learn_sleep: bool = True,
 ) -> DevicePolicy:
     if device.type != "cuda":
         return HostPolicy()
     return CudaPolicy(device, stages, stage_streams=stage_streams, horizon_ms=horizon_ms, early_receives=early_receives,
-                      launches=launches, count_running=count_running)
+                      launches=launches, count_running=count_running, pad_learning=learn_sleep)

@@ -176,6 +176,15 @@ class RuntimeOptions:
     one.  For comparison; True is the engine's behaviour.  Environment:
     ``PIPELOOM_GPU_COMMIT_RUNNING=0``."""
 
+    gpu_learn_sleep: bool = True
+    """GPUs: in the steps an action type's device time is learned, the stream sleeps before
+    each action's start event (1.5 x the slowest host launch learned, 4-25 ms; through
+    ``torch.cuda._sleep``), so the CUDA events time its kernels alone rather than the host's
+    pace on a host-bound rank (where an identical pipeline read the last rank's backward as 1.1
+    or 2.2 ms, and ``host_overlap_backward`` auto took opposite decisions).  Costs that idle
+    time per action in the learning steps only.  False: events around the plain launch (the
+    least of the learning steps' samples).  Environment: ``PIPELOOM_GPU_LEARN_SLEEP=0``."""
+
     host_overlap_backward: bool | None = None
     """Launch a full backward (B) on a worker thread while the dispatcher launches the forwards
     that follow it in the list.  On a host-bound GPU job (many small microbatches) the host's
@@ -489,6 +498,7 @@ ENV_VARS: dict[str, tuple[str, Any]] = {
     "PIPELOOM_STATIC_SHAPES": ("static_shapes", _auto_flag),
     "PIPELOOM_PROFILE_RANGES": ("profile_ranges", _flag),
     "PIPELOOM_GPU_COMMIT_RUNNING": ("gpu_commit_running", _flag),
+    "PIPELOOM_GPU_LEARN_SLEEP": ("gpu_learn_sleep", _flag),
     "PIPELOOM_HOST_OVERLAP_BACKWARD": ("host_overlap_backward", _auto_flag),
     "PIPELOOM_HOST_QUEUE_BACKWARDS": ("host_queue_backwards", _flag),
     "PIPELOOM_OVERLAP_COLLECTIVES": ("overlap_collectives", _flag),

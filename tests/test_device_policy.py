@@ -28,6 +28,7 @@ class FakeEvent:
     def record(self, stream: FakeStream | None = None) -> None:
         self.stream = stream if stream is not None else FAKE.current
         self.stream.log.append(("record", self))
+        self.t = FAKE.device_ms  # (tests set it themselves where the device's time matters)
 
     def query(self) -> bool:
         return self.done
@@ -56,11 +57,16 @@ class FakeStream:
         return f"<stream {self.name}>"
 
 
+_SLEEP_CYCLES_PER_MS = 1.5e6
+
+
 class FakeCuda:
     def __init__(self) -> None:
         self.default = FakeStream(name="caller")
         self.current = self.default
         self.created: list[FakeStream] = []
+        #: the fake device's clock: only _sleep advances it, at _SLEEP_CYCLES_PER_MS
+        self.device_ms = 0.0
 
     def Stream(self, device: Any = None) -> FakeStream:  # noqa: N802 - torch's name
         s = FakeStream(device, name=f"s{len(self.created)}")
@@ -69,6 +75,10 @@ class FakeCuda:
 
     def Event(self, enable_timing: bool = False) -> FakeEvent:  # noqa: N802
         return FakeEvent(enable_timing)
+
+    def _sleep(self, cycles: int) -> None:
+        self.current.log.append(("sleep", cycles / _SLEEP_CYCLES_PER_MS))
+        self.device_ms += cycles / _SLEEP_CYCLES_PER_MS
 
     def current_stream(self, device: Any = None) -> FakeStream:
         return self.current
@@ -115,6 +125,8 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
 
 
 def _policy(cuda: FakeCuda, clock: FakeClock | None = None, **kw: Any) -> devmod.CudaPolicy:
+    # the bookkeeping tests set each event's time themselves: no learning sleeps (tested on their own below)
+    kw.setdefault("pad_learning", False)
     return devmod.CudaPolicy(torch.device("cuda", 0), [3, 0], clock=clock or FakeClock(), **kw)
 
 
@@ -439,6 +451,50 @@ def test_device_time_is_learned_in_the_first_steps_of_each_action_type(cuda: Fak
     step([("F", 0), ("B", 0)], 4.0)
     assert p.learned(("B", 0))[1] == 4.0
     assert step([("B", 0)], 1.0) == [None]
+
+
+def test_learning_steps_sleep_the_stream_before_the_start_so_the_pair_times_compute_alone(cuda: FakeCuda) -> None:
+    # on a host-bound rank the device runs each kernel as the host launches it: events around the launch time the
+    # host's pace.  In the learning steps the stream first sleeps (calibrated once, on the transfer stream) for
+    # 1.5 x the slowest launch learned (4 ms at least, 25 at most): the launch lands in the sleep's shadow.
+    p = _policy(cuda, horizon_ms=5.0, learn_steps=1, pad_learning=True)
+    p.begin_step()
+    assert p._cycles_per_ms == pytest.approx(_SLEEP_CYCLES_PER_MS)  # two sleeps on the transfer stream, one timed
+    assert [e for e, _ in p._xfer.log] == ["sleep", "record", "sleep", "record"]
+    key = ("B", 3)
+    tok = p.start(key)
+    p.inputs_ready(tok, 3)
+    log = p.streams[3].log
+    assert log[-2] == ("sleep", pytest.approx(4.0)) and log[-1] == ("record", tok[0])  # nothing learned: the floor
+    p.launched(key, [3], tok)
+    p.host_time(key, 0.004)  # the first step's launches are not learned; the next step's are
+    p._timing.pending[0][2][0].t = tok[0].t + 0.7
+    p._timing.pending[0][2][0].done = True
+    p.end_step()
+    assert p._timing.est[key] == pytest.approx(0.7)
+    p._timing.host[key] = [0.010, 1]  # a 10 ms launch learned: sleep 15 ms (capped at 25)
+    p.learn_steps = 2
+    p.begin_step()
+    tok = p.start(key)
+    p.inputs_ready(tok, 3)
+    assert log[-2] == ("sleep", pytest.approx(15.0))
+    p.launched(key, [3], tok)
+    p.end_step()
+    p._timing.host[key] = [0.100, 1]
+    p.begin_step()
+    assert p.start(key) is None  # learning over: no token, no sleep
+    n = len(log)
+    p.launched(key, [3], None)
+    assert not any(e == "sleep" for e, _ in log[n:])
+    p.end_step()
+    assert p._pad_ms() == 25.0
+    # without torch.cuda._sleep (not public): no calibration, no sleep, times learned as before
+    q = _policy(cuda, horizon_ms=5.0, pad_learning=True)
+    q._cycles_per_ms = 0.0
+    q.begin_step()
+    tok = q.start(key)
+    q.inputs_ready(tok, 3)
+    assert q.streams[3].log[-1] == ("record", tok[0]) and all(e != "sleep" for e, _ in q.streams[3].log)
 
 
 def test_a_queued_backwards_end_is_timed_when_its_start_was_recorded_on_the_worker(cuda: FakeCuda) -> None:

@@ -54,6 +54,7 @@ def test_from_env_maps_every_variable() -> None:
         "PIPELOOM_DISPATCH": "ready",
         "PIPELOOM_STATIC_SHAPES": "1",
         "PIPELOOM_GPU_COMMIT_RUNNING": "0",
+        "PIPELOOM_GPU_LEARN_SLEEP": "0",
         "PIPELOOM_BATCH_P2P": "1",
         "PIPELOOM_HOST_OVERLAP_BACKWARD": "0",
         "PIPELOOM_HOST_QUEUE_BACKWARDS": "1",
@@ -65,7 +66,7 @@ def test_from_env_maps_every_variable() -> None:
         backend="gloo", heartbeat_timeout=7.5, stall_timeout=12.0, first_step_stall_timeout=600.0, trace="/tmp/t.json",
         trace_endpoint="tcp://127.0.0.1:5555", pair_groups=True, p2p_max_ctas=4, ep_max_ctas=8, gpu_commit_ms=3.0, gpu_commit_launches=0.0,
         gpu_early_receives=True, overlap_streams=False, profile_ranges=True, overlap_collectives=False, fsdp_reduce="fsdp", dispatch="ready",
-        static_shapes=True, gpu_commit_running=False, batch_p2p=True, host_overlap_backward=False, host_queue_backwards=True,
+        static_shapes=True, gpu_commit_running=False, gpu_learn_sleep=False, batch_p2p=True, host_overlap_backward=False, host_queue_backwards=True,
     )
 
 
