@@ -71,11 +71,15 @@ there the device runs each kernel as soon as the host launches it, and the
 pair measures the host's pace instead (measured, 4 x H200, GPT 1F1B: the last
 rank's forward read 0.54 ms in one pipeline and 1.28 ms in an identical one
 beside it, its backward 1.1 and 2.2 ms, which turned ``host_overlap_backward``
-auto off on that rank alone and cost the step 30%).  So in the learning steps
-the stream first sleeps (``torch.cuda._sleep``, calibrated once to ms) for
-1.5 x the slowest launch learned (4 ms at least, 25 at most) before the start
-event: the launch lands in the sleep's shadow and the pair measures compute
-alone.  It costs that idle time per action in the learning steps only.
+auto off on that rank alone and cost the step 30%).  So in each learning step,
+before the first launch of each action type, the stream first sleeps
+(``torch.cuda._sleep``, calibrated once to ms) for 1.5 x the slowest launch
+learned (4 ms at least, 25 at most) before the start event: that launch lands
+in the sleep's shadow and its pair measures compute alone, and the least of
+the samples is learned.  (A sleep before every launch let the device fall so
+far behind that the host's launches blocked on the full launch queue: launch
+times were learned 2-4x too long.)  It costs one sleep per action type in
+each learning step.
 ``torch.cuda._sleep`` is not public; without it the times are learned as
 before (the least of the learning steps' samples).
 """
@@ -453,20 +457,24 @@ class CudaPolicy(DevicePolicy):
     # -- commit depth ---------------------------------------------------------
     def start(self, key: tuple[Any, int], meta: Any = None) -> Any:
         """While learning, or for every action with :attr:`on_timed` set: a token [start event (recorded by
-        :meth:`inputs_ready`), meta, learning?]."""
+        :meth:`inputs_ready`), meta, learning?, sleep before the start?]."""
         # learned over the first ``learn_steps`` steps the action type appears in (not the pipeline's first
         # steps: evaluation steps before training would leave the backwards never timed)
         seen = self._timing.seen
         got = seen.get(key)
         if got is None:
             got = seen[key] = [0, -1]
-        if got[1] != self._steps:
+        first_in_step = got[1] != self._steps
+        if first_in_step:
             got[0] += 1
             got[1] = self._steps
         learn = got[0] <= self.learn_steps
         if not learn and self.on_timed is None:
             return None
-        return [None, meta if self.on_timed is not None else None, learn]
+        # the stream sleeps before the first launch of the type in each learning step only: one padded sample per
+        # step is enough for the least, and a sleep before every launch let the device fall so far behind that
+        # the host's launches blocked on a full queue (2 x H200: launch times learned 2-4x too long)
+        return [None, meta if self.on_timed is not None else None, learn, learn and first_in_step]
 
     def flush(self) -> None:
         if self._timing.pending:
@@ -480,7 +488,7 @@ class CudaPolicy(DevicePolicy):
         # the action's own compute, not the wait for its producer
         if token is not None and token[0] is None:
             s = self.stream(stage)
-            if token[2] and self._cycles_per_ms:  # learning: compute alone, not the host's pace
+            if token[3] and self._cycles_per_ms:  # learning: compute alone, not the host's pace
                 self._pad(s)
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(s)
@@ -575,6 +583,8 @@ class CudaPolicy(DevicePolicy):
 
     def learned(self, key: tuple[Any, int]) -> tuple[float | None, float | None]:
         t = self._timing
+        if any(p[3] and p[0] == key for p in t.pending):
+            t.harvest(self.on_timed)  # (asked once per decision: take what has completed since the last step's end)
         acc = t.host.get(key)
         # the device time once its learning steps are over and every launch of theirs was timed: before,
         # it may hold the first step's alone (one-time work: 2 x H100, a host-bound rank's B read as 3x)

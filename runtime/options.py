@@ -178,12 +178,12 @@ class RuntimeOptions:
 
     gpu_learn_sleep: bool = True
     """GPUs: in the steps an action type's device time is learned, the stream sleeps before
-    each action's start event (1.5 x the slowest host launch learned, 4-25 ms; through
-    ``torch.cuda._sleep``), so the CUDA events time its kernels alone rather than the host's
-    pace on a host-bound rank (where an identical pipeline read the last rank's backward as 1.1
-    or 2.2 ms, and ``host_overlap_backward`` auto took opposite decisions).  Costs that idle
-    time per action in the learning steps only.  False: events around the plain launch (the
-    least of the learning steps' samples).  Environment: ``PIPELOOM_GPU_LEARN_SLEEP=0``."""
+    the type's first launch in each (1.5 x the slowest host launch learned, 4-25 ms; through
+    ``torch.cuda._sleep``), so that launch's CUDA events time its kernels alone rather than
+    the host's pace on a host-bound rank (where an identical pipeline read the last rank's
+    backward as 1.1 or 2.2 ms, and ``host_overlap_backward`` auto took opposite decisions); the
+    least of the samples is learned.  Costs one sleep per action type in each learning step.
+    False: events around the plain launches only.  Environment: ``PIPELOOM_GPU_LEARN_SLEEP=0``."""
 
     host_overlap_backward: bool | None = None
     """Launch a full backward (B) on a worker thread while the dispatcher launches the forwards

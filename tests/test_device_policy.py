@@ -336,7 +336,7 @@ def test_action_time_is_learned_from_events_after_the_input_waits(cuda: FakeCuda
     key = ("B", 3)
     p.begin_step()
     tok = p.start(key)
-    assert tok == [None, None, True]  # nothing recorded before the inputs are waited on; learning
+    assert tok == [None, None, True, True]  # nothing recorded before the inputs are waited on; learning; first of its type
     p.inputs_ready(tok, 3)
     start = tok[0]
     assert start.timing and start.stream is p.streams[3]
@@ -418,9 +418,8 @@ def test_device_time_waits_for_the_learning_steps_launches_to_be_timed(cuda: Fak
     assert p.learned(("F", 0))[1] is None  # the second step's launch not timed yet
     for k, e in enumerate(ends):
         e.t, e.done = 2.0 + k, True
-    p.begin_step()
-    p.end_step()  # harvested here
-    assert p.learned(("F", 0))[1] == 2.0
+    # completed since the last step's end: the question harvests them (a decision need not wait for a step's end)
+    assert p.learned(("F", 0))[1] == 2.0 and not p._timing.pending
 
 
 def test_device_time_is_learned_in_the_first_steps_of_each_action_type(cuda: FakeCuda) -> None:
@@ -467,6 +466,16 @@ def test_learning_steps_sleep_the_stream_before_the_start_so_the_pair_times_comp
     log = p.streams[3].log
     assert log[-2] == ("sleep", pytest.approx(4.0)) and log[-1] == ("record", tok[0])  # nothing learned: the floor
     p.launched(key, [3], tok)
+    # the type's next launch in the step sleeps no more (a sleep each let the device fall behind until the host's
+    # launches blocked on the full queue), and is learned all the same: the least of the samples
+    tok2 = p.start(key)
+    assert tok2[2] and not tok2[3]
+    n = len(log)
+    p.inputs_ready(tok2, 3)
+    assert [e for e, _ in log[n:]] == ["record"]
+    p.launched(key, [3], tok2)
+    p._timing.pending[1][2][0].t = tok2[0].t + 2.5  # (host-paced: longer than its compute)
+    p._timing.pending[1][2][0].done = True
     p.host_time(key, 0.004)  # the first step's launches are not learned; the next step's are
     p._timing.pending[0][2][0].t = tok[0].t + 0.7
     p._timing.pending[0][2][0].done = True

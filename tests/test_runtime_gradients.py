@@ -174,9 +174,10 @@ def _nccl_protocol_cases(world: int, table: dict[str, list[int]]) -> list[dict[s
                  queued=[False, True, True]),
             # auto (the default): never on CPU ranks; on GPUs, stages on two streams overlap from the second
             # training step, one stream once the B's host launch is learned to outlast the B's and the F's
-            # device times (tiny stages: host-bound; decided after the two learning steps' launches are timed)
-            dict(id="host-overlap-auto-1F1B", schedule="1F1B", microbatches=4, dim=4, batch=8, steps=5,
-                 overlapped={"gloo": [False] * 5, "nccl": [False, False, None, True, True]}),
+            # device times (tiny stages: host-bound; decided once the two learning steps' launches are timed: their
+            # events complete behind the learning sleeps (gpu_learn_sleep), a step or two after the host ended them)
+            dict(id="host-overlap-auto-1F1B", schedule="1F1B", microbatches=4, dim=4, batch=8, steps=6,
+                 overlapped={"gloo": [False] * 6, "nccl": [False, False, None, None, True, True]}),
             dict(id="host-overlap-auto-Interleaved1F1B", schedule="Interleaved1F1B", microbatches=4, dim=4, batch=8, steps=3,
                  overlapped={"gloo": [False] * 3, "nccl": [False, True, True]}),
             # forwards that draw random numbers: the overlap stays off (a checkpoint's recomputation would race them)
