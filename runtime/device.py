@@ -221,7 +221,8 @@ class _Timing:
 
     def host_ms(self) -> float:
         """The longest mean launch time of an action type, in ms (0 before any was learned)."""
-        return max((t / n * 1e3 for t, n in self.host.values() if n), default=0.0)
+        # (a copy: the worker thread asks too, for a queued backward's learning sleep, while the loop may add a type)
+        return max((t / n * 1e3 for t, n in list(self.host.values()) if n), default=0.0)
 
     def harvest(self, on_timed: Any = None) -> None:
         keep = []
