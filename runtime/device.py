@@ -475,7 +475,8 @@ class CudaPolicy(DevicePolicy):
         # the stream sleeps before the first launch of the type in each learning step only: one padded sample per
         # step is enough for the least, and a sleep before every launch let the device fall so far behind that
         # the host's launches blocked on a full queue (2 x H200: launch times learned 2-4x too long)
-        return [None, meta if self.on_timed is not None else None, learn, learn and first_in_step]
+        # (not an OVERLAP_F_B: its other half runs on another stream, unslept, and would end before the start)
+        return [None, meta if self.on_timed is not None else None, learn, learn and first_in_step and key[0] != "OVERLAP_F_B"]
 
     def flush(self) -> None:
         if self._timing.pending:

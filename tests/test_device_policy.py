@@ -16,6 +16,7 @@ import torch
 from fake_clock import FakeClock
 
 from pipeloom.runtime import device as devmod
+from pipeloom.schedules import ActionType
 
 
 class FakeEvent:
@@ -470,6 +471,8 @@ def test_learning_steps_sleep_the_stream_before_the_start_so_the_pair_times_comp
     # launches blocked on the full queue), and is learned all the same: the least of the samples
     tok2 = p.start(key)
     assert tok2[2] and not tok2[3]
+    ov = p.start((ActionType.OVERLAP_F_B, 3))  # a pair's other half runs on another stream, unslept: no sleep
+    assert ov[2] and not ov[3]
     n = len(log)
     p.inputs_ready(tok2, 3)
     assert [e for e, _ in log[n:]] == ["record"]
