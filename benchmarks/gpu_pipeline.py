@@ -722,8 +722,15 @@ def table(path: str) -> str:
             r["_base_case"] = case
             continue
         by.setdefault((r.get("gpus", 2), r["schedule"], case), {})[r["engine"]] = r
-    out = ["| GPUs | schedule | case | torch ms | pipeloom ms | ratio | rounds' ratios | torch eff | pipeloom eff | ceiling | pipeloom/ceiling | torch GiB | pipeloom GiB |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| GPUs | schedule | case | torch ms | pipeloom ms | ratio | rounds' ratios | torch eff | pipeloom eff | ceiling | pipeloom/ceiling | torch GiB | pipeloom GiB | B beside F per rank |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def beside(r: dict[str, Any] | None) -> str:
+        # each rank's backwards launched on the worker in the last step: pipelines alike but for one rank's
+        # auto decision differed by 30% in session K, which this column shows at a glance
+        ranks = (r or {}).get("overlapped_by_rank") or []
+        return ",".join("?" if o is None or o.get("n") is None else str(o["n"]) for o in ranks) or "—"
+
     for (gpus, sched, case), e in by.items():
         t, p = e.get("torch"), e.get("pipeloom")
         if t is None and p is not None and p.get("_base_case"):  # a variant: the same process's torch
@@ -736,7 +743,8 @@ def table(path: str) -> str:
             spread = f"{rr[0]:.3f}-{rr[-1]:.3f}"
         out.append(f"| {gpus} | {sched} | {case} | {f(t,'step_ms','%.1f')} | {f(p,'step_ms','%.1f')} | {ratio} | {spread} | "
                    f"{f(t,'efficiency','%.3f')} | {f(p,'efficiency','%.3f')} | {f(p or t,'ceiling','%.3f') if (p or t) and 'ceiling' in (p or t) else '—'} | "
-                   f"{f(p,'vs_ceiling','%.3f') if p and 'vs_ceiling' in p else '—'} | {f(t,'peak_gib','%.2f')} | {f(p,'peak_gib','%.2f')} |")
+                   f"{f(p,'vs_ceiling','%.3f') if p and 'vs_ceiling' in p else '—'} | {f(t,'peak_gib','%.2f')} | {f(p,'peak_gib','%.2f')} | "
+                   f"{beside(p)} |")
     prof = [r for r in rows if r.get("gaps_by_rank")]
     if prof:
         out += ["", "| GPUs | schedule | model | engine | rank | span ms | busy ms | host ms | launch ms | transfer ms | dependency ms | gaps |",
