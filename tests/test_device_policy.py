@@ -501,9 +501,10 @@ def test_learning_steps_sleep_the_stream_before_the_start_so_the_pair_times_comp
     p.end_step()
     assert p._pad_ms() == 25.0
     # without torch.cuda._sleep (not public): no calibration, no sleep, times learned as before
+    cuda._sleep = None  # type: ignore[assignment,method-assign]
     q = _policy(cuda, horizon_ms=5.0, pad_learning=True)
-    q._cycles_per_ms = 0.0
     q.begin_step()
+    assert q._cycles_per_ms == 0.0
     tok = q.start(key)
     q.inputs_ready(tok, 3)
     assert q.streams[3].log[-1] == ("record", tok[0]) and all(e != "sleep" for e, _ in q.streams[3].log)
