@@ -169,6 +169,33 @@ def test_tune_cli_takes_both_sides_from_a_trace_with_device_times(profile: Path,
     assert not doc["host_separate"] and not doc["device_events"]
 
 
+def test_simulate_costs_from_a_gpu_run_uses_the_two_lane_model(profile: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A GPU run's spans are host launch times: `schedule simulate --costs-from` simulates its configuration as the
+    tuner does (host lane ahead of a device lane), so its device time shows in the step; a CPU run keeps one lane."""
+    from pipeloom.runtime.trace import write_trace
+
+    base = load_trace(str(profile))
+    dev_ns = 5_000_000  # each F and B 5 ms on the device: far longer than its host span on this CPU profile
+    events = list(base.events) + [
+        {"ev": "device", "rank": r, "step": a.step, "name": a.name, "type": a.type, "stage": a.stage, "mb": a.mb,
+         "t": a.start, "ns": dev_ns if a.type in ("F", "B") else 1000} for r in base.ranks for a in base.actions.get(r, [])]
+    path = tmp_path / "gpu-like.jsonl"
+    write_trace(path, base.header, events)
+    assert main(["schedule", "simulate", "--costs-from", str(path), "--json"]) == 0
+    lanes = json.loads(capsys.readouterr().out)
+    assert lanes["device_model"] == "lanes" and lanes["num_microbatches"] == 4
+    # each rank runs 4 F and 4 B of device time, one after the other on its device lane
+    assert lanes["makespan"] >= 8 * dev_ns * 0.5
+    assert main(["schedule", "simulate", "--costs-from", str(path), "--json", "--device-model", "one-lane"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["device_model"] == "one-lane" and one["makespan"] < lanes["makespan"] / 2  # host spans alone
+    assert main(["schedule", "simulate", "--costs-from", str(path)]) == 0
+    assert "two lanes, as `schedule tune`" in capsys.readouterr().out
+    assert main(["schedule", "simulate", "--costs-from", str(profile), "--json"]) == 0  # a CPU run: one lane
+    assert json.loads(capsys.readouterr().out)["device_model"] == "one-lane"
+
+
 def test_compute_carried_as_fixed_plus_per_byte(profile: Path) -> None:
     rc = costs_from_trace(load_trace(str(profile)))
     for m, rows in ((4, 8), (8, 4), (2, 16)):

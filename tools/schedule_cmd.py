@@ -138,6 +138,15 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         help="also write the simulated step as a pipeloom trace (one cost unit = 1 ms) for `pipeloom trace view`",
     )
+    simulate_p.add_argument(
+        "--device-model",
+        choices=("lanes", "one-lane"),
+        default="lanes",
+        help="with --costs-from a GPU run whose trace has device times: 'lanes' (default) simulates as `schedule tune` "
+        "does, each rank's host launching its list ahead of its device (host launch times and device times from the "
+        "trace, the runtime's commit horizon and backward overlap); 'one-lane' takes each action's host span as its "
+        "duration (a CPU run's model, where the span is the compute)",
+    )
     simulate_p.set_defaults(func=_guarded(_cmd_simulate))
 
     tune_p = sub.add_parser(
@@ -502,7 +511,14 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         return 1
     costs = args.costs if args.costs is not None else Costs()
     action_costs = run.action_costs if run is not None else None
-    result = simulate(schedule, costs, action_costs=action_costs)
+    lanes = None
+    if run is not None and name is not None and not args.fsdp and args.device_model == "lanes":
+        lanes = _two_lanes(args.costs_from, name, schedule)
+    if lanes is not None:
+        # a GPU run: its spans are host launch times, not the compute; simulated as the tuner does
+        schedule, costs, result, action_costs = lanes
+    else:
+        result = simulate(schedule, costs, action_costs=action_costs)
     unit = 1 if run is not None else None
     if args.trace is not None:
         _write_simulation_trace(args.trace, schedule, costs, result, time_unit_ns=unit, action_costs=action_costs)
@@ -511,6 +527,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.json:
         doc = _simulation_json(schedule, label, costs, result)
         if run is not None:
+            doc["device_model"] = "lanes" if lanes is not None else "one-lane"
             doc["costs_from"] = {"file": args.costs_from, **run.to_json()}
             doc["time_unit"] = "ns"
             if same:
@@ -518,7 +535,13 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
     else:
         print(_describe_schedule(schedule, label, name=name))
-        if run is not None:
+        if run is not None and lanes is not None:
+            print(f"costs measured on {args.costs_from} (steps {', '.join(map(str, run.steps))}), in ns: host launch "
+                  "times and device times (CUDA events) apart; two lanes, as `schedule tune`: each rank's host launches "
+                  "its list ahead of its device, within the runtime's commit horizon, backwards launched beside "
+                  "forwards where host_overlap_backward's auto rule would; per stage, host: "
+                  + ", ".join(f"{s}{t}={v / 1000:.1f}us" for (s, t, _), v in sorted(action_costs.items()) if t in "FBIW"))
+        elif run is not None:
             print(f"costs measured on {args.costs_from} (steps {', '.join(map(str, run.steps))}), in ns; per stage: "
                   + ", ".join(f"{s}{t}={v / 1000:.1f}us" for (s, t, _), v in sorted(run.action_costs.items()))
                   + " (mean duration + the rank's runtime time per action)")
@@ -527,6 +550,24 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             err = (result.makespan - run.step_ns) / run.step_ns
             print(f"measured step time {run.step_ns / 1e6:.3f} ms, simulated {result.makespan / 1e6:.3f} ms ({err:+.1%})")
     return 0
+
+
+def _two_lanes(path: str, name: str, schedule: Schedule) -> tuple[Schedule, Costs, SimulationResult, Any] | None:
+    """``simulate --costs-from`` a GPU run whose trace has device times: (lowered schedule, link costs, simulation,
+    host costs) by ``schedule tune``'s two-lane model (:func:`~pipeloom.tools.schedule_tune._simulate`) for the
+    configuration of ``schedule``; None for a run without device times (a CPU run: one lane)."""
+    from .schedule_tune import _action_costs, _link_costs, _simulate
+
+    run = _run_costs(path, both_sides=True)
+    if run.host is None:
+        return None
+    p = schedule.num_ranks
+    v, m = schedule.num_stages // p, schedule.num_microbatches
+    cache: dict[Any, Any] = {}
+    _, result = _simulate(run, name, p, v, m, lowered=cache)
+    _, low = cache[(name, p, v, m)]
+    host, _, _ = _action_costs(run, p, v, m, low.stage_to_rank, lanes=True)
+    return low, _link_costs(run, m), result, host
 
 
 def _write_simulation_trace(path: str, schedule: Schedule, costs: Costs, result: SimulationResult, *,
