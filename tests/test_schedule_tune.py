@@ -190,8 +190,11 @@ def test_simulate_costs_from_a_gpu_run_uses_the_two_lane_model(profile: Path, tm
     assert main(["schedule", "simulate", "--costs-from", str(path), "--json", "--device-model", "one-lane"]) == 0
     one = json.loads(capsys.readouterr().out)
     assert one["device_model"] == "one-lane" and one["makespan"] < lanes["makespan"] / 2  # host spans alone
-    assert main(["schedule", "simulate", "--costs-from", str(path)]) == 0
+    plan = tmp_path / "plan.jsonl"
+    assert main(["schedule", "simulate", "--costs-from", str(path), "--trace", str(plan)]) == 0
     assert "two lanes, as `schedule tune`" in capsys.readouterr().out
+    assert main(["trace", "compare", str(path), str(plan)]) == 0  # the plan sets against the run it came from
+    capsys.readouterr()
     assert main(["schedule", "simulate", "--costs-from", str(profile), "--json"]) == 0  # a CPU run: one lane
     assert json.loads(capsys.readouterr().out)["device_model"] == "one-lane"
 
