@@ -1199,7 +1199,7 @@ class RankActor:
                 buffers = grads
             else:
                 grads = self._take((step, "B", a.stage, mb), a.stage)
-            if token is not None and not works:
+            if token is not None and not queued:  # (queued: the worker records the start, after the one before)
                 self.dev.inputs_ready(token, a.stage)
             stream = self.dev.stream(a.stage) if self._cuda else None
         if self._act_t0 > a0:  # (traced: a direct wait for its input moves its span's start, as inline)
@@ -1211,15 +1211,17 @@ class RankActor:
         dt = self.device.type
         cast = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
         fut = self._bg_pool.submit(self._bg_backward, self.stages[a.stage], mb, grads, stream, cast, works, buffers,
-                                   token, a.stage)
+                                   token if queued else None, a.stage, token)
         self._bg_futs.append(fut)
         return _Beside(a, fut, tkey, token, h0, a0, time.perf_counter())
 
     def _bg_backward(self, stage: StageExecutor, mb: int, grads: Any, stream: Any, cast: torch.dtype | None,
-                     works: list[Any], buffers: Any, token: Any, stage_id: int) -> tuple[list[torch.Tensor | None], Any, int, float]:
+                     works: list[Any], buffers: Any, start: Any, stage_id: int, token: Any) -> tuple[list[torch.Tensor | None], Any, int, float]:
         """On the worker: the backward's launch; its input gradients, the end of its kernels on the stream (a
         CUDA event recorded here, before any forward launched meanwhile on one stream counts as its own) and
-        the host clock when it returned (its trace span's end)."""
+        the host clock when it returned (its trace span's end).  ``start``: the token whose start (and learning
+        sleep) is recorded here, after the input's wait (a queued backward: on the loop it could land among the
+        kernels of the backward before it, still launching on one stream); None where the loop recorded it."""
         t0 = time.perf_counter()
         if stream is not None:  # the current device and stream are the thread's own: the stage's, as on the loop
             torch.cuda.set_device(self.device)
@@ -1231,14 +1233,14 @@ class RankActor:
                 for b in buffers:
                     if b is not None:
                         b.record_stream(stream)
-            if token is not None:
-                self.dev.inputs_ready(token, stage_id)
+        if start is not None:
+            self.dev.inputs_ready(start, stage_id, stream)
         if cast is None:
             grads_in = stage.backward(mb, grads)
         else:
             with torch.autocast(self.device.type, dtype=cast):
                 grads_in = stage.backward(mb, grads)
-        end = self.dev.record_end(stage_id, token) if stream is not None else None
+        end = self.dev.record_end(stage_id, token, stream) if stream is not None else None
         return grads_in, end, clock_ns(), time.perf_counter() - t0
 
     def _finish_bg(self, bg: _Beside, step: int) -> None:

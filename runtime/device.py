@@ -72,7 +72,8 @@ pair measures the host's pace instead (measured, 4 x H200, GPT 1F1B: the last
 rank's forward read 0.54 ms in one pipeline and 1.28 ms in an identical one
 beside it, its backward 1.1 and 2.2 ms, which turned ``host_overlap_backward``
 auto off on that rank alone and cost the step 30%).  So in each learning step,
-before the first launch of each action type, the stream first sleeps
+before the first launch of each action type (an OVERLAP_F_B aside: its
+other half runs on another stream), the stream first sleeps
 (``torch.cuda._sleep``, calibrated once to ms) for 1.5 x the slowest launch
 learned (4 ms at least, 25 at most) before the start event: that launch lands
 in the sleep's shadow and its pair measures compute alone, and the least of
@@ -135,16 +136,18 @@ class DevicePolicy:
         is handed with the action's device time, when set)."""
         return None
 
-    def record_end(self, stage: int, token: Any) -> Any:
-        """An action's end on ``stage``'s stream, recorded right after its launch by whichever thread launched
-        it (a backward on the worker), for :meth:`launched`'s ``end``; None on the host."""
+    def record_end(self, stage: int, token: Any, stream: Any = None) -> Any:
+        """An action's end on ``stage``'s stream (``stream``, as :meth:`inputs_ready`), recorded right after its
+        launch by whichever thread launched it (a backward on the worker), for :meth:`launched`'s ``end``; None
+        on the host."""
         return None
 
     def flush(self) -> None:
         """Hand every action timed so far to :attr:`on_timed` (waiting for their device work)."""
 
-    def inputs_ready(self, token: Any, stage: int) -> None:
-        """After ``stage``'s stream was ordered after the inputs of the action of ``token``."""
+    def inputs_ready(self, token: Any, stage: int, stream: Any = None) -> None:
+        """After ``stage``'s stream was ordered after the inputs of the action of ``token``; ``stream``: that
+        stream as the calling thread holds it (the worker thread: the policy's tracked stream is the loop's)."""
 
     def launched(self, key: tuple[Any, int], stages: Sequence[int], token: Any, end: Any = None) -> None:
         """After an action's launch on the streams of ``stages`` (``end``: its end, recorded on the first
@@ -485,23 +488,25 @@ class CudaPolicy(DevicePolicy):
                     e.synchronize()
             self._timing.harvest(self.on_timed)
 
-    def inputs_ready(self, token: Any, stage: int) -> None:
+    def inputs_ready(self, token: Any, stage: int, stream: Any = None) -> None:
         # recorded after the stream waits on the action's inputs, so that the time learned is
-        # the action's own compute, not the wait for its producer
+        # the action's own compute, not the wait for its producer.  On the worker thread the caller passes its
+        # stream: a rank with one stage computes on the current stream, which stream() answers from the loop's
+        # tracked one, and that may be the send stream while the loop hands a finished backward's outputs on
         if token is not None and token[0] is None:
-            s = self.stream(stage)
+            s = stream if stream is not None else self.stream(stage)
             if token[3] and self._cycles_per_ms:  # learning: compute alone, not the host's pace
                 self._pad(s)
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(s)
             token[0] = ev
 
-    def record_end(self, stage: int, token: Any) -> Any:
+    def record_end(self, stage: int, token: Any, stream: Any = None) -> Any:
         # timed iff the action's start event exists *now*: a queued backward's start is recorded on the worker
         # after its input's wait, later than the loop decided to launch it (both events of a timed pair must
-        # be created with enable_timing, or elapsed_time raises)
+        # be created with enable_timing, or elapsed_time raises); on the worker's own stream (see inputs_ready)
         end = torch.cuda.Event(enable_timing=token is not None and token[0] is not None)
-        end.record(self.stream(stage))
+        end.record(stream if stream is not None else self.stream(stage))
         return end
 
     def launched(self, key: tuple[Any, int], stages: Sequence[int], token: Any, end: Any = None) -> None:

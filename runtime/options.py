@@ -179,7 +179,7 @@ class RuntimeOptions:
     gpu_learn_sleep: bool = True
     """GPUs: in the steps an action type's device time is learned, the stream sleeps before
     the type's first launch in each (1.5 x the slowest host launch learned, 4-25 ms; through
-    ``torch.cuda._sleep``), so that launch's CUDA events time its kernels alone rather than
+    ``torch.cuda._sleep``; not before an OVERLAP_F_B, whose halves run on two streams), so that launch's CUDA events time its kernels alone rather than
     the host's pace on a host-bound rank (where an identical pipeline read the last rank's
     backward as 1.1 or 2.2 ms, and ``host_overlap_backward`` auto took opposite decisions); the
     least of the samples is learned.  Costs one sleep per action type in each learning step.

@@ -531,6 +531,28 @@ def test_a_queued_backwards_end_is_timed_when_its_start_was_recorded_on_the_work
     assert devmod.HostPolicy().record_end(0, None) is None
 
 
+def test_the_worker_records_on_its_own_stream_while_the_loop_sends_on_another(cuda: FakeCuda) -> None:
+    # a rank with one stage computes on the current stream, which stream() answers from the loop's tracked one;
+    # while the loop hands a finished backward's outputs on (sending_after: the send stream), a queued backward
+    # on the worker must record its learning sleep, start and end on its own stream, not on the send stream
+    # (its sends would wait for an end that does not cover its kernels)
+    p = devmod.CudaPolicy(torch.device("cuda", 0), [2], clock=FakeClock())
+    p._cycles_per_ms = 0.0  # (no learning sleep here)
+    p.begin_step()
+    worker = cuda.default  # the stage's stream, as the loop handed it to the worker at the launch
+    done = FakeEvent()
+    done.record(worker)
+    tok = p.start(("B", 2))
+    with p.sending_after(2, done):
+        sends = cuda.current
+        assert p.stream(2) is sends  # what the worker would get without its own stream
+        p.inputs_ready(tok, 2, worker)
+        end = p.record_end(2, tok, worker)
+    assert tok[0].stream is worker and end.stream is worker and end.timing
+    assert not any(isinstance(e, FakeEvent) and e in (tok[0], end) for _, e in sends.log)
+    p.end_step()
+
+
 def test_sends_of_a_backward_finished_on_the_worker_wait_for_its_end_only(cuda: FakeCuda) -> None:
     # a backward launched on the worker: by its finish more work may sit on its stream; its sends are posted on a
     # stream of their own that waits for the backward's end event, not on the stage's stream

@@ -558,16 +558,19 @@ def _two_lanes(path: str, name: str, schedule: Schedule) -> tuple[Schedule, Cost
     configuration of ``schedule``; None for a run without device times (a CPU run: one lane)."""
     from .schedule_tune import _action_costs, _link_costs, _simulate
 
-    run = _run_costs(path, both_sides=True)
+    try:
+        run = _run_costs(path, both_sides=True)
+    except _UsageError as exc:  # device events that do not match the host spans: the host side alone, as before
+        print(f"{exc}; simulating with one lane (the host spans)", file=sys.stderr)
+        return None
     if run.host is None:
         return None
     p = schedule.num_ranks
     v, m = schedule.num_stages // p, schedule.num_microbatches
-    cache: dict[Any, Any] = {}
-    _, result = _simulate(run, name, p, v, m, lowered=cache)
-    _, low = cache[(name, p, v, m)]
-    host, _, _ = _action_costs(run, p, v, m, low.stage_to_rank, lanes=True)
-    return low, _link_costs(run, m), result, host
+    # the schedule validated above (lowered as asked: --recv), not one the tuner would lower itself
+    _, result = _simulate(run, name, p, v, m, lowered={(name, p, v, m): (schedule, schedule)})
+    host, _, _ = _action_costs(run, p, v, m, schedule.stage_to_rank, lanes=True)
+    return schedule, _link_costs(run, m), result, host
 
 
 def _write_simulation_trace(path: str, schedule: Schedule, costs: Costs, result: SimulationResult, *,
