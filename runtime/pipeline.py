@@ -745,11 +745,17 @@ class Pipeline:
     def _open_trace(self, path: str | None, endpoint: str | None, secret: bytes) -> tuple[Any, TraceRecorder | None]:
         if not endpoint and not path:
             return None, None
+        o = self.options
         header = make_header(
             world_size=self.world_size,
             schedule=self.schedule.name,
             num_microbatches=self.num_microbatches,
             stage_to_rank=self.schedule.stage_to_rank,
+            # what `schedule simulate --costs-from` needs to plan this run as it ran (GPUs: the commit horizon, the
+            # backward overlap, one stream per stage)
+            options={"gpu_commit_ms": o.gpu_commit_ms, "gpu_commit_launches": o.gpu_commit_launches,
+                     "host_overlap_backward": o.host_overlap_backward, "overlap_streams": o.overlap_streams,
+                     "dispatch": o.dispatch, "device": self.device.type},
         )
         if endpoint:
             sink: Any = StreamSink(endpoint, self.rank, header, secret)

@@ -11,6 +11,9 @@ Header::
      "schedule": "1F1B", "num_microbatches": 8, "stage_to_rank": [0, 1],
      "clock": "ns", "source": "run" | "simulation", "time_unit_ns": 1}
 
+A run's header also carries ``"options"``: the RuntimeOptions that planning it
+needs (``gpu_commit_ms``, ``gpu_commit_launches``, ``host_overlap_backward``,
+``overlap_streams``, ``dispatch``) and ``"device"`` (``cpu`` or ``cuda``).
 A file written by the launcher's collector adds ``"live": "tcp://HOST:PORT"``
 (where ``pipeloom trace attach`` subscribes); a simulated plan adds
 ``"time_unit_ns"`` (ns per simulated time unit) and ``"costs"``.

@@ -170,7 +170,8 @@ def test_tune_cli_takes_both_sides_from_a_trace_with_device_times(profile: Path,
 
 
 def test_simulate_costs_from_a_gpu_run_uses_the_two_lane_model(profile: Path, tmp_path: Path,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
+                                                                capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPU run's spans are host launch times: `schedule simulate --costs-from` simulates its configuration as the
     tuner does (host lane ahead of a device lane), so its device time shows in the step; a CPU run keeps one lane."""
     from pipeloom.runtime.trace import write_trace
@@ -197,6 +198,27 @@ def test_simulate_costs_from_a_gpu_run_uses_the_two_lane_model(profile: Path, tm
     capsys.readouterr()
     assert main(["schedule", "simulate", "--costs-from", str(profile), "--json"]) == 0  # a CPU run: one lane
     assert json.loads(capsys.readouterr().out)["device_model"] == "one-lane"
+    # planned as it ran: the run's options come from its header (a run recorded with a 1 ms horizon and no
+    # launch rule commits less far ahead: never faster than with the default horizon)
+    assert base.header["options"]["device"] == "cpu" and base.header["options"]["gpu_commit_ms"] == 10.0
+    narrow = tmp_path / "narrow.jsonl"
+    write_trace(narrow, dict(base.header, options=dict(base.header["options"], gpu_commit_ms=0.001,
+                                                           gpu_commit_launches=0.0)), events)
+    import pipeloom.tools.schedule_tune as st
+
+    seen: list[dict[str, Any]] = []
+    real = st._simulate
+
+    def spy(*a: Any, **kw: Any) -> Any:
+        seen.append(kw)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(st, "_simulate", spy)
+    assert main(["schedule", "simulate", "--costs-from", str(narrow), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["makespan"] >= lanes["makespan"] * 0.999
+    (kw,) = seen
+    assert kw["commit_ns"] == pytest.approx(1000.0) and kw["commit_launches"] == 0.0
+    assert kw["overlap_backward"] == "auto" and kw["stage_streams"] is True
 
 
 def test_compute_carried_as_fixed_plus_per_byte(profile: Path) -> None:

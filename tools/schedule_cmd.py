@@ -556,7 +556,9 @@ def _two_lanes(path: str, name: str, schedule: Schedule) -> tuple[Schedule, Cost
     """``simulate --costs-from`` a GPU run whose trace has device times: (lowered schedule, link costs, simulation,
     host costs) by ``schedule tune``'s two-lane model (:func:`~pipeloom.tools.schedule_tune._simulate`) for the
     configuration of ``schedule``; None for a run without device times (a CPU run: one lane)."""
-    from .schedule_tune import _action_costs, _link_costs, _simulate
+    from pipeloom.runtime.trace import expand_paths, read_header
+
+    from .schedule_tune import COMMIT_LAUNCHES, COMMIT_MS, _action_costs, _link_costs, _simulate
 
     try:
         run = _run_costs(path, both_sides=True)
@@ -567,8 +569,18 @@ def _two_lanes(path: str, name: str, schedule: Schedule) -> tuple[Schedule, Cost
         return None
     p = schedule.num_ranks
     v, m = schedule.num_stages // p, schedule.num_microbatches
+    # as the run ran: its RuntimeOptions from the trace header (runs recorded before it carried them: defaults)
+    try:
+        opts = read_header(expand_paths(path)[0]).get("options") or {}
+    except (OSError, ValueError):
+        opts = {}
+    overlap = opts.get("host_overlap_backward")
     # the schedule validated above (lowered as asked: --recv), not one the tuner would lower itself
-    _, result = _simulate(run, name, p, v, m, lowered={(name, p, v, m): (schedule, schedule)})
+    _, result = _simulate(run, name, p, v, m, lowered={(name, p, v, m): (schedule, schedule)},
+                          commit_ns=float(opts.get("gpu_commit_ms", COMMIT_MS)) * 1e6,
+                          commit_launches=float(opts.get("gpu_commit_launches", COMMIT_LAUNCHES)),
+                          stage_streams=bool(opts.get("overlap_streams", True)),
+                          overlap_backward="auto" if overlap is None else bool(overlap))
     host, _, _ = _action_costs(run, p, v, m, schedule.stage_to_rank, lanes=True)
     return schedule, _link_costs(run, m), result, host
 
