@@ -79,6 +79,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import sys
 import time
 import traceback
 import weakref
@@ -90,7 +91,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..schedules import Action, ActionType, Dataflow, Schedule, consumer_stage, producer_stage
-from ..schedules.dispatch import Dispatcher, choose_rule, overlappable_backwards, plan_ranks, queueable_backwards
+from ..schedules.dispatch import Dispatcher, choose_rule, overlappable_backwards, plan_ranks, queueable_backwards, stage_streams
 from ..transport.control import ControlPlane
 from ..transport.tensor import END, Landed, SendError, TensorPlane, TransferError, guard_exit_works, signature
 from .device import DevicePolicy, backward_overlap_pays, make_policy
@@ -112,11 +113,11 @@ _F, _B, _I, _W, _OVL = ActionType.F, ActionType.B, ActionType.I, ActionType.W, A
 
 def _own_collectives(module: torch.nn.Module) -> bool:
     """Whether a stage's module visibly issues collectives of its own (host_overlap_backward auto stays off)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        DTensor = ()  # type: ignore[assignment,misc]  # noqa: N806
-    if any(isinstance(p, DTensor) for p in module.parameters()):
+    # a parameter can be a DTensor only once its module was imported: importing it here would cost seconds
+    # (sympy; a rank's constructor on a GPU host took over 8 s with a cold cache) for nothing
+    mod = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(mod, "DTensor", None) if mod is not None else None
+    if dtensor is not None and any(isinstance(p, dtensor) for p in module.parameters()):
         return True
     return any(isinstance(m, torch.nn.SyncBatchNorm) for m in module.modules())
 
@@ -431,7 +432,7 @@ class RankActor:
         self.dev = make_policy(
             device,
             stages,
-            stage_streams=(collectives is None or self._coll_on_stage) and options.overlap_streams,
+            stage_streams=(collectives is None or self._coll_on_stage) and stage_streams(options.overlap_streams, self.train_actions),
             horizon_ms=options.gpu_commit_ms,
             early_receives=options.gpu_early_receives,
             launches=options.gpu_commit_launches,

@@ -194,10 +194,10 @@ class RuntimeOptions:
     on, B(i) and the next F(i+1) are launched at the same time by two threads.
 
     ``None`` (default, "auto"): on GPUs only, and for each pair by where its kernels go.  A B
-    and an F of stages on different streams (a rank with several stages: Interleaved1F1B,
-    DualPipeV; unless ``overlap_streams=False`` puts them on one) are always overlapped: their
-    kernels run side by side.  On one stream (a rank
-    with one stage: 1F1B) the F's kernels are queued among the B's, so the B's input gradients,
+    and an F of stages on different streams (a rank with several stages and a stream for each:
+    DualPipeV by default, any multi-stage list with ``overlap_streams=True``) are always
+    overlapped: their kernels run side by side.  On one stream (a rank with one stage: 1F1B;
+    Interleaved1F1B and the other multi-stage lists by default) the F's kernels are queued among the B's, so the B's input gradients,
     which the previous rank waits for, may leave up to one forward later; that costs nothing
     only where the device runs both while the host is still launching the B: such a pair is
     overlapped once the rank has learned (over its first steps, inline until then) that the B's
@@ -313,12 +313,19 @@ class RuntimeOptions:
     does, watched by ``runtime/direct_wait.py`` (as with ``static_shapes=True`` on gloo).
     Not for jobs."""
 
-    overlap_streams: bool = True
+    overlap_streams: bool | None = None
     """GPUs: one compute stream per local stage (True), so OVERLAP_F_B's forward and backward
-    halves (two stages) run concurrently, or every stage on the caller's stream (False).  A rank
-    with a single stage (1F1B, GPipe) always runs it on the caller's stream: nothing to overlap.
-    Data parallelism uses the caller's stream, except with expert parallelism (whose
-    all-to-alls must run on their stage's stream to overlap).  Environment: ``PIPELOOM_OVERLAP_STREAMS=0``."""
+    halves (two stages) run concurrently, or every stage on the caller's stream (False).
+    ``None`` (default, auto): a stream per stage on a rank whose list has OVERLAP_F_B actions
+    (DualPipeV), one stream elsewhere (``schedules.dispatch.stage_streams``): where a rank's
+    stages never run at once by design, a second stream only lets the device run one stage's
+    kernels among another's, which slows the action a peer waits for where the kernels fill the
+    GPU (2 x H200, GPT size l, Interleaved1F1B: 237.0 ms on one stream, 255.7 on two, torch
+    247.3; DualPipeV size l: two streams 4% faster than one).  A rank with a single stage
+    (1F1B, GPipe) always runs it on the caller's stream: nothing to overlap.  Data parallelism
+    uses the caller's stream, except with expert parallelism (whose all-to-alls must run on
+    their stage's stream to overlap).  Environment: ``PIPELOOM_OVERLAP_STREAMS`` (``1``, ``0``
+    or ``auto``)."""
 
     profile_ranges: bool = False
     """Run every action inside a ``torch.profiler.record_function`` range named ``PP:{action}``
@@ -497,7 +504,7 @@ ENV_VARS: dict[str, tuple[str, Any]] = {
     "PIPELOOM_GPU_COMMIT_MS": ("gpu_commit_ms", _ms),
     "PIPELOOM_GPU_COMMIT_LAUNCHES": ("gpu_commit_launches", _number),
     "PIPELOOM_GPU_EARLY_RECEIVES": ("gpu_early_receives", _flag),
-    "PIPELOOM_OVERLAP_STREAMS": ("overlap_streams", _flag),
+    "PIPELOOM_OVERLAP_STREAMS": ("overlap_streams", _auto_flag),
     "PIPELOOM_STATIC_SHAPES": ("static_shapes", _auto_flag),
     "PIPELOOM_PROFILE_RANGES": ("profile_ranges", _flag),
     "PIPELOOM_GPU_COMMIT_RUNNING": ("gpu_commit_running", _flag),

@@ -10,7 +10,7 @@ import pytest
 
 from pipeloom import RuntimeOptions
 from pipeloom.schedules import SCHEDULE_NAMES, ActionType, Costs, ScheduleConfigError, generate, parse_action, simulate_policy
-from pipeloom.schedules.dispatch import RULES, Dispatcher, RankPlan, choose_rule, plan_ranks, static_peak
+from pipeloom.schedules.dispatch import RULES, Dispatcher, RankPlan, choose_rule, plan_ranks, stage_streams, static_peak
 from pipeloom.schedules.policy_sim import _compute_lists, draw_costs
 
 
@@ -275,3 +275,21 @@ def test_queueable_backwards() -> None:
     # a backward whose input is produced on its own rank is never queued (its stream would wait on a local producer)
     acts = {0: [parse_action(x) for x in "0F0 1F0 1B0 0B0".split()]}
     assert queueable_backwards(Schedule(acts, (0, 0), 1))[1][0] == frozenset()
+
+
+def test_stage_streams_auto_gives_a_stream_per_stage_only_to_lists_with_overlapped_pairs() -> None:
+    # RuntimeOptions.overlap_streams=None: DualPipeV's OVERLAP_F_B halves run at once on two streams; the
+    # other multi-stage schedules share one stream (a second one only lets one stage's kernels slow another's)
+    assert RuntimeOptions().overlap_streams is None
+    for name, want in (("DualPipeV", True), ("Interleaved1F1B", False), ("ZBVZeroBubble", False),
+                       ("LoopedBFS", False), ("1F1B", False)):
+        sched = generate(name, num_ranks=2, num_microbatches=8)
+        got = {r: stage_streams(None, acts) for r, acts in sched.actions.items()}
+        assert set(got.values()) == {want}, (name, got)
+        for forced in (True, False):  # set by hand: as given
+            assert all(stage_streams(forced, acts) is forced for acts in sched.actions.values())
+    # a custom list with one overlapped pair on one rank: that rank alone
+    dual = generate("DualPipeV", num_ranks=2, num_microbatches=8)
+    assert any(a.type is ActionType.OVERLAP_F_B for a in dual.actions[0])
+    plain = [a for a in dual.actions[0] if a.type is not ActionType.OVERLAP_F_B]
+    assert stage_streams(None, plain) is False

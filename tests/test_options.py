@@ -14,7 +14,7 @@ def test_defaults_match_the_documented_ones() -> None:
     o = RuntimeOptions()
     assert (o.heartbeat_timeout, o.stall_timeout, o.heartbeat_interval) == (10.0, 30.0, 0.5)
     assert o.backend is None and o.trace is None and o.trace_endpoint is None
-    assert o.gpu_commit_ms == 10.0 and o.overlap_streams and o.overlap_collectives
+    assert o.gpu_commit_ms == 10.0 and o.overlap_streams is None and o.overlap_collectives
     assert o.fsdp_reduce == "auto" and not o.pair_groups and o.p2p_max_ctas is None and not o.deterministic
 
 
@@ -92,7 +92,7 @@ def test_cold_step_stall_timeout() -> None:
         ("PIPELOOM_STALL_TIMEOUT", "soon", "PIPELOOM_STALL_TIMEOUT='soon': expected a number of seconds"),
         ("PIPELOOM_GPU_COMMIT_MS", "soon", "PIPELOOM_GPU_COMMIT_MS='soon': expected a number of milliseconds"),
         ("PIPELOOM_P2P_MAX_CTAS", "1.5", "PIPELOOM_P2P_MAX_CTAS='1.5': expected an integer"),
-        ("PIPELOOM_OVERLAP_STREAMS", "maybe", "PIPELOOM_OVERLAP_STREAMS='maybe': expected one of"),
+        ("PIPELOOM_OVERLAP_STREAMS", "maybe", "PIPELOOM_OVERLAP_STREAMS='maybe': expected auto or one of"),
         ("PIPELOOM_BACKEND", "mpi", "backend must be 'gloo', 'nccl' or None (got 'mpi')"),
         ("PIPELOOM_HEARTBEAT_TIMEOUT", "-1", "heartbeat_timeout must be a positive number of seconds (got -1.0)"),
         ("PIPELOOM_FSDP_REDUCE", "always", "fsdp_reduce must be 'auto' or 'fsdp'"),

@@ -178,8 +178,12 @@ def _nccl_protocol_cases(world: int, table: dict[str, list[int]]) -> list[dict[s
             # events complete behind the learning sleeps (gpu_learn_sleep), a step or two after the host ended them)
             dict(id="host-overlap-auto-1F1B", schedule="1F1B", microbatches=4, dim=4, batch=8, steps=6,
                  overlapped={"gloo": [False] * 6, "nccl": [False, False, None, None, True, True]}),
-            dict(id="host-overlap-auto-Interleaved1F1B", schedule="Interleaved1F1B", microbatches=4, dim=4, batch=8, steps=3,
-                 overlapped={"gloo": [False] * 3, "nccl": [False, True, True]}),
+            # (overlap_streams auto: Interleaved1F1B's stages share one stream, so the one-stream rule decides)
+            dict(id="host-overlap-auto-Interleaved1F1B", schedule="Interleaved1F1B", microbatches=4, dim=4, batch=8, steps=6,
+                 overlapped={"gloo": [False] * 6, "nccl": [False, False, None, None, True, True]}),
+            # a stream per stage: B and F of different stages always side by side from the second training step
+            dict(id="host-overlap-auto-streams-Interleaved1F1B", schedule="Interleaved1F1B", microbatches=4, dim=4, batch=8,
+                 steps=3, options={"overlap_streams": True}, overlapped={"gloo": [False] * 3, "nccl": [False, True, True]}),
             # forwards that draw random numbers: the overlap stays off (a checkpoint's recomputation would race them)
             dict(id="host-overlap-draws-1F1B", schedule="1F1B", microbatches=4, dim=4, batch=8, model="draws", steps=3,
                  options={"host_overlap_backward": True}, overlapped=[False, False, False]),
@@ -312,10 +316,30 @@ def _check_overlapped(world: int, cfg: dict[str, Any], results: list[dict[str, A
             return  # auto on GPUs: where the learned times say so (the gradients are checked all the same)
         assert all(s["overlapped_backwards"] == 0 for r in results for s in r["stats"] if s is not None)
         return
+    auto = cfg.get("options", {}).get("host_overlap_backward") is None
     for step, on in enumerate(want):
         if on is None:  # (auto, one stream: the step that learns the times may go either way)
             continue
         n = [r["stats"][step]["overlapped_backwards"] for r in results]
+        if on and auto and BACKEND == "nccl":
+            # auto on one stream: by this step every rank has decided, by the rule on what it learned (whether a
+            # dim-4 model's backward launch outlasts its kernels depends on the host: a fast one may say no), and
+            # launched accordingly
+            for rank, r in enumerate(results):
+                bg = r["bg"][step]
+                assert bg["decided"], f"rank {rank} step {step}: host_overlap_backward auto undecided: {bg}"
+                for pair, yes in bg["decided"].items():
+                    if not bg["one_stream"][pair]:
+                        assert yes, f"rank {rank} step {step}: a pair on two streams not overlapped: {bg}"
+                        continue
+                    b, f = pair.split(">")
+                    host_b, dev_b = bg["learned"][f"B{b}"]
+                    dev_f = bg["learned"][f"F{f}"][1]
+                    assert None not in (host_b, dev_b, dev_f), f"rank {rank} step {step}: decided unlearned: {bg}"
+                    assert yes == (host_b > dev_b + dev_f), f"rank {rank} step {step}: not the rule: {bg}"
+                assert (n[rank] > 0) == any(bg["decided"].values()), (
+                    f"rank {rank} step {step}: {n[rank]} backwards overlapped, decisions {bg}")
+            continue
         assert all(x > 0 for x in n) if on else n == [0] * world, f"step {step}: backwards overlapped per rank {n}"
     for step, on in enumerate(cfg.get("queued") or []):  # (host_queue_backwards: queued behind another one)
         n = [r["stats"][step]["queued_backwards"] for r in results]

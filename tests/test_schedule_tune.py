@@ -218,7 +218,12 @@ def test_simulate_costs_from_a_gpu_run_uses_the_two_lane_model(profile: Path, tm
     assert json.loads(capsys.readouterr().out)["makespan"] >= lanes["makespan"] * 0.999
     (kw,) = seen
     assert kw["commit_ns"] == pytest.approx(1000.0) and kw["commit_launches"] == 0.0
-    assert kw["overlap_backward"] == "auto" and kw["stage_streams"] is True
+    # overlap_streams auto (the header's None): 1F1B has no OVERLAP_F_B, one stream; a run recorded with it on: as it ran
+    assert kw["overlap_backward"] == "auto" and base.header["options"]["overlap_streams"] is None and kw["stage_streams"] is False
+    on = tmp_path / "streams.jsonl"
+    write_trace(on, dict(base.header, options=dict(base.header["options"], overlap_streams=True)), events)
+    assert main(["schedule", "simulate", "--costs-from", str(on), "--json"]) == 0
+    assert seen[-1]["stage_streams"] is True
 
 
 def test_compute_carried_as_fixed_plus_per_byte(profile: Path) -> None:

@@ -46,6 +46,7 @@ from pipeloom.schedules import (
     simulate,
     validate,
 )
+from pipeloom.schedules.dispatch import stage_streams as resolve_streams
 
 __all__ = ["add_parser"]
 
@@ -579,7 +580,9 @@ def _two_lanes(path: str, name: str, schedule: Schedule) -> tuple[Schedule, Cost
     _, result = _simulate(run, name, p, v, m, lowered={(name, p, v, m): (schedule, schedule)},
                           commit_ns=float(opts.get("gpu_commit_ms", COMMIT_MS)) * 1e6,
                           commit_launches=float(opts.get("gpu_commit_launches", COMMIT_LAUNCHES)),
-                          stage_streams=bool(opts.get("overlap_streams", True)),
+                          # (a run recorded before auto: True, the default then)
+                          stage_streams=resolve_streams(opts.get("overlap_streams", True),
+                                                      [a for row in schedule.actions.values() for a in row]),
                           overlap_backward="auto" if overlap is None else bool(overlap))
     host, _, _ = _action_costs(run, p, v, m, schedule.stage_to_rank, lanes=True)
     return schedule, _link_costs(run, m), result, host

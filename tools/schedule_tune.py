@@ -97,6 +97,7 @@ from pipeloom.schedules import (
 )
 
 from ..schedules.dataflow import consumer_stage
+from ..schedules.dispatch import stage_streams as resolve_streams
 from ..schedules.simulate import OVERLAP_CONTENTION as _SIM_OVERLAP_CONTENTION
 from .run_costs import RunCosts
 
@@ -243,8 +244,9 @@ DEVICE_MODELS = ("lanes", "max")
 * ``lanes`` (default): each rank's host launches its list in order, committing ahead of the device by at most
   the runtime's horizon of queued device work (:func:`commit_horizon`: 10 ms, or 3 launches of the slowest action
   type if more), and its device runs each action once launched and its inputs have landed, each stage's actions in
-  launch order on the stage's own stream (``overlap_streams``, the default), a ready one of one stage in a gap
-  while another stage's input is late (``simulate(device_streams=True)``) (:func:`~pipeloom.schedules.simulate`'s ``device_costs``), as ``runtime/device.py`` does; with static
+  launch order on the stage's own stream where the runtime gives each stage one (``overlap_streams``: auto, a
+  rank whose list has OVERLAP_F_B actions), a ready one of one stage in a gap
+  while another stage's input is late (``simulate(device_streams=True)``), one stream for the rank elsewhere (:func:`~pipeloom.schedules.simulate`'s ``device_costs``), as ``runtime/device.py`` does; with static
   shapes no host waits for another's.  Host work of one action overlaps the device work of the ones before;
 * ``max``: one lane per rank, each action the longer of its host path and its device time (the model before):
   the sum of per-action maxima, which over-predicts wherever the host is the slower side for some actions and
@@ -804,7 +806,7 @@ def _sampled(low: Any, costs: Costs, ac: dict[tuple[int, str, int | None], float
 def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layers | None = None,
               split: Sequence[int] | None = None, lowered: dict[Any, Any] | None = None,
               device_model: str = "lanes", commit_ns: float = COMMIT_MS * 1e6, commit_launches: float = COMMIT_LAUNCHES,
-              samples: int = 0, stage_streams: bool = True, host_units: bool = True,
+              samples: int = 0, stage_streams: bool | None = None, host_units: bool = True,
               host_rank_speed: bool = False, overlap_backward: bool | str | None = "auto") -> tuple[Any, Any]:
     """(schedule, simulation) of one candidate with ``run``'s costs carried to it (ScheduleError if rejected).
     ``lowered``: a cache of lowered schedules by (name, p, v, m) (the split changes only the action costs).
@@ -841,7 +843,8 @@ def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layer
     return sched, simulate(low, costs, action_costs=host, device_costs=dev, commit_horizon=horizon,
                            device_transfer=lat + per_byte * costs.activation_bytes,
                            host_overlap=_pair_overlap(run, host),  # the host's time per action paid once per pair
-                           device_streams=stage_streams, host_overlap_backward=overlap_backward or None,
+                           device_streams=resolve_streams(stage_streams, [a for row in low.actions.values() for a in row]),
+                           host_overlap_backward=overlap_backward or None,
                            overlap_contention=OVERLAP_CONTENTION)
 
 

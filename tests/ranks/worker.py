@@ -106,6 +106,14 @@ def run_pipeloom(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
         result["outputs"].append(out)
         st = pipe.statistics
         result["stats"].append(None if st is None else st.__dict__ if hasattr(st, "__dict__") else tuple(st))
+        actor = getattr(pipe, "_actor", None)  # (private: host_overlap_backward auto's decisions and what they read)
+        if actor is not None and hasattr(actor, "_bg_decided"):
+            from pipeloom.schedules import ActionType
+            result.setdefault("bg", []).append({
+                "decided": {f"{b}>{f}": v for (b, f), v in actor._bg_decided.items()},
+                "one_stream": {f"{b}>{f}": actor.dev.shares_stream(b, f) for (b, f) in actor._bg_decided},
+                "learned": {f"{t.value}{s}": actor.dev.learned((t, s)) for s in actor.stages
+                            for t in (ActionType.F, ActionType.B)}})
         if opt is not None:
             opt.step()
         if cfg.get("eval"):
