@@ -382,16 +382,20 @@ def backward_overlap_pays(shares_stream: bool, host_b: float | None, device_b: f
 def stage_streams(option: bool | None, actions: Sequence[Action]) -> bool:
     """``RuntimeOptions.overlap_streams`` for a rank's list: one compute stream per local stage, or all on one.
 
-    ``None`` (auto): a stream per stage only where the list has ``OVERLAP_F_B`` actions, whose halves (two
-    stages) are meant to run at once.  Elsewhere a rank's stages share one stream: two streams let the device
-    run one stage's kernels among another's, and where each kernel fills the GPU that slows the action a peer
-    waits for (its output leaves later) and adds nothing (2 x H200, GPT size l, Interleaved1F1B: 237.0 ms on
-    one stream, 255.7 on two, torch 247.3).  Pure, so that the simulator and the tuner apply the runtime's
-    own choice.
+    ``None`` (auto): a stream per stage where the list has ``OVERLAP_F_B`` actions, whose halves (two stages)
+    are meant to run at once, or weight-gradient (W) actions, fillers off the critical path that a second
+    stream runs beside another stage's input gradient or forward (ZBVZeroBubble, InterleavedZeroBubble).
+    Elsewhere (Interleaved1F1B, LoopedBFS: F and B only) a rank's stages share one stream: two streams let
+    the device run one stage's kernels among another's, and where each kernel fills the GPU that slows the
+    action a peer waits for (its output leaves later) and adds nothing.  2 x H200, GPT, same process
+    (``benchmarks/RESULTS.md``): Interleaved1F1B size l 237.0 / 241.5 ms on one stream, 255.7 / 258.2 on two
+    (torch 247.3 / 253.5), size s level; ZBVZeroBubble size l 326.8 ms on two, 344.4 on one, size s level;
+    DualPipeV size l 4% faster on two (an earlier round).  Pure, so that the simulator and the tuner apply
+    the runtime's own choice.
     """
     if option is not None:
         return option
-    return any(a.type is ActionType.OVERLAP_F_B for a in actions)
+    return any(a.type is ActionType.OVERLAP_F_B or a.type is ActionType.W for a in actions)
 
 
 def overlappable_backwards(schedule: Schedule) -> dict[int, frozenset[tuple[int, int]]]:

@@ -278,11 +278,12 @@ def test_queueable_backwards() -> None:
 
 
 def test_stage_streams_auto_gives_a_stream_per_stage_only_to_lists_with_overlapped_pairs() -> None:
-    # RuntimeOptions.overlap_streams=None: DualPipeV's OVERLAP_F_B halves run at once on two streams; the
-    # other multi-stage schedules share one stream (a second one only lets one stage's kernels slow another's)
+    # RuntimeOptions.overlap_streams=None: DualPipeV's OVERLAP_F_B halves run at once on two streams, so do
+    # the zero-bubble lists' W fillers beside another stage's work; the F/B-only multi-stage schedules share one
+    # stream (a second one only lets one stage's kernels slow another's)
     assert RuntimeOptions().overlap_streams is None
-    for name, want in (("DualPipeV", True), ("Interleaved1F1B", False), ("ZBVZeroBubble", False),
-                       ("LoopedBFS", False), ("1F1B", False)):
+    for name, want in (("DualPipeV", True), ("Interleaved1F1B", False), ("ZBVZeroBubble", True),
+                       ("InterleavedZeroBubble", True), ("LoopedBFS", False), ("1F1B", False), ("GPipe", False)):
         sched = generate(name, num_ranks=2, num_microbatches=8)
         got = {r: stage_streams(None, acts) for r, acts in sched.actions.items()}
         assert set(got.values()) == {want}, (name, got)
@@ -292,4 +293,5 @@ def test_stage_streams_auto_gives_a_stream_per_stage_only_to_lists_with_overlapp
     dual = generate("DualPipeV", num_ranks=2, num_microbatches=8)
     assert any(a.type is ActionType.OVERLAP_F_B for a in dual.actions[0])
     plain = [a for a in dual.actions[0] if a.type is not ActionType.OVERLAP_F_B]
-    assert stage_streams(None, plain) is False
+    assert stage_streams(None, plain) is True  # (its W actions)
+    assert stage_streams(None, [a for a in plain if a.type is not ActionType.W]) is False
