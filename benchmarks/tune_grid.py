@@ -526,8 +526,9 @@ def replay(directory: str, *, search: int = 3, device_model: str = "lanes",
     new = {**doc, "rows": [new_rows[i] for i in order],
            "profile": {**{k: v for k, v in prof.items() if k not in ("variants", "other_model", "calibration_other",
                                                                        "busy", "host_rank_speed")},
-                       "calibration": res.calibration, "host_fixed_ns": res.host_fixed_ns,
-                       "host_units_ns": res.host_units_ns, "device_model": device_model}}
+                       "calibration": res.calibration, "sizes_fitted": res.sizes_fitted,
+                       "host_fixed_ns": res.host_fixed_ns, "host_units_ns": res.host_units_ns,
+                       "device_model": device_model}}
     new.pop("head_to_head", None)  # (its row indices are the recorded order's; summarised below instead)
 
     def summary(label: str, rs: list[dict[str, Any]]) -> str:
@@ -762,8 +763,9 @@ def format_grid(doc: dict[str, Any]) -> str:
         lines.append(f"profile busy ms per rank, host | device: model {ms(pb['model_host'])} | {ms(pb['model_device'])}; "
                      f"traced {ms(pb['host_busy_traced_ns'])} | {ms(pb.get('device_busy_traced_ns') or []) or '-'} "
                      "(model: launch + runtime + sends per action, full batch; traced: action spans, median full step)")
-    lines.append(f"time: profile + tune {doc['seconds']['profile_and_tune']:.0f} s, total {doc['seconds']['total']:.0f} s"
-                 + (f"; each rank pinned to {doc['cpu_pin']} CPUs (--cpu-pin)" if doc.get("cpu_pin") else ""))
+    if doc.get("seconds"):  # (absent from a grid reconstructed from its printed table)
+        lines.append(f"time: profile + tune {doc['seconds']['profile_and_tune']:.0f} s, total {doc['seconds']['total']:.0f} s"
+                     + (f"; each rank pinned to {doc['cpu_pin']} CPUs (--cpu-pin)" if doc.get("cpu_pin") else ""))
     return "\n".join(lines)
 
 
