@@ -432,7 +432,8 @@ class RankActor:
         self.dev = make_policy(
             device,
             stages,
-            stage_streams=(collectives is None or self._coll_on_stage) and stage_streams(options.overlap_streams, self.train_actions),
+            stage_streams=((collectives is None or self._coll_on_stage)
+                           and stage_streams(options.overlap_streams, self.train_actions, stage_collectives=self._coll_on_stage)),
             horizon_ms=options.gpu_commit_ms,
             early_receives=options.gpu_early_receives,
             launches=options.gpu_commit_launches,

@@ -318,8 +318,8 @@ class RuntimeOptions:
     halves (two stages) run concurrently, or every stage on the caller's stream (False).
     ``None`` (default, auto): a stream per stage on a rank whose list has OVERLAP_F_B actions
     (DualPipeV) or W actions (ZBVZeroBubble, InterleavedZeroBubble: fillers beside another
-    stage's work), one stream elsewhere (Interleaved1F1B, LoopedBFS;
-    ``schedules.dispatch.stage_streams``): where a rank's stages have nothing to run at once, a
+    stage's work) or stages with expert parallelism (one stage's all-to-all beside another's
+    compute), one stream elsewhere (Interleaved1F1B, LoopedBFS; ``schedules.dispatch.stage_streams``): where a rank's stages have nothing to run at once, a
     second stream only lets the device run one stage's kernels among another's, which slows the
     action a peer waits for where the kernels fill the GPU (2 x H200, GPT size l,
     Interleaved1F1B: 237.0-241.5 ms on one stream, 255.7-258.2 on two, torch 247.3-253.5;

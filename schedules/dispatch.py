@@ -379,7 +379,7 @@ def backward_overlap_pays(shares_stream: bool, host_b: float | None, device_b: f
     return host_b > device_b + device_f
 
 
-def stage_streams(option: bool | None, actions: Sequence[Action]) -> bool:
+def stage_streams(option: bool | None, actions: Sequence[Action], *, stage_collectives: bool = False) -> bool:
     """``RuntimeOptions.overlap_streams`` for a rank's list: one compute stream per local stage, or all on one.
 
     ``None`` (auto): a stream per stage where the list has ``OVERLAP_F_B`` actions, whose halves (two stages)
@@ -390,11 +390,15 @@ def stage_streams(option: bool | None, actions: Sequence[Action]) -> bool:
     action a peer waits for (its output leaves later) and adds nothing.  2 x H200, GPT, same process
     (``benchmarks/RESULTS.md``): Interleaved1F1B size l 237.0 / 241.5 ms on one stream, 255.7 / 258.2 on two
     (torch 247.3 / 253.5), size s level; ZBVZeroBubble size l 326.8 ms on two, 344.4 on one, size s level;
-    DualPipeV size l 4% faster on two (an earlier round).  Pure, so that the simulator and the tuner apply
-    the runtime's own choice.
+    DualPipeV size l 4% faster on two (an earlier round).  ``stage_collectives``: the stages issue
+    collectives of their own on their streams (expert parallelism's all-to-alls): auto keeps a stream per
+    stage, so that one stage's exchange runs while another computes.  Pure, so that the simulator and the
+    tuner apply the runtime's own choice.
     """
     if option is not None:
         return option
+    if stage_collectives:
+        return True
     return any(a.type is ActionType.OVERLAP_F_B or a.type is ActionType.W for a in actions)
 
 

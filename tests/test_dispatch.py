@@ -295,3 +295,7 @@ def test_stage_streams_auto_gives_a_stream_per_stage_only_to_lists_with_overlapp
     plain = [a for a in dual.actions[0] if a.type is not ActionType.OVERLAP_F_B]
     assert stage_streams(None, plain) is True  # (its W actions)
     assert stage_streams(None, [a for a in plain if a.type is not ActionType.W]) is False
+    # expert parallelism (all-to-alls on the stages' streams): a stream per stage, so they overlap another's compute
+    inter = generate("Interleaved1F1B", num_ranks=2, num_microbatches=8).actions[0]
+    assert stage_streams(None, inter, stage_collectives=True) is True
+    assert stage_streams(False, inter, stage_collectives=True) is False
