@@ -44,7 +44,8 @@ list so that any split of the blocks over the stages can be run:
    are printed beside it (same profile, same measurements), and a line per
    variant of the two-lane model (``lanes-flopshare``: the host side as before
    :func:`pipeloom.tools.schedule_tune.host_fit`; ``lanes-inline``: every backward launched inline, the model
-   before it knew of the runtime's ``host_overlap_backward``).  The tuner's host fit
+   before it knew of the runtime's ``host_overlap_backward``; ``lanes-mean``: the profile's mean device times and
+   every forward's host span, the model before :func:`pipeloom.tools.schedule_tune.gpu_profile_costs`).  The tuner's host fit
    (fixed + per block, embedding, head, by type) is printed under the first
    line, and each row has the model's busy time per rank (host launches |
    device work over a step, uncalibrated; the host's includes the runtime's
@@ -293,7 +294,11 @@ def _rank_main(args: argparse.Namespace) -> None:
                         "lanes-rankspeed": (run, {"host_rank_speed": True}),
                         # every backward launched inline: the model before it knew of the runtime's
                         # host_overlap_backward (auto by default on GPUs: a B launched beside the next F)
-                        "lanes-inline": (run, {"overlap_backward": False})}
+                        "lanes-inline": (run, {"overlap_backward": False}),
+                        # the device times' means and every forward's host span (the model before session L: a
+                        # host-bound rank's device time read at the host's pace, a forward beside a backward
+                        # counted with the contention the model adds itself)
+                        **({"lanes-mean": (profile_costs(traces, events, learned=False), {})} if events else {})}
             cal_variants = {}
             for label, (vrun, kw) in variants.items():
                 cal_v = cal_variants[label] = (
@@ -435,16 +440,22 @@ def _with_splits(res: Any, run: Any, layers: Any, world: int, also: list[list[in
     return rank_candidates(cands) if also else cands
 
 
-def profile_costs(traces: dict[str, str], events: bool) -> Any:
+def profile_costs(traces: dict[str, str], events: bool, *, learned: bool = True) -> Any:
     """The tuner's ``RunCosts`` from the profile traces, as ``pipeloom schedule tune`` takes them (the typical steps,
     ``run_costs.TYPICAL``): ``traces`` maps ``host`` (and ``device`` without CUDA-event device times, ``events``
     False), and ``host_iw`` (``device_iw``) for the split-backward profile, to trace paths; the second profile's I
-    and W taken as measured (``merge_types``)."""
+    and W taken as measured (``merge_types``).  With CUDA-event device times and ``learned`` (default), each side as
+    :func:`pipeloom.tools.schedule_tune.gpu_profile_costs` reads it (device times as the runtime learns them, the
+    host's forwards launched alone); ``learned`` False: the mean device times and every forward's span (the model
+    before session L, for comparisons: ``--device-times mean``)."""
     from pipeloom.tools.run_costs import costs_from_trace, merge_types, with_host_costs
+    from pipeloom.tools.schedule_tune import gpu_profile_costs
     from pipeloom.tools.trace_model import load_trace
 
     def costs(tag: str) -> Any:
         host_model = load_trace(traces["host" + tag])
+        if events and learned:
+            return gpu_profile_costs(host_model)
         dev = (costs_from_trace(host_model, typical=True, device=True) if events else
                costs_from_trace(load_trace(traces["device" + tag]), typical=True))
         return with_host_costs(dev, costs_from_trace(host_model, typical=True))
@@ -460,7 +471,7 @@ OVERLAP: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
 
 
 def replay(directory: str, *, search: int = 3, device_model: str = "lanes",
-           overlap_backward: bool | str | None = "auto") -> tuple[dict[str, Any], list[str]]:
+           overlap_backward: bool | str | None = "auto", learned: bool = True) -> tuple[dict[str, Any], list[str]]:
     """A saved grid (``tune_grid.json`` and the profile traces beside it, as a run writes them under ``--out``)
     predicted again with the tuner as it is now: (the grid's document with every row's prediction, error and model
     busy times recomputed and the rows in the tuner's order (``rank_candidates``), a summary of before and after).
@@ -471,7 +482,7 @@ def replay(directory: str, *, search: int = 3, device_model: str = "lanes",
     earlier search found) is simulated with the same calibration.  Rows keep their measurements, so the lead can
     show a model change on recorded grids without a GPU.  ``overlap_backward``: the runtime's host_overlap_backward
     the tuner predicts with (False for grids measured before session J, whose runtime launched every backward
-    inline)."""
+    inline).  ``learned``: :func:`profile_costs`'s (False: the device times' means, every forward's host span)."""
     from pipeloom.tools.schedule_tune import Candidate, Layers, _action_costs, _simulate, rank_candidates, tune
 
     with open(os.path.join(directory, "tune_grid.json")) as f:
@@ -493,7 +504,7 @@ def replay(directory: str, *, search: int = 3, device_model: str = "lanes",
                 traces[side + tag] = os.path.join(directory, f"profile{tag}_{side}.jsonl")
     if "host" not in traces:
         raise SystemExit(f"{directory}: no profile trace (profile_host.jsonl.rankN) beside tune_grid.json")
-    run = profile_costs(traces, events="device" not in traces)
+    run = profile_costs(traces, events="device" not in traces, learned=learned)
     world = run.world_size
     layers = Layers(tuple(layer_weights(args)), _units(prof["blocks"]), ends=(1, 1))
     rows = doc["rows"]
@@ -811,6 +822,10 @@ def main() -> None:
                    help="the runtime's host_overlap_backward the tuner predicts with (default auto, what the grid runs "
                    "with: the runtime's default); 'off' to --replay a grid measured before session J (every backward "
                    "inline); the variant lanes-inline prints the inline prediction beside it")
+    p.add_argument("--device-times", choices=("learned", "mean"), default="learned",
+                   help="--replay: the profile's device times as the runtime learns them and the host's forwards "
+                   "launched alone (schedule_tune.gpu_profile_costs; default), or 'mean': the device times' means and "
+                   "every forward's span (the model before session L)")
     p.add_argument("--replay", metavar="DIR", nargs="+", default=None,
                    help="no run: predict saved grids again with the tuner as it is now (each DIR holds a run's "
                    "tune_grid.json and profile traces, e.g. benchmarks/results/tunegrid-sessionI/grid-a) and print "
@@ -828,7 +843,8 @@ def main() -> None:
     if args.replay:
         for i, directory in enumerate(args.replay):
             doc, summary = replay(directory, search=args.search, device_model=args.device_model,
-                                  overlap_backward=OVERLAP[args.overlap_backward])
+                                  overlap_backward=OVERLAP[args.overlap_backward],
+                                  learned=args.device_times == "learned")
             print(("\n" if i else "") + f"=== {directory} (replayed)")
             print(format_grid(doc))
             print("\n".join(summary))

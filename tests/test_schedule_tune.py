@@ -802,3 +802,136 @@ def test_tuner_predicts_the_runtimes_overlapped_backwards() -> None:
     assert cpu.overlap_backward is None and "B beside F" not in format_tune(cpu)
     with pytest.raises(ValueError, match="overlap_backward must be"):
         tune(run, overlap_backward="yes", **kw)
+
+
+def _gpu_trace(options: dict[str, Any] | None, actions: list[tuple[int, str, int, int, int, int, bool]],
+               sizes: dict[int, int]) -> Any:
+    """A one-rank GPU trace by hand: ``actions`` (step, type, microbatch, start, end, device ns, beside) of stage 0,
+    each step's microbatch size (a forward send of that many bytes)."""
+    from pipeloom.tools.trace_model import TraceModel
+
+    header = {"format": "pipeloom-trace", "version": 1, "world_size": 1, "schedule": "1F1B", "num_microbatches": 2,
+              "stage_to_rank": [0], "source": "run", **({"options": options} if options is not None else {})}
+    events: list[dict[str, Any]] = []
+    for st, t, mb, start, end, ns, beside in actions:
+        name = f"0{t}{mb}"
+        events.append({"ev": "action", "rank": 0, "step": st, "name": name, "type": t, "stage": 0, "mb": mb,
+                       "start": start, "end": end, **({"beside": True} if beside else {})})
+        events.append({"ev": "device", "rank": 0, "step": st, "name": name, "type": t, "stage": 0, "mb": mb,
+                       "t": start, "ns": ns})
+    for st, b in sizes.items():
+        events.append({"ev": "send", "rank": 0, "step": st, "peer": 0, "stage": 1, "mb": 0, "kind": "F", "seq": st,
+                       "bytes": b, "start": st * 100_000 + 1, "end": st * 100_000 + 2})
+    return TraceModel(header, events)
+
+
+def _gpu_run(compute: dict[tuple[int, str], float], ref: int, *, device: bool, steps: list[int]) -> RunCosts:
+    return RunCosts(costs=Costs(), action_costs={(s, t, None): c + 7.0 for (s, t), c in compute.items()},
+                    compute_ns=dict(compute), overhead_per_action_ns={0: 7.0}, schedule="1F1B", num_microbatches=2,
+                    world_size=1, stage_to_rank=[0], steps=steps, step_ns=0.0, runtime_per_action_ns={0: 7.0},
+                    compute_fit={k: (c / 2, c / 2 / ref) for k, c in compute.items()}, ref_bytes=ref,
+                    sizes_fitted=True, device_measured=device)
+
+
+def test_device_times_as_the_runtime_learns_them() -> None:
+    """A GPU trace's device side as the runtime learns it (``learned_device_costs``): each stage and type's least
+    CUDA-event time per microbatch size (compute alone: a slept learning step's), not the mean (a host-bound rank's
+    pace); a backward launched beside a forward left out (its stream ran the forward's kernels too); fitted through
+    two sizes where the smaller one's least is compute (below the reference's, at least proportional), elsewhere
+    the median fixed share of those fits; a trace whose runtime did not sleep its learning steps unchanged."""
+    from pipeloom.tools.schedule_tune import learned_device_costs, learned_sleeps
+
+    # steps 0-1 full size (1000 bytes; the learning steps: the first launch slept), 2 full, 3 half (500 bytes)
+    acts = [(0, "F", 0, 0, 90, 300, False), (0, "F", 1, 100, 190, 900, False),
+            (0, "B", 0, 200, 390, 600, False), (0, "B", 1, 400, 590, 1900, False),
+            (1, "F", 0, 100_000, 100_090, 310, False), (1, "B", 0, 100_200, 100_390, 620, False),
+            (2, "F", 0, 200_000, 200_090, 880, False), (2, "B", 0, 200_100, 200_290, 400, True),  # beside: left out
+            (2, "B", 1, 200_300, 200_490, 1800, False),
+            (3, "F", 0, 300_000, 300_090, 200, False), (3, "B", 0, 300_200, 300_390, 1500, False)]
+    sizes = {0: 1000, 1: 1000, 2: 1000, 3: 500}
+    run = _gpu_run({(0, "F"): 700.0, (0, "B"): 1300.0}, 1000, device=True, steps=[1, 2, 3])
+    model = _gpu_trace({"gpu_commit_ms": 10.0, "device": "cuda"}, acts, sizes)
+    assert learned_sleeps(model)
+    got = learned_device_costs(model, run)
+    assert got.compute_ns == {(0, "F"): 300.0, (0, "B"): 600.0}  # the least at the reference size; the beside B's 400 not
+    # F: through (500 bytes, 200) and (1000, 300): 100 fixed + 0.2 per byte (a fixed share of 1/3)
+    assert got.compute_fit[(0, "F")] == pytest.approx((100.0, 0.2))
+    # B: its half-size least (1500) is the host's pace, above its reference least: F's fixed share of its 600
+    assert got.compute_fit[(0, "B")] == pytest.approx((200.0, 0.4))
+    assert got.action_costs[(0, "F", None)] == pytest.approx(307.0)  # (the runtime's time per action kept)
+    # a trace without the run's options (recorded before the learning sleeps), or with them off: as it was
+    for opts in (None, {"device": "cuda", "gpu_learn_sleep": False}):
+        old = _gpu_trace(opts, acts, sizes)
+        assert not learned_sleeps(old) and learned_device_costs(old, run) is run
+    assert learned_device_costs(model, replace(run, device_measured=False)).compute_ns == run.compute_ns  # spans: as is
+
+
+def test_host_forwards_as_launched_alone() -> None:
+    """``alone_host_costs``: a forward's host span that a backward launched beside it (``host_overlap_backward``)
+    overlaps holds both lanes' contention, which the two-lane model adds itself: a stage's forwards cost what the
+    ones launched alone took, per size; nothing launched beside: unchanged."""
+    from pipeloom.tools.schedule_tune import alone_host_costs
+
+    # full size (1000 bytes) steps 1-2, half size step 3; the forwards 1F during a beside B take 140 instead of 100
+    acts = [(1, "F", 0, 100_000, 100_100, 0, False), (1, "B", 0, 100_200, 100_500, 0, True),
+            (1, "F", 1, 100_250, 100_390, 0, False),
+            (2, "F", 0, 200_000, 200_100, 0, False), (2, "B", 0, 200_200, 200_500, 0, True),
+            (2, "F", 1, 200_250, 200_390, 0, False),
+            (3, "F", 0, 300_000, 300_060, 0, False), (3, "B", 0, 300_200, 300_500, 0, True),
+            (3, "F", 1, 300_250, 300_334, 0, False)]
+    sizes = {1: 1000, 2: 1000, 3: 500}
+    run = _gpu_run({(0, "F"): 120.0, (0, "B"): 300.0}, 1000, device=False, steps=[1, 2, 3])
+    got = alone_host_costs(_gpu_trace({"device": "cuda"}, acts, sizes), run)
+    assert got.compute_ns[(0, "F")] == pytest.approx(100.0) and got.compute_ns[(0, "B")] == 300.0
+    assert got.compute_fit[(0, "F")] == pytest.approx((20.0, 0.08))  # 60 at 500 bytes, 100 at 1000
+    assert got.action_costs[(0, "F", None)] == pytest.approx(107.0)
+    inline = [(st, t, mb, a, b, ns, False) for st, t, mb, a, b, ns, _ in acts]
+    assert alone_host_costs(_gpu_trace({"device": "cuda"}, inline, sizes), run) is run
+
+
+def test_session_l_profile_as_the_runtime_ran_it() -> None:
+    """The recorded GPU profile of session L (2 x H200, GPT size s, Interleaved1F1B m=16, the runtime launching
+    backwards beside forwards): read as the runtime learns it, the tuner launches most of the profile's own
+    backwards beside a forward, as the run did (27 and 29 of 32 per rank and step), where the means' host-paced
+    device times kept (nearly) every one inline; the trace of a runtime without learning sleeps (session I) is read as
+    before.  And the reconstructed grid replays (its profile section lacks fields a run writes)."""
+    import sys
+
+    from pipeloom.tools.run_costs import costs_from_trace
+    from pipeloom.tools.schedule_tune import _simulate, gpu_profile_costs, learned_device_costs
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import tune_grid
+
+    results = Path(__file__).parents[1] / "benchmarks" / "results"
+    model = load_trace(str(results / "tunegrid-sessionL" / "profile_host.jsonl"))
+    mean = with_host_costs(costs_from_trace(model, typical=True, device=True), costs_from_trace(model, typical=True))
+    learned = gpu_profile_costs(model)
+    assert learned.compute_ns[(2, "F")] < 0.6e6 < 1.5e6 < mean.compute_ns[(2, "F")]  # 3 blocks: 0.53 ms slept
+    assert learned.compute_ns[(2, "B")] < 1.5e6 < 3e6 < mean.compute_ns[(2, "B")]
+    assert learned.host is not None and mean.host is not None
+    assert learned.host.compute_ns[(2, "F")] < 0.85 * mean.host.compute_ns[(2, "F")]  # alone, not beside a B
+    layers = Layers(tuple(tune_grid.layer_weights(_size_s())), (3, 1, 3, 3), ends=(1, 1))
+    kw: dict[str, Any] = {"layers": layers, "split": (3, 1, 3, 3)}
+    before = _simulate(mean, "Interleaved1F1B", 2, 2, 16, **kw)[1].overlapped_backwards
+    now = _simulate(learned, "Interleaved1F1B", 2, 2, 16, **kw)[1].overlapped_backwards
+    assert sum(before.values()) < 10 and all(n >= 20 for n in now.values())  # of 32 per rank
+    old = load_trace(str(results / "tunegrid-sessionI" / "grid-a" / "profile_host.jsonl"))
+    dev = costs_from_trace(old, typical=True, device=True)
+    assert learned_device_costs(old, dev) is dev
+    doc, summary = tune_grid.replay(str(results / "tunegrid-sessionL"))
+    assert "tuner's first pick" in tune_grid.format_grid(doc)
+    assert summary[0].startswith("recorded tuner: first pick DualPipeV m=8 (1,3,2,2) +22.8%")
+    assert max(abs(r["error"]) for r in doc["rows"]) < 0.2 and doc["rows"][0]["schedule"] == "1F1B"
+
+
+def _size_s() -> Any:
+    import argparse
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import tune_grid
+
+    a = argparse.Namespace()
+    a.layers, a.hidden, a.heads, a.batch, a.seq, a.vocab = tune_grid.SIZES["s"]
+    return a

@@ -61,6 +61,12 @@ off by -65% .. +430%):
   block's launch time to each of its actions, whatever recorded stage (or
   rank) it came from; the device side is shared by FLOPs
   (:func:`stage_compute`);
+* **device times as the runtime learns them** (GPU traces whose runtime slept its learning steps,
+  :func:`gpu_profile_costs`): each stage and type's least CUDA-event time, its compute alone, not the mean,
+  which on a host-bound rank is the host's pace and for a backward launched beside a forward holds the
+  forward's kernels (:func:`learned_device_costs`); the runtime's auto rule for ``host_overlap_backward``
+  decides on the same times, so the tuner's does too.  The host's forwards are those launched alone: beside a
+  backward a forward's span holds the contention the two-lane model adds (:func:`alone_host_costs`);
 * **a split backward measured** where the profile had one
   (:func:`~pipeloom.tools.run_costs.merge_types`: a second profile run of a
   zero-bubble schedule): on the host pipeloom's I plans the weight work and W
@@ -101,8 +107,9 @@ from ..schedules.dispatch import stage_streams as resolve_streams
 from ..schedules.simulate import OVERLAP_CONTENTION as _SIM_OVERLAP_CONTENTION
 from .run_costs import RunCosts
 
-__all__ = ["TIE", "Candidate", "HostFit", "Layers", "TuneResult", "calibration", "commit_horizon", "fixed_per_action", "format_tune",
-           "host_fit", "near_ties", "parse_size", "rank_candidates", "sampled_runs", "search_split", "stage_compute", "tune"]
+__all__ = ["TIE", "Candidate", "HostFit", "Layers", "TuneResult", "alone_host_costs", "calibration", "commit_horizon",
+           "fixed_per_action", "format_tune", "gpu_profile_costs", "host_fit", "learned_device_costs", "learned_sleeps",
+           "near_ties", "parse_size", "rank_candidates", "sampled_runs", "search_split", "stage_compute", "tune"]
 
 
 @dataclass(frozen=True)
@@ -678,6 +685,165 @@ def _device_side(run: RunCosts, fixed: dict[str, float] | None) -> RunCosts:
         fit = {k: (0.0, b) for k, (_, b) in run.compute_fit.items()}
         return replace(run, compute_fit=fit, compute_ns={k: b * run.ref_bytes for k, (_, b) in fit.items()})
     return _less_fixed(run, fixed or {})
+
+
+def _step_bytes(model: Any) -> dict[int, int]:
+    """step -> its microbatch size in bytes (its largest forward send, as :func:`~pipeloom.tools.run_costs.costs_from_trace`
+    reads it)."""
+    size: dict[int, int] = {}
+    for lst in model.transfers.values():
+        for t in lst:
+            if t.kind == "send" and t.event.get("kind") == "F":
+                b = int(t.event.get("bytes", 0) or 0)
+                if b > size.get(t.step, 0):
+                    size[t.step] = b
+    return size
+
+
+def learned_sleeps(model: Any) -> bool:
+    """Whether a GPU trace's runtime learned its device times with a stream sleep in the learning steps
+    (``RuntimeOptions.gpu_learn_sleep``, session K): the trace header carries the run's options (written since
+    f47fc70, after the sleeps landed) and they do not turn it off."""
+    opts = model.header.get("options")
+    return isinstance(opts, dict) and opts.get("device", "cuda") != "cpu" and opts.get("gpu_learn_sleep", True) is not False
+
+
+def learned_device_costs(model: Any, run: RunCosts) -> RunCosts:
+    """The device side of a GPU trace (``run``: ``costs_from_trace(model, device=True)``) as the runtime learns it:
+    each stage and type's least device time over the trace's steps (its compute alone), not the mean; ``run``
+    unchanged where the trace's runtime did not sleep its learning steps (:func:`learned_sleeps`: then none of a
+    host-bound rank's samples is its compute alone) or has no device times.
+
+    Why (``benchmarks/tune_grid.py``, session L, 2 x H200, GPT size s, Interleaved1F1B profile): a CUDA-event pair
+    times compute alone only where the kernels were queued before the device reached them; on a host-bound rank
+    the device runs each kernel as the host launches it, so the mean device time is the host's pace (stage 2's
+    forward 1.83 ms mean, 0.53 ms in the slept learning step), and a backward launched beside the next forward
+    on one stream (``host_overlap_backward``) times the forward's kernels too (stage 2's B 3.38 ms mean, 1.37 ms
+    slept).  Fed those, the auto rule (:func:`~pipeloom.schedules.dispatch.backward_overlap_pays`: the B's host
+    launch against the B's and F's device times) kept every backward inline in every candidate, the profile's
+    own configuration included, whose run launched 27-29 of its 32 backwards per rank and step beside a forward
+    (the runtime decides on the slept times); the calibration (x0.828) then carried the profile's overlap gain
+    to every schedule, V schedules (few or no B followed by an F) 5-18% under, and the device lane ran at the
+    host's pace, one-stream schedules 10-30% over.  The two-lane model already holds a device action to its
+    launch (it ends no earlier), so the host's pace needs no device time of its own.
+
+    The least is taken per microbatch size over the steps of that size; backwards launched beside a forward
+    (``beside``) are left out (their kernels share a stream with the forward's).  A stage and type whose least at
+    a smaller size is below its least at the reference size and no less than its proportional share is fitted
+    ``fixed + per byte`` through the two; elsewhere (a smaller size's least still at the host's pace: the learning
+    steps, the only slept ones, run the full batch) the reference least is split as the median of those fits'
+    fixed shares (none: proportional)."""
+    if not run.device_measured or not model.device_ns or not learned_sleeps(model):
+        return run
+    size = _step_bytes(model)
+    ref = run.ref_bytes or max(size.values(), default=0)
+    if not ref:
+        return run
+    train = set(model.train_steps)
+    least: dict[tuple[int, str], dict[int, float]] = {}  # (stage, type) -> size -> least ns
+    for r, lst in model.actions.items():
+        for a in lst:
+            if a.type not in ("F", "B", "I", "W") or not isinstance(a.stage, int) or a.step not in train:
+                continue
+            if a.event.get("beside"):
+                continue
+            ns = model.device_ns.get((r, a.step, a.name))
+            if ns is None or ns < 0:
+                continue
+            b = size.get(a.step, ref)
+            b = ref if b >= 0.95 * ref else b
+            by = least.setdefault((a.stage, a.type), {})
+            if ns < by.get(b, float("inf")):
+                by[b] = float(ns)
+    fits: dict[tuple[int, str], tuple[float, float]] = {}
+    shares: list[float] = []
+    for k, by in least.items():
+        if ref not in by:
+            continue
+        d1 = by[ref]
+        for b0, d0 in sorted(by.items()):
+            if b0 < ref and d0 < d1 and d0 >= d1 * b0 / ref and d1 > 0:
+                slope = (d1 - d0) / (ref - b0)
+                fits[k] = (d1 - slope * ref, slope)
+                shares.append(fits[k][0] / d1)
+                break
+    share = sorted(shares)[len(shares) // 2] if shares else 0.0
+    compute = dict(run.compute_ns)
+    fit = dict(run.compute_fit)
+    acts = dict(run.action_costs)
+    for k, by in least.items():
+        if k not in compute or ref not in by:
+            continue
+        d1 = by[ref]
+        fit[k] = fits.get(k, (share * d1, (1 - share) * d1 / ref))
+        if (k[0], k[1], None) in acts:
+            acts[(k[0], k[1], None)] += d1 - compute[k]
+        compute[k] = d1
+    return replace(run, compute_ns=compute, compute_fit=fit, action_costs=acts)
+
+
+def alone_host_costs(model: Any, run: RunCosts) -> RunCosts:
+    """The host side of a GPU trace (``run``: ``costs_from_trace(model)``) with each stage's forward costing its
+    launch alone: measured on the forwards whose span no backward launched beside it (``beside``,
+    ``host_overlap_backward``) overlaps, where the stage has any at the reference size.  ``run`` unchanged where
+    nothing was launched beside.
+
+    Why: the two-lane model slows both host lanes by :data:`OVERLAP_CONTENTION` while a backward and a forward
+    launch at once; a forward's span recorded beside a backward already holds that contention (session L,
+    Interleaved1F1B, 2 x H200: a stage's forwards 1.16-1.40x as long beside a backward as alone, 78-90 of every
+    96 beside one), so measuring the host's forward on them counted it twice.  (The backwards' host costs are
+    already the inline ones': :func:`~pipeloom.tools.run_costs.costs_from_trace`.)"""
+    from .run_costs import _affine
+
+    spans = {r: [(a.start, a.end) for a in lst if a.event.get("beside")] for r, lst in model.actions.items()}
+    if not any(spans.values()):
+        return run
+    size = _step_bytes(model)
+    ref = run.ref_bytes
+    chosen = set(run.steps)
+    full: dict[int, list[int]] = {}
+    sized: dict[int, list[tuple[int, int]]] = {}
+    for r, lst in model.actions.items():
+        beside = spans.get(r, [])
+        for a in lst:
+            if a.type != "F" or not isinstance(a.stage, int) or a.step not in chosen:
+                continue
+            if any(s < a.end and a.start < e for s, e in beside):
+                continue
+            b = size.get(a.step, ref)
+            if not ref or b >= 0.95 * ref:
+                full.setdefault(a.stage, []).append(a.duration)
+            if a.step in size:
+                sized.setdefault(a.stage, []).append((b, a.duration))
+    compute = dict(run.compute_ns)
+    fit = dict(run.compute_fit)
+    acts = dict(run.action_costs)
+    for s, v in full.items():
+        k = (s, "F")
+        if k not in compute:
+            continue
+        mean = sum(v) / len(v)
+        old = compute[k]
+        got = _affine(sized.get(s, [])) if run.sizes_fitted else None
+        if got is None:
+            a0, b0 = fit.get(k, (0.0, old / ref if ref else 0.0))
+            got = (a0 * mean / old, b0 * mean / old) if old > 0 else (mean, 0.0)
+        fit[k] = got
+        if (s, "F", None) in acts:
+            acts[(s, "F", None)] += mean - old
+        compute[k] = mean
+    return replace(run, compute_ns=compute, compute_fit=fit, action_costs=acts)
+
+
+def gpu_profile_costs(model: Any, *, typical: bool = True) -> RunCosts:
+    """A GPU trace with device times (CUDA events) as the tuner takes it: both sides from the one run
+    (:func:`~pipeloom.tools.run_costs.with_host_costs`), the device side as the runtime learns it
+    (:func:`learned_device_costs`), the host's forwards as launched alone (:func:`alone_host_costs`)."""
+    from .run_costs import costs_from_trace, with_host_costs
+
+    dev = learned_device_costs(model, costs_from_trace(model, typical=typical, device=True))
+    host = alone_host_costs(model, costs_from_trace(model, typical=typical))
+    return with_host_costs(dev, host)
 
 
 def _crosses(place: Sequence[int], s: int, t: str) -> bool:
