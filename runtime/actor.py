@@ -834,7 +834,10 @@ class RankActor:
             return self._remote_error
         lost = self.liveness.check(self.step_index - 1, disconnected=self.control.disconnected,
                                    events_read_at=self.control.monitors_read_at, needed={peer})
-        return None if lost is None else PeerLostError(lost.reason, rank=self.rank, peer=lost.peer)
+        if lost is None:
+            return None
+        root = self._abort_behind(lost.peer)
+        return root if root is not None else PeerLostError(lost.reason, rank=self.rank, peer=lost.peer)
 
     def _device_timed(self, meta: tuple[int, str, str, int, int | None, int], ms: float) -> None:
         """Traced GPU runs: an action's device time, once its CUDA events completed (see ``runtime/trace.py``)."""
@@ -1903,11 +1906,35 @@ class RankActor:
         lost = self.liveness.check(step, disconnected=self.control.disconnected, events_read_at=self.control.monitors_read_at,
                                    needed=self._needed_peers(pending, step))
         if lost is not None:
+            root = self._abort_behind(lost.peer)
+            if root is not None:  # the peer left because another rank failed: that failure, heard, not re-broadcast
+                raise self._annotate_wait(root, pending, step) from None
             err = PeerLostError(lost.reason, rank=self.rank, peer=lost.peer)
             self._remote_error = err
             self.broadcast_abort(err, None, step)
             # from None: raised while handling the wait's TimeoutError, which is no part of the story
             raise self._annotate_wait(err, pending, step) from None
+
+    def _abort_behind(self, peer: int) -> RemoteRankError | None:
+        """A peer found gone because it closed its Pipeline in this step (its 'bye') most often stopped because
+        another rank failed; that rank's abort, sent to every rank, may reach this one after the bye (ZeroMQ keeps
+        each sender's order, not an order across senders: a full-suite run under load had the PP x DP fault test's
+        rank 2 name rank 0, which had closed on rank 1's abort, instead of rank 1).  The control plane is read for a short while
+        (``_CONFIRM_LOST``) for that abort: the root cause, not its consequence.  None if the peer did not say
+        bye (it died: nothing to wait for) or no abort came."""
+        if self.liveness.left(peer) is None or self._remote_error is not None:
+            return self._remote_error if isinstance(self._remote_error, RemoteRankError) else None
+        deadline = time.monotonic() + _CONFIRM_LOST
+        while True:
+            try:
+                self.control.drain()
+            except Exception:  # noqa: BLE001 - only a better message is at stake
+                pass
+            if isinstance(self._remote_error, RemoteRankError):
+                return self._remote_error
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
 
     def _needed_peers(self, pending: Sequence[Action], step: int) -> set[int] | None:
         """The peers this rank still waits on for an input in this step (None: every peer).

@@ -755,7 +755,7 @@ class Pipeline:
             # backward overlap, one stream per stage)
             options={"gpu_commit_ms": o.gpu_commit_ms, "gpu_commit_launches": o.gpu_commit_launches,
                      "host_overlap_backward": o.host_overlap_backward, "overlap_streams": o.overlap_streams,
-                     "dispatch": o.dispatch, "device": self.device.type},
+                     "gpu_learn_sleep": o.gpu_learn_sleep, "dispatch": o.dispatch, "device": self.device.type},
         )
         if endpoint:
             sink: Any = StreamSink(endpoint, self.rank, header, secret)

@@ -385,16 +385,18 @@ def _run_costs(path: str, *, flag: str = "--costs-from", typical: bool = False, 
     """:func:`~pipeloom.tools.run_costs.costs_from_trace` of a run, user errors as _UsageError.
 
     ``both_sides``: a GPU run whose trace has the actions' device times (``device`` events) gives its device
-    side and its host side at once (:func:`~pipeloom.tools.run_costs.with_host_costs`)."""
-    from .run_costs import costs_from_trace, with_host_costs
+    side and its host side at once (:func:`~pipeloom.tools.schedule_tune.gpu_profile_costs`: the device times
+    as the runtime learns them, the forwards' host time as launched alone)."""
+    from .run_costs import costs_from_trace
+    from .schedule_tune import gpu_profile_costs
     from .trace_model import load_trace
 
     try:
         model = load_trace(path)
-        run = costs_from_trace(model, typical=typical)
         if both_sides and model.device_ns:
-            run = with_host_costs(costs_from_trace(model, typical=typical, device=True), run)
-        return run
+            # the device side as the runtime learns it, the host's forwards as launched alone (see gpu_profile_costs)
+            return gpu_profile_costs(model, typical=typical)
+        return costs_from_trace(model, typical=typical)
     except ValueError as exc:
         raise _UsageError(f"{flag} {path}: {exc}") from None
 
