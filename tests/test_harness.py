@@ -55,13 +55,14 @@ async def test_timeout_reports_what_a_waiting_actor_waits_for(tmp_path: Path) ->
         torch.manual_seed(0)
         pipe = pipeloom.Pipeline(lambda s: torch.nn.Linear(4, 4), schedule="1F1B", num_microbatches=2,
                                  loss_fn=lambda y, t: ((y - t) ** 2).mean(), heartbeat_timeout=600)
+        print("built", flush=True)
         if pipe.rank == 1:
             while True:
                 time.sleep(0.05)
         pipe.step(torch.randn(4, 4), target=torch.randn(4, 4))
     """))
-    with pytest.raises(RanksFailed) as info:
-        await spawn_ranks(2, [str(script)], timeout=8)
+    with pytest.raises(RanksFailed) as info:  # (the bound counts from both ranks' Pipelines built)
+        await spawn_ranks(2, [str(script)], timeout=5, after="built")
     err0 = info.value.stderr[0]
     assert "rank 0 step 0: waiting" in err0, err0[-3000:]
     assert "0B0: gradient from stage 1 microbatch 0 on rank 1" in err0, err0[-3000:]

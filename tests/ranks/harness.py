@@ -92,9 +92,14 @@ async def run_one_rank(directory: Path, name: str, script: str, *, timeout: floa
 
 
 async def spawn_ranks(
-    world: int, argv: list[str], *, timeout: float, env: dict[str, str] | None = None
+    world: int, argv: list[str], *, timeout: float, env: dict[str, str] | None = None,
+    after: str | None = None, setup_timeout: float = 180.0,
 ) -> tuple[list[int | None], list[str], list[str]]:
     """Run ``python argv...`` as ``world`` ranks; return (returncodes, stdouts, stderrs).
+
+    ``after``: ``timeout`` counts only from when every rank has printed this line to stdout (or exited), which
+    must happen within ``setup_timeout`` (starting Python, importing torch and building a Pipeline take
+    seconds on a loaded machine: a test that times out a wait on purpose should time the wait, not the start).
 
     Every rank gets ``PIPELOOM_TEST_STACKS=1``: a worker that calls
     :func:`install_stack_dump` prints all its threads' stacks on SIGUSR1.  If
@@ -123,6 +128,11 @@ async def spawn_ranks(
             procs.append(p)
             readers += [asyncio.create_task(_drain(p.stdout, outs[r])), asyncio.create_task(_drain(p.stderr, errs[r]))]
         try:
+            if after is not None:
+                marker = after.encode()
+                async with asyncio.timeout(setup_timeout):
+                    while not all(p.returncode is not None or marker in b"".join(o) for p, o in zip(procs, outs)):
+                        await asyncio.sleep(0.05)
             async with asyncio.timeout(timeout):
                 await asyncio.gather(*(p.wait() for p in procs))
                 await asyncio.gather(*readers)
