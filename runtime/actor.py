@@ -1919,9 +1919,9 @@ class RankActor:
         """A peer found gone because it closed its Pipeline in this step (its 'bye') most often stopped because
         another rank failed; that rank's abort, sent to every rank, may reach this one after the bye (ZeroMQ keeps
         each sender's order, not an order across senders: a full-suite run under load had the PP x DP fault test's
-        rank 2 name rank 0, which had closed on rank 1's abort, instead of rank 1).  The control plane is read for a short while
-        (``_CONFIRM_LOST``) for that abort: the root cause, not its consequence.  None if the peer did not say
-        bye (it died: nothing to wait for) or no abort came."""
+        rank 2 name rank 0, which had closed on rank 1's abort, instead of rank 1).  The control plane is read for
+        a short while (``_CONFIRM_LOST``) for that abort: the root cause, not its consequence.  None if the peer
+        did not say bye (it died: nothing to wait for) or no abort came."""
         if self.liveness.left(peer) is None or self._remote_error is not None:
             return self._remote_error if isinstance(self._remote_error, RemoteRankError) else None
         deadline = time.monotonic() + _CONFIRM_LOST

@@ -197,7 +197,8 @@ class RuntimeOptions:
     and an F of stages on different streams (a rank with several stages and a stream for each:
     DualPipeV and the zero-bubble lists by default, any multi-stage list with
     ``overlap_streams=True``) are always overlapped: their kernels run side by side.  On one
-    stream (a rank with one stage: 1F1B; Interleaved1F1B and LoopedBFS by default) the F's kernels are queued among the B's, so the B's input gradients,
+    stream (a rank with one stage: 1F1B; Interleaved1F1B and LoopedBFS by default) the F's
+    kernels are queued among the B's, so the B's input gradients,
     which the previous rank waits for, may leave up to one forward later; that costs nothing
     only where the device runs both while the host is still launching the B: such a pair is
     overlapped once the rank has learned (over its first steps, inline until then) that the B's
@@ -319,12 +320,13 @@ class RuntimeOptions:
     ``None`` (default, auto): a stream per stage on a rank whose list has OVERLAP_F_B actions
     (DualPipeV) or W actions (ZBVZeroBubble, InterleavedZeroBubble: fillers beside another
     stage's work) or stages with expert parallelism (one stage's all-to-all beside another's
-    compute), one stream elsewhere (Interleaved1F1B, LoopedBFS; ``schedules.dispatch.stage_streams``): where a rank's stages have nothing to run at once, a
+    compute), one stream elsewhere (Interleaved1F1B, LoopedBFS;
+    ``schedules.dispatch.stage_streams``): where a rank's stages have nothing to run at once, a
     second stream only lets the device run one stage's kernels among another's, which slows the
     action a peer waits for where the kernels fill the GPU (2 x H200, GPT size l,
     Interleaved1F1B: 237.0-241.5 ms on one stream, 255.7-258.2 on two, torch 247.3-253.5;
-    ZBVZeroBubble size l 326.8 on two, 344.4 on one; DualPipeV size l: two 4% faster).  A rank with a single stage
-    (1F1B, GPipe) always runs it on the caller's stream: nothing to overlap.  Data parallelism
+    ZBVZeroBubble size l 326.8 on two, 344.4 on one; DualPipeV size l: two 4% faster).  A rank
+    with a single stage (1F1B, GPipe) always runs it on the caller's stream: nothing to overlap.  Data parallelism
     uses the caller's stream, except with expert parallelism (whose all-to-alls must run on
     their stage's stream to overlap).  Environment: ``PIPELOOM_OVERLAP_STREAMS`` (``1``, ``0``
     or ``auto``)."""
