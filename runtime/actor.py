@@ -490,6 +490,8 @@ class RankActor:
         self._bg_auto = mode is None
         #: auto: (B's stage, F's stage) -> overlapped?, decided once the B's times are learned
         self._bg_decided: dict[tuple[int, int], bool] = {}
+        #: what each one-stream decision read (B's host launch, B's and F's device times, ms): for tests and logs
+        self._bg_inputs: dict[tuple[int, int], tuple[float, float, float]] = {}
         #: options.host_overlap_backward: the backwards (stage, microbatch) that may launch beside the forward after
         #: them without making a peer wait on their outputs forever (schedules/dispatch.py)
         #: options.host_queue_backwards: the backwards (stage, microbatch) that may be queued on the worker behind
@@ -636,7 +638,7 @@ class RankActor:
             self.liveness.heartbeat(src, msg["state"], msg["what"], msg["for_s"], stall_s=msg["stall_s"])
             return
         if kind == "bye":
-            self.liveness.bye(src, msg["steps"])
+            self.liveness.bye(src, msg["steps"], msg["cause"])
             self._wake.set()  # a waiting rank re-checks whether it still needs the peer
             return
         if kind == "xfer":  # protocol 3 and older
@@ -645,6 +647,8 @@ class RankActor:
                 "tensor plane since protocol 4: the ranks run different pipeloom versions", rank=self.rank, peer=src))
             return
         if kind == "abort":
+            if self.control.bye_cause < 0:
+                self.control.bye_cause = src  # (said in this rank's bye: a peer may read that before this abort)
             self._fail_remote(
                 RemoteRankError(
                     rank=self.rank,
@@ -1100,6 +1104,9 @@ class RankActor:
                 break
             time.sleep(0.05)
         if left is not None:
+            root = self._abort_behind(peer)  # (it closed on another rank's abort, not read here yet)
+            if root is not None:
+                return root
             why = f"it closed its Pipeline after {left} step(s) while this rank is in step {self.step_index - 1}"
         elif gone:
             why = "its control connection closed: the process exited or was killed"
@@ -1180,6 +1187,7 @@ class RankActor:
         if got is None:
             return False  # not learned yet: inline, decided later
         if one:
+            self._bg_inputs[key] = (host_ms, b_ms, f_ms)  # type: ignore[assignment]
             log.info("rank %d: host_overlap_backward auto: B of stage %d (host launch %.2f ms, device %.2f ms) %s "
                      "beside the F of stage %d (device %.2f ms) on one stream", self.rank, b_stage, host_ms, b_ms,
                      "launched" if got else "not launched", f_stage, f_ms)
@@ -1921,9 +1929,12 @@ class RankActor:
         each sender's order, not an order across senders: a full-suite run under load had the PP x DP fault test's
         rank 2 name rank 0, which had closed on rank 1's abort, instead of rank 1).  The control plane is read for
         a short while (``_CONFIRM_LOST``) for that abort: the root cause, not its consequence.  None if the peer
-        did not say bye (it died: nothing to wait for) or no abort came."""
-        if self.liveness.left(peer) is None or self._remote_error is not None:
+        did not say bye (it died: nothing to wait for), its bye names no abort heard (it closed for a reason of
+        its own: no wait), or that abort did not come."""
+        if self._remote_error is not None:
             return self._remote_error if isinstance(self._remote_error, RemoteRankError) else None
+        if self.liveness.left(peer) is None or self.liveness.left_after_abort_of(peer) is None:
+            return None
         deadline = time.monotonic() + _CONFIRM_LOST
         while True:
             try:

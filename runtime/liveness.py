@@ -82,6 +82,7 @@ class PeerLiveness:
         self._stall_budget: dict[int, float] = {}
         #: peers whose Pipeline closed, and how many steps each had completed
         self._bye_steps: dict[int, int] = {}
+        self._bye_cause: dict[int, int] = {}
         self._listening_since = clock()
 
     @property
@@ -108,15 +109,22 @@ class PeerLiveness:
         if stall_s is not None:
             self._stall_budget[peer] = stall_s
 
-    def bye(self, peer: int, steps: int) -> None:
-        """``peer``'s Pipeline closed after completing ``steps`` steps."""
+    def bye(self, peer: int, steps: int, cause: int = -1) -> None:
+        """``peer``'s Pipeline closed after completing ``steps`` steps (``cause``: the rank whose abort it had
+        heard, -1 if none)."""
         self._bye_steps[peer] = steps
+        self._bye_cause[peer] = cause
         self._state[peer] = ("idle", "", 0.0)
 
     # ------------------------------------------------------------ questions
     def left(self, peer: int) -> int | None:
         """Steps ``peer`` had completed when it said ``bye``; None if it has not."""
         return self._bye_steps.get(peer)
+
+    def left_after_abort_of(self, peer: int) -> int | None:
+        """The rank whose abort ``peer`` had heard when it said ``bye``; None if it has not said bye or heard none."""
+        cause = self._bye_cause.get(peer, -1)
+        return cause if cause >= 0 else None
 
     def last_heard(self, peer: int) -> float:
         """When (this clock) anything last arrived from ``peer``; 0.0 if nothing has."""

@@ -66,6 +66,15 @@ def test_bye_after_the_step_is_no_failure_bye_before_it_is() -> None:
     assert live.check(2) is None
     lost = live.check(3)
     assert lost is not None and lost.peer == 1 and "closed its Pipeline after 3 step(s) while this rank is in step 3" in lost.reason
+    assert live.left_after_abort_of(1) is None  # a bye that names no abort heard
+
+
+def test_a_bye_says_whose_abort_made_the_peer_close() -> None:
+    live, _ = make(world=3)
+    live.start_step()
+    live.bye(2, steps=0, cause=1)  # rank 2 closed on rank 1's abort: a rank not yet reading it waits for it
+    assert live.left(2) == 0 and live.left_after_abort_of(2) == 1
+    assert live.left_after_abort_of(1) is None  # (no bye at all)
 
 
 def test_a_closed_connection_counts_once_a_later_read_still_shows_it() -> None:

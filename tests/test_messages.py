@@ -94,7 +94,7 @@ def test_fuzz_random_and_truncated_frames_never_escape_as_other_errors() -> None
 
 HEARTBEAT = dict(step=4, t=1.7e9, state="busy", what="1F3", for_s=0.25, stall_s=30.0)
 ABORT = dict(step=2, stage=None, mb=-1, action=None, error="RuntimeError: x", traceback="tb")
-EXAMPLES = {"xfer": GOOD, "heartbeat": HEARTBEAT, "bye": dict(steps=7), "abort": ABORT}
+EXAMPLES = {"xfer": GOOD, "heartbeat": HEARTBEAT, "bye": dict(steps=7, cause=-1), "abort": ABORT}
 
 
 def _codec(rank: int, **kw: bool) -> Codec:
@@ -130,13 +130,13 @@ def test_codec_mac_is_hmac_sha256(key_len: int) -> None:
 
 
 def test_codec_rejects_forged_short_and_self_addressed_frames() -> None:
-    frame = _codec(1).frame("bye", {"steps": 1})
+    frame = _codec(1).frame("bye", {"steps": 1, "cause": -1})
     with pytest.raises(MessageError, match="bad signature"):
         Codec(b"t" * 32, rank=0, world_size=4).read(frame)
     with pytest.raises(MessageError, match="bad signature"):
         _codec(0).read(frame[:-1] + bytes([frame[-1] ^ 1]))
     with pytest.raises(MessageError, match="bad signature"):
-        _codec(0).read(msgpack.packb({"v": PROTOCOL_VERSION, "type": "bye", "src": 1, "steps": 1}))  # unsigned
+        _codec(0).read(msgpack.packb({"v": PROTOCOL_VERSION, "type": "bye", "src": 1, "steps": 1, "cause": -1}))  # unsigned
     with pytest.raises(MessageError, match="too short"):
         _codec(0).read(b"\x00" * 5)
     with pytest.raises(MessageError, match="this rank"):
@@ -162,6 +162,10 @@ def test_outgoing_check_is_on_by_default_and_can_be_turned_off() -> None:
         _codec(1).frame("hello", {})
     with pytest.raises(MessageError, match="missing field 'steps'"):
         _codec(1).frame("bye", {})
+    with pytest.raises(MessageError, match="field 'cause'"):  # (protocol 5: the rank whose abort it heard, or -1)
+        _codec(1).frame("bye", {"steps": 1, "cause": -2})
+    frame = _codec(1).frame("bye", {"steps": 1, "cause": 3})
+    assert _codec(0).read(frame)["cause"] == 3
     frame = _codec(1, check_outgoing=False).frame("xfer", dict(bad))  # sent unchecked: the receiver still refuses it
     with pytest.raises(MessageError, match="field 'tensors'"):
         _codec(0).read(frame)

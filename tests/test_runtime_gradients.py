@@ -332,9 +332,8 @@ def _check_overlapped(world: int, cfg: dict[str, Any], results: list[dict[str, A
                     if not bg["one_stream"][pair]:
                         assert yes, f"rank {rank} step {step}: a pair on two streams not overlapped: {bg}"
                         continue
-                    b, f = pair.split(">")
-                    host_b, dev_b = bg["learned"][f"B{b}"]
-                    dev_f = bg["learned"][f"F{f}"][1]
+                    # (what the decision read then: the host mean keeps learning after it)
+                    host_b, dev_b, dev_f = bg["inputs"][pair]
                     assert None not in (host_b, dev_b, dev_f), f"rank {rank} step {step}: decided unlearned: {bg}"
                     assert yes == (host_b > dev_b + dev_f), f"rank {rank} step {step}: not the rule: {bg}"
                 assert (n[rank] > 0) == any(bg["decided"].values()), (

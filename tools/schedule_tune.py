@@ -251,9 +251,11 @@ DEVICE_MODELS = ("lanes", "max")
 * ``lanes`` (default): each rank's host launches its list in order, committing ahead of the device by at most
   the runtime's horizon of queued device work (:func:`commit_horizon`: 10 ms, or 3 launches of the slowest action
   type if more), and its device runs each action once launched and its inputs have landed, each stage's actions in
-  launch order on the stage's own stream where the runtime gives each stage one (``overlap_streams``: auto, a
-  rank whose list has OVERLAP_F_B actions), a ready one of one stage in a gap
-  while another stage's input is late (``simulate(device_streams=True)``), one stream for the rank elsewhere (:func:`~pipeloom.schedules.simulate`'s ``device_costs``), as ``runtime/device.py`` does; with static
+  launch order on the stage's own stream where the runtime gives each stage one (``overlap_streams`` auto:
+  lists with OVERLAP_F_B or W actions, ``schedules.dispatch.stage_streams``; expert parallelism is not modelled),
+  a ready one of one stage in a gap while another stage's input is late (``simulate(device_streams=True)``), one
+  stream for the rank elsewhere (:func:`~pipeloom.schedules.simulate`'s ``device_costs``), as ``runtime/device.py``
+  does; with static
   shapes no host waits for another's.  Host work of one action overlaps the device work of the ones before;
 * ``max``: one lane per rank, each action the longer of its host path and its device time (the model before):
   the sum of per-action maxima, which over-predicts wherever the host is the slower side for some actions and
@@ -687,16 +689,19 @@ def _device_side(run: RunCosts, fixed: dict[str, float] | None) -> RunCosts:
     return _less_fixed(run, fixed or {})
 
 
-def _step_bytes(model: Any) -> dict[int, int]:
-    """step -> its microbatch size in bytes (its largest forward send, as :func:`~pipeloom.tools.run_costs.costs_from_trace`
-    reads it)."""
-    size: dict[int, int] = {}
+def _step_bytes(model: Any) -> dict[Any, int]:
+    """(step, microbatch) -> that microbatch's size in bytes (its largest forward send, as
+    :func:`~pipeloom.tools.run_costs.costs_from_trace` reads it), and step -> its largest microbatch's
+    (``torch.tensor_split`` cuts a batch of 10 rows into 3, 3, 2, 2: a step's size alone would label the
+    2-row microbatches full-size)."""
+    size: dict[Any, int] = {}
     for lst in model.transfers.values():
         for t in lst:
             if t.kind == "send" and t.event.get("kind") == "F":
                 b = int(t.event.get("bytes", 0) or 0)
-                if b > size.get(t.step, 0):
-                    size[t.step] = b
+                for k in (t.step, (t.step, t.mb)):
+                    if b > size.get(k, 0):
+                        size[k] = b
     return size
 
 
@@ -750,7 +755,7 @@ def learned_device_costs(model: Any, run: RunCosts) -> RunCosts:
             ns = model.device_ns.get((r, a.step, a.name))
             if ns is None or ns < 0:
                 continue
-            b = size.get(a.step, ref)
+            b = size.get((a.step, a.mb), size.get(a.step, ref))
             b = ref if b >= 0.95 * ref else b
             by = least.setdefault((a.stage, a.type), {})
             if ns < by.get(b, float("inf")):
@@ -795,8 +800,12 @@ def alone_host_costs(model: Any, run: RunCosts) -> RunCosts:
     already the inline ones': :func:`~pipeloom.tools.run_costs.costs_from_trace`.)"""
     from .run_costs import _affine
 
-    spans = {r: [(a.start, a.end) for a in lst if a.event.get("beside")] for r, lst in model.actions.items()}
-    if not any(spans.values()):
+    spans: dict[int, dict[int, list[tuple[int, int]]]] = {}  # rank -> step -> the beside backwards' spans
+    for r, lst in model.actions.items():
+        for a in lst:
+            if a.event.get("beside"):
+                spans.setdefault(r, {}).setdefault(a.step, []).append((a.start, a.end))
+    if not spans:
         return run
     size = _step_bytes(model)
     ref = run.ref_bytes
@@ -804,13 +813,13 @@ def alone_host_costs(model: Any, run: RunCosts) -> RunCosts:
     full: dict[int, list[int]] = {}
     sized: dict[int, list[tuple[int, int]]] = {}
     for r, lst in model.actions.items():
-        beside = spans.get(r, [])
+        by_step = spans.get(r, {})
         for a in lst:
             if a.type != "F" or not isinstance(a.stage, int) or a.step not in chosen:
                 continue
-            if any(s < a.end and a.start < e for s, e in beside):
+            if any(s < a.end and a.start < e for s, e in by_step.get(a.step, ())):
                 continue
-            b = size.get(a.step, ref)
+            b = size.get((a.step, a.mb), size.get(a.step, ref))
             if not ref or b >= 0.95 * ref:
                 full.setdefault(a.stage, []).append(a.duration)
             if a.step in size:

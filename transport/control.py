@@ -165,6 +165,8 @@ class ControlPlane:
         #: disconnect counts only once a later read still shows no reconnect
         self.monitors_read_at = 0.0
         self.steps_done = 0  #: steps this rank completed (set by the actor), said in ``bye``
+        #: the rank whose abort this rank heard (set by the actor; -1: none), said in ``bye``
+        self.bye_cause = -1
         #: seconds one action of this rank's current step may run while peers wait for it
         #: (set per step by the Pipeline: longer while torch.compile may compile), in heartbeats
         self.stall_budget = 30.0
@@ -351,7 +353,7 @@ class ControlPlane:
         self._closed = True
         self.stop()
         if self._push:
-            self.broadcast("bye", steps=self.steps_done)  # (LINGER gives it time to leave)
+            self.broadcast("bye", steps=self.steps_done, cause=self.bye_cause)  # (LINGER gives it time to leave)
         self._hb_stop.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=2)

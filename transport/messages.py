@@ -59,7 +59,7 @@ __all__ = [
 
 MAC_BYTES = 16  #: truncated HMAC-SHA256 in front of every frame
 
-PROTOCOL_VERSION = 4  # 2: xfer carries 'last'; 'bye'.  ('hello', never sent by any version, is gone.)  3: heartbeat carries 'stall_s'  4: gloo transfers carry their own header on the tensor plane (no xfer announcement)
+PROTOCOL_VERSION = 5  # 2: xfer carries 'last'; 'bye'.  ('hello', never sent by any version, is gone.)  3: heartbeat carries 'stall_s'  4: gloo transfers carry their own header on the tensor plane (no xfer announcement)  5: bye carries 'cause'
 MAX_MESSAGE_BYTES = 1 << 20  #: larger frames are rejected before decoding
 
 _MAX_TENSORS = 256
@@ -130,8 +130,10 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "for_s": lambda v: isinstance(v, float) and v >= 0,
         "stall_s": lambda v: isinstance(v, float) and v > 0,
     },
-    # the sender's Pipeline closed cleanly: its control connection closing next is no failure
-    "bye": {"steps": _nonneg},  # steps this rank completed
+    # the sender's Pipeline closed cleanly: its control connection closing next is no failure.  ``cause``: the rank
+    # whose abort it heard before closing (-1: none), so that a rank missing that abort yet waits for it rather
+    # than naming the sender (ZeroMQ orders each sender's messages, not messages across senders)
+    "bye": {"steps": _nonneg, "cause": lambda v: type(v) is int and v >= -1},  # steps this rank completed
     "abort": {
         "step": _nonneg,
         "stage": _opt_int,
@@ -324,7 +326,8 @@ def _ok_heartbeat(m: dict[str, Any]) -> bool:
 
 def _ok_bye(m: dict[str, Any]) -> bool:
     steps = m.get("steps")
-    return len(m) == 4 and type(steps) is int and steps >= 0
+    cause = m.get("cause")
+    return len(m) == 5 and type(steps) is int and steps >= 0 and type(cause) is int and cause >= -1
 
 
 def _ok_abort(m: dict[str, Any]) -> bool:
