@@ -520,7 +520,7 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
             "engine": engine, "schedule": name, "model": model_name, "microbatches": n, "varlen": args.varlen, "return_outputs": args.return_outputs,
             "step_ms": step * 1e3, "floor_ms": floor * 1e3, "efficiency": floor / step, "ceiling": ceiling,
             "vs_ceiling": floor / step / ceiling, "peak_gib": peak_max / 2**30, "tokens_per_s": tokens / step,
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cpu_bind": args.cpu_bind, "date": time.strftime("%Y-%m-%d"),
             "gpus": world, "label": args.label, "code": args.code,
             "env": {k: v for k, v in os.environ.items() if k.startswith("PIPELOOM_")},
             **(extra or {}),
@@ -715,6 +715,7 @@ def table(path: str) -> str:
     by: dict[tuple[Any, ...], dict[str, Any]] = {}
     for r in rows:
         case = (r.get("model", "transformer") + " " + ("varlen" if r["varlen"] else "fixed")
+                + (f" cpu-bind={r['cpu_bind']}" if r.get("cpu_bind", "none") != "none" else "")
                 + (f" {r['label']}" if r.get("label") else "") + (f" [{r['code']}]" if r.get("code") else ""))
         if r["engine"] == "pipeloom-1s" or r["engine"].startswith("pipeloom-x"):  # a variant: its own row, beside the same process's torch
             v = " one-stream" if r["engine"] == "pipeloom-1s" else f" {r.get('variant', 'x')}"
@@ -803,6 +804,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alternate", type=int, default=0,
                     help="rounds: keep both engines alive and alternate blocks of steps/ROUNDS steps between them")
     ap.add_argument("--label", default="", help="a tag for this row's variant (e.g. the PIPELOOM_* settings tried)")
+    ap.add_argument("--cpu-bind", default="none", choices=("none", "slice", "node", "socket"),
+                    help="bind each rank's process to CPUs before torch starts its threads (pipeloom.affinity; as "
+                         "`pipeloom launch --cpu-bind`); both engines run under it; recorded in each row")
     ap.add_argument("--json", default=None, help="append result rows (JSON Lines) here")
     ap.add_argument("--table", default=None, help="print the table of a results file and exit")
     args = ap.parse_args(argv)
@@ -811,6 +815,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         print(table(args.table))
         return 0
+    if args.cpu_bind != "none":
+        from pipeloom.affinity import bind_this_process
+
+        bind_this_process(args.cpu_bind)
     import torch
     import torch.distributed as dist
 

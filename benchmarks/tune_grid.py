@@ -154,17 +154,13 @@ def _loss(out: Any, target: Any) -> Any:
 
 
 def _pin_cpus() -> list[int]:
-    """Pin this rank's process to its own share of the CPUs it may use (``--cpu-pin``): the ``LOCAL_RANK``-th of
-    ``LOCAL_WORLD_SIZE`` equal slices, so that no two ranks' threads (the actor's, autograd's backward thread,
-    NCCL's proxies) share a core.  Called before torch starts its threads, which inherit the mask.  Returns the
-    CPUs pinned to."""
-    allowed = sorted(os.sched_getaffinity(0))
-    n = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))))
-    r = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) % n
-    per = max(1, len(allowed) // n)
-    mine = allowed[r * per:(r + 1) * per] or allowed[-per:]
-    os.sched_setaffinity(0, mine)
-    return mine
+    """Pin this rank's process to its own share of the CPUs it may use (``--cpu-pin``): ``pipeloom launch
+    --cpu-bind slice``'s binding (``pipeloom.affinity``), so that no two ranks' threads (the actor's, autograd's
+    backward thread, NCCL's proxies) share a core.  Called before torch starts its threads, which inherit the
+    mask.  Returns the CPUs pinned to."""
+    from pipeloom.affinity import bind_this_process
+
+    return bind_this_process("slice") or []
 
 
 def _rank_main(args: argparse.Namespace) -> None:
@@ -471,7 +467,8 @@ OVERLAP: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
 
 
 def replay(directory: str, *, search: int = 3, device_model: str = "lanes",
-           overlap_backward: bool | str | None = "auto", learned: bool = True) -> tuple[dict[str, Any], list[str]]:
+           overlap_backward: bool | str | None = "auto", learned: bool = True,
+           overlap_margin: float | None = None) -> tuple[dict[str, Any], list[str]]:
     """A saved grid (``tune_grid.json`` and the profile traces beside it, as a run writes them under ``--out``)
     predicted again with the tuner as it is now: (the grid's document with every row's prediction, error and model
     busy times recomputed and the rows in the tuner's order (``rank_candidates``), a summary of before and after).
@@ -482,7 +479,9 @@ def replay(directory: str, *, search: int = 3, device_model: str = "lanes",
     earlier search found) is simulated with the same calibration.  Rows keep their measurements, so the lead can
     show a model change on recorded grids without a GPU.  ``overlap_backward``: the runtime's host_overlap_backward
     the tuner predicts with (False for grids measured before session J, whose runtime launched every backward
-    inline).  ``learned``: :func:`profile_costs`'s (False: the device times' means, every forward's host span)."""
+    inline).  ``learned``: :func:`profile_costs`'s (False: the device times' means, every forward's host span).
+    ``overlap_margin``: the auto rule's margin the grid ran with (None: the profile trace header's
+    ``overlap_margin``, 1.0 where it has none: grids recorded before session M)."""
     from pipeloom.tools.schedule_tune import Candidate, Layers, _action_costs, _simulate, rank_candidates, tune
 
     with open(os.path.join(directory, "tune_grid.json")) as f:
@@ -505,13 +504,19 @@ def replay(directory: str, *, search: int = 3, device_model: str = "lanes",
     if "host" not in traces:
         raise SystemExit(f"{directory}: no profile trace (profile_host.jsonl.rankN) beside tune_grid.json")
     run = profile_costs(traces, events="device" not in traces, learned=learned)
+    if overlap_margin is None:
+        from pipeloom.runtime.trace import expand_paths, read_header
+
+        opts = read_header(expand_paths(traces["host"])[0]).get("options") or {}
+        overlap_margin = float(opts.get("overlap_margin", 1.0))
     world = run.world_size
     layers = Layers(tuple(layer_weights(args)), _units(prof["blocks"]), ends=(1, 1))
     rows = doc["rows"]
     names = list(dict.fromkeys(r["schedule"] for r in rows))
     mbs = sorted({r["microbatches"] for r in rows})
     res = tune(run, schedules=names, microbatches=mbs, stages_per_rank=None, measured_step_ns=prof["step_ns"],
-               layers=layers, search=search, device_model=device_model, overlap_backward=overlap_backward)
+               layers=layers, search=search, device_model=device_model, overlap_backward=overlap_backward,
+               overlap_margin=overlap_margin)
 
     def key(schedule: str, m: int, v: int, split: Any) -> tuple[Any, ...]:
         return (schedule, m, v, tuple(split))
@@ -521,7 +526,8 @@ def replay(directory: str, *, search: int = 3, device_model: str = "lanes",
     for r in rows:
         k = key(r["schedule"], r["microbatches"], r["stages_per_rank"], r["split"])
         sched, sim = _simulate(run, r["schedule"], world, r["stages_per_rank"], r["microbatches"], layers=layers,
-                               split=k[3], device_model=device_model, overlap_backward=overlap_backward)
+                               split=k[3], device_model=device_model, overlap_backward=overlap_backward,
+                               overlap_margin=overlap_margin)
         step = proposed[k].step_ns if k in proposed else sim.makespan * res.calibration
         hc, dc, _ = _action_costs(run, world, r["stages_per_rank"], r["microbatches"], sched.stage_to_rank,
                                   layers=layers, split=k[3], lanes=True)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedules import Dataflow, Schedule, ScheduleError, load_csv
+from ..schedules.dispatch import OVERLAP_MARGIN
 from ..transport.control import ControlPlane, choose_bind_host
 from ..transport.tensor import TensorPlane, abort_communicators, guard_exit, make_pair_groups
 from .actor import ActorStatistics, RankActor, StepInputs
@@ -755,7 +756,8 @@ class Pipeline:
             # backward overlap, one stream per stage)
             options={"gpu_commit_ms": o.gpu_commit_ms, "gpu_commit_launches": o.gpu_commit_launches,
                      "host_overlap_backward": o.host_overlap_backward, "overlap_streams": o.overlap_streams,
-                     "gpu_learn_sleep": o.gpu_learn_sleep, "dispatch": o.dispatch, "device": self.device.type},
+                     "gpu_learn_sleep": o.gpu_learn_sleep, "dispatch": o.dispatch, "device": self.device.type,
+                     "overlap_margin": OVERLAP_MARGIN},
         )
         if endpoint:
             sink: Any = StreamSink(endpoint, self.rank, header, secret)

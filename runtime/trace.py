@@ -13,7 +13,8 @@ Header::
 
 A run's header also carries ``"options"``: the RuntimeOptions that planning it
 needs (``gpu_commit_ms``, ``gpu_commit_launches``, ``host_overlap_backward``,
-``overlap_streams``, ``gpu_learn_sleep``, ``dispatch``) and ``"device"`` (``cpu`` or ``cuda``).
+``overlap_streams``, ``gpu_learn_sleep``, ``dispatch``), the auto overlap rule's ``overlap_margin``
+(``schedules.dispatch.OVERLAP_MARGIN``; absent before session M: 1.0) and ``"device"`` (``cpu`` or ``cuda``).
 A file written by the launcher's collector adds ``"live": "tcp://HOST:PORT"``
 (where ``pipeloom trace attach`` subscribes); a simulated plan adds
 ``"time_unit_ns"`` (ns per simulated time unit) and ``"costs"``.

@@ -95,7 +95,7 @@ from .dataflow import consumer_stage
 from .schedule import Schedule
 from .simulate import Costs, simulate
 
-__all__ = ["RULES", "Dispatcher", "RankPlan", "backward_overlap_pays", "choose_rule", "overlappable_backwards", "plan_ranks",
+__all__ = ["OVERLAP_MARGIN", "RULES", "Dispatcher", "RankPlan", "backward_overlap_pays", "choose_rule", "overlappable_backwards", "plan_ranks",
            "stage_streams", "static_peak"]
 
 #: The dispatch rules: ``list`` (deterministic), ``ready`` (first ready in list order),
@@ -355,19 +355,31 @@ def choose_rule(
     return {"static": "list", "dynamic": "ready", "critical": "critical", "guarded": "guarded"}[best]
 
 
+#: ``backward_overlap_pays``'s safety factor: a backward goes beside a forward on one stream only where its
+#: host launch outlasts both device times by this much.  The cost of a wrong "beside" on a device-bound rank
+#: (the forward's kernels delay every input gradient the previous rank waits for) is far larger than the gain
+#: of a right one near the boundary, and the host time it reads is a mean over a few noisy learning steps.
+#: 4 x H200, GPT size l, 1F1B (session M): one rank of four learned a host launch of 1.18x and, in a second
+#: run, another 1.05x its B's and F's device times, launched beside, and the step took 1.32x and 1.36x torch's
+#: (the inline runs of sessions K and L: 0.99-1.01).  Every recorded size-s decision (host-bound) read
+#: 1.5-6.3x on the inner ranks; the last rank's 1.03-1.46x flip to inline.
+OVERLAP_MARGIN = 1.25
+
+
 def backward_overlap_pays(shares_stream: bool, host_b: float | None, device_b: float | None,
-                          device_f: float | None) -> bool | None:
+                          device_f: float | None, margin: float = OVERLAP_MARGIN) -> bool | None:
     """``RuntimeOptions.host_overlap_backward`` auto: whether a B is launched on the worker beside the F after it.
 
     On two streams yes (their kernels run side by side).  On one stream the F's kernels queue
     among the B's: the B's input gradients, which the previous rank waits for, leave no later
     only if the device can run both while the host is still launching the B, i.e. the B's mean
     host launch time (``host_b``, ms) exceeds the B's and the F's device times together
-    (``device_b``, ``device_f``); None while any is not learned.  (4 x GPUs, GPT 1F1B: size s
-    launches a B in 2.1-2.5 ms that runs 0.6-1.4 ms, an F 0.3-0.9 ms: overlapped, x0.76 of the
-    inline step on H200; size l launches in 3.6-4.0 ms, runs 3.9-6.0 ms: inline; overlapped
-    regardless it took x1.41-1.50.  A launch against the B's device time alone let the
-    device-bound ranks through.)
+    (``device_b``, ``device_f``) by ``margin`` (default ``OVERLAP_MARGIN``; 1.0 was the rule before session M,
+    which replays of runs recorded then use); None while any is not learned.  (4 x GPUs,
+    GPT 1F1B: size s launches a B in 2.1-2.5 ms that runs 0.6-1.4 ms, an F 0.3-0.9 ms: overlapped,
+    x0.76 of the inline step on H200; size l launches in 3.6-4.0 ms, runs 3.9-6.0 ms: inline;
+    overlapped regardless it took x1.41-1.50, and one rank overlapped by a margin of 1.05-1.18 took
+    x1.32-1.36.  A launch against the B's device time alone let the device-bound ranks through.)
 
     Pure, and here rather than in ``runtime/device.py`` so that the simulator
     (``simulate(host_overlap_backward="auto")``) applies the runtime's own rule.
@@ -376,7 +388,7 @@ def backward_overlap_pays(shares_stream: bool, host_b: float | None, device_b: f
         return True
     if host_b is None or device_b is None or device_f is None:
         return None
-    return host_b > device_b + device_f
+    return host_b > margin * (device_b + device_f)
 
 
 def stage_streams(option: bool | None, actions: Sequence[Action], *, stage_collectives: bool = False) -> bool:

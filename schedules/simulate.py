@@ -291,7 +291,8 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, action_costs: Ac
              device_transfer: float | None = None, host_overlap: float = 1.0,
              device_streams: bool = False, host_overlap_backward: bool | str | None = None,
              overlap_contention: float = OVERLAP_CONTENTION,
-             overlap_pairs: Mapping[int, Collection[tuple[int, int]]] | None = None) -> SimulationResult:
+             overlap_pairs: Mapping[int, Collection[tuple[int, int]]] | None = None,
+             overlap_margin: float | None = None) -> SimulationResult:
     """Simulate ``schedule`` under ``costs`` (default :class:`Costs`).
 
     ``action_costs`` overrides the compute costs of F, B, I and W per stage
@@ -325,6 +326,9 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, action_costs: Ac
     instead of the rule's (a recorded run's decisions).  ``overlap_contention``:
     how much slower each of the two host lanes launches while both do (1: not
     at all, 2: one interpreter shared evenly; :data:`OVERLAP_CONTENTION`).
+    ``overlap_margin``: the auto rule's margin (None: the runtime's,
+    :data:`~pipeloom.schedules.dispatch.OVERLAP_MARGIN`; 1.0 replays a run
+    recorded before session M).
 
     Accepts compute-only and lowered schedules, with or without FSDP actions,
     ``REDUCE_GRAD`` and ``OVERLAP_F_B``.  Raises :class:`ScheduleError` when
@@ -347,7 +351,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, action_costs: Ac
     return _run(schedule, costs, lowered=lowered, marks=None, record=True, action_costs=action_costs,
                 device_costs=device_costs, horizon=commit_horizon, device_transfer=device_transfer,
                 host_overlap=host_overlap, device_streams=device_streams, bg_mode=bg_mode,
-                contention=float(overlap_contention))
+                contention=float(overlap_contention), margin=overlap_margin)
 
 
 def lane_times(schedule: Schedule, costs: Costs | None = None) -> dict[int, list[float]]:
@@ -378,6 +382,7 @@ def _run(
     device_streams: bool = False,
     bg_mode: bool | str | Mapping[int, Collection[tuple[int, int]]] | None = None,
     contention: float = 1.0,
+    margin: float | None = None,
 ) -> SimulationResult:
     """The simulation proper; ``marks`` collects lane clocks, ``record`` the events."""
     actions = schedule.actions
@@ -504,7 +509,7 @@ def _run(
 
             # the runtime's rule on its learned means: a stage's host launch and device times
             got = bool(pays(not streams or b_stage == f_stage, mean(host, b_stage, _B), mean(dev_cost, b_stage, _B),
-                            mean(dev_cost, f_stage, _F)))
+                            mean(dev_cost, f_stage, _F), *(() if margin is None else (margin,))))
             bg_decided[(rank, b_stage, f_stage)] = got
         return got
 

@@ -580,6 +580,10 @@ def test_backward_overlap_rule() -> None:
     assert pays(True, 2.1, 0.75, 0.4) is True  # host-bound: the device runs both while the host launches the B
     assert pays(True, 3.7, 4.5, 2.0) is False  # device-bound: the F's kernels would delay the B's gradients
     assert pays(True, 2.1, 1.4, 0.9) is False  # the host launches the B in less than both take on the device
+    # near the boundary: inline (session M, 4 x H200, size l 1F1B: one rank beside at 1.18x took the step to
+    # 1.32x torch's): the host must outlast both device times by OVERLAP_MARGIN
+    assert pays(True, 6.55, 3.86, 1.68) is False and pays(True, 5.82, 3.9, 1.67) is False
+    assert pays(True, 1.26 * 5.0, 3.0, 2.0) is True and pays(True, 1.24 * 5.0, 3.0, 2.0) is False
 
 
 def test_horizon_rule_floor_cap_and_off() -> None:

@@ -572,6 +572,49 @@ def test_torchrun_flags_that_do_not_apply_are_accepted_with_a_note(tmp_path: Pat
         assert lines[rank] == [f"ROLE trainer myjob error{rank}.json"], lines  # --run-path ran the script too
 
 
+def test_cpu_bind_gives_each_rank_and_its_threads_their_own_cpus(tmp_path: Path, reaper: Reaper) -> None:
+    """--cpu-bind slice (and torchrun's --numa-binding exclusive, mapped onto it): the rank's main thread and a
+    thread it starts both run on that rank's own CPUs, disjoint from the other rank's."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs 2 CPUs to give 2 ranks each their own")
+    body = """\
+        import threading
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))
+        t.start(); t.join()
+        print("CPUS", sorted(os.sched_getaffinity(0)), seen[0])
+    """
+    script = _script(tmp_path, "cpus.py", body)
+    for flags, note in ((["--cpu-bind", "slice"], False), (["--numa-binding", "exclusive"], True)):
+        code, out, err, _ = reaper.run("--nproc-per-node", "2", *flags, script, tmp_path)
+        assert code == 0, err
+        assert ("--numa-binding exclusive binds each rank as --cpu-bind slice" in err) == note, err
+        got = {}
+        for rank, lines in _by_rank(out).items():
+            main_cpus, _, thread_cpus = lines[0].removeprefix("CPUS ").partition("] ")
+            assert main_cpus + "]" == thread_cpus, lines  # the thread inherited the mask
+            got[rank] = set(json.loads(thread_cpus))
+        assert got[0] and got[1] and not got[0] & got[1] and got[0] | got[1] <= set(allowed), got
+    # without the flag the ranks keep the launcher's mask
+    code, out, err, _ = reaper.run("--nproc-per-node", "2", script, tmp_path)
+    assert code == 0, err
+    assert all(json.loads(lines[0].partition("] ")[2]) == allowed for lines in _by_rank(out).values()), out
+
+
+def test_cpu_bind_usage_errors(tmp_path: Path) -> None:
+    script = tmp_path / "s.py"
+    script.write_text("")
+    with pytest.raises(launch_mod._UsageError, match="disagree"):
+        _config(["--cpu-bind", "node", "--numa-binding", "socket", str(script)])
+    too_many = str(len(os.sched_getaffinity(0)) + 1)
+    with pytest.raises(launch_mod._UsageError, match=f"--cpu-bind slice: {too_many} ranks on this node but only"):
+        _config(["--nproc-per-node", too_many, "--cpu-bind", "slice", str(script)])
+    cfg, _ = _config(["--numa-binding", "node", str(script)])
+    assert cfg.cpu_bind == "node"
+    assert _config([str(script)])[0].cpu_bind == "none"
+
+
 def test_redirects_and_tee_choose_console_or_log(tmp_path: Path, reaper: Reaper) -> None:
     script = _script(tmp_path, "streams.py", 'print("out", RANK, flush=True)\nprint("err", RANK, file=sys.stderr, flush=True)\n')
     logs = tmp_path / "logs"

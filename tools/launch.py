@@ -300,6 +300,10 @@ class LaunchConfig:
     """Where each rank's ``TORCHELASTIC_ERROR_FILE`` goes (``error{R}.json``); None: no error files."""
     monitor_interval: float = 0.5
     """Seconds between checks of the other nodes' state through the rendezvous (``--monitor-interval``)."""
+    cpu_bind: str = "none"
+    """Which CPUs each rank runs on (``--cpu-bind``; ``pipeloom.affinity.POLICIES``): ``none`` (the OS decides),
+    ``slice`` (each local rank its own equal share of whole cores), ``node`` or ``socket`` (a NUMA node or socket per
+    group of consecutive local ranks).  Set between fork and exec, so every thread of the rank inherits it."""
 
     @property
     def world_size(self) -> int:
@@ -605,22 +609,27 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-def _pdeathsig_hook() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the kernel SIGKILL the rank if the launcher dies (Linux only)."""
+def _pdeathsig_hook(cpus: Sequence[int] | None = None) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the kernel SIGKILL the rank if the launcher dies (Linux only), and binds the
+    rank to ``cpus`` (``--cpu-bind``) before it execs, so that every thread it starts inherits the mask."""
     if not sys.platform.startswith("linux"):
-        return None
+        return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        return None
+        prctl = None
     parent = os.getpid()
 
     def hook() -> None:  # runs in the child between fork and exec: keep it tiny
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+        if prctl is None:
+            return
         prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent:  # the launcher died before prctl took effect
             os.kill(os.getpid(), signal.SIGKILL)
 
-    return hook
+    return hook if prctl is not None or cpus is not None else None
 
 
 # ---------------------------------------------------------------- the job
@@ -877,7 +886,12 @@ class _Job:
     async def _spawn_all(self) -> None:
         assert self._loop is not None
         cfg = self.config
-        hook = _pdeathsig_hook()
+        bound: dict[int, list[int] | None] = {}
+        if cfg.cpu_bind != "none":
+            from ..affinity import CpuTopology, rank_cpus
+
+            topo = CpuTopology.read()
+            bound = {r.local_rank: rank_cpus(cfg.cpu_bind, r.local_rank, cfg.nproc_per_node, topo) for r in self.ranks}
         if cfg.log_dir is not None:
             cfg.log_dir.mkdir(parents=True, exist_ok=True)
         for r in self.ranks:
@@ -908,7 +922,7 @@ class _Job:
                 stderr=asyncio.subprocess.PIPE,
                 env=rank_environment(cfg, r.local_rank),
                 start_new_session=True,
-                preexec_fn=hook,
+                preexec_fn=_pdeathsig_hook(bound.get(r.local_rank)),
             )
             r.transport = transport
             r.pid = transport.get_pid()
@@ -1183,7 +1197,6 @@ _IGNORED_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--duplicate-stdout-filters", "--duplicate_stdout_filters"), {}),
     (("--duplicate-stderr-filters", "--duplicate_stderr_filters"), {}),
     (("--logs-specs", "--logs_specs"), {}),
-    (("--numa-binding", "--numa_binding"), {}),
     (("--signals-to-handle", "--signals_to_handle"), {}),
     (("--shutdown-timeout", "--shutdown_timeout"), {}),
     (("--virtual-local-rank", "--virtual_local_rank"), {"action": "store_const", "const": True}),
@@ -1194,7 +1207,6 @@ _IGNORED_WHY = {
     "duplicate_stdout_filters": "use --log-dir (every rank's whole output)",
     "duplicate_stderr_filters": "use --log-dir (every rank's whole output)",
     "logs_specs": "log files are DIR/rank{R}.log under --log-dir",
-    "numa_binding": "no NUMA binding; use numactl in the command if needed",
     "signals_to_handle": "SIGINT, SIGTERM and SIGHUP are handled; ranks get SIGTERM then SIGKILL",
     "shutdown_timeout": "--grace is the time ranks get before SIGTERM (SIGKILL 1 s later)",
     "virtual_local_rank": "LOCAL_RANK is the real local rank; set CUDA_VISIBLE_DEVICES yourself",
@@ -1283,6 +1295,13 @@ def add_parser(subparsers: Any) -> None:
     add("--max-restarts", "--max_restarts", dest="max_restarts", type=_int_arg, default=0, metavar="N",
         help="after a failure, stop every rank and restart them all, at most N times; ranks see "
              "TORCHELASTIC_RESTART_COUNT (default 0)")
+    add("--cpu-bind", dest="cpu_bind", choices=("none", "slice", "node", "socket"), default=None,
+        help="bind each rank to CPUs: slice (its own equal share of whole cores, ordered by NUMA node), node or "
+             "socket (one per group of consecutive local ranks), none (default: the OS places the threads). A "
+             "host-bound GPU rank's threads hand the interpreter lock back and forth; on 2 x H200 a free run had a "
+             "slow mode 25-35%% behind that slice removed (benchmarks/RESULTS.md)")
+    add("--numa-binding", "--numa_binding", dest="numa_binding", choices=("node", "socket", "exclusive", "core-complex"),
+        default=None, help="torchrun's: node and socket as --cpu-bind; exclusive and core-complex bind as --cpu-bind slice")
     add("--role", default="default", help="ROLE_NAME of the ranks (default 'default')")
     add("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
     add("--no-python", "--no_python", dest="no_python", action="store_true", help="run SCRIPT as an executable, not with python")
@@ -1393,6 +1412,25 @@ def config_from_args(args: argparse.Namespace, *, environ: Mapping[str, str] | N
 
     if args.max_restarts < 0:
         raise _UsageError(f"--max-restarts must be at least 0, got {args.max_restarts}")
+    cpu_bind = args.cpu_bind
+    if args.numa_binding is not None:
+        mapped = {"node": "node", "socket": "socket"}.get(args.numa_binding, "slice")
+        if cpu_bind is not None and cpu_bind != mapped:
+            raise _UsageError(f"--numa-binding {args.numa_binding} (binds as --cpu-bind {mapped}) and --cpu-bind {cpu_bind} disagree")
+        if mapped != args.numa_binding:
+            warnings.append(f"note: --numa-binding {args.numa_binding} binds each rank as --cpu-bind slice "
+                            "(its own share of whole cores, ordered by NUMA node)")
+        cpu_bind = mapped
+    cpu_bind = cpu_bind or "none"
+    if cpu_bind != "none":
+        from ..affinity import CpuTopology, rank_cpus
+
+        try:
+            topo = CpuTopology.read()
+            for lr in range(nproc):
+                rank_cpus(cpu_bind, lr, nproc, topo)
+        except (ValueError, OSError) as exc:
+            raise _UsageError(f"--cpu-bind {cpu_bind}: {exc}") from None
     if args.module and args.no_python:
         raise _UsageError("-m and --no-python exclude each other")
     if args.run_path:
@@ -1446,6 +1484,7 @@ def config_from_args(args: argparse.Namespace, *, environ: Mapping[str, str] | N
         role=args.role,
         quiet_streams=quiet,
         monitor_interval=args.monitor_interval,
+        cpu_bind=cpu_bind,
     )
     return config, warnings
 

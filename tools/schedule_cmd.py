@@ -585,7 +585,9 @@ def _two_lanes(path: str, name: str, schedule: Schedule) -> tuple[Schedule, Cost
                           # (a run recorded before auto: True, the default then)
                           stage_streams=resolve_streams(opts.get("overlap_streams", True),
                                                       [a for row in schedule.actions.values() for a in row]),
-                          overlap_backward="auto" if overlap is None else bool(overlap))
+                          overlap_backward="auto" if overlap is None else bool(overlap),
+                          # the auto rule's margin (runs recorded before session M: none, 1.0)
+                          overlap_margin=float(opts.get("overlap_margin", 1.0)) if opts else None)
     host, _, _ = _action_costs(run, p, v, m, schedule.stage_to_rank, lanes=True)
     return schedule, _link_costs(run, m), result, host
 

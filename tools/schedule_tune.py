@@ -982,14 +982,16 @@ def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layer
               split: Sequence[int] | None = None, lowered: dict[Any, Any] | None = None,
               device_model: str = "lanes", commit_ns: float = COMMIT_MS * 1e6, commit_launches: float = COMMIT_LAUNCHES,
               samples: int = 0, stage_streams: bool | None = None, host_units: bool = True,
-              host_rank_speed: bool = False, overlap_backward: bool | str | None = "auto") -> tuple[Any, Any]:
+              host_rank_speed: bool = False, overlap_backward: bool | str | None = "auto",
+              overlap_margin: float | None = None) -> tuple[Any, Any]:
     """(schedule, simulation) of one candidate with ``run``'s costs carried to it (ScheduleError if rejected).
     ``lowered``: a cache of lowered schedules by (name, p, v, m) (the split changes only the action costs).
     ``host_units`` False: the host side as before :func:`host_fit`'s units (for comparisons: see
     :func:`_action_costs`); ``host_rank_speed``: a host speed per rank (``host_fit(rank_speed=True)``).
     ``overlap_backward``: the runtime's ``host_overlap_backward`` (two-lane model only: a B launched on a second
     host lane beside the forwards after it, :data:`OVERLAP_BACKWARD`); "auto" (its default) decides per pair on
-    the candidate's own host and device costs, False or None never, True always."""
+    the candidate's own host and device costs, False or None never, True always; ``overlap_margin``: the rule's
+    margin (None: the runtime's, ``dispatch.OVERLAP_MARGIN``; a replay of a run recorded before it: 1.0)."""
     costs = _link_costs(run, m)
     key = (name, p, v, m)
     if lowered is not None and key in lowered:
@@ -1020,7 +1022,7 @@ def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layer
                            host_overlap=_pair_overlap(run, host),  # the host's time per action paid once per pair
                            device_streams=resolve_streams(stage_streams, [a for row in low.actions.values() for a in row]),
                            host_overlap_backward=overlap_backward or None,
-                           overlap_contention=OVERLAP_CONTENTION)
+                           overlap_contention=OVERLAP_CONTENTION, overlap_margin=overlap_margin)
 
 
 def _pair_overlap(run: RunCosts, ac: dict[tuple[int, str, int | None], float]) -> float:
@@ -1037,7 +1039,8 @@ def _pair_overlap(run: RunCosts, ac: dict[tuple[int, str, int | None], float]) -
 
 def calibration(run: RunCosts, *, measured_step_ns: float | None = None, layers: Layers | None = None,
                 device_model: str = "lanes", commit_ms: float = COMMIT_MS, commit_launches: float = COMMIT_LAUNCHES,
-                samples: int = SAMPLES, overlap_backward: bool | str | None = "auto") -> float:
+                samples: int = SAMPLES, overlap_backward: bool | str | None = "auto",
+                overlap_margin: float | None = None) -> float:
     """Measured over simulated step time of the run's own configuration, with the costs as carried to
     other configurations (1.0 where it cannot be simulated): what the cost model misses on the
     machine as a whole (contention, the runtime's reordering) is assumed to scale every step alike.
@@ -1052,7 +1055,7 @@ def calibration(run: RunCosts, *, measured_step_ns: float | None = None, layers:
         _, res = _simulate(run, run.schedule, run.world_size, run.stages_per_rank, run.num_microbatches,
                            layers=layers, split=layers.recorded if layers is not None else None,
                            device_model=device_model, commit_ns=commit_ms * 1e6, commit_launches=commit_launches,
-                           samples=samples, overlap_backward=overlap_backward)
+                           samples=samples, overlap_backward=overlap_backward, overlap_margin=overlap_margin)
     except (ScheduleError, ValueError):
         return 1.0
     return measured / res.makespan if res.makespan else 1.0
@@ -1105,6 +1108,7 @@ def tune(
     commit_launches: float = COMMIT_LAUNCHES,
     samples: int = SAMPLES,
     overlap_backward: bool | str | None = "auto",
+    overlap_margin: float | None = None,
 ) -> TuneResult:
     """Simulate every candidate configuration with ``run``'s costs; see the module docstring.
 
@@ -1117,7 +1121,8 @@ def tune(
     will run with (:func:`commit_horizon`).  ``samples``: simulations per
     candidate with drawn action costs, the median kept (:data:`SAMPLES`; CPU profiles only; 0 or 1: the means).
     ``overlap_backward``: the runtime's ``host_overlap_backward`` the candidates will run with (two-lane model:
-    :data:`OVERLAP_BACKWARD`; "auto", the runtime's default, decides per pair on each candidate's costs).
+    :data:`OVERLAP_BACKWARD`; "auto", the runtime's default, decides per pair on each candidate's costs);
+    ``overlap_margin``: that rule's margin (None: the runtime's; see :func:`_simulate`).
     The layer-split search compares splits on the means (hundreds of simulations).
     """
     if device_model not in DEVICE_MODELS:
@@ -1125,7 +1130,7 @@ def tune(
     if overlap_backward not in (None, False, True, "auto"):
         raise ValueError(f"overlap_backward must be 'auto', True, False or None (got {overlap_backward!r})")
     kw: dict[str, Any] = {"device_model": device_model, "commit_ns": commit_ms * 1e6, "commit_launches": commit_launches,
-                          "samples": samples, "overlap_backward": overlap_backward}
+                          "samples": samples, "overlap_backward": overlap_backward, "overlap_margin": overlap_margin}
     p = run.world_size
     m0 = run.num_microbatches or 1
     v0 = run.stages_per_rank
@@ -1135,7 +1140,7 @@ def tune(
     proxy = activation_memory is None
     factor = (calibration(run, measured_step_ns=measured_step_ns, layers=layers, device_model=device_model,
                           commit_ms=commit_ms, commit_launches=commit_launches, samples=samples,
-                          overlap_backward=overlap_backward) if calibrate else 1.0)
+                          overlap_backward=overlap_backward, overlap_margin=overlap_margin) if calibrate else 1.0)
     cands: list[Candidate] = []
     skipped: list[str] = []
     recorded: Candidate | None = None

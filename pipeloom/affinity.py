@@ -1,0 +1,134 @@
+"""Which CPUs a rank's process runs on: ``pipeloom launch --cpu-bind`` (torchrun's ``--numa-binding``).
+
+A pipeline rank on a GPU is often host-bound: one Python thread launches the kernels while a few
+others (the backward worker of ``host_overlap_backward``, the receive threads, NCCL's proxies) hand
+the interpreter lock back and forth.  Left to the OS, those threads may land on different sockets,
+and every hand-off then crosses them.  Measured on 2 x H200 (``benchmarks/RESULTS.md``, session M:
+``tune_grid.py`` on GPT size s, 1F1B with 8 microbatches, the (5,3) layer split, 8 alternating blocks
+of 4 steps): free, the blocks read 56.5-64.0 ms and, in a second run, 54.0-71.3 ms (a fast and a slow
+mode 25-35% apart, seen in every grid since session I); each rank bound to its own half of the CPUs,
+53.8-58.0 ms, no slow mode.
+
+Policies (``POLICIES``):
+
+- ``none``: no binding (the default).
+- ``slice``: the ``local_rank``-th of ``local_world`` equal slices of the CPUs the launcher may use,
+  ordered by NUMA node, then core, then CPU, so that a core's hardware threads stay in one slice and
+  slices fill the nodes in order (where the counts divide, every slice lies within one node).  No two
+  ranks share a core.  (torchrun's ``--numa-binding exclusive`` maps here.)
+- ``node``: every allowed CPU of one NUMA node: node ``local_rank * nodes // local_world``, so that
+  consecutive local ranks (consecutive GPUs, which hosts usually number by node) share a node.
+- ``socket``: the same by CPU package (socket).
+
+The topology is read from sysfs (``/sys/devices/system``); where it is missing, every CPU counts as
+node 0, socket 0, a core of its own.  Torch-free: the launcher imports this before any rank starts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+__all__ = ["POLICIES", "CpuTopology", "rank_cpus", "bind_this_process"]
+
+POLICIES = ("none", "slice", "node", "socket")
+
+
+@dataclass(frozen=True)
+class CpuTopology:
+    """Where each CPU the process may use sits: its NUMA node, its socket and its core."""
+
+    cpus: tuple[int, ...]
+    """The CPUs the process may run on (its affinity mask), ascending."""
+    node: Mapping[int, int]
+    """CPU -> NUMA node."""
+    socket: Mapping[int, int]
+    """CPU -> physical package."""
+    core: Mapping[int, int]
+    """CPU -> core id within its package (hardware threads of one core share it)."""
+
+    @classmethod
+    def read(cls, cpus: Iterable[int] | None = None, sysfs: str = "/sys/devices/system") -> "CpuTopology":
+        """This machine's topology for ``cpus`` (default: this process's affinity mask)."""
+        allowed = tuple(sorted(os.sched_getaffinity(0) if cpus is None else set(cpus)))
+        node: dict[int, int] = {}
+        try:
+            for entry in os.listdir(os.path.join(sysfs, "node")):
+                if entry.startswith("node") and entry[4:].isdigit():
+                    with open(os.path.join(sysfs, "node", entry, "cpulist")) as f:
+                        for c in parse_cpulist(f.read()):
+                            node[c] = int(entry[4:])
+        except OSError:
+            pass
+
+        def topo(cpu: int, name: str) -> int | None:
+            try:
+                with open(os.path.join(sysfs, "cpu", f"cpu{cpu}", "topology", name)) as f:
+                    return int(f.read().strip())
+            except (OSError, ValueError):
+                return None
+
+        socket = {c: topo(c, "physical_package_id") or 0 for c in allowed}
+        core = {c: v if (v := topo(c, "core_id")) is not None else c for c in allowed}
+        return cls(allowed, {c: node.get(c, 0) for c in allowed}, socket, core)
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """``"0-3,8,10-11"`` -> ``[0, 1, 2, 3, 8, 10, 11]`` (the kernel's list format)."""
+    out: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def rank_cpus(policy: str, local_rank: int, local_world: int, topo: CpuTopology) -> list[int] | None:
+    """The CPUs local rank ``local_rank`` of ``local_world`` is bound to under ``policy``; None for ``none``.
+
+    Raises ValueError for an unknown policy, a rank out of range, or a ``slice`` with fewer CPUs than ranks."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown CPU binding {policy!r}: expected one of {', '.join(POLICIES)}")
+    if not 0 <= local_rank < local_world:
+        raise ValueError(f"local rank {local_rank} is not in range({local_world})")
+    if policy == "none":
+        return None
+    if policy == "slice":
+        order = sorted(topo.cpus, key=lambda c: (topo.node[c], topo.socket[c], topo.core[c], c))
+        if len(order) < local_world:
+            raise ValueError(f"--cpu-bind slice: {local_world} ranks on this node but only {len(order)} CPUs "
+                             f"({_fmt(order)}) to share among them")
+        # whole cores per slice where possible: cut the core list, not the CPU list
+        cores: list[list[int]] = []
+        for c in order:
+            key = (topo.node[c], topo.socket[c], topo.core[c])
+            if cores and (topo.node[cores[-1][0]], topo.socket[cores[-1][0]], topo.core[cores[-1][0]]) == key:
+                cores[-1].append(c)
+            else:
+                cores.append([c])
+        units = cores if len(cores) >= local_world else [[c] for c in order]
+        lo, hi = local_rank * len(units) // local_world, (local_rank + 1) * len(units) // local_world
+        return sorted(c for u in units[lo:hi] for c in u)
+    group = topo.node if policy == "node" else topo.socket
+    ids = sorted(set(group[c] for c in topo.cpus))
+    mine = ids[local_rank * len(ids) // local_world]
+    return [c for c in topo.cpus if group[c] == mine]
+
+
+def bind_this_process(policy: str, local_rank: int | None = None, local_world: int | None = None) -> list[int] | None:
+    """Bind the calling process to its CPUs under ``policy`` (``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` by default).
+
+    For a script started by torchrun without its ``--numa-binding``: call it first, before torch starts its
+    threads (threads inherit the mask of the thread that creates them).  Returns the CPUs, or None (``none``)."""
+    lr = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
+    lw = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if local_world is None else local_world
+    cpus = rank_cpus(policy, lr, lw, CpuTopology.read())
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    return cpus
+
+
+def _fmt(cpus: list[int]) -> str:
+    return ",".join(map(str, cpus)) if len(cpus) <= 8 else f"{cpus[0]}..{cpus[-1]}"
