@@ -202,8 +202,10 @@ class RuntimeOptions:
     which the previous rank waits for, may leave up to one forward later; that costs nothing
     only where the device runs both while the host is still launching the B: such a pair is
     overlapped once the rank has learned (over its first steps, inline until then) that the B's
-    mean host launch time exceeds the B's and the F's device times together
-    (``runtime.device.backward_overlap_pays``).  Session J, GPT, same process, overlap vs
+    mean host launch time exceeds the B's and the F's device times together by 25%
+    (``runtime.device.backward_overlap_pays``, ``schedules.dispatch.OVERLAP_MARGIN``: one rank of four
+    that learned 1.05-1.18x without the margin took a device-bound 1F1B to x1.32-1.36 of torch's,
+    4 x H200, session M).  Session J, GPT, same process, overlap vs
     inline: 2 x H100 1F1B size s x0.78, Interleaved1F1B size s x0.75, size l x0.97; 4 x H200
     1F1B size s x0.76 (forced on), Interleaved1F1B size s x0.75-0.78; a device-bound 1F1B (size
     l) forced on took x1.41-1.50, which the rule keeps inline.  ``True``: every pair, on CPU
