@@ -520,7 +520,7 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
             "engine": engine, "schedule": name, "model": model_name, "microbatches": n, "varlen": args.varlen, "return_outputs": args.return_outputs,
             "step_ms": step * 1e3, "floor_ms": floor * 1e3, "efficiency": floor / step, "ceiling": ceiling,
             "vs_ceiling": floor / step / ceiling, "peak_gib": peak_max / 2**30, "tokens_per_s": tokens / step,
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cpu_bind": args.cpu_bind, "date": time.strftime("%Y-%m-%d"),
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cpu_bind": os.environ.get("PIPELOOM_CPU_BIND") or args.cpu_bind, "date": time.strftime("%Y-%m-%d"),
             "gpus": world, "label": args.label, "code": args.code,
             "env": {k: v for k, v in os.environ.items() if k.startswith("PIPELOOM_")},
             **(extra or {}),

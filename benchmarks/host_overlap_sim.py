@@ -135,7 +135,9 @@ def simulate_pair(p: dict[str, Any], ratios: dict[str, tuple[float, float]], con
     for rank, info in enumerate(auto.get("overlapped_by_rank") or []):
         for k, val in info.get("decided", {}).items():
             bs, fs = map(int, k.split(">"))
-            want = backward_overlap_pays(bs == fs, host[(bs, "B", None)], dev[(bs, "B", None)], dev[(fs, "F", None)])
+            # (the runs recorded here decided without the margin session M added)
+            want = backward_overlap_pays(bs == fs, host[(bs, "B", None)], dev[(bs, "B", None)], dev[(fs, "F", None)],
+                                         margin=1.0)
             rule_agrees &= bool(want) == bool(val)
     meas = auto["step_ms"] / inline["step_ms"]
     rounds = [x / y for x in auto.get("round_ms", []) for y in inline.get("round_ms", [])]

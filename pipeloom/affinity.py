@@ -15,10 +15,15 @@ Policies (``POLICIES``):
 - ``slice``: the ``local_rank``-th of ``local_world`` equal slices of the CPUs the launcher may use,
   ordered by NUMA node, then core, then CPU, so that a core's hardware threads stay in one slice and
   slices fill the nodes in order (where the counts divide, every slice lies within one node).  No two
-  ranks share a core.  (torchrun's ``--numa-binding exclusive`` maps here.)
+  ranks share a core while there are at least as many cores as ranks (else single CPUs are shared out).  (torchrun's ``--numa-binding exclusive`` maps here.)
 - ``node``: every allowed CPU of one NUMA node: node ``local_rank * nodes // local_world``, so that
   consecutive local ranks (consecutive GPUs, which hosts usually number by node) share a node.
 - ``socket``: the same by CPU package (socket).
+
+Ranks are placed by local rank, not by where their GPU sits (torchrun's ``--numa-binding`` reads each GPU's
+NUMA node): on a host whose GPUs are not numbered node by node, or with ``CUDA_VISIBLE_DEVICES`` picking GPUs
+of the second socket, ``node`` may bind a rank away from its GPU (``slice`` then does no worse than the OS).
+Several launchers on one host each bind their local ranks as if alone.
 
 The topology is read from sysfs (``/sys/devices/system``); where it is missing, every CPU counts as
 node 0, socket 0, a core of its own.  Torch-free: the launcher imports this before any rank starts.
@@ -121,7 +126,11 @@ def bind_this_process(policy: str, local_rank: int | None = None, local_world: i
     """Bind the calling process to its CPUs under ``policy`` (``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` by default).
 
     For a script started by torchrun without its ``--numa-binding``: call it first, before torch starts its
-    threads (threads inherit the mask of the thread that creates them).  Returns the CPUs, or None (``none``)."""
+    threads (threads inherit the mask of the thread that creates them).  Returns the CPUs, or None (``none``).
+    Under ``pipeloom launch --cpu-bind`` (``PIPELOOM_CPU_BIND`` set) the rank is bound already: its mask is
+    returned unchanged (slicing the slice again would leave each rank a fraction of its share)."""
+    if policy != "none" and os.environ.get("PIPELOOM_CPU_BIND"):
+        return sorted(os.sched_getaffinity(0))
     lr = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
     lw = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if local_world is None else local_world
     cpus = rank_cpus(policy, lr, lw, CpuTopology.read())

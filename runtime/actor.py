@@ -486,7 +486,8 @@ class RankActor:
         auto_ok = (self._cuda and not options.profile_ranges
                    and not any(_own_collectives(ex.module) for ex in stages.values()))
         self._bg_ok = (mode is True or (mode is None and auto_ok)) and collectives is None
-        #: auto (None): a pair on one stream only where the B's host launch outlasts its device time (_bg_pays)
+        #: auto (None): a pair on one stream only where the B's host launch outlasts the B's and the F's device times
+        #: by dispatch.OVERLAP_MARGIN (_bg_pays)
         self._bg_auto = mode is None
         #: auto: (B's stage, F's stage) -> overlapped?, decided once the B's times are learned
         self._bg_decided: dict[tuple[int, int], bool] = {}

@@ -94,3 +94,25 @@ def test_bind_this_process_sets_the_mask_threads_inherit() -> None:
             assert got and set(got) < before and os.sched_getaffinity(0) == set(got)
     finally:
         os.sched_setaffinity(0, before)
+
+
+def test_a_rank_bound_by_the_launcher_is_not_sliced_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = os.sched_getaffinity(0)
+    monkeypatch.setenv("PIPELOOM_CPU_BIND", "slice")
+    try:
+        assert bind_this_process("slice", local_rank=1, local_world=2) == sorted(before)
+        assert os.sched_getaffinity(0) == before
+        assert bind_this_process("none") is None
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def test_the_launchers_binding_never_stops_a_rank_from_starting() -> None:
+    from pipeloom.tools import launch
+
+    before = os.sched_getaffinity(0)
+    try:
+        launch._try_bind([10**6])  # no such CPU: the rank runs unbound rather than not at all
+        assert os.sched_getaffinity(0) == before
+    finally:
+        os.sched_setaffinity(0, before)

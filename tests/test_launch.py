@@ -584,6 +584,7 @@ def test_cpu_bind_gives_each_rank_and_its_threads_their_own_cpus(tmp_path: Path,
         t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))
         t.start(); t.join()
         print("CPUS", sorted(os.sched_getaffinity(0)), seen[0])
+        print("BIND", os.environ.get("PIPELOOM_CPU_BIND"))
     """
     script = _script(tmp_path, "cpus.py", body)
     for flags, note in ((["--cpu-bind", "slice"], False), (["--numa-binding", "exclusive"], True)):
@@ -595,11 +596,13 @@ def test_cpu_bind_gives_each_rank_and_its_threads_their_own_cpus(tmp_path: Path,
             main_cpus, _, thread_cpus = lines[0].removeprefix("CPUS ").partition("] ")
             assert main_cpus + "]" == thread_cpus, lines  # the thread inherited the mask
             got[rank] = set(json.loads(thread_cpus))
+            assert lines[1] == "BIND slice", lines  # (so that bind_this_process in the script leaves it be)
         assert got[0] and got[1] and not got[0] & got[1] and got[0] | got[1] <= set(allowed), got
     # without the flag the ranks keep the launcher's mask
     code, out, err, _ = reaper.run("--nproc-per-node", "2", script, tmp_path)
     assert code == 0, err
-    assert all(json.loads(lines[0].partition("] ")[2]) == allowed for lines in _by_rank(out).values()), out
+    assert all(json.loads(lines[0].partition("] ")[2]) == allowed and lines[1] == "BIND None"
+               for lines in _by_rank(out).values()), out
 
 
 def test_cpu_bind_usage_errors(tmp_path: Path) -> None:

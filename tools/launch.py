@@ -362,6 +362,8 @@ def rank_environment(config: LaunchConfig, local_rank: int, base: Mapping[str, s
         "PIPELOOM_FIRST_STEP_STALL_TIMEOUT": (
             None if config.first_step_stall_timeout is None else repr(config.first_step_stall_timeout)
         ),
+        # the rank is bound already (pipeloom.affinity.bind_this_process then leaves its mask alone)
+        "PIPELOOM_CPU_BIND": None if config.cpu_bind == "none" else config.cpu_bind,
     }
     for key, value in optional.items():
         if value is not None:
@@ -609,11 +611,18 @@ def _stopped(pid: int) -> bool:
         return False
 
 
+def _try_bind(cpus: Sequence[int]) -> None:
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError:
+        pass
+
+
 def _pdeathsig_hook(cpus: Sequence[int] | None = None) -> Callable[[], None] | None:
     """A ``preexec_fn`` that makes the kernel SIGKILL the rank if the launcher dies (Linux only), and binds the
     rank to ``cpus`` (``--cpu-bind``) before it execs, so that every thread it starts inherits the mask."""
     if not sys.platform.startswith("linux"):
-        return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+        return None if cpus is None else (lambda: _try_bind(cpus))
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
@@ -622,7 +631,10 @@ def _pdeathsig_hook(cpus: Sequence[int] | None = None) -> Callable[[], None] | N
 
     def hook() -> None:  # runs in the child between fork and exec: keep it tiny
         if cpus is not None:
-            os.sched_setaffinity(0, cpus)
+            try:  # (the kernel drops offline CPUs and those outside the cpuset; it fails only if none is left)
+                os.sched_setaffinity(0, cpus)
+            except OSError:
+                pass  # unbound rather than not started: the mask was checked when the job was configured
         if prctl is None:
             return
         prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -890,8 +902,11 @@ class _Job:
         if cfg.cpu_bind != "none":
             from ..affinity import CpuTopology, rank_cpus
 
-            topo = CpuTopology.read()
-            bound = {r.local_rank: rank_cpus(cfg.cpu_bind, r.local_rank, cfg.nproc_per_node, topo) for r in self.ranks}
+            try:
+                topo = CpuTopology.read()
+                bound = {r.local_rank: rank_cpus(cfg.cpu_bind, r.local_rank, cfg.nproc_per_node, topo) for r in self.ranks}
+            except ValueError as exc:  # (the mask changed since the job was configured: a restart)
+                raise OSError(f"--cpu-bind {cfg.cpu_bind}: {exc}") from None
         if cfg.log_dir is not None:
             cfg.log_dir.mkdir(parents=True, exist_ok=True)
         for r in self.ranks:

@@ -587,7 +587,7 @@ def _two_lanes(path: str, name: str, schedule: Schedule) -> tuple[Schedule, Cost
                                                       [a for row in schedule.actions.values() for a in row]),
                           overlap_backward="auto" if overlap is None else bool(overlap),
                           # the auto rule's margin (runs recorded before session M: none, 1.0)
-                          overlap_margin=float(opts.get("overlap_margin", 1.0)) if opts else None)
+                          overlap_margin=float(opts.get("overlap_margin", 1.0)))
     host, _, _ = _action_costs(run, p, v, m, schedule.stage_to_rank, lanes=True)
     return schedule, _link_costs(run, m), result, host
 
@@ -700,6 +700,19 @@ def _tune_layers(args: argparse.Namespace, run: Any) -> Any:
         raise _UsageError(f"layers: {exc}") from None
 
 
+def _run_margin(path: str) -> float | None:
+    """The auto overlap rule's margin a recorded run ran with (its trace header; 1.0 for a run recorded before the
+    header carried it); None where the header cannot be read (then the runtime's own)."""
+    from .trace_model import trace_api
+
+    api = trace_api()  # (the trace module without torch)
+    try:
+        opts = api.read_header(api.expand_paths(path)[0]).get("options") or {}
+    except (OSError, ValueError, IndexError):
+        return None
+    return float(opts.get("overlap_margin", 1.0))
+
+
 def _cmd_tune(args: argparse.Namespace) -> int:
     from .schedule_tune import format_tune, parse_size, tune
 
@@ -727,7 +740,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                   stages_per_rank=_int_list(args.stages_per_rank, "--stages-per-rank") or [1, 2],
                   memory_cap=cap, activation_memory=act, calibrate=not args.no_calibrate, layers=layers, search=search,
                   device_model=args.device_model, commit_ms=args.commit_ms, commit_launches=args.commit_launches,
-                  overlap_backward={"auto": "auto", "on": True, "off": False}[args.host_overlap_backward])
+                  overlap_backward={"auto": "auto", "on": True, "off": False}[args.host_overlap_backward],
+                  calibration_margin=_run_margin(args.costs_from))
     if not result.candidates:
         raise _UsageError("no candidate configuration could be simulated: " + "; ".join(result.skipped[:3]))
     if args.json:

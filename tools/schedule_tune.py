@@ -266,7 +266,7 @@ OVERLAP_BACKWARD = "auto"
 """How the two-lane model (``device_model`` ``lanes``) launches a full backward followed by a forward: as the runtime
 does by default (``RuntimeOptions.host_overlap_backward`` None, "auto"), on a second host lane beside the forwards
 after it where :func:`~pipeloom.schedules.dispatch.backward_overlap_pays` says so for the pair (always for two stages
-on two streams; on one stream where the B's host launch outlasts the B's and the F's device times), judged on the
+on two streams; on one stream where the B's host launch outlasts the B's and the F's device times by ``OVERLAP_MARGIN``), judged on the
 candidate's own host and device costs; each host lane :data:`~pipeloom.schedules.simulate.OVERLAP_CONTENTION` times
 slower while both launch (``simulate(host_overlap_backward=...)``).  Without it the model predicted the inline step
 on host-bound GPU configurations: ~25% too slow once the runtime overlapped (session J: 2 x H100, GPT size s, 1F1B
@@ -1064,7 +1064,8 @@ def calibration(run: RunCosts, *, measured_step_ns: float | None = None, layers:
 def search_split(run: RunCosts, name: str, p: int, v: int, m: int, layers: Layers, *,
                  max_simulations: int = 300, device_model: str = "lanes",
                  commit_ms: float = COMMIT_MS, commit_launches: float = COMMIT_LAUNCHES,
-                 overlap_backward: bool | str | None = "auto") -> tuple[tuple[int, ...], float]:
+                 overlap_backward: bool | str | None = "auto",
+                 overlap_margin: float | None = None) -> tuple[tuple[int, ...], float]:
     """The layer split of ``p * v`` stages with the shortest simulated step, by local search from the even
     split: move one layer across one boundary at a time while that shortens the step (each move one
     simulation, a few milliseconds).  Returns (layers per stage, simulated step time, uncalibrated)."""
@@ -1072,7 +1073,7 @@ def search_split(run: RunCosts, name: str, p: int, v: int, m: int, layers: Layer
     cache: dict[Any, Any] = {}
     cur = list(layers.even_split(n))
     kw: dict[str, Any] = {"device_model": device_model, "commit_ns": commit_ms * 1e6, "commit_launches": commit_launches,
-                          "overlap_backward": overlap_backward}
+                          "overlap_backward": overlap_backward, "overlap_margin": overlap_margin}
     best = _simulate(run, name, p, v, m, layers=layers, split=cur, lowered=cache, **kw)[1].makespan
     sims, improved = 1, True
     while improved and sims < max_simulations:
@@ -1109,6 +1110,7 @@ def tune(
     samples: int = SAMPLES,
     overlap_backward: bool | str | None = "auto",
     overlap_margin: float | None = None,
+    calibration_margin: float | None = None,
 ) -> TuneResult:
     """Simulate every candidate configuration with ``run``'s costs; see the module docstring.
 
@@ -1122,7 +1124,9 @@ def tune(
     candidate with drawn action costs, the median kept (:data:`SAMPLES`; CPU profiles only; 0 or 1: the means).
     ``overlap_backward``: the runtime's ``host_overlap_backward`` the candidates will run with (two-lane model:
     :data:`OVERLAP_BACKWARD`; "auto", the runtime's default, decides per pair on each candidate's costs);
-    ``overlap_margin``: that rule's margin (None: the runtime's; see :func:`_simulate`).
+    ``overlap_margin``: that rule's margin (None: the runtime's; see :func:`_simulate`); ``calibration_margin``:
+    the margin the profiled run itself ran with, which the calibration replays it under (None: ``overlap_margin``;
+    a profile recorded before session M: 1.0).
     The layer-split search compares splits on the means (hundreds of simulations).
     """
     if device_model not in DEVICE_MODELS:
@@ -1140,7 +1144,9 @@ def tune(
     proxy = activation_memory is None
     factor = (calibration(run, measured_step_ns=measured_step_ns, layers=layers, device_model=device_model,
                           commit_ms=commit_ms, commit_launches=commit_launches, samples=samples,
-                          overlap_backward=overlap_backward, overlap_margin=overlap_margin) if calibrate else 1.0)
+                          overlap_backward=overlap_backward,
+                          overlap_margin=overlap_margin if calibration_margin is None else calibration_margin)
+              if calibrate else 1.0)
     cands: list[Candidate] = []
     skipped: list[str] = []
     recorded: Candidate | None = None
@@ -1172,7 +1178,7 @@ def tune(
         for c in base:
             split, _ = search_split(run, c.schedule, p, c.stages_per_rank, c.microbatches, layers,
                                     device_model=device_model, commit_ms=commit_ms, commit_launches=commit_launches,
-                                    overlap_backward=overlap_backward)
+                                    overlap_backward=overlap_backward, overlap_margin=overlap_margin)
             if split != c.split:
                 sched, res = _simulate(run, c.schedule, p, c.stages_per_rank, c.microbatches, layers=layers, split=split, **kw)
                 cands.append(candidate(c.schedule, c.microbatches, c.stages_per_rank, sched, res, split, True))
@@ -1312,7 +1318,7 @@ def format_tune(r: TuneResult, *, top: int = 5, source: str = "") -> str:
         lines.append(f"host and device recorded apart ({r.device_source}): {how}")
     if beside:
         how = {"auto": "where the runtime's auto rule launches them (its default: two stages on two streams always, "
-                       "one stream where the B's host launch outlasts the B's and the F's device times, on each "
+                       "one stream where the B's host launch outlasts the B's and the F's device times by 25%, on each "
                        "candidate's costs)", True: "every one (host_overlap_backward=True)"}.get(r.overlap_backward)  # type: ignore[call-overload]
         lines.append("backwards followed by a forward: " + (
             f"launched beside it on a second host lane {how}; 'B beside F' counts them per step over all ranks "
