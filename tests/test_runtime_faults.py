@@ -25,7 +25,7 @@ import pytest
 import zmq
 
 sys.path.insert(0, str(Path(__file__).parent / "ranks"))
-from harness import free_port, linear_job, rank_env, spawn_ranks  # noqa: E402
+from harness import free_port, linear_job, rank_env, spawn_ranks, start_rank  # noqa: E402
 
 WORKER = str(Path(__file__).parent / "ranks" / "fault_worker.py")
 
@@ -168,10 +168,7 @@ async def test_stopped_rank_is_detected_by_heartbeats(tmp_path: Path, static: st
     port = free_port()
     env = {"HB_TIMEOUT": "2", "STATIC": static}
     procs = [
-        await asyncio.create_subprocess_exec(
-            sys.executable, WORKER, "stop", str(tmp_path), env=rank_env(r, 2, port, env),
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, start_new_session=True,
-        )
+        await start_rank([WORKER, "stop", str(tmp_path)], env=rank_env(r, 2, port, env), stdout=asyncio.subprocess.DEVNULL)
         for r in range(2)
     ]
     try:

@@ -51,6 +51,118 @@ def linear_job(body: str, *, microbatches: int, rows: int, pipe_args: str, impor
     return head + textwrap.dedent(body)
 
 
+# ---------------------------------------------------------------- rank processes forked from a torch-loaded server
+
+_ZYGOTE: dict[str, Any] = {}
+
+
+def _use_zygote() -> bool:
+    """Fork ranks from ``zygote.py`` (torch imported once) on gloo; exec a fresh interpreter on NCCL (a GPU
+    context must not be shared) or where ``PIPELOOM_TEST_FORK=0`` asks for it."""
+    return (os.environ.get("PIPELOOM_TEST_BACKEND", "gloo") == "gloo" and os.environ.get("PIPELOOM_TEST_FORK", "1") != "0"
+            and hasattr(os, "pidfd_open") and hasattr(socket, "send_fds"))
+
+
+def _zygote_path() -> str:
+    """The fork server's socket, started on first use (one per test process; it exits with it)."""
+    proc = _ZYGOTE.get("proc")
+    if proc is not None and proc.poll() is None:
+        return _ZYGOTE["path"]
+    import atexit
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="pipeloom-zygote-")
+    path = os.path.join(d, "s")
+    env = dict(os.environ)
+    env.pop("PIPELOOM_TEST_STACKS", None)
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("zygote.py")), path], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, env=env, start_new_session=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if line.strip() != b"ready":
+        proc.kill()
+        raise RuntimeError(f"the rank fork server did not start (said {line!r}, exit {proc.poll()})")
+    _ZYGOTE.update(proc=proc, path=path)
+    atexit.register(proc.kill)
+    return path
+
+
+class ForkedProcess:
+    """A rank forked by the zygote, with what the tests use of ``asyncio.subprocess.Process``: ``pid``,
+    ``returncode`` (negative: killed by that signal), ``wait()``, ``send_signal()``, ``kill()``, and the
+    ``stdout``/``stderr`` stream readers."""
+
+    def __init__(self, pid: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 stdout: asyncio.StreamReader | None, stderr: asyncio.StreamReader | None) -> None:
+        self.pid, self.stdout, self.stderr = pid, stdout, stderr
+        self.returncode: int | None = None
+        self._writer = writer
+        self._done = asyncio.ensure_future(self._exit(reader))
+
+    async def _exit(self, reader: asyncio.StreamReader) -> None:
+        line = await reader.readline()
+        self.returncode = int(line) if line.strip() else -signal.SIGKILL  # (the server died: count it killed)
+        self._writer.close()
+
+    async def wait(self) -> int:
+        await asyncio.shield(self._done)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+async def _pipe_reader(fd: int) -> asyncio.StreamReader:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 24)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0))
+    return reader
+
+
+async def start_rank(argv: list[str], *, env: dict[str, str], stdout: int | None = asyncio.subprocess.PIPE,
+                     stderr: int | None = asyncio.subprocess.PIPE, cwd: str | None = None) -> Any:
+    """``asyncio.create_subprocess_exec(sys.executable, *argv, ...)`` in a session of its own, forked from the
+    zygote where :func:`_use_zygote` says so (same process semantics, without a fresh ``import torch``).
+    ``stdout``/``stderr``: ``asyncio.subprocess.PIPE`` or ``DEVNULL``."""
+    if not _use_zygote() or argv[0].startswith("-"):
+        return await asyncio.create_subprocess_exec(sys.executable, *argv, env=env, stdout=stdout, stderr=stderr,
+                                                    cwd=cwd, start_new_session=True)
+    path = _zygote_path()
+    ends: list[int] = [os.open(os.devnull, os.O_RDONLY)]
+    mine: list[int | None] = []
+    for how in (stdout, stderr):
+        if how == asyncio.subprocess.PIPE:
+            r, w = os.pipe()
+            ends.append(w)
+            mine.append(r)
+        else:
+            ends.append(os.open(os.devnull, os.O_WRONLY))
+            mine.append(None)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        req = json.dumps({"argv": [os.path.abspath(argv[0]), *argv[1:]], "env": env, "cwd": cwd}).encode()
+        socket.send_fds(sock, [req], ends)
+    finally:
+        for fd in ends:
+            os.close(fd)
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    line = await reader.readline()
+    if not line.strip():
+        raise RuntimeError("the rank fork server closed the connection without starting the rank")
+    streams = [await _pipe_reader(fd) if fd is not None else None for fd in mine]
+    return ForkedProcess(int(line), reader, writer, streams[0], streams[1])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -119,12 +231,7 @@ async def spawn_ranks(
 
     try:
         for r in range(world):
-            p = await asyncio.create_subprocess_exec(
-                sys.executable, *argv,
-                env=rank_env(r, world, port, extra),
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
-            )
+            p = await start_rank(list(argv), env=rank_env(r, world, port, extra))
             procs.append(p)
             readers += [asyncio.create_task(_drain(p.stdout, outs[r])), asyncio.create_task(_drain(p.stderr, errs[r]))]
         try:
