@@ -40,6 +40,8 @@
 #              (about 100 s; TUNE_ARGS="--device-model max" makes the old model pick; "--trace-grid" traces the grid
 #              and prints each row's traced host and device busy time per rank beside the model's);
 #              TUNE_ARGS adds arguments, TUNE_TIMEOUT bounds it (default 300 s); JSON in $OUT/tunegrid/tune_grid.json;
+#              each rank bound to its own CPUs (--cpu-pin; TUNE_PIN= runs it free): session M, free 24.5% largest error
+#              and the pick +21.5% from the best, bound 18.2% and +1.8% (the round-to-round spread 11% -> 5%);
 #              run it alone on its host (the model is host-bound: a job on the other GPUs put the predictions 15-40% under)
 #   tunemodes  issue 13: the searched split 1F1B m=8 (5,3) against (4,4) alone (the pair and the profiled configuration
 #              alive, not the whole grid), 6 rounds + 8 head-to-head blocks, three times: free, each rank pinned to its
@@ -173,7 +175,7 @@ PY
     ;;
   tunegrid)
     (cd /tmp && CUDA_VISIBLE_DEVICES=$VIS2 timeout "${TUNE_TIMEOUT:-300}" torchrun --master-port "$PORT" --nproc-per-node 2 "$REPO/benchmarks/tune_grid.py" \
-       --out "$OUT/tunegrid" ${TUNE_ARGS:-} 2>&1 | grep -v "^\[W\|Warning\|warn" | cut -c1-400 | tail -40 | tee "$OUT/tunegrid.txt")
+       --out "$OUT/tunegrid" ${TUNE_PIN---cpu-pin} ${TUNE_ARGS:-} 2>&1 | grep -v "^\[W\|Warning\|warn" | cut -c1-400 | tail -40 | tee "$OUT/tunegrid.txt")
     ;;
   tunemodes)
     for mode in free pin trace; do
