@@ -373,6 +373,14 @@ def _rank_main(args: argparse.Namespace) -> None:
             for i in ((pick_i, other_i) if r % 2 == 0 else (other_i, pick_i)):
                 key = "pick_times_ns" if i == pick_i else "other_times_ns"
                 duel[key].extend(t * 1e9 for t in timed(members[i], args.steps, 1))
+    # each row's host_overlap_backward decisions per rank (auto decides on what the rank learned: a row near the
+    # rule's boundary may have run either way; the replay reads them), gathered in the same order on every rank
+    decisions: dict[int, list[Any]] = {}
+    for i in range(len(grid)):
+        mine = {f"{b}>{f}": v for (b, f), v in getattr(members[i]._actor, "_bg_decided", {}).items()}
+        got: list[Any] = [None] * world
+        dist.all_gather_object(got, mine)
+        decisions[i] = got
     for pipe in members.values():
         pipe.close()
     del anchor, members
@@ -384,7 +392,7 @@ def _rank_main(args: argparse.Namespace) -> None:
             meas = statistics.median(times[i]) * 1e9
             rows.append({**c, "measured_ns": meas, "error": c["step_ns"] / meas - 1,
                          "spread": [min(times[i]) * 1e9 / meas - 1, max(times[i]) * 1e9 / meas - 1],
-                         "times_ns": [t * 1e9 for t in times[i]],
+                         "times_ns": [t * 1e9 for t in times[i]], "overlap_decided_by_rank": decisions.get(i),
                          **({"trace": f"grid{i:02d}.jsonl",
                              **_traced_busy(os.path.join(args.out, f"grid{i:02d}.jsonl"), world)} if args.trace_grid else {})})
         doc = {"profile": {"schedule": pname, "microbatches": pm, "stages_per_rank": pv, "blocks": psplit,
@@ -535,6 +543,15 @@ def replay(directory: str, *, search: int = 3, device_model: str = "lanes",
         nr = {key_: val for key_, val in r.items() if not key_.startswith("step_ns_")}
         nr.update(step_ns=step, error=step / r["measured_ns"] - 1, searched=not even,
                   host_busy_ns=_busy(sched, hc, world), device_busy_ns=_busy(sched, dc, world))
+        decided = r.get("overlap_decided_by_rank")
+        if decided and device_model == "lanes":
+            # the same row with the backwards the runtime really launched beside (the grid records them):
+            # how much of the row's error is the rule's decision rather than the costs
+            pairs = {rank: {tuple(map(int, k.split(">"))) for k, v in (d or {}).items() if v} for rank, d in enumerate(decided)}
+            _, as_run = _simulate(run, r["schedule"], world, r["stages_per_rank"], r["microbatches"], layers=layers,
+                                  split=k[3], device_model=device_model, overlap_pairs=pairs)
+            nr["step_ns_as_decided"] = as_run.makespan * res.calibration
+            nr["error_as_decided"] = nr["step_ns_as_decided"] / r["measured_ns"] - 1
         new_rows.append(nr)
         cands.append(Candidate(r["schedule"], r["microbatches"], r["stages_per_rank"], step, 0.0,
                                r.get("peak_live_microbatch_stages", 0), r.get("peak_activation_bytes", 0), True,
@@ -557,6 +574,10 @@ def replay(directory: str, *, search: int = 3, device_model: str = "lanes",
                 f"from the best measured; error largest {max(errs):.1%}, median {statistics.median(errs):.1%}")
 
     lines = [summary("recorded tuner", rows), summary("current tuner", new["rows"])]
+    as_run = [abs(r["error_as_decided"]) for r in new["rows"] if "error_as_decided" in r]
+    if as_run:
+        lines.append(f"current tuner with each row's recorded overlap decisions ({len(as_run)} rows): error largest "
+                     f"{max(as_run):.1%}, median {statistics.median(as_run):.1%}")
     first = res.candidates[0] if res.candidates else None
     if first is not None and key(first.schedule, first.microbatches, first.stages_per_rank, first.split) not in {
             key(r["schedule"], r["microbatches"], r["stages_per_rank"], r["split"]) for r in rows}:

@@ -935,3 +935,38 @@ def _size_s() -> Any:
     a = argparse.Namespace()
     a.layers, a.hidden, a.heads, a.batch, a.seq, a.vocab = tune_grid.SIZES["s"]
     return a
+
+
+def test_tune_grid_replay_with_the_recorded_overlap_decisions(tmp_path: Path) -> None:
+    """A grid that recorded each row's host_overlap_backward decisions per rank (``overlap_decided_by_rank``,
+    since session M) is also replayed with them (``_simulate(overlap_pairs=...)``): the share of a row's error
+    that is the runtime's decision rather than the costs.  On session M's bound grid (rows edited to carry
+    decisions): every backward inline and every one beside predict differently on a host-bound row, and the
+    recorded decisions are what the prediction follows."""
+    import shutil
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import tune_grid
+
+    src = Path(__file__).parents[1] / "benchmarks" / "results" / "tunegrid-sessionM" / "grid-pin"
+    steps = {}
+    for beside in (False, True):
+        grid = tmp_path / f"beside{int(beside)}"
+        shutil.copytree(src, grid)
+        doc = json.loads((grid / "tune_grid.json").read_text())
+        for r in doc["rows"]:
+            if r["schedule"] == "1F1B":  # one stage per rank: the pair (s, s) on rank s
+                r["overlap_decided_by_rank"] = [{f"{s}>{s}": beside} for s in range(2)]
+        (grid / "tune_grid.json").write_text(json.dumps(doc))
+        new, summary = tune_grid.replay(str(grid))
+        rows = [r for r in new["rows"] if r["schedule"] == "1F1B"]
+        assert rows and all("step_ns_as_decided" in r for r in rows)
+        assert all("step_ns_as_decided" not in r for r in new["rows"] if r["schedule"] != "1F1B")
+        for r in rows:
+            assert r["error_as_decided"] == pytest.approx(r["step_ns_as_decided"] / r["measured_ns"] - 1)
+        assert any(x.startswith(f"current tuner with each row's recorded overlap decisions ({len(rows)} rows)")
+                   for x in summary)
+        steps[beside] = {(r["microbatches"], tuple(r["split"])): r["step_ns_as_decided"] for r in rows}
+    # host-bound (GPT size s): the backwards beside the forwards shorten every 1F1B row
+    assert all(steps[True][k] < steps[False][k] for k in steps[True]), steps

@@ -87,7 +87,7 @@ skipped with the reason.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -983,7 +983,8 @@ def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layer
               device_model: str = "lanes", commit_ns: float = COMMIT_MS * 1e6, commit_launches: float = COMMIT_LAUNCHES,
               samples: int = 0, stage_streams: bool | None = None, host_units: bool = True,
               host_rank_speed: bool = False, overlap_backward: bool | str | None = "auto",
-              overlap_margin: float | None = None) -> tuple[Any, Any]:
+              overlap_margin: float | None = None,
+              overlap_pairs: Mapping[int, Collection[tuple[int, int]]] | None = None) -> tuple[Any, Any]:
     """(schedule, simulation) of one candidate with ``run``'s costs carried to it (ScheduleError if rejected).
     ``lowered``: a cache of lowered schedules by (name, p, v, m) (the split changes only the action costs).
     ``host_units`` False: the host side as before :func:`host_fit`'s units (for comparisons: see
@@ -991,7 +992,9 @@ def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layer
     ``overlap_backward``: the runtime's ``host_overlap_backward`` (two-lane model only: a B launched on a second
     host lane beside the forwards after it, :data:`OVERLAP_BACKWARD`); "auto" (its default) decides per pair on
     the candidate's own host and device costs, False or None never, True always; ``overlap_margin``: the rule's
-    margin (None: the runtime's, ``dispatch.OVERLAP_MARGIN``; a replay of a run recorded before it: 1.0)."""
+    margin (None: the runtime's, ``dispatch.OVERLAP_MARGIN``; a replay of a run recorded before it: 1.0);
+    ``overlap_pairs``: per rank, the (B stage, F stage) pairs a run launched beside, replayed instead of the rule
+    (two-lane model only)."""
     costs = _link_costs(run, m)
     key = (name, p, v, m)
     if lowered is not None and key in lowered:
@@ -1022,7 +1025,8 @@ def _simulate(run: RunCosts, name: str, p: int, v: int, m: int, *, layers: Layer
                            host_overlap=_pair_overlap(run, host),  # the host's time per action paid once per pair
                            device_streams=resolve_streams(stage_streams, [a for row in low.actions.values() for a in row]),
                            host_overlap_backward=overlap_backward or None,
-                           overlap_contention=OVERLAP_CONTENTION, overlap_margin=overlap_margin)
+                           overlap_contention=OVERLAP_CONTENTION, overlap_margin=overlap_margin,
+                           overlap_pairs=overlap_pairs)
 
 
 def _pair_overlap(run: RunCosts, ac: dict[tuple[int, str, int | None], float]) -> float:
