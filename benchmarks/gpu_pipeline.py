@@ -165,6 +165,20 @@ def _gpt_model(args: argparse.Namespace, num_stages: int, stage: int, device: An
     return st.to(device=device, dtype=dtype or torch.bfloat16)
 
 
+def _graphed(pipe: Any) -> dict[str, Any]:
+    """RuntimeOptions.cuda_graphs: per rank, the forwards of the last step replayed from graphs, and why a stage
+    was not captured (gathered from every rank; {} without the option)."""
+    import torch.distributed as dist
+
+    if not pipe.options.cuda_graphs:
+        return {}
+    mine = {"graphed_forwards": getattr(pipe.statistics, "graphed_forwards", None),
+            "not_captured": {s: ex.graphs.disabled for s, ex in pipe._executors.items() if ex.graphs is not None and ex.graphs.disabled}}
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {"graphed_by_rank": every}
+
+
 def _gpt_loss(out: Any, target: Any) -> Any:
     import torch.nn.functional as F
 
@@ -634,7 +648,8 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         fn = lambda: pipe.step(x_in, target=y_in, return_outputs=args.return_outputs)  # noqa: E731
         fn.idle = lambda: pipe.statistics.idle_seconds  # type: ignore[attr-defined]
         return fn, pipe.close, lambda: {"variant": variant, "overlapped_by_rank": _overlapped(pipe),
-                                        "horizon_ms": getattr(getattr(pipe._actor, "dev", None), "horizon_ms", None)}
+                                        "horizon_ms": getattr(getattr(pipe._actor, "dev", None), "horizon_ms", None),
+                                        **_graphed(pipe)}
 
     builders = {"pipeloom": build_pipeloom, "torch": build_torch, "pipeloom-1s": build_pipeloom_one_stream,
                 "pipeloom-x": build_pipeloom_x}

@@ -122,6 +122,15 @@ def _own_collectives(module: torch.nn.Module) -> bool:
     return any(isinstance(m, torch.nn.SyncBatchNorm) for m in module.modules())
 
 
+def _copy_out(raw: Any) -> Any:
+    """A last stage's output kept for the caller, copied out of a CUDA graph's buffer (the next replay reuses it)."""
+    if isinstance(raw, torch.Tensor):
+        return raw.detach().clone()
+    if isinstance(raw, (tuple, list)):
+        return type(raw)(_copy_out(r) for r in raw)
+    return raw
+
+
 class _Beside(NamedTuple):
     """options.host_overlap_backward: a backward in flight on the worker thread."""
 
@@ -201,6 +210,8 @@ class ActorStatistics:
     overlapped_backwards: int = 0
     #: options.host_queue_backwards: of those, backwards queued on the worker behind another one
     queued_backwards: int = 0
+    #: options.cuda_graphs: forwards replayed from a stage's CUDA graph (the rest ran eagerly)
+    graphed_forwards: int = 0
 
 
 class Wakeup:
@@ -1174,6 +1185,13 @@ class RankActor:
         cpu = torch.get_rng_state()
         return torch.cat([cpu, torch.cuda.get_rng_state(self.device)]) if self._cuda else cpu
 
+    def relearn(self) -> None:
+        """Between steps: the stages' launches changed (CUDA graphs captured): learn their times again, and decide
+        again where backwards launch (host_overlap_backward auto) once they are learned."""
+        self.dev.relearn()
+        self._bg_decided.clear()
+        self._bg_inputs.clear()
+
     def _bg_pays(self, b_stage: int, f_stage: int) -> bool:
         """host_overlap_backward auto: whether B of ``b_stage`` is launched beside the F of ``f_stage`` after
         it (``device.backward_overlap_pays``), decided once per pair when its times are learned."""
@@ -1326,6 +1344,8 @@ class RankActor:
             outputs, raw, loss = stage.forward(mb, args, inputs.kwargs[mb], target, train=train)
             if a.stage == self.last_stage:
                 if results is not None:
+                    if stage.graphs is not None and stage.graphs.slots:  # (a replay's output is its slot's buffer)
+                        raw = _copy_out(raw)
                     results[mb] = raw.detach() if isinstance(raw, torch.Tensor) else raw
                 if loss is not None:
                     losses[mb] = loss.detach()

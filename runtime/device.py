@@ -145,6 +145,10 @@ class DevicePolicy:
     def flush(self) -> None:
         """Hand every action timed so far to :attr:`on_timed` (waiting for their device work)."""
 
+    def relearn(self) -> None:
+        """Between steps: the stages' work changed (``RuntimeOptions.cuda_graphs`` captured them), so what was
+        learned of their host and device times no longer holds: learn it again over the next steps."""
+
     def inputs_ready(self, token: Any, stage: int, stream: Any = None) -> None:
         """After ``stage``'s stream was ordered after the inputs of the action of ``token``; ``stream``: that
         stream as the calling thread holds it (the worker thread: the policy's tracked stream is the loop's)."""
@@ -372,6 +376,11 @@ class CudaPolicy(DevicePolicy):
     def _pad_ms(self) -> float:
         """How long the stream sleeps before a learning step's action: 1.5 x the slowest launch learned, 4-25 ms."""
         return min(max(1.5 * self._timing.host_ms(), 4.0), 25.0)
+
+    def relearn(self) -> None:
+        self.flush()
+        self._timing = _Timing()
+        self._host_changed = True  # (the horizon follows the new launch times once learned)
 
     def abandon_step(self) -> None:
         # the tracked current stream held only inside the step; a late header landing after the

@@ -352,6 +352,22 @@ class RuntimeOptions:
     reduction is a plain average, ``"fsdp"`` always leaves it to FSDP2's own (synchronous on
     CPU) post-backward.  Environment: ``PIPELOOM_FSDP_REDUCE``."""
 
+    cuda_graphs: bool = False
+    """GPUs: replay each stage's forward and backward from CUDA graphs (``runtime/cuda_graphs.py``),
+    so a stage costs the host one launch instead of one per kernel: for models whose kernels are
+    short enough that the host's launches bound the step (many small microbatches, a small
+    hidden size).  Captured between steps, after the first training step of an input layout,
+    one forward/backward pair per microbatch the schedule keeps alive on the stage (the memory
+    of that many activations, held for the job's life); what cannot use a graph (another input
+    layout, keyword arguments, evaluation, a stage that cannot be captured, which warns once)
+    runs eagerly as before.  The stage module must be a function of its inputs and parameters on
+    the device (no host reads of tensor values, no Python state that changes between calls);
+    parameters are updated in place (any ``torch.optim`` optimizer); one that is replaced drops
+    the graphs until the next capture; warm-up and capture run the module on zero inputs (its
+    buffers are restored).  A graphed stage's backward cannot be split: I/W schedules run its whole
+    backward at I.  Not with FSDP or expert parallelism (their collectives run inside the stage);
+    CUDA only (``ValueError`` otherwise).  Off by default.  Environment: ``PIPELOOM_CUDA_GRAPHS=1``."""
+
     @property
     def cold_stall_timeout(self) -> float:
         """The stall timeout in effect for a cold step (``first_step_stall_timeout`` resolved)."""
@@ -391,6 +407,8 @@ class RuntimeOptions:
             problems.append(f"static_shapes must be None (auto), True or False (got {self.static_shapes!r})")
         if self.host_overlap_backward not in (None, True, False):
             problems.append(f"host_overlap_backward must be None (auto), True or False (got {self.host_overlap_backward!r})")
+        if not isinstance(self.cuda_graphs, bool):
+            problems.append(f"cuda_graphs must be True or False (got {self.cuda_graphs!r})")
         if self.fsdp_reduce not in ("auto", "fsdp"):
             problems.append(f"fsdp_reduce must be 'auto' or 'fsdp' (got {self.fsdp_reduce!r})")
         if problems:
@@ -519,6 +537,7 @@ ENV_VARS: dict[str, tuple[str, Any]] = {
     "PIPELOOM_HOST_QUEUE_BACKWARDS": ("host_queue_backwards", _flag),
     "PIPELOOM_OVERLAP_COLLECTIVES": ("overlap_collectives", _flag),
     "PIPELOOM_FSDP_REDUCE": ("fsdp_reduce", str),
+    "PIPELOOM_CUDA_GRAPHS": ("cuda_graphs", _flag),
     "PIPELOOM_DISPATCH": ("dispatch", str),
 }
 

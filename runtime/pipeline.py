@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -466,8 +467,6 @@ class Pipeline:
         lay = self.layout
         if self._ep_groups is not None and not opts.deterministic:
             # the ep peers of a stage must issue their all-to-alls in the same order (expert_parallel.py)
-            import dataclasses
-
             opts = self.options = dataclasses.replace(opts, deterministic=True)
         grad_scale = 1.0 / num_microbatches if scale_grads else 1.0
         last = self.schedule.num_stages - 1
@@ -492,6 +491,13 @@ class Pipeline:
             )
             install_stage_checks(self._executors[s], rank=self.rank, stage_to_rank=self.stage_to_rank,
                                  check_finite=opts.check_finite)
+        if opts.cuda_graphs:
+            from .cuda_graphs import StageGraphs, slots_per_stage
+
+            slots = slots_per_stage(self.schedule.actions[self.pp_rank])
+            for s, ex in self._executors.items():
+                ex.graphs = StageGraphs(s, ex.module, slots.get(s, 1), self.device,
+                                        allowed_hooks=[StageExecutor._note_recompute])
         #: parameter sets (and modes) this rank has run a step with: a new one is a cold step
         self._seen_fingerprints: set[Any] = set()
         self._fingerprint: ModelFingerprint | None = None
@@ -577,6 +583,13 @@ class Pipeline:
         self._ep_groups: Any = None
         grid = None
         mesh_names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if mesh is not None else ()
+        if self.options.cuda_graphs:
+            why = ("the stages are not on a CUDA device (device " + str(self.device) + ")" if self.device.type != "cuda"
+                   else "with fsdp (parameters are gathered and freed around each use)" if fsdp
+                   else "with expert parallelism (the stages' all-to-alls)" if expert_parallel != 1 or "ep" in mesh_names
+                   else None)
+            if why is not None:
+                raise PipelineConfigError(f"rank {self.rank}: RuntimeOptions.cuda_graphs: not available {why}")
         if expert_parallel != 1 or "ep" in mesh_names:
             from .expert_parallel import make_ep_grid
 
@@ -987,6 +1000,21 @@ class Pipeline:
             self._loop = _new_loop()
         return self._loop.run_until_complete(coro)
 
+    def _after_graphed_step(self, graphs: list[Any], train: bool) -> None:
+        """RuntimeOptions.cuda_graphs, after a step that ended on this rank: its forwards replayed from graphs in
+        the statistics; after a training step, capture the stages whose layout is known (between steps: the capture
+        synchronizes the device, and within a step a posted receive may wait on a peer that waits on this rank)."""
+        st = self._actor.statistics
+        if st is not None:
+            self._actor.statistics = dataclasses.replace(st, graphed_forwards=sum(g.replays_step for g in graphs))
+        if not train or not any(g.wants_capture() for g in graphs):
+            return
+        for g in graphs:
+            if g.wants_capture():
+                g.capture()
+        # the captured stages launch in one call: their host and device times are learned again
+        self._actor.relearn()
+
     async def _arun(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, losses: list[Any] | None, *, train: bool,
                     return_outputs: bool = True) -> Any:
         if self._closed:
@@ -1006,11 +1034,16 @@ class Pipeline:
 
                 args, kwargs, target = replica_share(args, kwargs, target, dp=self.layout.dp, index=self.dp_rank, n=self.num_microbatches)
             inputs = split_microbatches(args, kwargs, target, self.num_microbatches, self.device)
+            graphs = [ex.graphs for ex in self._executors.values() if ex.graphs is not None]
+            for g in graphs:
+                g.start_step()
             try:
                 results, mb_losses = await self._actor.run_step(inputs, train=train, keep_outputs=return_outputs)
             finally:
                 if self._trace_sink is not None and self._actor.trace is not None:
                     self._trace_sink.emit(self._actor.trace.drain())
+            if graphs:
+                self._after_graphed_step(graphs, train)
             self._last_losses = mb_losses
             if not self.has_last_stage:
                 return None

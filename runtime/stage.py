@@ -42,7 +42,7 @@ itself, as torch's own pipelining does, and it is exact by construction:
 
 A graph that cannot be split (a ``torch.compile``d region, whose backward is a
 single opaque node that cannot run twice; a reentrant checkpoint, which refuses
-``autograd.grad``) is detected at I: the stage then runs
+``autograd.grad``; a stage replayed from a CUDA graph) is detected at I: the stage then runs
 a full backward at I and W does nothing, with a one-time warning.  Gradients
 stay exact; only the overlap is lost.
 """
@@ -66,6 +66,7 @@ __all__ = ["StageExecutor", "as_tensor_tuple"]
 _UNSPLITTABLE = {
     "CompiledFunctionBackward": "a torch.compile region",
     "CheckpointFunctionBackward": "a reentrant checkpoint (use_reentrant=True)",
+    "_GraphedStageBackward": "a CUDA graph of the stage (RuntimeOptions.cuda_graphs)",
 }
 
 
@@ -247,6 +248,8 @@ class StageExecutor:
         #: swapped FSDP parameters and a changed trainable set need nothing special)
         self.split_backward = split_backward
         self._saved: dict[int, _Saved] = {}
+        #: RuntimeOptions.cuda_graphs: the stage's captured graphs (runtime/cuda_graphs.py), set by the Pipeline
+        self.graphs: Any = None
         self._warned_unsplittable = False
         self._copy_inputs = False  # the module modifies its inputs in place (see _call)
         # Activation checkpointing: a module whose forward runs again during I is being
@@ -307,6 +310,12 @@ class StageExecutor:
         copies of its inputs, and from then on that stage always gets copies (one
         activation copy per microbatch; the leaves still receive the gradients).
         """
+        graphs = self.graphs
+        if graphs is not None:
+            out = graphs.call(inputs, kwargs)
+            if out is not None:
+                return out
+            graphs.note(inputs, kwargs)
         if self._copy_inputs:
             return self.module(*(_copy_leaf(t) for t in inputs), **kwargs)
         try:

@@ -209,6 +209,39 @@ def _awkward_cases(world: int) -> list[dict[str, Any]]:
     return out
 
 
+def _graph_cases(world: int) -> list[dict[str, Any]]:
+    """RuntimeOptions.cuda_graphs (GPUs only): captured after the first training step, replayed in the later ones
+    (``graphed``: per step, whether every rank replayed forwards from graphs)."""
+    if BACKEND != "nccl":
+        return []
+    g = {"cuda_graphs": True}
+    n = 2 * world
+    names = ["1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"] if world == 2 else ["1F1B", "Interleaved1F1B", "DualPipeV"]
+    out = [dict(id=f"graphs-{name}", schedule=name, microbatches=n, dim=4, batch=2 * n, steps=3, eval=True, options=g,
+                graphed=[False, True, True]) for name in names]
+    if world == 2:
+        awkward = dict(microbatches=n, dim=4, batch=2 * n, steps=3, options=g, graphed=[False, True, True])
+        out += [
+            # a custom Function, recurrence, a parameter used twice; checkpointing; a weight tied across two stages
+            dict(awkward, id="graphs-awkward-1F1B", schedule="1F1B", model="awkward"),
+            dict(awkward, id="graphs-awkward-ckpt-Interleaved1F1B", schedule="Interleaved1F1B", model="awkward-ckpt"),
+            dict(awkward, id="graphs-tied-ends-DualPipeV", schedule="DualPipeV", model="tied-ends"),
+            # the trainable set changes: the graphs are dropped and captured again
+            dict(awkward, id="graphs-freeze-1F1B", schedule="1F1B", model="awkward", steps=4,
+                 freeze=[["lin.weight"], ["lin.weight"], [], []], graphed=[False, True, False, True]),
+            # backwards launched on the worker thread (their replays on its stream)
+            dict(awkward, id="graphs-host-overlap-1F1B", schedule="1F1B", model="block",
+                 options={**g, "host_overlap_backward": True}, overlapped=[False, True, True]),
+            # another sequence length each step: only the captured one replays
+            dict(id="graphs-seq-per-step", schedule="1F1B", microbatches=4, dim=4, batch=8, seq=[3, 7, 3], steps=3, options=g,
+                 graphed=[False, False, True]),
+            # a keyword argument every stage takes: eager throughout
+            dict(id="graphs-kwargs", schedule="1F1B", microbatches=4, dim=4, batch=8, kwargs=True, steps=2, options=g,
+                 graphed=[False, False]),
+        ]
+    return out
+
+
 ORACLE_2 = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 ORACLE_4 = ["Interleaved1F1B", "ZBVZeroBubble"]
 
@@ -226,8 +259,9 @@ def _oracle_cases(names: list[str], n: int) -> list[dict[str, Any]]:
 # the 4-rank pool only where 4 GPUs are visible); the default is gloo on CPU.
 BACKEND = os.environ.get("PIPELOOM_TEST_BACKEND", "gloo")
 CASES = {
-    2: _cases(2, MICROBATCHES_2) + _special_cases_2() + _oracle_cases(ORACLE_2, 4) + _nccl_protocol_cases(2, MICROBATCHES_2),
-    4: _cases(4, MICROBATCHES_4) + _oracle_cases(ORACLE_4, 8) + _awkward_cases(4) + _nccl_protocol_cases(4, MICROBATCHES_4) + [
+    2: _cases(2, MICROBATCHES_2) + _special_cases_2() + _oracle_cases(ORACLE_2, 4) + _nccl_protocol_cases(2, MICROBATCHES_2)
+    + _graph_cases(2),
+    4: _cases(4, MICROBATCHES_4) + _oracle_cases(ORACLE_4, 8) + _awkward_cases(4) + _nccl_protocol_cases(4, MICROBATCHES_4) + _graph_cases(4) + [
         dict(id="dispatch-guarded-dualpipev-4", schedule="DualPipeV", microbatches=8, dim=4, batch=16, seq="per_mb", steps=2, dispatch="guarded"),
         # options.host_overlap_backward on 4 ranks (the middle stages receive and send both ways)
         dict(id="host-overlap-1F1B-4", schedule="1F1B", microbatches=8, dim=4, batch=16, steps=3,
@@ -240,6 +274,11 @@ CASES = {
 }
 if BACKEND == "nccl" and torch.cuda.device_count() < 4:
     del CASES[4]
+# PIPELOOM_TEST_CASES=graphs,static: only the rows whose id contains one of these (a GPU session's short run)
+if os.environ.get("PIPELOOM_TEST_CASES"):
+    _only = os.environ["PIPELOOM_TEST_CASES"].split(",")
+    CASES = {w: [c for c in cs if any(o in c["id"] for o in _only)] for w, cs in CASES.items()}
+    CASES = {w: cs for w, cs in CASES.items() if cs}
 
 
 @pytest.fixture(scope="module")
@@ -361,12 +400,24 @@ def _check_headerless(world: int, cfg: dict[str, Any], results: list[dict[str, A
             assert all(n > 0 for n in sent), f"step {step}: some rank sent with headers: {sent}"
 
 
+def _check_graphed(cfg: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    """options.cuda_graphs: which steps replayed forwards from graphs, on every rank (none without the option)."""
+    want = cfg.get("graphed")
+    for step, r in ((step, r) for r in results for step, s in enumerate(r["stats"]) if s is not None):
+        n = r["stats"][step].get("graphed_forwards", 0)
+        if want is None or not want[step]:
+            assert n == 0, f"step {step}: {n} forwards replayed from graphs, expected none"
+        else:
+            assert n > 0, f"step {step}: no forward replayed from a graph (not captured: {r.get('graphs_disabled')})"
+
+
 @pytest.mark.parametrize("case_id", _ids(2))
 def test_two_ranks_match_unsplit_model(pool_results: Any, case_id: str) -> None:
     cfg = next(c for c in CASES[2] if c["id"] == case_id)
     _check_against_reference(2, cfg, pool_results[2][case_id])
     _check_headerless(2, cfg, pool_results[2][case_id])
     _check_overlapped(2, cfg, pool_results[2][case_id])
+    _check_graphed(cfg, pool_results[2][case_id])
 
 
 @pytest.mark.parametrize("case_id", _ids(4) if 4 in CASES else [])
@@ -375,6 +426,7 @@ def test_four_ranks_match_unsplit_model(pool_results: Any, case_id: str) -> None
     _check_against_reference(4, cfg, pool_results[4][case_id])
     _check_headerless(4, cfg, pool_results[4][case_id])
     _check_overlapped(4, cfg, pool_results[4][case_id])
+    _check_graphed(cfg, pool_results[4][case_id])
 
 
 @pytest.mark.parametrize("world,name", [(2, n) for n in ORACLE_2] + ([(4, n) for n in ORACLE_4] if 4 in CASES else []))

@@ -126,6 +126,9 @@ def run_pipeloom(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
             result["eval"].append(ev)
     result["stages"] = sorted(pipe.stages)
     result["params"] = {f"s{s}.{n}": _full(p).detach().clone() for s, m in pipe.stages.items() for n, p in m.named_parameters()}
+    # (private: options.cuda_graphs, why a stage was not captured)
+    result["graphs_disabled"] = {s: ex.graphs.disabled for s, ex in getattr(pipe, "_executors", {}).items()
+                                 if getattr(ex, "graphs", None) is not None and ex.graphs.disabled}
     pipe.close()
     return result
 

@@ -1,0 +1,379 @@
+"""CUDA graphs for stage modules (``RuntimeOptions.cuda_graphs``).
+
+Why.  On GPUs a stage whose kernels are short is bound by the host: a small
+GPT block launches dozens of kernels per forward and twice as many in the
+backward, each 5-10 us of Python and driver time, and the device waits for
+them (``benchmarks/RESULTS.md``: on 2 x H200 the actions' host spans were
+88-93% of a size-s step, the model's own launches, not the runtime's).  Torch's
+pipelining launches the same way.  A CUDA graph replays a captured forward or
+backward with one launch.
+
+What is captured.  Per stage, after the first training step that ran it on one
+input layout (shapes, dtypes, which inputs require grad, the autocast state,
+the trainable parameters), its module's forward and the backward of that forward
+to its inputs and trainable parameters, once per *slot*: a slot holds one
+microbatch's activations from its forward until its backward, so a stage gets as
+many slots as the schedule keeps its microbatches alive at once (1F1B's first
+stage: the number of stages).  Each slot has its own private memory pool, so
+slots replay in any order, and a slot's forward and backward always replay in
+the order they were captured in (its forward, then its backward, then the next
+microbatch's forward).  Capturing happens between steps, on a side stream, after
+the step's transfers have ended on this rank (``torch.cuda.graph`` synchronizes
+the device; during a step a posted receive may wait on a peer that waits on
+this rank).
+
+How it is replayed.  The graphed forward is one autograd ``Function`` whose
+inputs are the stage inputs and the trainable parameters: the forward copies
+the inputs into the slot's static buffers and replays the forward graph; its
+backward copies the output gradients in and replays the backward graph, and
+returns the gradients, which reach ``.grad`` through the parameters' own
+``AccumulateGrad`` nodes (accumulation over microbatches, hooks, the data-parallel
+reduction's hooks behave as without graphs; the static gradient buffers are never
+stolen as ``.grad``: they stay referenced by the slot, so autograd copies them).
+
+Where it falls back.  A forward whose inputs or trainable set differ from the
+captured layout, one that finds every slot busy (a dynamic order keeping more
+microbatches alive than the static list), an evaluation step, and a module with
+keyword arguments run eagerly, exactly as without graphs.  A stage that cannot be
+captured (host synchronisation inside, a data-dependent shape, outputs that are
+not tensors, module hooks, which a replay would skip) runs eagerly with a
+one-time warning naming the stage and the reason.  Parameters whose storage moved
+(replaced, not updated in place) drop the stage's graphs; they are captured again
+after the next step.
+
+Limits (documented in ``RuntimeOptions.cuda_graphs``): the module must be a
+function of its inputs and parameters on the device (no host reads of tensor
+values, no Python-side state that changes between calls); warm-up and capture
+run it three times on zero inputs (random numbers are drawn, buffers such as
+batch-norm statistics are restored afterwards); a stage's backward is one opaque
+node, so an I/W split schedule runs that stage's whole backward at I (as for a
+``torch.compile`` region, ``runtime/stage.py``).
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+__all__ = ["StageGraphs", "slots_per_stage"]
+
+#: eager calls on one layout before it is captured (cuBLAS handles, lazy modules, autotuning)
+WARMUP_CALLS = 1
+#: forward/backward passes run on the side stream before capturing (torch's make_graphed_callables runs 3)
+WARMUP_PASSES = 2
+
+
+def slots_per_stage(actions: Sequence[Any]) -> dict[int, int]:
+    """Per stage of one rank's action list, the most microbatches alive at once (forward done,
+    backward not yet): one graph slot each."""
+    live: dict[int, int] = {}
+    peak: dict[int, int] = {}
+    for a in actions:
+        for leaf in a.leaves():
+            t = leaf.type.value
+            if t == "F":
+                live[leaf.stage] = live.get(leaf.stage, 0) + 1
+                peak[leaf.stage] = max(peak.get(leaf.stage, 0), live[leaf.stage])
+            elif t in ("B", "I"):
+                live[leaf.stage] = live.get(leaf.stage, 0) - 1
+    return {s: max(n, 1) for s, n in peak.items()}
+
+
+class _Slot:
+    __slots__ = ("fwd", "bwd", "static_in", "static_out", "static_gout", "static_gin", "busy", "done", "out_kind")
+
+    def __init__(self) -> None:
+        self.busy = False
+        self.done: torch.cuda.Event | None = None
+
+
+class _GraphedStage(torch.autograd.Function):
+    """One replay of a captured stage forward; its backward replays the captured backward.
+    (Its node's name, ``_GraphedStageBackward``, is what ``runtime/stage.py`` knows as unsplittable.)"""
+
+    @staticmethod
+    def forward(ctx: Any, slot: _Slot, n_in: int, *args: torch.Tensor) -> Any:  # type: ignore[override]
+        if slot.done is not None:  # (its last backward may have replayed on another stream)
+            torch.cuda.current_stream().wait_event(slot.done)
+        for dst, src in zip(slot.static_in, args[:n_in]):
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
+        slot.fwd.replay()
+        ctx.slot = slot
+        outs = tuple(o.detach() for o in slot.static_out)
+        ctx.mark_non_differentiable(*(o for o, g in zip(outs, slot.static_gout) if g is None))
+        return outs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        slot: _Slot = ctx.slot
+        for dst, g in zip(slot.static_gout, grads):
+            if dst is None:
+                continue
+            if g is None:
+                dst.zero_()
+            elif dst.data_ptr() != g.data_ptr():
+                dst.copy_(g)
+        slot.bwd.replay()
+        ev = slot.done
+        if ev is None:
+            ev = slot.done = torch.cuda.Event()
+        ev.record()
+        slot.busy = False
+        # the buffers themselves (not detached aliases): still referenced by the slot, autograd copies them
+        # into ``.grad`` rather than stealing them
+        return (None, None, *slot.static_gin)
+
+
+def _flatten(out: Any) -> tuple[str, tuple[torch.Tensor, ...]] | None:
+    if isinstance(out, torch.Tensor):
+        return "tensor", (out,)
+    if isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
+        return ("tuple" if isinstance(out, tuple) else "list"), tuple(out)
+    return None
+
+
+def _unflatten(kind: str, outs: tuple[torch.Tensor, ...]) -> Any:
+    if kind == "tensor":
+        return outs[0]
+    return outs if kind == "tuple" else list(outs)
+
+
+def _foreign_hooks(module: nn.Module, ours: set[int]) -> str | None:
+    for name, m in module.named_modules():
+        pre = [h for h in m._forward_pre_hooks.values() if id(getattr(h, "__func__", h)) not in ours]
+        if pre or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return f"module {name or type(module).__name__!r} has hooks (a replay would not run them)"
+    return None
+
+
+class StageGraphs:
+    """The captured graphs of one stage (``None`` slots until :meth:`capture`)."""
+
+    def __init__(self, stage: int, module: nn.Module, slots: int, device: torch.device, *, allowed_hooks: Sequence[Any] = ()) -> None:
+        self.stage = stage
+        self.module = module
+        self.n_slots = slots
+        self.device = device
+        self._allowed_hooks = {id(getattr(h, "__func__", h)) for h in allowed_hooks}
+        #: why this stage stays eager (set once, with a warning), or None
+        self.disabled: str | None = None
+        #: the layout seen on eager training calls, and how many times
+        self.layout: tuple[Any, ...] | None = None
+        self._seen = 0
+        self._trainable_at: tuple[bool, ...] = ()
+        self.slots: list[_Slot] = []
+        self._params: list[nn.Parameter] = []
+        self._ptrs: tuple[tuple[int, int], ...] = ()
+        #: the module modifies an input in place: it is given copies (as ``StageExecutor._call`` does)
+        self.copy_inputs = False
+        #: forwards replayed in the current step, and over the stage's life
+        self.replays_step = 0
+        self.replays = 0
+
+    # -- layout ---------------------------------------------------------------
+    def _layout(self, inputs: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+        if kwargs or not inputs:
+            return None
+        sig = []
+        for t in inputs:
+            if not isinstance(t, torch.Tensor) or t.device != self.device:
+                return None
+            sig.append((tuple(t.shape), t.dtype, t.requires_grad))
+        dt = self.device.type
+        return (tuple(sig), torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None)
+
+    def _trainable(self) -> tuple[bool, ...]:
+        return tuple(p.requires_grad for p in self.module.parameters())
+
+    def _placement(self) -> tuple[tuple[int, int], ...]:
+        """Which tensors the graphs read the parameters and buffers from (replaced ones are not read)."""
+        return tuple((id(t), t.data_ptr()) for t in (*self.module.parameters(), *self.module.buffers()))
+
+    def note(self, inputs: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """An eager training forward: remember its layout (the first one; a stage whose layout varies keeps it)."""
+        if self.disabled is not None or self.slots:
+            return
+        lay = self._layout(inputs, kwargs)
+        if lay is None:
+            return
+        if self.layout is None:
+            self.layout = lay
+            self._trainable_at = self._trainable()
+        elif lay != self.layout or self._trainable() != self._trainable_at:
+            return  # (the first layout is the one captured; others run eagerly)
+        self._seen += 1
+
+    def wants_capture(self) -> bool:
+        return self.disabled is None and not self.slots and self.layout is not None and self._seen >= WARMUP_CALLS
+
+    def start_step(self) -> None:
+        """At a step's start: no microbatch holds a slot (a failed step may have left some); parameters
+        that moved (replaced rather than updated in place) drop the graphs."""
+        self.replays_step = 0
+        if not self.slots:
+            return
+        for s in self.slots:
+            s.busy = False
+        if self._placement() != self._ptrs or self._trainable() != self._trainable_at:
+            self.drop()
+
+    def drop(self) -> None:
+        """Forget the graphs and the layout (captured again after a step that runs it)."""
+        self.slots = []
+        self._seen = 0
+        self.layout = None
+
+    # -- capture --------------------------------------------------------------
+    def _disable(self, why: str) -> None:
+        self.disabled = why
+        self.slots = []
+        warnings.warn(f"stage {self.stage}: not captured as a CUDA graph ({why}); it runs eagerly", RuntimeWarning, stacklevel=3)
+
+    def capture(self) -> None:
+        """Capture the stage's slots (between steps: synchronizes the device)."""
+        assert self.layout is not None
+        why = _foreign_hooks(self.module, self._allowed_hooks)
+        if why is not None:
+            self._disable(why)
+            return
+        sig, amp = self.layout
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
+        dev = self.device
+        side = torch.cuda.Stream(dev)
+
+        def sample() -> list[torch.Tensor]:
+            return [torch.zeros(shape, dtype=dtype, device=dev).requires_grad_(rg) for shape, dtype, rg in sig]
+
+        def run(inputs: list[torch.Tensor]) -> Any:
+            if self.copy_inputs:
+                inputs = [t.clone() if t.requires_grad else t for t in inputs]
+            if amp is not None:
+                with torch.autocast(dev.type, dtype=amp):
+                    return self.module(*inputs)
+            return self.module(*inputs)
+
+        def grads_of(outs: tuple[torch.Tensor, ...], inputs: list[torch.Tensor], gouts: list[torch.Tensor | None]) -> tuple[Any, ...]:
+            diff = [(o, g) for o, g in zip(outs, gouts) if g is not None]
+            wrt = [t for t in inputs if t.requires_grad] + params
+            if not diff or not wrt:
+                return ()
+            return torch.autograd.grad([o for o, _ in diff], wrt, grad_outputs=[g for _, g in diff], allow_unused=True)
+
+        slots: list[_Slot] = []
+        try:
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for i in range(WARMUP_PASSES):
+                    # the first pass with synchronizing calls made errors: a module that reads a value on the
+                    # host cannot be captured, and a capture that fails half-way can leave the CUDA generator
+                    # unusable, so it is found here, eagerly
+                    old_mode = torch.cuda.get_sync_debug_mode()
+                    if i == 0:
+                        torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        inputs = sample()
+                        try:
+                            out = run(inputs)
+                        except RuntimeError as exc:
+                            if "leaf Variable that requires grad is being used in an in-place operation" not in str(exc) or self.copy_inputs:
+                                raise
+                            self.copy_inputs = True  # (it modifies its input in place: copies, as eagerly)
+                            out = run(inputs)
+                        flat = _flatten(out)
+                        if flat is None:
+                            raise _NotGraphable("its output is not a tensor or a tuple/list of tensors")
+                        outs = flat[1]
+                        grads_of(outs, inputs, [torch.ones_like(o) if o.requires_grad else None for o in outs])
+                    except RuntimeError as exc:
+                        if i == 0 and "synchroniz" in str(exc):
+                            raise _NotGraphable(f"it synchronizes with the host: {str(exc).splitlines()[0]}") from None
+                        raise
+                    finally:
+                        if i == 0:
+                            torch.cuda.set_sync_debug_mode(old_mode)
+                    del inputs, out, flat, outs
+            torch.cuda.current_stream(dev).wait_stream(side)
+            torch.cuda.synchronize(dev)
+            for _ in range(self.n_slots):
+                slot = _Slot()
+                pool = torch.cuda.graph_pool_handle()
+                slot.fwd, slot.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+                slot.static_in = sample()
+                with torch.cuda.graph(slot.fwd, pool=pool, stream=side, capture_error_mode="thread_local"):
+                    flat = _flatten(run(slot.static_in))
+                assert flat is not None
+                slot.out_kind, outs = flat
+                slot.static_out = outs
+                slot.static_gout = [torch.zeros_like(o) if o.requires_grad else None for o in outs]
+                with torch.cuda.graph(slot.bwd, pool=pool, stream=side, capture_error_mode="thread_local"):
+                    got = list(grads_of(outs, slot.static_in, slot.static_gout))
+                # one gradient per Function input: the stage inputs (None where none is needed), the parameters
+                gin: list[torch.Tensor | None] = []
+                it = iter(got)
+                for t in slot.static_in:
+                    gin.append(next(it, None) if t.requires_grad else None)
+                gin.extend(next(it, None) for _ in params)
+                slot.static_gin = gin
+                slot.static_out = tuple(o.detach() for o in outs)  # (not the captured graph's nodes)
+                del outs, got, flat
+                slots.append(slot)
+        except _NotGraphable as exc:
+            self._disable(str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - a capture failure leaves the stage eager, loudly
+            torch.cuda.synchronize(dev)
+            _settle_generator(dev)
+            self._disable(f"capture failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            return
+        finally:
+            with torch.no_grad():
+                for b, v in buffers:
+                    b.copy_(v)
+            gc.collect()
+        self._params = params
+        self._ptrs = self._placement()
+        self.slots = slots
+
+    # -- replay ---------------------------------------------------------------
+    def call(self, inputs: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """The module's output by a replay, or None (the caller runs it eagerly)."""
+        if not self.slots or not torch.is_grad_enabled():
+            return None
+        if self._layout(inputs, kwargs) != self.layout:
+            return None
+        for slot in self.slots:
+            if not slot.busy:
+                break
+        else:
+            return None
+        slot.busy = True
+        self.replays_step += 1
+        self.replays += 1
+        outs = _GraphedStage.apply(slot, len(inputs), *inputs, *self._params)
+        return _unflatten(slot.out_kind, outs)
+
+
+class _NotGraphable(Exception):
+    pass
+
+
+def _settle_generator(dev: torch.device) -> None:
+    """After a capture that failed half-way: the CUDA generator may still believe it is capturing (torch ends
+    its capture bookkeeping only when the capture ends well), and every later random draw would raise
+    "Offset increment outside graph capture".  A capture that ends well ends it."""
+    g = torch.cuda.CUDAGraph()
+    x = torch.zeros(1, device=dev)
+    try:
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            x.add_(1)
+    except Exception:  # noqa: BLE001 - nothing more to do: the stage's own failure is reported
+        pass

@@ -1,0 +1,315 @@
+"""RuntimeOptions.cuda_graphs: the slot count, the configuration checks, and (on a GPU) the graphed stage itself.
+
+The pipeline cases run with the NCCL gradient pool (``tests/test_runtime_gradients.py``, ``graphs-*``
+rows, ``PIPELOOM_TEST_BACKEND=nccl``); the single-process ones here compare one stage's graphed
+forwards and backwards, interleaved as a pipeline interleaves them, with eager autograd.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent / "ranks"))
+
+from pipeloom.runtime.cuda_graphs import StageGraphs, slots_per_stage  # noqa: E402
+from pipeloom.runtime.options import RuntimeOptions  # noqa: E402
+from pipeloom.runtime.stage import StageExecutor  # noqa: E402
+from pipeloom.schedules import generate  # noqa: E402
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
+
+
+# ---------------------------------------------------------------- CPU: planning and checks
+
+
+@pytest.mark.parametrize(("name", "ranks", "m", "want"), [
+    ("1F1B", 2, 8, [{0: 2}, {1: 1}]),
+    ("1F1B", 4, 8, [{0: 4}, {1: 3}, {2: 2}, {3: 1}]),
+    ("GPipe", 2, 6, [{0: 6}, {1: 6}]),
+    ("1F1B", 2, 2, [{0: 2}, {1: 1}]),
+])
+def test_slots_are_the_schedules_live_microbatches(name: str, ranks: int, m: int, want: list[dict[int, int]]) -> None:
+    sched = generate(name, num_ranks=ranks, num_microbatches=m)
+    assert [slots_per_stage(sched.actions[r]) for r in range(ranks)] == want
+
+
+def test_slots_of_multi_stage_and_combined_actions() -> None:
+    # DualPipeV's OVERLAP_F_B actions count both halves; every stage of a rank gets at least one slot
+    for name in ("DualPipeV", "Interleaved1F1B", "ZBVZeroBubble"):
+        sched = generate(name, num_ranks=2, num_microbatches=8)
+        for r in range(2):
+            slots = slots_per_stage(sched.actions[r])
+            stages = {leaf.stage for a in sched.actions[r] for leaf in a.leaves() if leaf.stage is not None}
+            assert set(slots) == stages and all(1 <= n <= 8 for n in slots.values()), (name, r, slots)
+    # the I of a split backward frees the slot (its W does not hold the activations of a graphed stage)
+    sched = generate("ZBVZeroBubble", num_ranks=2, num_microbatches=8)
+    live, peak = 0, 0
+    for a in sched.actions[0]:
+        for leaf in a.leaves():
+            if leaf.stage == 0:
+                live += {"F": 1, "I": -1, "B": -1}.get(leaf.type.value, 0)
+                peak = max(peak, live)
+    assert slots_per_stage(sched.actions[0])[0] == peak
+
+
+def test_option_parsing() -> None:
+    assert RuntimeOptions.from_env({"PIPELOOM_CUDA_GRAPHS": "1"}).cuda_graphs is True
+    assert RuntimeOptions().cuda_graphs is False
+    with pytest.raises(ValueError, match="cuda_graphs must be True or False"):
+        RuntimeOptions(cuda_graphs="yes")  # type: ignore[arg-type]
+
+
+def test_refused_on_cpu_ranks_with_the_reason(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    import pipeloom
+    from harness import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        with pytest.raises(pipeloom.PipelineConfigError, match=r"cuda_graphs: not available the stages are not on a CUDA device \(device cpu\)"):
+            pipeloom.Pipeline(lambda s: nn.Linear(4, 4), schedule="GPipe", num_microbatches=2, stages_per_rank=2,
+                              loss_fn=lambda y, t: ((y - t) ** 2).mean(), options=RuntimeOptions(cuda_graphs=True))
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- GPU: one stage, graphed against eager
+
+
+class _Stage(nn.Module):
+    def __init__(self, dim: int, tied: bool = False) -> None:
+        super().__init__()
+        self.a = nn.Linear(dim, dim)
+        self.b = self.a if tied else nn.Linear(dim, dim)  # tied: one parameter used twice
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(self.norm(x)))) + x
+
+
+def _pair(dim: int = 16, tied: bool = False, slots: int = 2) -> tuple[StageExecutor, StageExecutor]:
+    torch.manual_seed(0)
+    ref = _Stage(dim, tied).cuda().double()
+    got = _Stage(dim, tied).cuda().double()
+    got.load_state_dict(ref.state_dict())
+    a = StageExecutor(1, ref, is_last=False, loss_fn=None, grad_scale=1.0)
+    b = StageExecutor(1, got, is_last=False, loss_fn=None, grad_scale=1.0)
+    b.graphs = StageGraphs(1, got, slots, torch.device("cuda", torch.cuda.current_device()))
+    return a, b
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(True)
+
+
+def _run(ex: StageExecutor, order: list[tuple[str, int]], xs: dict[int, torch.Tensor], gs: dict[int, torch.Tensor]) -> dict[int, tuple]:
+    out = {}
+    for kind, mb in order:
+        if kind == "F":
+            outs, _, _ = ex.forward(mb, (_leaf(xs[mb]),), {})
+            out[mb] = [outs[0].detach().clone()]
+        else:
+            (gin,) = ex.backward(mb, [gs[mb]])
+            out[mb].append(gin.clone())
+    return out
+
+
+@cuda
+@pytest.mark.parametrize("tied", [False, True])
+def test_graphed_stage_equals_eager_in_a_pipeline_order(tied: bool) -> None:
+    ref, got = _pair(tied=tied)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    xs = {m: torch.randn(3, 16, device=dev, dtype=torch.float64) for m in range(6)}
+    gs = {m: torch.randn(3, 16, device=dev, dtype=torch.float64) for m in range(6)}
+    warm = [("F", 0), ("B", 0)]
+    _run(ref, warm, xs, gs)
+    _run(got, warm, xs, gs)  # eager: the layout is noted
+    assert got.graphs.wants_capture()
+    got.graphs.capture()
+    assert len(got.graphs.slots) == 2 and got.graphs.disabled is None
+    for ex in (ref, got):
+        ex.module.zero_grad(set_to_none=True)
+    # 1F1B's order on a first stage of two: two alive at most
+    order = [("F", 1), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("F", 4), ("B", 3), ("B", 4)]
+    want = _run(ref, order, xs, gs)
+    have = _run(got, order, xs, gs)
+    assert got.graphs.replays == 4
+    for m in want:
+        torch.testing.assert_close(have[m][0], want[m][0], rtol=1e-12, atol=1e-12)  # outputs
+        torch.testing.assert_close(have[m][1], want[m][1], rtol=1e-12, atol=1e-12)  # input gradients
+    for (n, p), q in zip(ref.module.named_parameters(), got.module.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-12, msg=n)  # accumulated over 4 microbatches
+
+
+@cuda
+def test_a_third_alive_microbatch_runs_eagerly_and_stays_exact() -> None:
+    ref, got = _pair(slots=2)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    xs = {m: torch.randn(3, 16, device=dev, dtype=torch.float64) for m in range(4)}
+    gs = {m: torch.randn(3, 16, device=dev, dtype=torch.float64) for m in range(4)}
+    _run(got, [("F", 0), ("B", 0)], xs, gs)
+    got.graphs.capture()
+    _run(ref, [("F", 0), ("B", 0)], xs, gs)
+    for ex in (ref, got):
+        ex.module.zero_grad(set_to_none=True)
+    order = [("F", 1), ("F", 2), ("F", 3), ("B", 3), ("B", 1), ("B", 2)]
+    want, have = _run(ref, order, xs, gs), _run(got, order, xs, gs)
+    assert got.graphs.replays == 2  # the third forward found both slots busy
+    for m in want:
+        torch.testing.assert_close(have[m][1], want[m][1], rtol=1e-12, atol=1e-12)
+    for p, q in zip(ref.module.parameters(), got.module.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-12)
+
+
+@cuda
+def test_another_layout_runs_eagerly_and_moved_parameters_drop_the_graphs() -> None:
+    ref, got = _pair()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x = torch.randn(3, 16, device=dev, dtype=torch.float64)
+    got.forward(0, (_leaf(x),), {})
+    got.backward(0, [torch.ones(3, 16, device=dev, dtype=torch.float64)])
+    got.graphs.capture()
+    y = torch.randn(5, 16, device=dev, dtype=torch.float64)  # another shape: eager
+    got.forward(1, (_leaf(y),), {})
+    assert got.graphs.replays == 0
+    got.backward(1, [torch.ones(5, 16, device=dev, dtype=torch.float64)])
+    got.graphs.start_step()
+    assert got.graphs.slots
+    got.module.a.weight = nn.Parameter(got.module.a.weight.detach().clone())  # replaced, not updated in place
+    got.graphs.start_step()
+    assert not got.graphs.slots and not got.graphs.wants_capture()
+    got.module.a.weight.requires_grad_(False)  # and a changed trainable set is a new layout too
+    got.forward(2, (_leaf(x),), {})
+    assert got.graphs.wants_capture()
+
+
+@cuda
+def test_hooks_and_host_syncs_keep_the_stage_eager_with_a_warning() -> None:
+    _, got = _pair()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x = torch.randn(3, 16, device=dev, dtype=torch.float64)
+    got.module.a.register_forward_hook(lambda m, i, o: None)
+    got.forward(0, (_leaf(x),), {})
+    with pytest.warns(RuntimeWarning, match="stage 1: not captured as a CUDA graph .*has hooks"):
+        got.graphs.capture()
+    assert got.graphs.disabled and not got.graphs.slots
+
+    class Syncs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(16, dtype=torch.float64, device=dev))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.w if float(x.sum()) > -1e9 else x  # a host read of a value
+
+    m = Syncs()
+    ex = StageExecutor(1, m, is_last=False, loss_fn=None, grad_scale=1.0)
+    ex.graphs = StageGraphs(1, m, 1, dev)
+    ex.forward(0, (_leaf(x),), {})
+    with pytest.warns(RuntimeWarning, match="stage 1: not captured as a CUDA graph .*it synchronizes with the host"):
+        ex.graphs.capture()
+    # and it still runs, eagerly
+    outs, _, _ = ex.forward(1, (_leaf(x),), {})
+    torch.testing.assert_close(outs[0], x)
+
+
+@cuda
+def test_a_capture_that_fails_half_way_leaves_the_process_usable() -> None:
+    dev = torch.device("cuda", torch.cuda.current_device())
+
+    class LateSync(nn.Module):  # reads a value on the host only from its fourth call: inside the capture
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(16, dtype=torch.float64, device=dev))
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            if self.calls >= 4:
+                torch.cuda.current_stream().synchronize()
+            return x * self.w
+
+    m = LateSync()
+    ex = StageExecutor(1, m, is_last=False, loss_fn=None, grad_scale=1.0)
+    ex.graphs = StageGraphs(1, m, 1, dev)
+    x = torch.randn(3, 16, device=dev, dtype=torch.float64)
+    ex.forward(0, (_leaf(x),), {})
+    with pytest.warns(RuntimeWarning, match="stage 1: not captured as a CUDA graph .*capture failed"):
+        ex.graphs.capture()
+    assert m.calls == 4 and not ex.graphs.slots
+    # random numbers (the generator's capture bookkeeping) and eager work go on
+    torch.randn(4, device=dev)
+    outs, _, _ = ex.forward(1, (_leaf(x),), {})
+    torch.testing.assert_close(outs[0], x)
+
+
+@cuda
+def test_a_stage_that_modifies_its_input_in_place_is_captured_on_copies() -> None:
+    dev = torch.device("cuda", torch.cuda.current_device())
+
+    class InPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8, dtype=torch.float64, device=dev)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            h.mul_(2.0)
+            return self.lin(h)
+
+    torch.manual_seed(0)
+    ref_m, m = InPlace(), InPlace()
+    m.load_state_dict(ref_m.state_dict())
+    ref = StageExecutor(1, ref_m, is_last=False, loss_fn=None, grad_scale=1.0)
+    ex = StageExecutor(1, m, is_last=False, loss_fn=None, grad_scale=1.0)
+    ex.graphs = StageGraphs(1, m, 1, dev)
+    xs = [torch.randn(2, 8, device=dev, dtype=torch.float64) for _ in range(3)]
+    g = torch.randn(2, 8, device=dev, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="modifies its input in place"):
+        ex.forward(0, (_leaf(xs[0]),), {})
+    ex.backward(0, [g])
+    ex.graphs.capture()
+    assert ex.graphs.slots and ex.graphs.copy_inputs
+    with pytest.warns(RuntimeWarning, match="modifies its input in place"):
+        ref.forward(0, (_leaf(xs[0]),), {})
+    ref.backward(0, [g])
+    for e in (ref, ex):
+        e.module.zero_grad(set_to_none=True)
+    for mb in (1, 2):
+        a, b = ref.forward(mb, (_leaf(xs[mb]),), {})[0][0], ex.forward(mb, (_leaf(xs[mb]),), {})[0][0]
+        torch.testing.assert_close(b, a)
+        torch.testing.assert_close(ex.backward(mb, [g])[0], ref.backward(mb, [g])[0])
+    assert ex.graphs.replays == 2
+    for p, q in zip(ref.module.parameters(), m.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+
+
+@cuda
+def test_buffers_are_restored_after_capture() -> None:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    m = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).to(dev)
+    ex = StageExecutor(0, m, is_last=False, loss_fn=None, grad_scale=1.0)
+    ex.graphs = StageGraphs(0, m, 1, dev)
+    x = torch.randn(4, 8, device=dev)
+    ex.forward(0, (x,), {})
+    before = [b.clone() for b in m.buffers()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ex.graphs.capture()
+    for a, b in zip(before, m.buffers()):
+        torch.testing.assert_close(a, b)
+    # a replay updates the running statistics as the eager forward does
+    ref = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).to(dev)
+    ref.load_state_dict(m.state_dict())
+    ref(x)
+    ex.forward(1, (x,), {})
+    assert ex.graphs.replays == 1
+    torch.testing.assert_close(m[1].running_mean, ref[1].running_mean)
