@@ -1348,7 +1348,8 @@ class RankActor:
                         raw = _copy_out(raw)
                     results[mb] = raw.detach() if isinstance(raw, torch.Tensor) else raw
                 if loss is not None:
-                    losses[mb] = loss.detach()
+                    # (a replayed output's loss may be a view of its slot's buffer: loss_fn returning the output)
+                    losses[mb] = loss.detach().clone() if stage.graphs is not None and stage.graphs.slots else loss.detach()
             else:
                 self._outbox.append((a.stage, step, "F", consumer_stage("F", a.stage), mb, outputs))
             if train:

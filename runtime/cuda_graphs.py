@@ -12,9 +12,12 @@ What is captured.  Per stage, after the first training step that ran it on one
 input layout (shapes, dtypes, which inputs require grad, the autocast state,
 the trainable parameters), its module's forward and the backward of that forward
 to its inputs and trainable parameters, once per *slot*: a slot holds one
-microbatch's activations from its forward until its backward, so a stage gets as
+microbatch's activations from its forward until the autograd call that ran its
+backward has returned (autograd reads the gradients the replay returned after the
+replay, and the slot's next forward writes the same pool), so a stage gets as
 many slots as the schedule keeps its microbatches alive at once (1F1B's first
-stage: the number of stages).  Each slot has its own private memory pool, so
+stage: the number of stages), plus one where a backward may be launched beside the
+next forward (``host_overlap_backward``).  Each slot has its own private memory pool, so
 slots replay in any order, and a slot's forward and backward always replay in
 the order they were captured in (its forward, then its backward, then the next
 microbatch's forward).  Capturing happens between steps, on a side stream, after
@@ -53,6 +56,7 @@ node, so an I/W split schedule runs that stage's whole backward at I (as for a
 from __future__ import annotations
 
 import gc
+import threading
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -86,11 +90,17 @@ def slots_per_stage(actions: Sequence[Any]) -> dict[int, int]:
 
 
 class _Slot:
-    __slots__ = ("fwd", "bwd", "static_in", "static_out", "static_gout", "static_gin", "busy", "done", "out_kind")
+    __slots__ = ("fwd", "bwd", "static_in", "static_out", "static_gout", "static_gin", "busy", "done", "out_kind", "gen")
 
     def __init__(self) -> None:
         self.busy = False
         self.done: torch.cuda.Event | None = None
+        #: forwards replayed in this slot: a backward must belong to the slot's latest one
+        self.gen = 0
+
+
+#: per thread, the slots whose backward replayed in the autograd call under way (released when it returns)
+_finished = threading.local()
 
 
 class _GraphedStage(torch.autograd.Function):
@@ -105,7 +115,8 @@ class _GraphedStage(torch.autograd.Function):
             if dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
         slot.fwd.replay()
-        ctx.slot = slot
+        slot.gen += 1
+        ctx.slot, ctx.gen = slot, slot.gen
         outs = tuple(o.detach() for o in slot.static_out)
         ctx.mark_non_differentiable(*(o for o, g in zip(outs, slot.static_gout) if g is None))
         return outs
@@ -114,6 +125,10 @@ class _GraphedStage(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         slot: _Slot = ctx.slot
+        if ctx.gen != slot.gen or not slot.busy:
+            raise RuntimeError(
+                "a CUDA-graphed stage's backward ran for a forward whose slot was reused (a second backward through "
+                "the same graph, or one after the step that made it): it would read another microbatch's activations")
         for dst, g in zip(slot.static_gout, grads):
             if dst is None:
                 continue
@@ -122,13 +137,15 @@ class _GraphedStage(torch.autograd.Function):
             elif dst.data_ptr() != g.data_ptr():
                 dst.copy_(g)
         slot.bwd.replay()
-        ev = slot.done
-        if ev is None:
-            ev = slot.done = torch.cuda.Event()
-        ev.record()
-        slot.busy = False
-        # the buffers themselves (not detached aliases): still referenced by the slot, autograd copies them
-        # into ``.grad`` rather than stealing them
+        ctx.gen = -1  # (once)
+        # The slot is released only when the whole autograd call has returned (StageGraphs.release): the
+        # gradients returned here are the slot's buffers, which the parameters' AccumulateGrad nodes read after
+        # this (copied into .grad, or added: never stolen, the slot still references them), and the next forward
+        # replay in the slot writes that memory (one pool for the slot's forward and backward).
+        fin = getattr(_finished, "slots", None)
+        if fin is None:
+            fin = _finished.slots = []
+        fin.append((slot, slot.gen))
         return (None, None, *slot.static_gin)
 
 
@@ -168,7 +185,7 @@ class StageGraphs:
         #: the layout seen on eager training calls, and how many times
         self.layout: tuple[Any, ...] | None = None
         self._seen = 0
-        self._trainable_at: tuple[bool, ...] = ()
+        self._trainable_at: tuple[Any, ...] = ()
         self.slots: list[_Slot] = []
         self._params: list[nn.Parameter] = []
         self._ptrs: tuple[tuple[int, int], ...] = ()
@@ -190,8 +207,10 @@ class StageGraphs:
         dt = self.device.type
         return (tuple(sig), torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None)
 
-    def _trainable(self) -> tuple[bool, ...]:
-        return tuple(p.requires_grad for p in self.module.parameters())
+    def _trainable(self) -> tuple[Any, ...]:
+        """What the graphs depend on beyond the inputs: which parameters are trained, which modules are in
+        training mode (dropout, batch-norm statistics)."""
+        return (tuple(p.requires_grad for p in self.module.parameters()), tuple(m.training for m in self.module.modules()))
 
     def _placement(self) -> tuple[tuple[int, int], ...]:
         """Which tensors the graphs read the parameters and buffers from (replaced ones are not read)."""
@@ -225,8 +244,28 @@ class StageGraphs:
         if self._placement() != self._ptrs or self._trainable() != self._trainable_at:
             self.drop()
 
+    @staticmethod
+    def release() -> None:
+        """After an autograd call on this thread returned (``StageExecutor.backward``/``backward_input``): the
+        slots whose backward replayed in it are free, once the device is past its last reads (an event on the
+        calling thread's stream, which autograd ordered after every stream the backward ran on)."""
+        fin = getattr(_finished, "slots", None)
+        if not fin:
+            return
+        stream = torch.cuda.current_stream()
+        for slot, gen in fin:
+            if slot.gen != gen:  # (left by an autograd call that failed, and re-forwarded since: not ours)
+                continue
+            ev = slot.done
+            if ev is None:
+                ev = slot.done = torch.cuda.Event()
+            ev.record(stream)
+            slot.busy = False
+        fin.clear()
+
     def drop(self) -> None:
         """Forget the graphs and the layout (captured again after a step that runs it)."""
+        self._params = []
         self.slots = []
         self._seen = 0
         self.layout = None
@@ -335,6 +374,7 @@ class StageGraphs:
             self._disable(f"capture failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
             return
         finally:
+            torch.cuda.current_stream(dev).wait_stream(side)  # (a warm-up cut short may still write the buffers)
             with torch.no_grad():
                 for b, v in buffers:
                     b.copy_(v)

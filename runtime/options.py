@@ -357,8 +357,9 @@ class RuntimeOptions:
     so a stage costs the host one launch instead of one per kernel: for models whose kernels are
     short enough that the host's launches bound the step (many small microbatches, a small
     hidden size).  Captured between steps, after the first training step of an input layout,
-    one forward/backward pair per microbatch the schedule keeps alive on the stage (the memory
-    of that many activations, held for the job's life); what cannot use a graph (another input
+    one forward/backward pair per microbatch the schedule keeps alive on the stage, plus one where
+    ``host_overlap_backward`` may launch a backward beside the next forward (the memory of that
+    many activations, held for the job's life); what cannot use a graph (another input
     layout, keyword arguments, evaluation, a stage that cannot be captured, which warns once)
     runs eagerly as before.  The stage module must be a function of its inputs and parameters on
     the device (no host reads of tensor values, no Python state that changes between calls);

@@ -495,8 +495,11 @@ class Pipeline:
             from .cuda_graphs import StageGraphs, slots_per_stage
 
             slots = slots_per_stage(self.schedule.actions[self.pp_rank])
+            # a backward launched beside the next forward (host_overlap_backward) holds its slot until its
+            # gradients are read, while that forward already wants one: one more slot than the list keeps alive
+            extra = 0 if opts.host_overlap_backward is False else 1
             for s, ex in self._executors.items():
-                ex.graphs = StageGraphs(s, ex.module, slots.get(s, 1), self.device,
+                ex.graphs = StageGraphs(s, ex.module, slots.get(s, 1) + extra, self.device,
                                         allowed_hooks=[StageExecutor._note_recompute])
         #: parameter sets (and modes) this rank has run a step with: a new one is a cold step
         self._seen_fingerprints: set[Any] = set()

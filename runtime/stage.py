@@ -362,6 +362,8 @@ class StageExecutor:
         roots, grads = self._roots(saved, grad_outputs)
         if roots:
             torch.autograd.backward(roots, grads)
+            if self.graphs is not None:
+                self.graphs.release()
         return self._input_grads(saved)
 
     def backward_input(self, mb: int, grad_outputs: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
@@ -386,6 +388,8 @@ class StageExecutor:
                     stacklevel=2,
                 )
             torch.autograd.backward(roots, grads)
+            if self.graphs is not None:
+                self.graphs.release()
             saved.weight_work = []
             return self._input_grads(saved)
         now: list[torch.Tensor] = []  # leaves whose gradient is taken in I (recomputed regions)

@@ -313,3 +313,67 @@ def test_buffers_are_restored_after_capture() -> None:
     ex.forward(1, (x,), {})
     assert ex.graphs.replays == 1
     torch.testing.assert_close(m[1].running_mean, ref[1].running_mean)
+
+
+@cuda
+def test_a_backward_on_another_thread_keeps_its_slot_until_its_gradients_are_read() -> None:
+    # host_overlap_backward: B(k) on the worker while the loop launches the next F of the same stage.  The slot
+    # must stay busy until autograd has read the gradients the replay returned (its AccumulateGrad nodes): the
+    # next forward replay writes the same memory pool.
+    import threading
+
+    torch.manual_seed(1)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    dim = 512
+    ref_m = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)).to(dev)
+    m = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)).to(dev)
+    m.load_state_dict(ref_m.state_dict())
+    ref = StageExecutor(1, ref_m, is_last=False, loss_fn=None, grad_scale=1.0)
+    ex = StageExecutor(1, m, is_last=False, loss_fn=None, grad_scale=1.0)
+    ex.graphs = StageGraphs(1, m, 1, dev)
+    xs = [torch.randn(64, dim, device=dev) for _ in range(12)]
+    gs = [torch.randn(64, dim, device=dev) for _ in range(12)]
+    ex.forward(0, (_leaf(xs[0]),), {})
+    ex.backward(0, [gs[0]])
+    ex.graphs.capture()
+    slot = ex.graphs.slots[0]
+    for e in (ref, ex):
+        e.module.zero_grad(set_to_none=True)
+    ex.forward(1, (_leaf(xs[1]),), {})
+    for mb in range(1, 11):
+        t = threading.Thread(target=ex.backward, args=(mb, [gs[mb]]))
+        t.start()
+        while slot.busy and t.is_alive():
+            pass
+        ex.forward(mb + 1, (_leaf(xs[mb + 1]),), {})  # as soon as the slot is free
+        t.join()
+    ex.backward(11, [gs[11]])
+    for mb in range(1, 12):
+        ref.forward(mb, (_leaf(xs[mb]),), {})
+        ref.backward(mb, [gs[mb]])
+    assert ex.graphs.replays == 11
+    for p, q in zip(ref_m.parameters(), m.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-4)
+
+
+@cuda
+def test_training_mode_and_a_second_backward() -> None:
+    _, got = _pair()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x = torch.randn(3, 16, device=dev, dtype=torch.float64)
+    g = torch.ones(3, 16, device=dev, dtype=torch.float64)
+    got.forward(0, (_leaf(x),), {})
+    got.backward(0, [g])
+    got.graphs.capture()
+    # a backward through the same replay twice would read the slot after it was released: refused
+    out = got.graphs.call((_leaf(x),), {})
+    torch.autograd.backward([out], [g], retain_graph=True)
+    got.graphs.release()
+    with pytest.raises(RuntimeError, match="slot was reused"):
+        torch.autograd.backward([out], [g])
+    # the module switched to eval mode (dropout, batch-norm statistics): the graphs captured in training mode go
+    got.graphs.start_step()
+    assert got.graphs.slots
+    got.module.eval()
+    got.graphs.start_step()
+    assert not got.graphs.slots
