@@ -56,7 +56,6 @@ node, so an I/W split schedule runs that stage's whole backward at I (as for a
 from __future__ import annotations
 
 import gc
-import threading
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -90,17 +89,17 @@ def slots_per_stage(actions: Sequence[Any]) -> dict[int, int]:
 
 
 class _Slot:
-    __slots__ = ("fwd", "bwd", "static_in", "static_out", "static_gout", "static_gin", "busy", "done", "out_kind", "gen")
+    __slots__ = ("fwd", "bwd", "static_in", "static_out", "static_gout", "static_gin", "busy", "done", "out_kind", "gen",
+                 "finished")
 
-    def __init__(self) -> None:
+    def __init__(self, finished: list[tuple[_Slot, int]]) -> None:
         self.busy = False
         self.done: torch.cuda.Event | None = None
         #: forwards replayed in this slot: a backward must belong to the slot's latest one
         self.gen = 0
-
-
-#: per thread, the slots whose backward replayed in the autograd call under way (released when it returns)
-_finished = threading.local()
+        #: its stage's slots whose backward replayed in the autograd call under way (StageGraphs.release); the
+        #: backward runs on autograd's device thread, not on the thread that called autograd
+        self.finished = finished
 
 
 class _GraphedStage(torch.autograd.Function):
@@ -142,10 +141,7 @@ class _GraphedStage(torch.autograd.Function):
         # gradients returned here are the slot's buffers, which the parameters' AccumulateGrad nodes read after
         # this (copied into .grad, or added: never stolen, the slot still references them), and the next forward
         # replay in the slot writes that memory (one pool for the slot's forward and backward).
-        fin = getattr(_finished, "slots", None)
-        if fin is None:
-            fin = _finished.slots = []
-        fin.append((slot, slot.gen))
+        slot.finished.append((slot, slot.gen))
         return (None, None, *slot.static_gin)
 
 
@@ -187,6 +183,7 @@ class StageGraphs:
         self._seen = 0
         self._trainable_at: tuple[Any, ...] = ()
         self.slots: list[_Slot] = []
+        self._finished: list[tuple[_Slot, int]] = []
         self._params: list[nn.Parameter] = []
         self._ptrs: tuple[tuple[int, int], ...] = ()
         #: the module modifies an input in place: it is given copies (as ``StageExecutor._call`` does)
@@ -237,6 +234,7 @@ class StageGraphs:
         """At a step's start: no microbatch holds a slot (a failed step may have left some); parameters
         that moved (replaced rather than updated in place) drop the graphs."""
         self.replays_step = 0
+        self._finished.clear()
         if not self.slots:
             return
         for s in self.slots:
@@ -244,12 +242,12 @@ class StageGraphs:
         if self._placement() != self._ptrs or self._trainable() != self._trainable_at:
             self.drop()
 
-    @staticmethod
-    def release() -> None:
-        """After an autograd call on this thread returned (``StageExecutor.backward``/``backward_input``): the
-        slots whose backward replayed in it are free, once the device is past its last reads (an event on the
-        calling thread's stream, which autograd ordered after every stream the backward ran on)."""
-        fin = getattr(_finished, "slots", None)
+    def release(self) -> None:
+        """After the autograd call that ran a backward of this stage returned (``StageExecutor.backward`` /
+        ``backward_input``, on the thread that called it): the slots whose backward replayed in it are free, once
+        the device is past their last reads (an event on the calling thread's stream, which autograd ordered after
+        every stream the backward ran on).  (One backward of a stage at a time: the worker runs them in order.)"""
+        fin = self._finished
         if not fin:
             return
         stream = torch.cuda.current_stream()
@@ -343,7 +341,7 @@ class StageGraphs:
             torch.cuda.current_stream(dev).wait_stream(side)
             torch.cuda.synchronize(dev)
             for _ in range(self.n_slots):
-                slot = _Slot()
+                slot = _Slot(self._finished)
                 pool = torch.cuda.graph_pool_handle()
                 slot.fwd, slot.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
                 slot.static_in = sample()
