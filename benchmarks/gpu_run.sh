@@ -58,7 +58,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ -z "${SKIP_INSTALL:-}" ]; then
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 # the project itself, built as pyproject.toml maps it (the image has setuptools)
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . || exit 1
+rm -rf /tmp/site/pipeloom /tmp/site/pipeloom-*; python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1  # (--upgrade: a warm machine keeps the last call's copy otherwise)
 fi
 VIS2=${VIS2:-0,1}
 PORT=${PORT:-29500}

@@ -773,7 +773,7 @@ class Pipeline:
             options={"gpu_commit_ms": o.gpu_commit_ms, "gpu_commit_launches": o.gpu_commit_launches,
                      "host_overlap_backward": o.host_overlap_backward, "overlap_streams": o.overlap_streams,
                      "gpu_learn_sleep": o.gpu_learn_sleep, "dispatch": o.dispatch, "device": self.device.type,
-                     "overlap_margin": OVERLAP_MARGIN},
+                     "overlap_margin": OVERLAP_MARGIN, "cuda_graphs": o.cuda_graphs},
         )
         if endpoint:
             sink: Any = StreamSink(endpoint, self.rank, header, secret)

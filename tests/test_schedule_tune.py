@@ -99,6 +99,16 @@ def test_costs_of_a_profile_with_two_batch_sizes(profile: Path) -> None:
     assert {(c.schedule, c.stages_per_rank) for c in r.candidates} == {("1F1B", 1), ("DualPipeV", 2)}
 
 
+def test_costs_of_a_graphed_run_leave_out_the_capture_steps(profile: Path) -> None:
+    """A run with ``cuda_graphs`` (its header says so): the first step ran eagerly and the second uploaded the
+    graphs at their first replay, so neither is measured by default; an explicit ``skip_warmup`` still rules."""
+    model = load_trace(str(profile))
+    assert model.header["options"]["cuda_graphs"] is False
+    model.header["options"] = {**model.header["options"], "cuda_graphs": True}
+    assert costs_from_trace(model).steps == [2, 3, 4, 5, 6]
+    assert costs_from_trace(model, skip_warmup=1).steps == [1, 2, 3, 4, 5, 6]
+
+
 def test_costs_from_the_typical_steps(profile: Path) -> None:
     """``typical``: actions and transfers measured on the steps at most the median of their size; the step times
     (what the tuner calibrates to) stay every reference step's."""

@@ -153,7 +153,10 @@ def costs_from_trace(model: TraceModel, *, skip_warmup: int | None = None, typic
     train = model.train_steps
     if not train:
         raise ValueError("the trace has no training step to measure")
-    skip = (1 if len(train) > 1 else 0) if skip_warmup is None else min(skip_warmup, len(train) - 1)
+    # by default the first training step is left out (one-time work); with ``cuda_graphs`` the second too: the
+    # first ran eagerly (the graphs are captured after it) and the second uploads each graph at its first replay
+    warm = 2 if (model.header.get("options") or {}).get("cuda_graphs") else 1
+    skip = min(warm, len(train) - 1) if skip_warmup is None else min(skip_warmup, len(train) - 1)
     summary = summarize(model, skip_warmup=skip, critical=False)
     steps = list(summary.steps)
     chosen = set(steps)
