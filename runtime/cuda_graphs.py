@@ -30,9 +30,11 @@ inputs are the stage inputs and the trainable parameters: the forward copies
 the inputs into the slot's static buffers and replays the forward graph; its
 backward copies the output gradients in and replays the backward graph, and
 returns the gradients, which reach ``.grad`` through the parameters' own
-``AccumulateGrad`` nodes (accumulation over microbatches, hooks, the data-parallel
-reduction's hooks behave as without graphs; the static gradient buffers are never
-stolen as ``.grad``: they stay referenced by the slot, so autograd copies them).
+``AccumulateGrad`` nodes (accumulation over microbatches and gradient hooks behave as
+without graphs; the static gradient buffers are never stolen as ``.grad``: they stay
+referenced by the slot, so autograd copies them).  Data parallelism would compose the
+same way but is refused until it has run on GPUs; FSDP and expert parallelism run
+collectives inside the stage and are refused.
 
 Where it falls back.  A forward whose inputs or trainable set differ from the
 captured layout, one that finds every slot busy (a dynamic order keeping more

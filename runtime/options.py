@@ -366,8 +366,8 @@ class RuntimeOptions:
     parameters are updated in place (any ``torch.optim`` optimizer); one that is replaced drops
     the graphs until the next capture; warm-up and capture run the module on zero inputs (its
     buffers are restored).  A graphed stage's backward cannot be split: I/W schedules run its whole
-    backward at I.  Not with FSDP or expert parallelism (their collectives run inside the stage);
-    CUDA only (``ValueError`` otherwise).  Off by default.  Environment: ``PIPELOOM_CUDA_GRAPHS=1``."""
+    backward at I.  Not with FSDP or expert parallelism (their collectives run inside the stage), nor yet with
+    data parallelism (not verified on GPUs); CUDA only (``ValueError`` otherwise).  Off by default.  Environment: ``PIPELOOM_CUDA_GRAPHS=1``."""
 
     @property
     def cold_stall_timeout(self) -> float:

@@ -587,9 +587,10 @@ class Pipeline:
         grid = None
         mesh_names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if mesh is not None else ()
         if self.options.cuda_graphs:
-            why = ("the stages are not on a CUDA device (device " + str(self.device) + ")" if self.device.type != "cuda"
-                   else "with fsdp (parameters are gathered and freed around each use)" if fsdp
+            why = ("with fsdp (parameters are gathered and freed around each use)" if fsdp
                    else "with expert parallelism (the stages' all-to-alls)" if expert_parallel != 1 or "ep" in mesh_names
+                   else "with data parallelism (not verified on GPUs yet)" if data_parallel != 1 or mesh is not None
+                   else "the stages are not on a CUDA device (device " + str(self.device) + ")" if self.device.type != "cuda"
                    else None)
             if why is not None:
                 raise PipelineConfigError(f"rank {self.rank}: RuntimeOptions.cuda_graphs: not available {why}")

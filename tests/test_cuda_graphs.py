@@ -78,6 +78,11 @@ def test_refused_on_cpu_ranks_with_the_reason(tmp_path: Path) -> None:
         with pytest.raises(pipeloom.PipelineConfigError, match=r"cuda_graphs: not available the stages are not on a CUDA device \(device cpu\)"):
             pipeloom.Pipeline(lambda s: nn.Linear(4, 4), schedule="GPipe", num_microbatches=2, stages_per_rank=2,
                               loss_fn=lambda y, t: ((y - t) ** 2).mean(), options=RuntimeOptions(cuda_graphs=True))
+        for kw, why in (({"fsdp": True}, "with fsdp"), ({"data_parallel": 2}, "with data parallelism"),
+                        ({"expert_parallel": 2}, "with expert parallelism")):
+            with pytest.raises(pipeloom.PipelineConfigError, match=f"rank 0: RuntimeOptions.cuda_graphs: not available {why}"):
+                pipeloom.Pipeline(lambda s: nn.Linear(4, 4), schedule="GPipe", num_microbatches=2, stages_per_rank=2,
+                                  loss_fn=lambda y, t: ((y - t) ** 2).mean(), options=RuntimeOptions(cuda_graphs=True), **kw)
     finally:
         dist.destroy_process_group()
 
