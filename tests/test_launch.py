@@ -164,7 +164,7 @@ ENV_SCRIPT = """\
 keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
         "PIPELOOM_LAUNCHER", "PIPELOOM_JOB_SECRET", "PIPELOOM_BACKEND", "PIPELOOM_TRACE",
         "PIPELOOM_TRACE_ENDPOINT", "PIPELOOM_HEARTBEAT_TIMEOUT", "PIPELOOM_STALL_TIMEOUT", "PIPELOOM_FIRST_STEP_STALL_TIMEOUT",
-        "TORCHELASTIC_USE_AGENT_STORE"]
+        "TORCHELASTIC_USE_AGENT_STORE", "PIPELOOM_CUDA_GRAPHS"]
 print(json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[2:]}))
 print("to stderr", RANK, file=sys.stderr)
 sys.stdout.write(f"tail{RANK}")  # no newline: must still come out, on its own line
@@ -177,7 +177,7 @@ def test_environment_prefix_and_logs(tmp_path: Path, reaper: Reaper, nproc: int)
     logs = tmp_path / "logs"
     code, out, err, _ = reaper.run(
         "--nproc-per-node", nproc, "--backend", "gloo", "--trace", "t.json", "--heartbeat-timeout", "7.5",
-        "--stall-timeout", "12", "--first-step-stall-timeout", "120", "--log-dir", logs, script, tmp_path, "--lr", "0.1", "-m", "x",
+        "--stall-timeout", "12", "--first-step-stall-timeout", "120", "--cuda-graphs", "--log-dir", logs, script, tmp_path, "--lr", "0.1", "-m", "x",
         cwd=tmp_path,
     )  # fmt: skip
     assert code == 0, err
@@ -208,6 +208,7 @@ def test_environment_prefix_and_logs(tmp_path: Path, reaper: Reaper, nproc: int)
         assert float(env["PIPELOOM_HEARTBEAT_TIMEOUT"]) == 7.5
         assert float(env["PIPELOOM_STALL_TIMEOUT"]) == 12
         assert float(env["PIPELOOM_FIRST_STEP_STALL_TIMEOUT"]) == 120
+        assert env["PIPELOOM_CUDA_GRAPHS"] == "1"
         assert env["TORCHELASTIC_USE_AGENT_STORE"] is None
         log = (logs / f"rank{rank}.log").read_text()
         assert f"to stderr {rank}\n" in log and log.endswith(f"tail{rank}") and "[rank" not in log

@@ -70,8 +70,8 @@ may *require*:
 * ``PIPELOOM_BACKEND`` (``--backend``), ``PIPELOOM_TRACE`` (``--trace``, an
   absolute path), ``PIPELOOM_HEARTBEAT_TIMEOUT`` (``--heartbeat-timeout``,
   seconds), ``PIPELOOM_STALL_TIMEOUT`` (``--stall-timeout``, seconds),
-  ``PIPELOOM_FIRST_STEP_STALL_TIMEOUT`` (``--first-step-stall-timeout``): only
-  when the flag is given;
+  ``PIPELOOM_FIRST_STEP_STALL_TIMEOUT`` (``--first-step-stall-timeout``),
+  ``PIPELOOM_CUDA_GRAPHS=1`` (``--cuda-graphs``): only when the flag is given;
 * ``PIPELOOM_TRACE_ENDPOINT``: with ``--trace``, where ranks stream their
   trace events (see Tracing below).
 
@@ -270,6 +270,8 @@ class LaunchConfig:
     """``PIPELOOM_STALL_TIMEOUT``, seconds a peer may stay busy in one action while others wait for it."""
     first_step_stall_timeout: float | None = None
     """``PIPELOOM_FIRST_STEP_STALL_TIMEOUT``: the same for a cold step (the first, or after the model changed: compiling)."""
+    cuda_graphs: bool = False
+    """``PIPELOOM_CUDA_GRAPHS=1``: the ranks' Pipelines replay their stages from CUDA graphs (``RuntimeOptions.cuda_graphs``)."""
     grace: float = 2.0
     """Seconds the other ranks get to exit by themselves after the first failure (or a signal)."""
     log_dir: Path | None = None
@@ -362,6 +364,7 @@ def rank_environment(config: LaunchConfig, local_rank: int, base: Mapping[str, s
         "PIPELOOM_FIRST_STEP_STALL_TIMEOUT": (
             None if config.first_step_stall_timeout is None else repr(config.first_step_stall_timeout)
         ),
+        "PIPELOOM_CUDA_GRAPHS": "1" if config.cuda_graphs else None,
         # the rank is bound already (pipeloom.affinity.bind_this_process then leaves its mask alone)
         "PIPELOOM_CPU_BIND": None if config.cpu_bind == "none" else config.cpu_bind,
     }
@@ -1305,6 +1308,9 @@ def add_parser(subparsers: Any) -> None:
     add("--first-step-stall-timeout", dest="first_step_stall_timeout", type=_positive_float, default=None,
         metavar="SECONDS", help="the same for a cold step: the first, and the first after the model changed, when "
         "torch.compile compiles (PIPELOOM_FIRST_STEP_STALL_TIMEOUT; default max(300, 10 x --stall-timeout))")
+    add("--cuda-graphs", dest="cuda_graphs", action="store_true",
+        help="GPUs: replay each stage's forward and backward from CUDA graphs (PIPELOOM_CUDA_GRAPHS=1; "
+             "RuntimeOptions.cuda_graphs: for host-bound stages; the stage must be a function of its inputs and parameters)")
     add("--grace", type=_nonneg_float, default=2.0, metavar="SECONDS",
         help="after a failure, wait this long for the other ranks before SIGTERM (default 2)")
     add("--max-restarts", "--max_restarts", dest="max_restarts", type=_int_arg, default=0, metavar="N",
@@ -1488,6 +1494,7 @@ def config_from_args(args: argparse.Namespace, *, environ: Mapping[str, str] | N
         heartbeat_timeout=args.heartbeat_timeout,
         stall_timeout=args.stall_timeout,
         first_step_stall_timeout=args.first_step_stall_timeout,
+        cuda_graphs=args.cuda_graphs,
         grace=args.grace,
         log_dir=log_dir,
         prefix=args.prefix,
