@@ -19,6 +19,8 @@
 #   p2p2       benchmarks/p2p_cost.py on GPUs VIS2: host us per NCCL post, standalone vs batched, flight recorder on/off
 #   fsdp       benchmarks/gpu_fsdp.py, 2 pipeline ranks x 2 FSDP ranks
 #   straggler  benchmarks/straggler.py on 4 GPUs
+#   graphs     RuntimeOptions.cuda_graphs: the GPU unit tests and the graphs-* NCCL gradient rows, then the GPT with and without
+#              graphs (GRAPHS_SIZES, default s; GPT_SCHEDULES) beside torch on 4 GPUs (2 without 4)
 #   moe4       benchmarks/gpu_moe.py on 4 GPUs (pp 2 x ep 2): DualPipeV with / without overlap (also (F;I) pairs, CTA cap), torch's DualPipeV,
 #              1F1B, Interleaved1F1B; rank 0's profiler traces under $OUT/prof-moe; then tests/test_moe.py on NCCL
 #              (MOE_ARGS: extra arguments, e.g. --engines; MOE_TIMEOUT: the benchmark's bound, default 240 s; the tests: MOE_TEST_TIMEOUT, default 200 s (session M: 16 of 17 in 110 s),
@@ -156,6 +158,28 @@ PY
   straggler)
     (cd /tmp && timeout "${STRAGGLER_TIMEOUT:-200}" python3 "$REPO/benchmarks/straggler.py" --backend nccl --ranks 4 \
        --json "$OUT/straggler.jsonl" ${STRAGGLER_ARGS:-} 2>&1 | grep -v "^\[W\|Warning\|warn" | tail -30 | tee "$OUT/straggler.txt")
+    ;;
+  graphs)
+    # RuntimeOptions.cuda_graphs: tests/test_cuda_graphs.py on one GPU beside the graphs-* rows of the 2-rank NCCL gradient
+    # pool (then the 4-rank rows with >= 4 GPUs), then GPT sizes GRAPHS_SIZES (default s) on 4 GPUs (2 without 4),
+    # schedules GPT_SCHEDULES, pipeloom / torch / pipeloom with graphs (session N: about 150 s for the tests)
+    (cd /tmp && CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest -q -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" \
+       -rf "$REPO/tests/test_cuda_graphs.py" > "$OUT/graphs-unit.log" 2>&1) &
+    gv=1,2; [ "$GPUS" -ge 4 ] && gv=2,3
+    (cd /tmp && CUDA_VISIBLE_DEVICES=$gv PIPELOOM_TEST_BACKEND=nccl PIPELOOM_TEST_CASES=graphs timeout 150 python3 -m pytest -q -p no:cacheprovider \
+       --rootdir "$REPO" -c "$REPO/pyproject.toml" -rf "$REPO/tests/test_runtime_gradients.py" -k two_ranks > "$OUT/graphs-nccl2.log" 2>&1) &
+    wait
+    tail -3 "$OUT/graphs-unit.log"; tail -3 "$OUT/graphs-nccl2.log"
+    if [ "$GPUS" -ge 4 ]; then
+      (cd /tmp && PIPELOOM_TEST_BACKEND=nccl PIPELOOM_TEST_CASES=graphs timeout 150 python3 -m pytest -q -p no:cacheprovider --rootdir "$REPO" \
+         -c "$REPO/pyproject.toml" -rf "$REPO/tests/test_runtime_gradients.py" -k four_ranks > "$OUT/graphs-nccl4.log" 2>&1; tail -3 "$OUT/graphs-nccl4.log")
+    fi
+    n=2; vis=$VIS2; [ "$GPUS" -ge 4 ] && { n=4; vis=0,1,2,3; }
+    for size in ${GRAPHS_SIZES:-s}; do
+      echo "== $n GPUs gpt-$size with and without cuda_graphs"
+      CUDA_VISIBLE_DEVICES=$vis bench $n "" --model gpt --size $size --schedule "${GPT_SCHEDULES:-1F1B,Interleaved1F1B,GPipe,DualPipeV,ZBVZeroBubble}" \
+        --engines pipeloom,torch,pipeloom-x --x-options cuda_graphs=true --alternate "${ALTERNATE:-3}" --code "${CODE:-graphs}"
+    done
     ;;
   moe4)
     (cd /tmp && timeout "${MOE_TIMEOUT:-240}" torchrun --master-port "$PORT" --nproc-per-node 4 "$REPO/benchmarks/gpu_moe.py" --json "$OUT/moe.jsonl" \
