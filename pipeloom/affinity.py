@@ -20,10 +20,13 @@ Policies (``POLICIES``):
   consecutive local ranks (consecutive GPUs, which hosts usually number by node) share a node.
 - ``socket``: the same by CPU package (socket).
 
-Ranks are placed by local rank, not by where their GPU sits (torchrun's ``--numa-binding`` reads each GPU's
-NUMA node): on a host whose GPUs are not numbered node by node, or with ``CUDA_VISIBLE_DEVICES`` picking GPUs
-of the second socket, ``node`` may bind a rank away from its GPU (``slice`` then does no worse than the OS).
-Several launchers on one host each bind their local ranks as if alone.
+Where the GPUs' NUMA nodes are known (``gpu_numa_nodes``: local rank ``i`` uses CUDA device ``i``, as
+torchrun's ``--numa-binding`` assumes), ranks follow their GPU: ``node`` binds a rank to its GPU's node,
+``socket`` to that node's socket, and ``slice`` shares each node's CPUs among the ranks whose GPUs sit on it
+(torchrun's ``exclusive``), so a rank never runs on the far socket from its GPU.  Otherwise (no NVIDIA
+devices, GPUs named by UUID in ``CUDA_VISIBLE_DEVICES``, a node the launcher may not use) ranks are placed by
+local rank: consecutive local ranks share a node.  Several launchers on one host each bind their local ranks
+as if alone.
 
 The topology is read from sysfs (``/sys/devices/system``); where it is missing, every CPU counts as
 node 0, socket 0, a core of its own.  Torch-free: the launcher imports this before any rank starts.
@@ -35,7 +38,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["POLICIES", "CpuTopology", "rank_cpus", "bind_this_process"]
+__all__ = ["POLICIES", "CpuTopology", "rank_cpus", "bind_this_process", "gpu_numa_nodes"]
 
 POLICIES = ("none", "slice", "node", "socket")
 
@@ -90,9 +93,68 @@ def parse_cpulist(text: str) -> list[int]:
     return out
 
 
-def rank_cpus(policy: str, local_rank: int, local_world: int, topo: CpuTopology) -> list[int] | None:
+def gpu_numa_nodes(visible: str | None = None, sysfs_bus: str = "/sys/bus/pci",
+                   order: str | None = None) -> list[int] | None:
+    """The NUMA node of each GPU in CUDA's numbering of the visible ones (index ``i``: CUDA device ``i``), read
+    from sysfs without initializing CUDA (the launcher stays torch-free): NVIDIA's driver lists its devices by
+    PCI address, and CUDA numbers identical GPUs in that order (``CUDA_DEVICE_ORDER=PCI_BUS_ID`` always).
+
+    ``visible``: ``CUDA_VISIBLE_DEVICES`` (indices into that order); ``order``: ``CUDA_DEVICE_ORDER``.  None
+    where it cannot tell: no NVIDIA devices, GPUs named by UUID or MIG instance, an index out of range, a
+    device without a node (-1), or GPUs of different models under CUDA's default order (fastest first)."""
+    drv = os.path.join(sysfs_bus, "drivers", "nvidia")
+    try:
+        addrs = sorted(a for a in os.listdir(drv) if a.count(":") == 2 and "." in a)
+        nodes, models = [], set()
+        for a in addrs:
+            with open(os.path.join(sysfs_bus, "devices", a, "numa_node")) as f:
+                nodes.append(int(f.read().strip()))
+            try:
+                with open(os.path.join(sysfs_bus, "devices", a, "device")) as f:
+                    models.add(f.read().strip())
+            except OSError:
+                models.add(a)
+    except (OSError, ValueError):
+        return None
+    if not nodes or (len(models) > 1 and (order or "").upper() != "PCI_BUS_ID"):
+        return None
+    if visible is not None and visible.strip() != "":
+        picked = []
+        for v in visible.split(","):
+            v = v.strip()
+            if not v.isdigit() or int(v) >= len(nodes):
+                return None
+            picked.append(nodes[int(v)])
+        nodes = picked
+    return nodes if all(n >= 0 for n in nodes) else None
+
+
+def _cores(topo: CpuTopology, cpus: Iterable[int]) -> list[list[int]]:
+    """``cpus`` grouped by core, ordered by node, socket and core."""
+    order = sorted(cpus, key=lambda c: (topo.node[c], topo.socket[c], topo.core[c], c))
+    cores: list[list[int]] = []
+    for c in order:
+        key = (topo.node[c], topo.socket[c], topo.core[c])
+        if cores and (topo.node[cores[-1][0]], topo.socket[cores[-1][0]], topo.core[cores[-1][0]]) == key:
+            cores[-1].append(c)
+        else:
+            cores.append([c])
+    return cores
+
+
+def _slice(cores: list[list[int]], index: int, count: int) -> list[int]:
+    """The ``index``-th of ``count`` equal shares of ``cores``: whole cores where there are enough."""
+    units = cores if len(cores) >= count else [[c] for u in cores for c in u]
+    lo, hi = index * len(units) // count, (index + 1) * len(units) // count
+    return sorted(c for u in units[lo:hi] for c in u)
+
+
+def rank_cpus(policy: str, local_rank: int, local_world: int, topo: CpuTopology,
+              gpu_nodes: list[int] | None = None) -> list[int] | None:
     """The CPUs local rank ``local_rank`` of ``local_world`` is bound to under ``policy``; None for ``none``.
 
+    ``gpu_nodes``: the NUMA node of each local rank's GPU (``gpu_numa_nodes``); used where it covers every
+    local rank and each of those nodes has CPUs this process may use, else ranks are placed by local rank.
     Raises ValueError for an unknown policy, a rank out of range, or a ``slice`` with fewer CPUs than ranks."""
     if policy not in POLICIES:
         raise ValueError(f"unknown CPU binding {policy!r}: expected one of {', '.join(POLICIES)}")
@@ -100,22 +162,25 @@ def rank_cpus(policy: str, local_rank: int, local_world: int, topo: CpuTopology)
         raise ValueError(f"local rank {local_rank} is not in range({local_world})")
     if policy == "none":
         return None
+    have = set(topo.node.values())
+    by_gpu = gpu_nodes is not None and len(gpu_nodes) >= local_world and all(n in have for n in gpu_nodes[:local_world])
+    if by_gpu:
+        assert gpu_nodes is not None
+        mine = gpu_nodes[local_rank]
+        in_node = [c for c in topo.cpus if topo.node[c] == mine]
+        if policy == "node":
+            return in_node
+        if policy == "socket":
+            sock = min(topo.socket[c] for c in in_node)
+            return [c for c in topo.cpus if topo.socket[c] == sock]
+        peers = [r for r in range(local_world) if gpu_nodes[r] == mine]
+        if len(in_node) >= len(peers):  # (else: too few CPUs on the GPU's node, shared out as without GPUs)
+            return _slice(_cores(topo, in_node), peers.index(local_rank), len(peers))
     if policy == "slice":
-        order = sorted(topo.cpus, key=lambda c: (topo.node[c], topo.socket[c], topo.core[c], c))
-        if len(order) < local_world:
-            raise ValueError(f"--cpu-bind slice: {local_world} ranks on this node but only {len(order)} CPUs "
-                             f"({_fmt(order)}) to share among them")
-        # whole cores per slice where possible: cut the core list, not the CPU list
-        cores: list[list[int]] = []
-        for c in order:
-            key = (topo.node[c], topo.socket[c], topo.core[c])
-            if cores and (topo.node[cores[-1][0]], topo.socket[cores[-1][0]], topo.core[cores[-1][0]]) == key:
-                cores[-1].append(c)
-            else:
-                cores.append([c])
-        units = cores if len(cores) >= local_world else [[c] for c in order]
-        lo, hi = local_rank * len(units) // local_world, (local_rank + 1) * len(units) // local_world
-        return sorted(c for u in units[lo:hi] for c in u)
+        if len(topo.cpus) < local_world:
+            raise ValueError(f"--cpu-bind slice: {local_world} ranks on this node but only {len(topo.cpus)} CPUs "
+                             f"({_fmt(list(topo.cpus))}) to share among them")
+        return _slice(_cores(topo, topo.cpus), local_rank, local_world)
     group = topo.node if policy == "node" else topo.socket
     ids = sorted(set(group[c] for c in topo.cpus))
     mine = ids[local_rank * len(ids) // local_world]
@@ -133,7 +198,8 @@ def bind_this_process(policy: str, local_rank: int | None = None, local_world: i
         return sorted(os.sched_getaffinity(0))
     lr = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
     lw = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if local_world is None else local_world
-    cpus = rank_cpus(policy, lr, lw, CpuTopology.read())
+    cpus = rank_cpus(policy, lr, lw, CpuTopology.read(),
+                     gpu_numa_nodes(os.environ.get("CUDA_VISIBLE_DEVICES"), order=os.environ.get("CUDA_DEVICE_ORDER")))
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
     return cpus

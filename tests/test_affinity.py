@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeloom.affinity import CpuTopology, bind_this_process, parse_cpulist, rank_cpus
+from pipeloom.affinity import CpuTopology, bind_this_process, gpu_numa_nodes, parse_cpulist, rank_cpus
 
 
 def _sysfs(root: Path, nodes: int, cores_per_node: int, threads: int) -> list[int]:
@@ -116,3 +116,57 @@ def test_the_launchers_binding_never_stops_a_rank_from_starting() -> None:
         assert os.sched_getaffinity(0) == before
     finally:
         os.sched_setaffinity(0, before)
+
+
+def _gpus(root: Path, nodes: list[int], models: list[str] | None = None) -> None:
+    """A /sys/bus/pci tree with NVIDIA's driver bound to one GPU per entry of ``nodes`` (its NUMA node), listed
+    out of PCI order as a directory may be."""
+    drv = root / "drivers" / "nvidia"
+    drv.mkdir(parents=True)
+    (drv / "bind").write_text("")  # (the driver's control files sit beside its devices)
+    (drv / "module").mkdir()
+    for i in reversed(range(len(nodes))):
+        addr = f"0000:{0x18 + 0x10 * i:02x}:00.0"
+        dev = root / "devices" / addr
+        dev.mkdir(parents=True)
+        (dev / "numa_node").write_text(f"{nodes[i]}\n")
+        (dev / "device").write_text((models[i] if models else "0x2335") + "\n")
+        (drv / addr).mkdir()
+
+
+def test_gpu_numa_nodes_from_sysfs(tmp_path: Path) -> None:
+    _gpus(tmp_path, [1, 1, 0, 0])  # the first two GPUs on the second socket
+    bus = str(tmp_path)
+    assert gpu_numa_nodes(None, bus) == [1, 1, 0, 0]
+    assert gpu_numa_nodes("", bus) == [1, 1, 0, 0]
+    assert gpu_numa_nodes("2,3,0", bus) == [0, 0, 1]  # CUDA_VISIBLE_DEVICES picks and orders them
+    assert gpu_numa_nodes("GPU-8b79edc0", bus) is None  # by UUID: not known here
+    assert gpu_numa_nodes("7", bus) is None
+    assert gpu_numa_nodes(None, str(tmp_path / "absent")) is None  # no NVIDIA devices
+    mixed = tmp_path / "mixed"
+    _gpus(mixed, [0, 1], models=["0x2335", "0x2330"])  # two models: CUDA's default order may differ from PCI's
+    assert gpu_numa_nodes(None, str(mixed)) is None and gpu_numa_nodes(None, str(mixed), order="PCI_BUS_ID") == [0, 1]
+    noloc = tmp_path / "noloc"
+    _gpus(noloc, [-1, -1])
+    assert gpu_numa_nodes(None, str(noloc)) is None
+
+
+def test_ranks_follow_their_gpus_node(tmp_path: Path) -> None:
+    cpus = _sysfs(tmp_path, nodes=2, cores_per_node=4, threads=2)  # node 0: cores of CPUs 0-3 (+8-11)
+    topo = CpuTopology.read(cpus, sysfs=str(tmp_path))
+    node0 = [c for c in cpus if topo.node[c] == 0]
+    node1 = [c for c in cpus if topo.node[c] == 1]
+    gpus = [1, 1, 0, 0]  # local ranks 0 and 1 drive GPUs on node 1
+    assert [rank_cpus("node", r, 4, topo, gpus) for r in range(4)] == [node1, node1, node0, node0]
+    assert rank_cpus("socket", 0, 4, topo, gpus) == node1
+    # slice: each node's CPUs shared by the ranks whose GPUs sit on it, whole cores
+    got = [rank_cpus("slice", r, 4, topo, gpus) for r in range(4)]
+    assert got == [[4, 5, 12, 13], [6, 7, 14, 15], [0, 1, 8, 9], [2, 3, 10, 11]]
+    # three ranks on one node: still disjoint, still on that node
+    uneven = [rank_cpus("slice", r, 3, topo, [0, 0, 0]) for r in range(3)]
+    assert sorted(c for g in uneven for c in g) == node0
+    # the GPUs' nodes unknown, too few of them, or a node this process may not use: by local rank, as before
+    assert rank_cpus("node", 0, 4, topo, None) == node0
+    assert rank_cpus("node", 0, 4, topo, [1, 1]) == node0
+    part = CpuTopology.read(node0, sysfs=str(tmp_path))
+    assert rank_cpus("node", 0, 2, part, [1, 1]) == node0

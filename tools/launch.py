@@ -903,11 +903,12 @@ class _Job:
         cfg = self.config
         bound: dict[int, list[int] | None] = {}
         if cfg.cpu_bind != "none":
-            from ..affinity import CpuTopology, rank_cpus
+            from ..affinity import CpuTopology, gpu_numa_nodes, rank_cpus
 
             try:
                 topo = CpuTopology.read()
-                bound = {r.local_rank: rank_cpus(cfg.cpu_bind, r.local_rank, cfg.nproc_per_node, topo) for r in self.ranks}
+                gpus = gpu_numa_nodes(os.environ.get("CUDA_VISIBLE_DEVICES"), order=os.environ.get("CUDA_DEVICE_ORDER"))
+                bound = {r.local_rank: rank_cpus(cfg.cpu_bind, r.local_rank, cfg.nproc_per_node, topo, gpus) for r in self.ranks}
             except ValueError as exc:  # (the mask changed since the job was configured: a restart)
                 raise OSError(f"--cpu-bind {cfg.cpu_bind}: {exc}") from None
         if cfg.log_dir is not None:
@@ -1444,12 +1445,13 @@ def config_from_args(args: argparse.Namespace, *, environ: Mapping[str, str] | N
         cpu_bind = mapped
     cpu_bind = cpu_bind or "none"
     if cpu_bind != "none":
-        from ..affinity import CpuTopology, rank_cpus
+        from ..affinity import CpuTopology, gpu_numa_nodes, rank_cpus
 
         try:
             topo = CpuTopology.read()
+            gpus = gpu_numa_nodes(os.environ.get("CUDA_VISIBLE_DEVICES"), order=os.environ.get("CUDA_DEVICE_ORDER"))
             for lr in range(nproc):
-                rank_cpus(cpu_bind, lr, nproc, topo)
+                rank_cpus(cpu_bind, lr, nproc, topo, gpus)
         except (ValueError, OSError) as exc:
             raise _UsageError(f"--cpu-bind {cpu_bind}: {exc}") from None
     if args.module and args.no_python:
