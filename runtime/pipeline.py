@@ -1015,7 +1015,12 @@ class Pipeline:
             return
         for g in graphs:
             if g.wants_capture():
+                t0, m0 = time.perf_counter(), torch.cuda.memory_allocated(self.device)
                 g.capture()
+                if g.slots:
+                    log.info("rank %d: stage %d captured as %d CUDA graph pairs in %.0f ms, %.1f MiB held", self.rank,
+                             g.stage, len(g.slots), (time.perf_counter() - t0) * 1e3,
+                             (torch.cuda.memory_allocated(self.device) - m0) / 2**20)
         # the captured stages launch in one call: their host and device times are learned again
         self._actor.relearn()
 
