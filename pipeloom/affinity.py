@@ -21,11 +21,12 @@ Policies (``POLICIES``):
 - ``socket``: the same by CPU package (socket).
 
 Where the GPUs' NUMA nodes are known (``gpu_numa_nodes``: local rank ``i`` uses CUDA device ``i``, as
-torchrun's ``--numa-binding`` assumes), ranks follow their GPU: ``node`` binds a rank to its GPU's node,
+torchrun's ``--numa-binding`` assumes; the GPUs this process can use, from the driver's ``/proc`` list, which
+a container sees scoped to its own), ranks follow their GPU: ``node`` binds a rank to its GPU's node,
 ``socket`` to that node's socket, and ``slice`` shares each node's CPUs among the ranks whose GPUs sit on it
 (torchrun's ``exclusive``), so a rank never runs on the far socket from its GPU.  Otherwise (no NVIDIA
-devices, GPUs named by UUID in ``CUDA_VISIBLE_DEVICES``, a node the launcher may not use) ranks are placed by
-local rank: consecutive local ranks share a node.  Several launchers on one host each bind their local ranks
+devices, GPUs named by UUID in ``CUDA_VISIBLE_DEVICES``, a GPU's node without enough CPUs this process may use
+for the ranks on it) ranks are placed by local rank: consecutive local ranks share a node.  Several launchers on one host each bind their local ranks
 as if alone.
 
 The topology is read from sysfs (``/sys/devices/system``); where it is missing, every CPU counts as
@@ -93,32 +94,34 @@ def parse_cpulist(text: str) -> list[int]:
     return out
 
 
-def gpu_numa_nodes(visible: str | None = None, sysfs_bus: str = "/sys/bus/pci",
-                   order: str | None = None) -> list[int] | None:
+def gpu_numa_nodes(visible: str | None = None, sysfs_bus: str = "/sys/bus/pci", order: str | None = None,
+                   proc_gpus: str = "/proc/driver/nvidia/gpus", dev: str = "/dev") -> list[int] | None:
     """The NUMA node of each GPU in CUDA's numbering of the visible ones (index ``i``: CUDA device ``i``), read
-    from sysfs without initializing CUDA (the launcher stays torch-free): NVIDIA's driver lists its devices by
-    PCI address, and CUDA numbers identical GPUs in that order (``CUDA_DEVICE_ORDER=PCI_BUS_ID`` always).
+    without initializing CUDA (the launcher stays torch-free): NVIDIA's driver lists the GPUs this process can
+    use under ``/proc/driver/nvidia/gpus`` by PCI address (a container sees its own), CUDA numbers identical GPUs
+    in that order (``CUDA_DEVICE_ORDER=PCI_BUS_ID`` always), and sysfs gives each address's node.
 
     ``visible``: ``CUDA_VISIBLE_DEVICES`` (indices into that order); ``order``: ``CUDA_DEVICE_ORDER``.  None
-    where it cannot tell: no NVIDIA devices, GPUs named by UUID or MIG instance, an index out of range, a
-    device without a node (-1), or GPUs of different models under CUDA's default order (fastest first)."""
-    drv = os.path.join(sysfs_bus, "drivers", "nvidia")
+    where it cannot tell: no NVIDIA GPUs, a GPU list that disagrees with the ``/dev/nvidiaN`` device files,
+    GPUs named by UUID or MIG instance, an index out of range, none visible, a device without a node (-1),
+    or GPUs of different models under CUDA's default order (fastest first)."""
     try:
-        addrs = sorted(a for a in os.listdir(drv) if a.count(":") == 2 and "." in a)
+        addrs = sorted(a for a in os.listdir(proc_gpus) if a.count(":") == 2 and "." in a)
+        devs = [d for d in os.listdir(dev) if d.startswith("nvidia") and d[6:].isdigit()]
         nodes, models = [], set()
         for a in addrs:
-            with open(os.path.join(sysfs_bus, "devices", a, "numa_node")) as f:
+            with open(os.path.join(sysfs_bus, "devices", a.lower(), "numa_node")) as f:
                 nodes.append(int(f.read().strip()))
             try:
-                with open(os.path.join(sysfs_bus, "devices", a, "device")) as f:
+                with open(os.path.join(sysfs_bus, "devices", a.lower(), "device")) as f:
                     models.add(f.read().strip())
             except OSError:
                 models.add(a)
     except (OSError, ValueError):
         return None
-    if not nodes or (len(models) > 1 and (order or "").upper() != "PCI_BUS_ID"):
+    if not nodes or len(devs) != len(nodes) or (len(models) > 1 and (order or "").upper() != "PCI_BUS_ID"):
         return None
-    if visible is not None and visible.strip() != "":
+    if visible is not None:  # (set but empty: no GPU visible)
         picked = []
         for v in visible.split(","):
             v = v.strip()
@@ -126,6 +129,8 @@ def gpu_numa_nodes(visible: str | None = None, sysfs_bus: str = "/sys/bus/pci",
                 return None
             picked.append(nodes[int(v)])
         nodes = picked
+        if not nodes:
+            return None
     return nodes if all(n >= 0 for n in nodes) else None
 
 
@@ -162,8 +167,15 @@ def rank_cpus(policy: str, local_rank: int, local_world: int, topo: CpuTopology,
         raise ValueError(f"local rank {local_rank} is not in range({local_world})")
     if policy == "none":
         return None
-    have = set(topo.node.values())
-    by_gpu = gpu_nodes is not None and len(gpu_nodes) >= local_world and all(n in have for n in gpu_nodes[:local_world])
+    per_node: dict[int, int] = {}
+    for c in topo.cpus:
+        per_node[topo.node[c]] = per_node.get(topo.node[c], 0) + 1
+    ranks_on: dict[int, int] = {}
+    for n in (gpu_nodes or [])[:local_world]:
+        ranks_on[n] = ranks_on.get(n, 0) + 1
+    # (decided for all ranks alike: every GPU's node has CPUs for the ranks on it, so slices never overlap)
+    by_gpu = (gpu_nodes is not None and len(gpu_nodes) >= local_world
+              and all(per_node.get(n, 0) >= k for n, k in ranks_on.items()))
     if by_gpu:
         assert gpu_nodes is not None
         mine = gpu_nodes[local_rank]
@@ -174,8 +186,7 @@ def rank_cpus(policy: str, local_rank: int, local_world: int, topo: CpuTopology,
             sock = min(topo.socket[c] for c in in_node)
             return [c for c in topo.cpus if topo.socket[c] == sock]
         peers = [r for r in range(local_world) if gpu_nodes[r] == mine]
-        if len(in_node) >= len(peers):  # (else: too few CPUs on the GPU's node, shared out as without GPUs)
-            return _slice(_cores(topo, in_node), peers.index(local_rank), len(peers))
+        return _slice(_cores(topo, in_node), peers.index(local_rank), len(peers))
     if policy == "slice":
         if len(topo.cpus) < local_world:
             raise ValueError(f"--cpu-bind slice: {local_world} ranks on this node but only {len(topo.cpus)} CPUs "

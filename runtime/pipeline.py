@@ -497,7 +497,8 @@ class Pipeline:
             slots = slots_per_stage(self.schedule.actions[self.pp_rank])
             # a backward launched beside the next forward (host_overlap_backward) holds its slot until its
             # gradients are read, while that forward already wants one: one more slot than the list keeps alive
-            extra = 0 if opts.host_overlap_backward is False else 1
+            # (two with host_queue_backwards: a second backward may be queued behind the first)
+            extra = 0 if opts.host_overlap_backward is False else 2 if opts.host_queue_backwards else 1
             for s, ex in self._executors.items():
                 ex.graphs = StageGraphs(s, ex.module, slots.get(s, 1) + extra, self.device,
                                         allowed_hooks=[StageExecutor._note_recompute])
@@ -1015,12 +1016,12 @@ class Pipeline:
             return
         for g in graphs:
             if g.wants_capture():
-                t0, m0 = time.perf_counter(), torch.cuda.memory_allocated(self.device)
+                t0, m0 = time.perf_counter(), torch.cuda.memory_reserved(self.device)
                 g.capture()
-                if g.slots:
-                    log.info("rank %d: stage %d captured as %d CUDA graph pairs in %.0f ms, %.1f MiB held", self.rank,
-                             g.stage, len(g.slots), (time.perf_counter() - t0) * 1e3,
-                             (torch.cuda.memory_allocated(self.device) - m0) / 2**20)
+                if g.slots:  # (the pools' memory is reserved, not allocated, between replays)
+                    log.info("rank %d: stage %d captured as %d CUDA graph pairs in %.0f ms, %.1f MiB more reserved",
+                             self.rank, g.stage, len(g.slots), (time.perf_counter() - t0) * 1e3,
+                             (torch.cuda.memory_reserved(self.device) - m0) / 2**20)
         # the captured stages launch in one call: their host and device times are learned again
         self._actor.relearn()
 

@@ -118,37 +118,47 @@ def test_the_launchers_binding_never_stops_a_rank_from_starting() -> None:
         os.sched_setaffinity(0, before)
 
 
-def _gpus(root: Path, nodes: list[int], models: list[str] | None = None) -> None:
-    """A /sys/bus/pci tree with NVIDIA's driver bound to one GPU per entry of ``nodes`` (its NUMA node), listed
-    out of PCI order as a directory may be."""
-    drv = root / "drivers" / "nvidia"
-    drv.mkdir(parents=True)
-    (drv / "bind").write_text("")  # (the driver's control files sit beside its devices)
-    (drv / "module").mkdir()
+def _gpus(root: Path, nodes: list[int], models: list[str] | None = None, switches: int = 0) -> dict[str, str]:
+    """A host with one GPU per entry of ``nodes`` (its NUMA node): sysfs's PCI devices, NVIDIA's ``/proc`` list
+    of the GPUs (written out of PCI order, as a directory may list them) and the ``/dev/nvidiaN`` files; the
+    driver's sysfs directory also holds ``switches`` NVSwitch bridges, which are not GPUs.  The paths, as
+    ``gpu_numa_nodes``'s keyword arguments."""
+    bus, proc, dev = root / "bus", root / "proc", root / "dev"
+    for d in (bus / "drivers" / "nvidia", proc, dev):
+        d.mkdir(parents=True)
     for i in reversed(range(len(nodes))):
         addr = f"0000:{0x18 + 0x10 * i:02x}:00.0"
-        dev = root / "devices" / addr
-        dev.mkdir(parents=True)
-        (dev / "numa_node").write_text(f"{nodes[i]}\n")
-        (dev / "device").write_text((models[i] if models else "0x2335") + "\n")
-        (drv / addr).mkdir()
+        d = bus / "devices" / addr
+        d.mkdir(parents=True)
+        (d / "numa_node").write_text(f"{nodes[i]}\n")
+        (d / "device").write_text((models[i] if models else "0x2335") + "\n")
+        (bus / "drivers" / "nvidia" / addr).mkdir()
+        (proc / addr).mkdir()
+        (dev / f"nvidia{i}").write_text("")
+    for j in range(switches):
+        addr = f"0000:{0xc0 + j:02x}:00.0"
+        (bus / "devices" / addr).mkdir(parents=True)
+        (bus / "devices" / addr / "numa_node").write_text("0\n")
+        (bus / "drivers" / "nvidia" / addr).mkdir()
+    (dev / "nvidiactl").write_text("")
+    return {"sysfs_bus": str(bus), "proc_gpus": str(proc), "dev": str(dev)}
 
 
-def test_gpu_numa_nodes_from_sysfs(tmp_path: Path) -> None:
-    _gpus(tmp_path, [1, 1, 0, 0])  # the first two GPUs on the second socket
-    bus = str(tmp_path)
-    assert gpu_numa_nodes(None, bus) == [1, 1, 0, 0]
-    assert gpu_numa_nodes("", bus) == [1, 1, 0, 0]
-    assert gpu_numa_nodes("2,3,0", bus) == [0, 0, 1]  # CUDA_VISIBLE_DEVICES picks and orders them
-    assert gpu_numa_nodes("GPU-8b79edc0", bus) is None  # by UUID: not known here
-    assert gpu_numa_nodes("7", bus) is None
-    assert gpu_numa_nodes(None, str(tmp_path / "absent")) is None  # no NVIDIA devices
-    mixed = tmp_path / "mixed"
-    _gpus(mixed, [0, 1], models=["0x2335", "0x2330"])  # two models: CUDA's default order may differ from PCI's
-    assert gpu_numa_nodes(None, str(mixed)) is None and gpu_numa_nodes(None, str(mixed), order="PCI_BUS_ID") == [0, 1]
-    noloc = tmp_path / "noloc"
-    _gpus(noloc, [-1, -1])
-    assert gpu_numa_nodes(None, str(noloc)) is None
+def test_gpu_numa_nodes_from_the_drivers_gpu_list(tmp_path: Path) -> None:
+    host = _gpus(tmp_path / "a", [1, 1, 0, 0], switches=2)  # the first two GPUs on the second socket
+    assert gpu_numa_nodes(None, **host) == [1, 1, 0, 0]  # (the switches bound to the driver are not GPUs)
+    assert gpu_numa_nodes("2,3,0", **host) == [0, 0, 1]  # CUDA_VISIBLE_DEVICES picks and orders them
+    assert gpu_numa_nodes(" 2 , 3", **host) == [0, 0]
+    assert gpu_numa_nodes("", **host) is None and gpu_numa_nodes("-1", **host) is None  # set, but no GPU visible
+    assert gpu_numa_nodes("GPU-8b79edc0", **host) is None  # by UUID: not known here
+    assert gpu_numa_nodes("7", **host) is None
+    assert gpu_numa_nodes(None, **{**host, "proc_gpus": str(tmp_path / "absent")}) is None  # no NVIDIA driver
+    # the /proc list and the device files disagree (a container whose /proc is not scoped): not trusted
+    (Path(host["dev"]) / "nvidia0").unlink()
+    assert gpu_numa_nodes(None, **host) is None
+    mixed = _gpus(tmp_path / "mixed", [0, 1], models=["0x2335", "0x2330"])  # CUDA's default order may differ from PCI's
+    assert gpu_numa_nodes(None, **mixed) is None and gpu_numa_nodes(None, order="PCI_BUS_ID", **mixed) == [0, 1]
+    assert gpu_numa_nodes(None, **_gpus(tmp_path / "noloc", [-1, -1])) is None
 
 
 def test_ranks_follow_their_gpus_node(tmp_path: Path) -> None:
@@ -170,3 +180,8 @@ def test_ranks_follow_their_gpus_node(tmp_path: Path) -> None:
     assert rank_cpus("node", 0, 4, topo, [1, 1]) == node0
     part = CpuTopology.read(node0, sysfs=str(tmp_path))
     assert rank_cpus("node", 0, 2, part, [1, 1]) == node0
+    # one GPU node with fewer CPUs than ranks on it: every rank falls back alike, so slices never overlap
+    few = CpuTopology.read([0, *node1], sysfs=str(tmp_path))
+    got = [rank_cpus("slice", r, 4, few, [0, 0, 1, 1]) for r in range(4)]
+    assert got == [rank_cpus("slice", r, 4, few) for r in range(4)]
+    assert sorted(c for g in got for c in g) == sorted([0, *node1])
