@@ -116,6 +116,17 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().requires_grad_(True)
 
 
+def _zero_grads(*executors: StageExecutor) -> None:
+    for ex in executors:
+        ex.module.zero_grad(set_to_none=True)
+
+
+def _same_grads(ref: nn.Module, got: nn.Module, **tol: float) -> None:
+    """Every parameter's accumulated gradient, graphed (``got``) against eager (``ref``)."""
+    for (n, p), q in zip(ref.named_parameters(), got.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=n, **tol)
+
+
 def _run(ex: StageExecutor, order: list[tuple[str, int]], xs: dict[int, torch.Tensor], gs: dict[int, torch.Tensor]) -> dict[int, tuple]:
     out = {}
     for kind, mb in order:
@@ -141,8 +152,7 @@ def test_graphed_stage_equals_eager_in_a_pipeline_order(tied: bool) -> None:
     assert got.graphs.wants_capture()
     got.graphs.capture()
     assert len(got.graphs.slots) == 2 and got.graphs.disabled is None
-    for ex in (ref, got):
-        ex.module.zero_grad(set_to_none=True)
+    _zero_grads(ref, got)
     # 1F1B's order on a first stage of two: two alive at most
     order = [("F", 1), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("F", 4), ("B", 3), ("B", 4)]
     want = _run(ref, order, xs, gs)
@@ -151,8 +161,7 @@ def test_graphed_stage_equals_eager_in_a_pipeline_order(tied: bool) -> None:
     for m in want:
         torch.testing.assert_close(have[m][0], want[m][0], rtol=1e-12, atol=1e-12)  # outputs
         torch.testing.assert_close(have[m][1], want[m][1], rtol=1e-12, atol=1e-12)  # input gradients
-    for (n, p), q in zip(ref.module.named_parameters(), got.module.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-12, msg=n)  # accumulated over 4 microbatches
+    _same_grads(ref.module, got.module, rtol=1e-12, atol=1e-12)  # accumulated over 4 microbatches
 
 
 @cuda
@@ -164,15 +173,13 @@ def test_a_third_alive_microbatch_runs_eagerly_and_stays_exact() -> None:
     _run(got, [("F", 0), ("B", 0)], xs, gs)
     got.graphs.capture()
     _run(ref, [("F", 0), ("B", 0)], xs, gs)
-    for ex in (ref, got):
-        ex.module.zero_grad(set_to_none=True)
+    _zero_grads(ref, got)
     order = [("F", 1), ("F", 2), ("F", 3), ("B", 3), ("B", 1), ("B", 2)]
     want, have = _run(ref, order, xs, gs), _run(got, order, xs, gs)
     assert got.graphs.replays == 2  # the third forward found both slots busy
     for m in want:
         torch.testing.assert_close(have[m][1], want[m][1], rtol=1e-12, atol=1e-12)
-    for p, q in zip(ref.module.parameters(), got.module.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-12)
+    _same_grads(ref.module, got.module, rtol=1e-12, atol=1e-12)
 
 
 @cuda
@@ -286,15 +293,13 @@ def test_a_stage_that_modifies_its_input_in_place_is_captured_on_copies() -> Non
     with pytest.warns(RuntimeWarning, match="modifies its input in place"):
         ref.forward(0, (_leaf(xs[0]),), {})
     ref.backward(0, [g])
-    for e in (ref, ex):
-        e.module.zero_grad(set_to_none=True)
+    _zero_grads(ref, ex)
     for mb in (1, 2):
         a, b = ref.forward(mb, (_leaf(xs[mb]),), {})[0][0], ex.forward(mb, (_leaf(xs[mb]),), {})[0][0]
         torch.testing.assert_close(b, a)
         torch.testing.assert_close(ex.backward(mb, [g])[0], ref.backward(mb, [g])[0])
     assert ex.graphs.replays == 2
-    for p, q in zip(ref.module.parameters(), m.parameters()):
-        torch.testing.assert_close(q.grad, p.grad)
+    _same_grads(ref.module, m)
 
 
 @cuda
@@ -342,8 +347,7 @@ def test_a_backward_on_another_thread_keeps_its_slot_until_its_gradients_are_rea
     ex.backward(0, [gs[0]])
     ex.graphs.capture()
     slot = ex.graphs.slots[0]
-    for e in (ref, ex):
-        e.module.zero_grad(set_to_none=True)
+    _zero_grads(ref, ex)
     ex.forward(1, (_leaf(xs[1]),), {})
     for mb in range(1, 11):
         t = threading.Thread(target=ex.backward, args=(mb, [gs[mb]]))
@@ -357,8 +361,7 @@ def test_a_backward_on_another_thread_keeps_its_slot_until_its_gradients_are_rea
         ref.forward(mb, (_leaf(xs[mb]),), {})
         ref.backward(mb, [gs[mb]])
     assert ex.graphs.replays == 11
-    for p, q in zip(ref_m.parameters(), m.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-4)
+    _same_grads(ref_m, m, rtol=1e-4, atol=1e-4)
 
 
 @cuda
