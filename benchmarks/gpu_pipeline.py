@@ -344,6 +344,7 @@ def _gaps(trace_path: str) -> dict[str, Any]:
     launches: dict[int, float] = {}
     kernels = []
     ranges = []  # --profile-cpu: the runtime's PP:... ranges (pipeloom's profile_ranges, torch's runtime)
+    copies: list[tuple[str, float]] = []
     for e in events:
         cat = e.get("cat")
         if cat == "user_annotation" and str(e.get("name", "")).startswith("PP:"):
@@ -354,6 +355,8 @@ def _gaps(trace_path: str) -> dict[str, Any]:
                 launches[c] = float(e["ts"])
         elif cat == "kernel":
             kernels.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("name", ""), e.get("args", {})))
+        elif cat in ("gpu_memcpy", "gpu_memset"):
+            copies.append((str(e.get("name", cat)), float(e.get("dur", 0))))
     nccl = sorted((k[0], k[1]) for k in kernels if "nccl" in k[2].lower())
     comp = sorted((k[0], k[1], k[3].get("correlation"), k[3].get("stream")) for k in kernels if "nccl" not in k[2].lower())
     out = {"host_us": 0.0, "launch_us": 0.0, "transfer_us": 0.0, "dependency_us": 0.0, "busy_us": 0.0,
@@ -427,6 +430,22 @@ def _gaps(trace_path: str) -> dict[str, Any]:
         active[stream] = active.get(stream, 0) + d
         last_t = t
     out["kernel_us_by_stream"] = {k: round(v, 1) for k, v in sorted(per_stream.items())}
+    # what the device ran, by kernel name (count, summed us; the 40 largest) and the copies/memsets: two engines'
+    # tables side by side say whether one of them does more device work than the other for the same step
+    by_name: dict[str, list[float]] = {}
+    for st, en, nm, _ in kernels:
+        key = nm[:90]
+        v = by_name.setdefault(key, [0, 0.0])
+        v[0] += 1
+        v[1] += en - st
+    for nm, d in copies:
+        v = by_name.setdefault("[copy] " + nm[:80], [0, 0.0])
+        v[0] += 1
+        v[1] += d
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:40]
+    out["kernels_by_name"] = {k: [int(v[0]), round(v[1], 1)] for k, v in top}
+    out["kernel_count"] = len(kernels)
+    out["copy_us"] = round(sum(d for _, d in copies), 1)
     out["concurrent_streams_us"] = round(concurrent, 1)
     if ranges:
         out["host_gap_at_idle_us"] = {k: round(v, 1) for k, v in sorted(by_range.items(), key=lambda kv: -kv[1])}
@@ -506,7 +525,7 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         # slow the host, which is what is being measured; one warm-up step for CUPTI's start
         path = f"/tmp/prof-{engine}-{name}-{model_name}-r{rank}.json"
         acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.profile_cpu else [])
-        with tprofile(activities=acts, schedule=pschedule(wait=0, warmup=1, active=args.profile),
+        with tprofile(activities=acts, schedule=pschedule(wait=0, warmup=1, active=args.profile), with_stack=args.profile_stack,
                       on_trace_ready=lambda p: p.export_chrome_trace(path)) as prof:
             for i in range(args.profile + 1):
                 fn()
@@ -796,6 +815,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-cpu", action="store_true",
                     help="--profile with CPU activity too: host gaps attributed to the runtime's PP:... ranges (set "
                          "PIPELOOM_PROFILE_RANGES=1 for pipeloom): what the host was in when the device ran dry")
+    ap.add_argument("--profile-stack", action="store_true",
+                    help="--profile-cpu with the Python tracer (with_stack): every Python call on the timeline (slows the host; "
+                         "for where a host transition's time goes, not for timing)")
     ap.add_argument("--trace-dir", default=None, help="record engine pipeloom's rank trace here, one file per schedule "
                     "(pipeloom trace summary reads it)")
     ap.add_argument("--profile-dir", default=None, help="keep the gzipped traces of the first and last rank here")
