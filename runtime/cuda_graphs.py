@@ -92,10 +92,13 @@ def slots_per_stage(actions: Sequence[Any]) -> dict[int, int]:
 
 class _Slot:
     __slots__ = ("fwd", "bwd", "static_in", "static_out", "static_gout", "static_gin", "busy", "done", "out_kind", "gen",
-                 "finished")
+                 "finished", "static_target", "target")
 
     def __init__(self, finished: list[tuple[_Slot, int]]) -> None:
         self.busy = False
+        #: the last stage with its loss in the graph: the target's buffer, and the target of the replay under way
+        self.static_target: torch.Tensor | None = None
+        self.target: torch.Tensor | None = None
         self.done: torch.cuda.Event | None = None
         #: forwards replayed in this slot: a backward must belong to the slot's latest one
         self.gen = 0
@@ -115,6 +118,11 @@ class _GraphedStage(torch.autograd.Function):
         for dst, src in zip(slot.static_in, args[:n_in]):
             if dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
+        if slot.static_target is not None:
+            assert slot.target is not None
+            if slot.static_target.data_ptr() != slot.target.data_ptr():
+                slot.static_target.copy_(slot.target)
+            slot.target = None
         slot.fwd.replay()
         slot.gen += 1
         ctx.slot, ctx.gen = slot, slot.gen
@@ -172,9 +180,13 @@ def _foreign_hooks(module: nn.Module, ours: set[int]) -> str | None:
 class StageGraphs:
     """The captured graphs of one stage (``None`` slots until :meth:`capture`)."""
 
-    def __init__(self, stage: int, module: nn.Module, slots: int, device: torch.device, *, allowed_hooks: Sequence[Any] = ()) -> None:
+    def __init__(self, stage: int, module: nn.Module, slots: int, device: torch.device, *, allowed_hooks: Sequence[Any] = (),
+                 loss_fn: Any = None) -> None:
         self.stage = stage
         self.module = module
+        #: the last stage's loss function: captured with the module (one replay computes the loss, and the backward
+        #: starts from it) when the target is a tensor; see :meth:`_layout`
+        self.loss_fn = loss_fn
         self.n_slots = slots
         self.device = device
         self._allowed_hooks = {id(getattr(h, "__func__", h)) for h in allowed_hooks}
@@ -195,7 +207,9 @@ class StageGraphs:
         self.replays = 0
 
     # -- layout ---------------------------------------------------------------
-    def _layout(self, inputs: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    def _layout(self, inputs: Sequence[Any], kwargs: dict[str, Any], target: Any = None) -> tuple[Any, ...] | None:
+        """What a capture depends on: the inputs' shapes, dtypes and which need a gradient, the autocast state,
+        and on a last stage whose loss is captured with it, the target's shape and dtype (None: not graphable)."""
         if kwargs or not inputs:
             return None
         sig = []
@@ -204,7 +218,15 @@ class StageGraphs:
                 return None
             sig.append((tuple(t.shape), t.dtype, t.requires_grad))
         dt = self.device.type
-        return (tuple(sig), torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None)
+        amp = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
+        if self.loss_fn is None:
+            return (tuple(sig), amp)
+        # the last stage: its loss is captured with the module when the target is one tensor on the device that
+        # needs no gradient (the usual labels); any other target keeps the loss eager after a module-only replay
+        tgt = None
+        if isinstance(target, torch.Tensor) and target.device == self.device and not target.requires_grad:
+            tgt = (tuple(target.shape), target.dtype)
+        return (tuple(sig), amp, tgt)
 
     def _trainable(self) -> tuple[Any, ...]:
         """What the graphs depend on beyond the inputs: which parameters are trained, which modules are in
@@ -215,11 +237,11 @@ class StageGraphs:
         """Which tensors the graphs read the parameters and buffers from (replaced ones are not read)."""
         return tuple((id(t), t.data_ptr()) for t in (*self.module.parameters(), *self.module.buffers()))
 
-    def note(self, inputs: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    def note(self, inputs: Sequence[Any], kwargs: dict[str, Any], target: Any = None) -> None:
         """An eager training forward: remember its layout (the first one; a stage whose layout varies keeps it)."""
         if self.disabled is not None or self.slots:
             return
-        lay = self._layout(inputs, kwargs)
+        lay = self._layout(inputs, kwargs, target)
         if lay is None:
             return
         if self.layout is None:
@@ -283,7 +305,9 @@ class StageGraphs:
         if why is not None:
             self._disable(why)
             return
-        sig, amp = self.layout
+        sig, amp, *rest = self.layout
+        tgt = rest[0] if rest else None  # (the last stage with its loss captured too: the target's shape, dtype)
+        loss_fn = self.loss_fn
         params = [p for p in self.module.parameters() if p.requires_grad]
         buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
         dev = self.device
@@ -299,6 +323,28 @@ class StageGraphs:
                 with torch.autocast(dev.type, dtype=amp):
                     return self.module(*inputs)
             return self.module(*inputs)
+
+        def traced(inputs: list[torch.Tensor], target: torch.Tensor | None) -> tuple[str, tuple[torch.Tensor, ...], list[bool]]:
+            """The forward to capture: the module's outputs (flattened), and with a target the loss after them;
+            and which of them the backward starts from (the loss alone, or every output that requires grad)."""
+            out = run(inputs)
+            flat = _flatten(out)
+            if flat is None:
+                raise _NotGraphable("its output is not a tensor or a tuple/list of tensors")
+            kind, outs = flat
+            if target is None:
+                return kind, outs, [o.requires_grad for o in outs]
+            if amp is not None:
+                with torch.autocast(dev.type, dtype=amp):
+                    loss = loss_fn(out, target)
+            else:
+                loss = loss_fn(out, target)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+                raise _NotGraphable("its loss_fn does not return a scalar tensor that requires grad")
+            return kind, (*outs, loss), [False] * len(outs) + [True]
+
+        def target_sample() -> torch.Tensor | None:
+            return None if tgt is None else torch.zeros(tgt[0], dtype=tgt[1], device=dev)
 
         def grads_of(outs: tuple[torch.Tensor, ...], inputs: list[torch.Tensor], gouts: list[torch.Tensor | None]) -> tuple[Any, ...]:
             diff = [(o, g) for o, g in zip(outs, gouts) if g is not None]
@@ -320,18 +366,15 @@ class StageGraphs:
                         torch.cuda.set_sync_debug_mode("error")
                     try:
                         inputs = sample()
+                        target = target_sample()
                         try:
-                            out = run(inputs)
+                            _, outs, diff = traced(inputs, target)
                         except RuntimeError as exc:
                             if "leaf Variable that requires grad is being used in an in-place operation" not in str(exc) or self.copy_inputs:
                                 raise
                             self.copy_inputs = True  # (it modifies its input in place: copies, as eagerly)
-                            out = run(inputs)
-                        flat = _flatten(out)
-                        if flat is None:
-                            raise _NotGraphable("its output is not a tensor or a tuple/list of tensors")
-                        outs = flat[1]
-                        grads_of(outs, inputs, [torch.ones_like(o) if o.requires_grad else None for o in outs])
+                            _, outs, diff = traced(inputs, target)
+                        grads_of(outs, inputs, [torch.ones_like(o) if d else None for o, d in zip(outs, diff)])
                     except RuntimeError as exc:
                         if i == 0 and "synchroniz" in str(exc):
                             raise _NotGraphable(f"it synchronizes with the host: {str(exc).splitlines()[0]}") from None
@@ -339,7 +382,7 @@ class StageGraphs:
                     finally:
                         if i == 0:
                             torch.cuda.set_sync_debug_mode(old_mode)
-                    del inputs, out, flat, outs
+                    del inputs, target, outs
             torch.cuda.current_stream(dev).wait_stream(side)
             torch.cuda.synchronize(dev)
             for _ in range(self.n_slots):
@@ -347,12 +390,11 @@ class StageGraphs:
                 pool = torch.cuda.graph_pool_handle()
                 slot.fwd, slot.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
                 slot.static_in = sample()
+                slot.static_target = target_sample()
                 with torch.cuda.graph(slot.fwd, pool=pool, stream=side, capture_error_mode="thread_local"):
-                    flat = _flatten(run(slot.static_in))
-                assert flat is not None
-                slot.out_kind, outs = flat
+                    slot.out_kind, outs, diff = traced(slot.static_in, slot.static_target)
                 slot.static_out = outs
-                slot.static_gout = [torch.zeros_like(o) if o.requires_grad else None for o in outs]
+                slot.static_gout = [torch.zeros_like(o) if d else None for o, d in zip(outs, diff)]
                 with torch.cuda.graph(slot.bwd, pool=pool, stream=side, capture_error_mode="thread_local"):
                     got = list(grads_of(outs, slot.static_in, slot.static_gout))
                 # one gradient per Function input: the stage inputs (None where none is needed), the parameters
@@ -363,7 +405,7 @@ class StageGraphs:
                 gin.extend(next(it, None) for _ in params)
                 slot.static_gin = gin
                 slot.static_out = tuple(o.detach() for o in outs)  # (not the captured graph's nodes)
-                del outs, got, flat
+                del outs, got
                 slots.append(slot)
         except _NotGraphable as exc:
             self._disable(str(exc))
@@ -384,11 +426,12 @@ class StageGraphs:
         self.slots = slots
 
     # -- replay ---------------------------------------------------------------
-    def call(self, inputs: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        """The module's output by a replay, or None (the caller runs it eagerly)."""
+    def call(self, inputs: Sequence[Any], kwargs: dict[str, Any], target: Any = None) -> tuple[Any, torch.Tensor | None] | None:
+        """(The module's output, and the loss where it is captured too) by a replay, or None (the caller runs it
+        eagerly).  The outputs and the loss are the slot's buffers until its backward has run."""
         if not self.slots or not torch.is_grad_enabled():
             return None
-        if self._layout(inputs, kwargs) != self.layout:
+        if self._layout(inputs, kwargs, target) != self.layout:
             return None
         for slot in self.slots:
             if not slot.busy:
@@ -398,8 +441,12 @@ class StageGraphs:
         slot.busy = True
         self.replays_step += 1
         self.replays += 1
+        if slot.static_target is not None:
+            slot.target = target  # (copied in on the replay's stream, after the slot's last reads)
         outs = _GraphedStage.apply(slot, len(inputs), *inputs, *self._params)
-        return _unflatten(slot.out_kind, outs)
+        if slot.static_target is not None:
+            return _unflatten(slot.out_kind, outs[:-1]), outs[-1]
+        return _unflatten(slot.out_kind, outs), None
 
 
 class _NotGraphable(Exception):

@@ -501,7 +501,7 @@ class Pipeline:
             extra = 0 if opts.host_overlap_backward is False else 2 if opts.host_queue_backwards else 1
             for s, ex in self._executors.items():
                 ex.graphs = StageGraphs(s, ex.module, slots.get(s, 1) + extra, self.device,
-                                        allowed_hooks=[StageExecutor._note_recompute])
+                                        allowed_hooks=[StageExecutor._note_recompute], loss_fn=ex.loss_fn if ex.is_last else None)
         #: parameter sets (and modes) this rank has run a step with: a new one is a cold step
         self._seen_fingerprints: set[Any] = set()
         self._fingerprint: ModelFingerprint | None = None

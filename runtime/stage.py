@@ -280,14 +280,15 @@ class StageExecutor:
     ) -> tuple[tuple[torch.Tensor, ...], Any, torch.Tensor | None]:
         """Run the module; return (outputs for the next stage, raw output, loss or None)."""
         needs_grad = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+        loss = None
         if train:
-            out = self._call(inputs, kwargs)
+            # (a last stage replayed from a CUDA graph may compute its loss in the same replay)
+            out, loss = self._call(inputs, kwargs, target if self.is_last and self.loss_fn is not None else None)
         else:
             with torch.no_grad():
                 out = self.module(*inputs, **kwargs)
-        loss = None
         if self.is_last:
-            if self.loss_fn is not None and target is not None:
+            if loss is None and self.loss_fn is not None and target is not None:
                 loss = self.loss_fn(out, target)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} {getattr(loss, 'shape', '')}")
@@ -301,8 +302,9 @@ class StageExecutor:
             self._saved[mb] = _Saved(tuple(inputs), needs_grad, outputs=outputs)
         return outputs, out, None
 
-    def _call(self, inputs: Sequence[torch.Tensor], kwargs: dict[str, Any]) -> Any:
-        """The module on this microbatch's inputs, which are leaves when they need a gradient.
+    def _call(self, inputs: Sequence[torch.Tensor], kwargs: dict[str, Any], target: Any = None) -> tuple[Any, torch.Tensor | None]:
+        """(The module on this microbatch's inputs, which are leaves when they need a gradient; the loss, where a
+        CUDA graph of the last stage computed it with the module (``target`` given), else None).
 
         In the unsplit model a stage's input is an intermediate tensor, so the module may
         modify it in place (``x += pos``, ``x.mul_(scale)``); a leaf that requires grad
@@ -312,14 +314,14 @@ class StageExecutor:
         """
         graphs = self.graphs
         if graphs is not None:
-            out = graphs.call(inputs, kwargs)
-            if out is not None:
-                return out
-            graphs.note(inputs, kwargs)
+            got = graphs.call(inputs, kwargs, target)
+            if got is not None:
+                return got
+            graphs.note(inputs, kwargs, target)
         if self._copy_inputs:
-            return self.module(*(_copy_leaf(t) for t in inputs), **kwargs)
+            return self.module(*(_copy_leaf(t) for t in inputs), **kwargs), None
         try:
-            return self.module(*inputs, **kwargs)
+            return self.module(*inputs, **kwargs), None
         except RuntimeError as exc:
             if "leaf Variable that requires grad is being used in an in-place operation" not in str(exc):
                 raise
@@ -332,7 +334,7 @@ class StageExecutor:
                 RuntimeWarning,
                 stacklevel=3,
             )
-            return self.module(*(_copy_leaf(t) for t in inputs), **kwargs)
+            return self.module(*(_copy_leaf(t) for t in inputs), **kwargs), None
 
     def _roots(self, saved: _Saved, grad_outputs: Sequence[torch.Tensor | None] | None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         if self.is_last:

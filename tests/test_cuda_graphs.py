@@ -11,6 +11,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -64,6 +65,24 @@ def test_option_parsing() -> None:
     assert RuntimeOptions().cuda_graphs is False
     with pytest.raises(ValueError, match="cuda_graphs must be True or False"):
         RuntimeOptions(cuda_graphs="yes")  # type: ignore[arg-type]
+
+
+def test_the_last_stages_layout_names_its_target() -> None:
+    """A last stage's loss is captured with its module when the target is one tensor on the stage's device that
+    needs no gradient; any other target keeps a module-only layout (its loss runs eagerly after the replay)."""
+    dev = torch.device("cpu")  # (the layout is host logic: any device)
+    m = nn.Linear(4, 4)
+    mid = StageGraphs(1, m, 1, dev)
+    last = StageGraphs(1, m, 1, dev, loss_fn=lambda y, t: ((y - t) ** 2).mean())
+    x = torch.randn(2, 4, requires_grad=True)
+    t = torch.randn(2, 4)
+    assert mid._layout([x], {}, t) == ((((2, 4), torch.float32, True),), None)  # (not a last stage: no target)
+    assert last._layout([x], {}, t) == ((((2, 4), torch.float32, True),), None, ((2, 4), torch.float32))
+    ids = torch.zeros(2, dtype=torch.int64)
+    assert last._layout([x], {}, ids)[2] == ((2,), torch.int64)
+    for other in ({"y": t}, [t], t.requires_grad_(True), None):
+        assert last._layout([x], {}, other)[2] is None, other
+    assert last._layout([x], {"mask": t}, ids) is None  # keyword arguments: eager
 
 
 def test_refused_on_cpu_ranks_with_the_reason(tmp_path: Path) -> None:
@@ -162,6 +181,54 @@ def test_graphed_stage_equals_eager_in_a_pipeline_order(tied: bool) -> None:
         torch.testing.assert_close(have[m][0], want[m][0], rtol=1e-12, atol=1e-12)  # outputs
         torch.testing.assert_close(have[m][1], want[m][1], rtol=1e-12, atol=1e-12)  # input gradients
     _same_grads(ref.module, got.module, rtol=1e-12, atol=1e-12)  # accumulated over 4 microbatches
+
+
+@cuda
+@pytest.mark.parametrize("target", ["ids", "dict"])
+def test_the_last_stages_loss_is_captured_with_it(target: str) -> None:
+    """The last stage with a tensor target: one replay computes the output and the loss, and the backward starts
+    from the loss; losses, input gradients and accumulated parameter gradients equal eager autograd's (a dict
+    target keeps the loss eager after a module-only replay, exact alike)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+
+    def loss_fn(y: torch.Tensor, t: Any) -> torch.Tensor:
+        t = t["ids"] if isinstance(t, dict) else t
+        return nn.functional.cross_entropy(y, t) + 0.1 * y.pow(2).mean()
+
+    torch.manual_seed(0)
+    ref_m = _Stage(16).cuda().double()
+    got_m = _Stage(16).cuda().double()
+    got_m.load_state_dict(ref_m.state_dict())
+    ref = StageExecutor(1, ref_m, is_last=True, loss_fn=loss_fn, grad_scale=0.25)
+    got = StageExecutor(1, got_m, is_last=True, loss_fn=loss_fn, grad_scale=0.25)
+    got.graphs = StageGraphs(1, got_m, 1, dev, loss_fn=loss_fn)
+    xs = {m: torch.randn(3, 16, device=dev, dtype=torch.float64) for m in range(5)}
+    ts = {m: torch.randint(0, 16, (3,), device=dev) for m in range(5)}
+    tgt = (lambda m: ts[m]) if target == "ids" else (lambda m: {"ids": ts[m]})
+
+    def run(ex: StageExecutor, mbs: range) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        out = {}
+        for mb in mbs:
+            x = _leaf(xs[mb])
+            _, _, loss = ex.forward(mb, (x,), {}, tgt(mb))
+            loss = loss.detach().clone()
+            (gin,) = ex.backward(mb, None)
+            out[mb] = (loss, gin.clone())
+        return out
+
+    run(ref, range(1))
+    run(got, range(1))
+    assert got.graphs.wants_capture()
+    got.graphs.capture()
+    assert got.graphs.slots and got.graphs.disabled is None
+    assert (got.graphs.slots[0].static_target is not None) == (target == "ids")
+    _zero_grads(ref, got)
+    want, have = run(ref, range(1, 5)), run(got, range(1, 5))
+    assert got.graphs.replays == 4
+    for m in want:
+        torch.testing.assert_close(have[m][0], want[m][0], rtol=1e-12, atol=1e-12)  # the loss
+        torch.testing.assert_close(have[m][1], want[m][1], rtol=1e-12, atol=1e-12)  # the input gradient
+    _same_grads(ref.module, got.module, rtol=1e-12, atol=1e-12)
 
 
 @cuda
@@ -374,7 +441,8 @@ def test_training_mode_and_a_second_backward() -> None:
     got.backward(0, [g])
     got.graphs.capture()
     # a backward through the same replay twice would read the slot after it was released: refused
-    out = got.graphs.call((_leaf(x),), {})
+    out, loss = got.graphs.call((_leaf(x),), {})
+    assert loss is None  # (not a last stage)
     torch.autograd.backward([out], [g], retain_graph=True)
     got.graphs.release()
     with pytest.raises(RuntimeError, match="slot was reused"):
