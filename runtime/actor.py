@@ -370,6 +370,13 @@ class RankActor:
         )
         self.schedule = schedule
         self.stages = stages
+        #: options.defer_graph_teardown: the graphs of finished backwards (StageExecutor.backward leaves their
+        #: nodes here), freed after the next action has launched, while the loop waits, or at the step's end
+        self._graves: list[Any] = []
+        if options.defer_graph_teardown:
+            for ex in stages.values():
+                if hasattr(ex, "graves"):
+                    ex.graves = self._graves
         self.tensors = tensor_plane
         self.control = control
         self.device = device
@@ -1400,6 +1407,7 @@ class RankActor:
                     fut.result()
                 except BaseException:  # noqa: BLE001 - the step's own failure is what is raised
                     pass
+            self._graves.clear()
             if self._probe is not None:  # (host_overlap_backward's check step failed: its process-wide hook goes)
                 self._probe.remove()
                 self._probe, self._probing = None, False
@@ -1514,6 +1522,7 @@ class RankActor:
         bq = self._bq
         last: Action | None = None  # the action dispatched last (a queued backward follows the in-flight one directly)
         n_bg = n_q = 0
+        graves = self._graves
         while pending or bgq:
             if bgq and (not pending or bgq[0].future.done()):
                 self._finish_bg(bgq.popleft(), step)
@@ -1553,6 +1562,9 @@ class RankActor:
                     pick = dispatcher.pick(pending, ready, live, in_flight)
             if pick < 0 and bgq:
                 self._finish_bg(bgq.popleft(), step)  # (its host launch: the next action waits for it, or for it to send)
+                continue
+            if pick < 0 and graves:
+                graves.clear()  # (nothing to run: the finished backwards' graphs are freed now, then look again)
                 continue
             if pick < 0:
                 if not hold:
@@ -1600,6 +1612,7 @@ class RankActor:
             else:
                 token = self._token = None
             last = a
+            n_graves = len(graves)  # (freed once this action has launched and sent)
             queued = bool(bgq)  # (the ready filter let only a queueable backward through beside one in flight)
             launch_bg = bg_ok and a.type is _B and (queued or (bool(pending) and (
                 (pending[0].type is _F and (a.stage, a.microbatch) in self._bg_pairs
@@ -1641,6 +1654,8 @@ class RankActor:
                 self._send_outbox(a, step)
             if commit_ahead:
                 dev.host_time(tkey, time.perf_counter() - h0)
+            if n_graves:
+                del graves[:n_graves]
             ran += 1
             if train:
                 for leaf in leaves:
@@ -1662,6 +1677,7 @@ class RankActor:
                 last_yield = now
             await asyncio.sleep(0)
         landings.release()
+        graves.clear()
         if spec:
             if any(self._tx_held.values()):
                 left = {d: sorted(h) for d, h in self._tx_held.items() if h}

@@ -249,6 +249,18 @@ class RuntimeOptions:
     updated in another order when a recomputation runs beside a forward.  Environment:
     ``PIPELOOM_HOST_OVERLAP_BACKWARD`` (``1``, ``0`` or ``auto``)."""
 
+    defer_graph_teardown: bool = True
+    """Free a finished full backward's autograd graph (its nodes: Python-side work, 0.15-0.3 ms for a
+    few transformer blocks) after the rank's *next* action has launched, or while the loop waits,
+    instead of between the backward and that action.  The activations the backward no longer needs
+    are freed by autograd during the backward as before; what lives on a little longer is the
+    graph's nodes and, through their gradient accumulators, the stage's input tensors of that
+    microbatch (one boundary activation per stage, until the next action has launched).  On a GPU
+    rank whose host is as fast as its device only just (the last stage of a large model: its host
+    launched each microbatch in 96-100% of the device's time, 4 x H200) the device idled for that
+    work at each backward-to-forward switch; torch's runtime frees these graphs at the step's end.
+    False: freed when the backward returns.  Environment: ``PIPELOOM_DEFER_GRAPH_TEARDOWN``."""
+
     host_queue_backwards: bool = False
     """With ``host_overlap_backward`` in effect (on GPUs by default), a backward that the list runs
     right after another backward is queued on the worker thread behind it, instead of waiting on
@@ -410,6 +422,8 @@ class RuntimeOptions:
             problems.append(f"host_overlap_backward must be None (auto), True or False (got {self.host_overlap_backward!r})")
         if not isinstance(self.cuda_graphs, bool):
             problems.append(f"cuda_graphs must be True or False (got {self.cuda_graphs!r})")
+        if not isinstance(self.defer_graph_teardown, bool):
+            problems.append(f"defer_graph_teardown must be True or False (got {self.defer_graph_teardown!r})")
         if self.fsdp_reduce not in ("auto", "fsdp"):
             problems.append(f"fsdp_reduce must be 'auto' or 'fsdp' (got {self.fsdp_reduce!r})")
         if problems:
@@ -536,6 +550,7 @@ ENV_VARS: dict[str, tuple[str, Any]] = {
     "PIPELOOM_GPU_LEARN_SLEEP": ("gpu_learn_sleep", _flag),
     "PIPELOOM_HOST_OVERLAP_BACKWARD": ("host_overlap_backward", _auto_flag),
     "PIPELOOM_HOST_QUEUE_BACKWARDS": ("host_queue_backwards", _flag),
+    "PIPELOOM_DEFER_GRAPH_TEARDOWN": ("defer_graph_teardown", _flag),
     "PIPELOOM_OVERLAP_COLLECTIVES": ("overlap_collectives", _flag),
     "PIPELOOM_FSDP_REDUCE": ("fsdp_reduce", str),
     "PIPELOOM_CUDA_GRAPHS": ("cuda_graphs", _flag),

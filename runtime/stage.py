@@ -250,6 +250,9 @@ class StageExecutor:
         self._saved: dict[int, _Saved] = {}
         #: RuntimeOptions.cuda_graphs: the stage's captured graphs (runtime/cuda_graphs.py), set by the Pipeline
         self.graphs: Any = None
+        #: RuntimeOptions.defer_graph_teardown: where a full backward leaves its graph's nodes for the runtime to
+        #: free later (the actor's list, shared by its stages; None: freed when the backward returns)
+        self.graves: list[Any] | None = None
         self._warned_unsplittable = False
         self._copy_inputs = False  # the module modifies its inputs in place (see _call)
         # Activation checkpointing: a module whose forward runs again during I is being
@@ -366,6 +369,19 @@ class StageExecutor:
             torch.autograd.backward(roots, grads)
             if self.graphs is not None:
                 self.graphs.release()
+            if self.graves is not None:
+                # the graph's nodes live on in the list (its tensors go with ``saved`` now): freeing a graph is
+                # host work the runtime does later, after the next action's launch or while it waits.  The input
+                # leaves stay referenced by their gradient accumulators meanwhile; past the first stage (whose
+                # inputs are the caller's tensors) they are the runtime's, and their gradients, handed to the
+                # caller here, are not kept on them.
+                self.graves.append([r.grad_fn for r in roots])
+                got = self._input_grads(saved)
+                if self.index > 0:
+                    for t in saved.inputs:
+                        if isinstance(t, torch.Tensor) and t.grad is not None:
+                            t.grad = None
+                return got
         return self._input_grads(saved)
 
     def backward_input(self, mb: int, grad_outputs: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor | None]:

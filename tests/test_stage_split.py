@@ -11,6 +11,7 @@ rank-process tests in test_runtime_gradients.py cover the same cases end to end.
 from __future__ import annotations
 
 import copy
+from typing import Any
 import warnings
 
 import pytest
@@ -327,3 +328,57 @@ def test_compiled_stage_falls_back_to_full_backward_with_a_warning() -> None:
     assert sum("cannot be split" in str(w.message) for w in caught) == 1
     for p, q in zip(ref.parameters(), mod.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12)
+
+
+class _Keep(torch.autograd.Function):
+    """Identity whose node keeps an object on its context (as a custom Function may keep a tensor)."""
+
+    @staticmethod
+    def forward(ctx, x, marker):  # type: ignore[no-untyped-def]
+        ctx.marker = marker
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        return g, None
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_a_full_backward_leaves_its_graph_to_be_freed_later(index: int) -> None:
+    """RuntimeOptions.defer_graph_teardown: the backward leaves its graph's nodes in ``graves`` (freed by the
+    runtime after the next action has launched); gradients are the same, and the nodes go when the list is
+    cleared.  Past the first stage the input leaves do not keep their gradients meanwhile."""
+    import weakref
+
+    class Marker:
+        pass
+
+    torch.manual_seed(0)
+    ref, got = nn.Linear(4, 4), nn.Linear(4, 4)
+    got.load_state_dict(ref.state_dict())
+    a = StageExecutor(index, ref, is_last=False, loss_fn=None, grad_scale=1.0)
+    b = StageExecutor(index, got, is_last=False, loss_fn=None, grad_scale=1.0)
+    b.graves = []
+    x = torch.randn(3, 4)
+    g = torch.randn(3, 4)
+    markers: list[Any] = []
+
+    def keep(mod: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        m = Marker()
+        markers.append(weakref.ref(m))
+        return _Keep.apply(out, m)
+
+    for ex in (a, b):
+        leaf = x.clone().requires_grad_(True)
+        ex.module.register_forward_hook(keep)
+        ex.forward(0, (leaf,), {})
+        (gin,) = ex.backward(0, [g])
+        torch.testing.assert_close(gin, g @ ex.module.weight)
+        assert (leaf.grad is None) == (ex is b and index > 0)
+        del leaf
+    assert markers[0]() is None  # freed when the backward returned
+    assert markers[1]() is not None and len(b.graves) == 1  # still held by the graph's nodes
+    for p, q in zip(ref.parameters(), got.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+    b.graves.clear()
+    assert markers[1]() is None
