@@ -1641,6 +1641,8 @@ class RankActor:
                 n_q += queued
                 ran += 1
                 live -= 1  # (its activations are being released: the next forward may take its place)
+                if len(graves) > 2:  # (backwards in a row on the worker: the graphs waiting to be freed cut to two)
+                    del graves[:-2]
                 continue
             if commit_ahead:
                 dev.launched(tkey, [x.stage for x in leaves], token)

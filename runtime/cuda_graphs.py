@@ -66,12 +66,22 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-__all__ = ["StageGraphs", "slots_per_stage"]
+__all__ = ["StageGraphs", "capturable_loss", "slots_per_stage"]
 
 #: eager calls on one layout before it is captured (cuBLAS handles, lazy modules, autotuning)
 WARMUP_CALLS = 1
 #: forward/backward passes run on the side stream before capturing (torch's make_graphed_callables runs 3)
 WARMUP_PASSES = 2
+
+
+def capturable_loss(loss_fn: Any) -> bool:
+    """Whether ``RuntimeOptions.cuda_graphs_loss`` may capture ``loss_fn`` with the last stage: not an ``nn.Module``
+    with parameters or buffers of its own (a replay would neither train them nor read them anew)."""
+    if loss_fn is None:
+        return False
+    if isinstance(loss_fn, nn.Module):
+        return not any(True for _ in loss_fn.parameters()) and not any(True for _ in loss_fn.buffers())
+    return True
 
 
 def slots_per_stage(actions: Sequence[Any]) -> dict[int, int]:
@@ -408,12 +418,17 @@ class StageGraphs:
                 del outs, got
                 slots.append(slot)
         except _NotGraphable as exc:
+            if tgt is not None:
+                return self._without_loss(str(exc))
             self._disable(str(exc))
             return
         except Exception as exc:  # noqa: BLE001 - a capture failure leaves the stage eager, loudly
             torch.cuda.synchronize(dev)
             _settle_generator(dev)
-            self._disable(f"capture failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            why = f"capture failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if tgt is not None:
+                return self._without_loss(why)
+            self._disable(why)
             return
         finally:
             torch.cuda.current_stream(dev).wait_stream(side)  # (a warm-up cut short may still write the buffers)
@@ -424,6 +439,18 @@ class StageGraphs:
         self._params = params
         self._ptrs = self._placement()
         self.slots = slots
+
+    def _without_loss(self, why: str) -> None:
+        """The module and its loss could not be captured together: capture the module alone (its loss runs
+        eagerly after each replay), warning once."""
+        warnings.warn(f"stage {self.stage}: its loss is not captured with it in a CUDA graph ({why}); the module is "
+                      "captured alone and the loss runs eagerly", RuntimeWarning, stacklevel=3)
+        self.loss_fn = None
+        assert self.layout is not None
+        self.layout = self.layout[:2]
+        self.slots = []
+        gc.collect()
+        self.capture()
 
     # -- replay ---------------------------------------------------------------
     def call(self, inputs: Sequence[Any], kwargs: dict[str, Any], target: Any = None) -> tuple[Any, torch.Tensor | None] | None:

@@ -492,7 +492,7 @@ class Pipeline:
             install_stage_checks(self._executors[s], rank=self.rank, stage_to_rank=self.stage_to_rank,
                                  check_finite=opts.check_finite)
         if opts.cuda_graphs:
-            from .cuda_graphs import StageGraphs, slots_per_stage
+            from .cuda_graphs import StageGraphs, capturable_loss, slots_per_stage
 
             slots = slots_per_stage(self.schedule.actions[self.pp_rank])
             # a backward launched beside the next forward (host_overlap_backward) holds its slot until its
@@ -500,8 +500,15 @@ class Pipeline:
             # (two with host_queue_backwards: a second backward may be queued behind the first)
             extra = 0 if opts.host_overlap_backward is False else 2 if opts.host_queue_backwards else 1
             for s, ex in self._executors.items():
+                # cuda_graphs_loss: the last stage's loss captured with it, unless the loss has parameters or buffers
+                # of its own (a replay would not train or read them anew): then it runs eagerly after the replay
+                lf = ex.loss_fn if ex.is_last and opts.cuda_graphs_loss else None
+                if lf is not None and not capturable_loss(lf):
+                    log.info("rank %d: cuda_graphs_loss: the loss_fn of stage %d has parameters or buffers: it runs eagerly",
+                             self.rank, s)
+                    lf = None
                 ex.graphs = StageGraphs(s, ex.module, slots.get(s, 1) + extra, self.device,
-                                        allowed_hooks=[StageExecutor._note_recompute], loss_fn=ex.loss_fn if ex.is_last else None)
+                                        allowed_hooks=[StageExecutor._note_recompute], loss_fn=lf)
         #: parameter sets (and modes) this rank has run a step with: a new one is a cold step
         self._seen_fingerprints: set[Any] = set()
         self._fingerprint: ModelFingerprint | None = None

@@ -19,7 +19,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent / "ranks"))
 
-from pipeloom.runtime.cuda_graphs import StageGraphs, slots_per_stage  # noqa: E402
+from pipeloom.runtime.cuda_graphs import StageGraphs, capturable_loss, slots_per_stage  # noqa: E402
 from pipeloom.runtime.options import RuntimeOptions  # noqa: E402
 from pipeloom.runtime.stage import StageExecutor  # noqa: E402
 from pipeloom.schedules import generate  # noqa: E402
@@ -83,6 +83,25 @@ def test_the_last_stages_layout_names_its_target() -> None:
     for other in ({"y": t}, [t], t.requires_grad_(True), None):
         assert last._layout([x], {}, other)[2] is None, other
     assert last._layout([x], {"mask": t}, ids) is None  # keyword arguments: eager
+
+
+def test_which_losses_may_be_captured() -> None:
+    """cuda_graphs_loss: a function or a module without parameters and buffers; a loss module with a learnable
+    temperature or a class-weight buffer stays eager (a replay would neither train nor re-read it)."""
+    assert capturable_loss(lambda y, t: (y - t).pow(2).mean())
+    assert capturable_loss(nn.CrossEntropyLoss())
+    assert not capturable_loss(None)
+    assert not capturable_loss(nn.CrossEntropyLoss(weight=torch.ones(4)))  # (a buffer)
+
+    class Tempered(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.t = nn.Parameter(torch.ones(()))
+
+        def forward(self, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return nn.functional.cross_entropy(y / self.t, t)
+
+    assert not capturable_loss(Tempered())
 
 
 def test_refused_on_cpu_ranks_with_the_reason(tmp_path: Path) -> None:
@@ -228,6 +247,39 @@ def test_the_last_stages_loss_is_captured_with_it(target: str) -> None:
     for m in want:
         torch.testing.assert_close(have[m][0], want[m][0], rtol=1e-12, atol=1e-12)  # the loss
         torch.testing.assert_close(have[m][1], want[m][1], rtol=1e-12, atol=1e-12)  # the input gradient
+    _same_grads(ref.module, got.module, rtol=1e-12, atol=1e-12)
+
+
+@cuda
+def test_a_loss_that_cannot_be_captured_leaves_the_module_captured_alone() -> None:
+    """A loss that reads a value on the host (here ``.item()``) cannot be captured: the module is captured alone
+    with a warning, and the loss runs eagerly after each replay, exact."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+
+    def loss_fn(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        n = int(t.numel() - (t < 0).sum().item())  # (a host read)
+        return nn.functional.cross_entropy(y, t.clamp(min=0), reduction="sum") / max(n, 1)
+
+    torch.manual_seed(0)
+    ref_m, got_m = _Stage(16).cuda().double(), _Stage(16).cuda().double()
+    got_m.load_state_dict(ref_m.state_dict())
+    ref = StageExecutor(1, ref_m, is_last=True, loss_fn=loss_fn, grad_scale=1.0)
+    got = StageExecutor(1, got_m, is_last=True, loss_fn=loss_fn, grad_scale=1.0)
+    got.graphs = StageGraphs(1, got_m, 1, dev, loss_fn=loss_fn)
+    xs = {m: torch.randn(3, 16, device=dev, dtype=torch.float64) for m in range(4)}
+    ts = {m: torch.randint(0, 16, (3,), device=dev) for m in range(4)}
+    for ex in (ref, got):
+        ex.forward(0, (_leaf(xs[0]),), {}, ts[0])
+        ex.backward(0, None)
+    with pytest.warns(RuntimeWarning, match="its loss is not captured with it"):
+        got.graphs.capture()
+    assert got.graphs.slots and got.graphs.disabled is None and got.graphs.slots[0].static_target is None
+    _zero_grads(ref, got)
+    for mb in range(1, 4):
+        for ex in (ref, got):
+            _, _, loss = ex.forward(mb, (_leaf(xs[mb]),), {}, ts[mb])
+            ex.backward(mb, None)
+    assert got.graphs.replays == 3
     _same_grads(ref.module, got.module, rtol=1e-12, atol=1e-12)
 
 

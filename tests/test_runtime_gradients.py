@@ -238,6 +238,9 @@ def _graph_cases(world: int) -> list[dict[str, Any]]:
             # a keyword argument every stage takes: eager throughout
             dict(id="graphs-kwargs", schedule="1F1B", microbatches=4, dim=4, batch=8, kwargs=True, steps=2, options=g,
                  graphed=[False, False]),
+            # the last stage's loss captured with it (cuda_graphs_loss)
+            dict(awkward, id="graphs-loss-1F1B", schedule="1F1B", model="awkward", options={**g, "cuda_graphs_loss": True}),
+            dict(awkward, id="graphs-loss-ZBVZeroBubble", schedule="ZBVZeroBubble", options={**g, "cuda_graphs_loss": True}),
         ]
     return out
 
