@@ -21,6 +21,10 @@
 #   straggler  benchmarks/straggler.py on 4 GPUs
 #   graphs     RuntimeOptions.cuda_graphs: the GPU unit tests and the graphs-* NCCL gradient rows, then the GPT with and without
 #              graphs (GRAPHS_SIZES, default s; GPT_SCHEDULES) beside torch on 4 GPUs (2 without 4)
+#   teardown   RuntimeOptions.defer_graph_teardown: the GPT (TEARDOWN_SIZES, default l) on 4 GPUs (2 without 4), schedules
+#              GPT_SCHEDULES (default 1F1B,GPipe,Interleaved1F1B), pipeloom (deferred, the default) / torch / pipeloom
+#              with defer_graph_teardown=false, ALTERNATE rounds (default 4); session O (4 x H100, 2 rounds): 1F1B
+#              1.011 against 1.035 of torch, GPipe 1.003 against 1.017
 #   moe4       benchmarks/gpu_moe.py on 4 GPUs (pp 2 x ep 2): DualPipeV with / without overlap (also (F;I) pairs, CTA cap), torch's DualPipeV,
 #              1F1B, Interleaved1F1B; rank 0's profiler traces under $OUT/prof-moe; then tests/test_moe.py on NCCL
 #              (MOE_ARGS: extra arguments, e.g. --engines; MOE_TIMEOUT: the benchmark's bound, default 240 s; the tests: MOE_TEST_TIMEOUT, default 200 s (session M: 16 of 17 in 110 s),
@@ -179,6 +183,14 @@ PY
       echo "== $n GPUs gpt-$size with and without cuda_graphs"
       CUDA_VISIBLE_DEVICES=$vis bench $n "" --model gpt --size $size --schedule "${GPT_SCHEDULES:-1F1B,Interleaved1F1B,GPipe,DualPipeV,ZBVZeroBubble}" \
         --engines pipeloom,torch,pipeloom-x --x-options cuda_graphs=true --alternate "${ALTERNATE:-3}" --code "${CODE:-graphs}"
+    done
+    ;;
+  teardown)
+    n=2; vis=$VIS2; [ "$GPUS" -ge 4 ] && { n=4; vis=0,1,2,3; }
+    for size in ${TEARDOWN_SIZES:-l}; do
+      echo "== $n GPUs gpt-$size, graph teardown deferred or not"
+      CUDA_VISIBLE_DEVICES=$vis bench $n "" --model gpt --size $size --schedule "${GPT_SCHEDULES:-1F1B,GPipe,Interleaved1F1B}" \
+        --engines pipeloom,torch,pipeloom-x --x-options defer_graph_teardown=false --alternate "${ALTERNATE:-4}" --code "${CODE:-teardown}"
     done
     ;;
   moe4)
