@@ -76,6 +76,16 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 ALL="1F1B Interleaved1F1B ZBVZeroBubble DualPipeV GPipe LoopedBFS InterleavedZeroBubble"
 T=${BENCH_TIMEOUT:-120}
 
+variants() {  # variants WHAT X_OPTIONS SIZES SCHEDULES ROUNDS CODE: the GPT beside torch and a pipeloom-x variant
+  local what=$1 xopts=$2 sizes=$3 scheds=$4 rounds=$5 code=$6 n=2 vis=$VIS2 size
+  [ "$GPUS" -ge 4 ] && { n=4; vis=0,1,2,3; }
+  for size in $sizes; do
+    echo "== $n GPUs gpt-$size, $what"
+    CUDA_VISIBLE_DEVICES=$vis bench $n "" --model gpt --size "$size" --schedule "$scheds" \
+      --engines pipeloom,torch,pipeloom-x --x-options "$xopts" --alternate "$rounds" --code "$code"
+  done
+}
+
 bench() {  # bench NPROC LABEL EXTRA_ARGS... (env for the run comes from the caller)
   local n=$1 label=$2; shift 2
   (cd /tmp && timeout "$T" torchrun --master-port "$PORT" --nproc-per-node "$n" "$REPO/benchmarks/gpu_pipeline.py" --json "$OUT/gpu.jsonl" \
@@ -178,20 +188,12 @@ PY
       (cd /tmp && PIPELOOM_TEST_BACKEND=nccl PIPELOOM_TEST_CASES=graphs timeout 150 python3 -m pytest -q -p no:cacheprovider --rootdir "$REPO" \
          -c "$REPO/pyproject.toml" -rf "$REPO/tests/test_runtime_gradients.py" -k four_ranks > "$OUT/graphs-nccl4.log" 2>&1; tail -3 "$OUT/graphs-nccl4.log")
     fi
-    n=2; vis=$VIS2; [ "$GPUS" -ge 4 ] && { n=4; vis=0,1,2,3; }
-    for size in ${GRAPHS_SIZES:-s}; do
-      echo "== $n GPUs gpt-$size with and without cuda_graphs"
-      CUDA_VISIBLE_DEVICES=$vis bench $n "" --model gpt --size $size --schedule "${GPT_SCHEDULES:-1F1B,Interleaved1F1B,GPipe,DualPipeV,ZBVZeroBubble}" \
-        --engines pipeloom,torch,pipeloom-x --x-options cuda_graphs=true --alternate "${ALTERNATE:-3}" --code "${CODE:-graphs}"
-    done
+    variants "with and without cuda_graphs" cuda_graphs=true "${GRAPHS_SIZES:-s}" \
+      "${GPT_SCHEDULES:-1F1B,Interleaved1F1B,GPipe,DualPipeV,ZBVZeroBubble}" "${ALTERNATE:-3}" "${CODE:-graphs}"
     ;;
   teardown)
-    n=2; vis=$VIS2; [ "$GPUS" -ge 4 ] && { n=4; vis=0,1,2,3; }
-    for size in ${TEARDOWN_SIZES:-l}; do
-      echo "== $n GPUs gpt-$size, graph teardown deferred or not"
-      CUDA_VISIBLE_DEVICES=$vis bench $n "" --model gpt --size $size --schedule "${GPT_SCHEDULES:-1F1B,GPipe,Interleaved1F1B}" \
-        --engines pipeloom,torch,pipeloom-x --x-options defer_graph_teardown=false --alternate "${ALTERNATE:-4}" --code "${CODE:-teardown}"
-    done
+    variants "graph teardown deferred or not" defer_graph_teardown=false "${TEARDOWN_SIZES:-l}" \
+      "${GPT_SCHEDULES:-1F1B,GPipe,Interleaved1F1B}" "${ALTERNATE:-4}" "${CODE:-teardown}"
     ;;
   moe4)
     (cd /tmp && timeout "${MOE_TIMEOUT:-240}" torchrun --master-port "$PORT" --nproc-per-node 4 "$REPO/benchmarks/gpu_moe.py" --json "$OUT/moe.jsonl" \

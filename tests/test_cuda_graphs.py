@@ -202,27 +202,33 @@ def test_graphed_stage_equals_eager_in_a_pipeline_order(tied: bool) -> None:
     _same_grads(ref.module, got.module, rtol=1e-12, atol=1e-12)  # accumulated over 4 microbatches
 
 
+def _last_pair(loss_fn: Any, grad_scale: float, n: int) -> tuple[StageExecutor, StageExecutor, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """A last stage run eagerly and the same stage with graphs (its loss offered to the capture), ``n`` microbatches
+    of inputs and class-index targets."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    ref_m, got_m = _Stage(16).cuda().double(), _Stage(16).cuda().double()
+    got_m.load_state_dict(ref_m.state_dict())
+    ref = StageExecutor(1, ref_m, is_last=True, loss_fn=loss_fn, grad_scale=grad_scale)
+    got = StageExecutor(1, got_m, is_last=True, loss_fn=loss_fn, grad_scale=grad_scale)
+    got.graphs = StageGraphs(1, got_m, 1, dev, loss_fn=loss_fn)
+    xs = {m: torch.randn(3, 16, device=dev, dtype=torch.float64) for m in range(n)}
+    ts = {m: torch.randint(0, 16, (3,), device=dev) for m in range(n)}
+    return ref, got, xs, ts
+
+
 @cuda
 @pytest.mark.parametrize("target", ["ids", "dict"])
 def test_the_last_stages_loss_is_captured_with_it(target: str) -> None:
     """The last stage with a tensor target: one replay computes the output and the loss, and the backward starts
     from the loss; losses, input gradients and accumulated parameter gradients equal eager autograd's (a dict
     target keeps the loss eager after a module-only replay, exact alike)."""
-    dev = torch.device("cuda", torch.cuda.current_device())
 
     def loss_fn(y: torch.Tensor, t: Any) -> torch.Tensor:
         t = t["ids"] if isinstance(t, dict) else t
         return nn.functional.cross_entropy(y, t) + 0.1 * y.pow(2).mean()
 
-    torch.manual_seed(0)
-    ref_m = _Stage(16).cuda().double()
-    got_m = _Stage(16).cuda().double()
-    got_m.load_state_dict(ref_m.state_dict())
-    ref = StageExecutor(1, ref_m, is_last=True, loss_fn=loss_fn, grad_scale=0.25)
-    got = StageExecutor(1, got_m, is_last=True, loss_fn=loss_fn, grad_scale=0.25)
-    got.graphs = StageGraphs(1, got_m, 1, dev, loss_fn=loss_fn)
-    xs = {m: torch.randn(3, 16, device=dev, dtype=torch.float64) for m in range(5)}
-    ts = {m: torch.randint(0, 16, (3,), device=dev) for m in range(5)}
+    ref, got, xs, ts = _last_pair(loss_fn, 0.25, 5)
     tgt = (lambda m: ts[m]) if target == "ids" else (lambda m: {"ids": ts[m]})
 
     def run(ex: StageExecutor, mbs: range) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -254,20 +260,12 @@ def test_the_last_stages_loss_is_captured_with_it(target: str) -> None:
 def test_a_loss_that_cannot_be_captured_leaves_the_module_captured_alone() -> None:
     """A loss that reads a value on the host (here ``.item()``) cannot be captured: the module is captured alone
     with a warning, and the loss runs eagerly after each replay, exact."""
-    dev = torch.device("cuda", torch.cuda.current_device())
 
     def loss_fn(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         n = int(t.numel() - (t < 0).sum().item())  # (a host read)
         return nn.functional.cross_entropy(y, t.clamp(min=0), reduction="sum") / max(n, 1)
 
-    torch.manual_seed(0)
-    ref_m, got_m = _Stage(16).cuda().double(), _Stage(16).cuda().double()
-    got_m.load_state_dict(ref_m.state_dict())
-    ref = StageExecutor(1, ref_m, is_last=True, loss_fn=loss_fn, grad_scale=1.0)
-    got = StageExecutor(1, got_m, is_last=True, loss_fn=loss_fn, grad_scale=1.0)
-    got.graphs = StageGraphs(1, got_m, 1, dev, loss_fn=loss_fn)
-    xs = {m: torch.randn(3, 16, device=dev, dtype=torch.float64) for m in range(4)}
-    ts = {m: torch.randint(0, 16, (3,), device=dev) for m in range(4)}
+    ref, got, xs, ts = _last_pair(loss_fn, 1.0, 4)
     for ex in (ref, got):
         ex.forward(0, (_leaf(xs[0]),), {}, ts[0])
         ex.backward(0, None)
