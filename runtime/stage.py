@@ -488,7 +488,3 @@ class StageExecutor:
             finally:
                 for h in handles:
                     h.remove()
-        if self.graves is not None:
-            # as after a full backward: the graph's nodes are freed by the runtime after its next action's launch
-            # (the recorded boundary gradients and the activations go with ``saved`` now)
-            self.graves.append([t.grad_fn for t in (*saved.outputs, saved.loss) if isinstance(t, torch.Tensor) and t.grad_fn is not None])
