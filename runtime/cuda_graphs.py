@@ -364,6 +364,7 @@ class StageGraphs:
             return torch.autograd.grad([o for o, _ in diff], wrt, grad_outputs=[g for _, g in diff], allow_unused=True)
 
         slots: list[_Slot] = []
+        retry: str | None = None  # (the capture with the loss failed: why; the module is captured alone after)
         try:
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
@@ -418,24 +419,31 @@ class StageGraphs:
                 del outs, got
                 slots.append(slot)
         except _NotGraphable as exc:
-            if tgt is not None:
-                return self._without_loss(str(exc))
-            self._disable(str(exc))
-            return
+            if tgt is None:
+                self._disable(str(exc))
+                return
+            retry = str(exc)
         except Exception as exc:  # noqa: BLE001 - a capture failure leaves the stage eager, loudly
             torch.cuda.synchronize(dev)
             _settle_generator(dev)
             why = f"capture failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            if tgt is not None:
-                return self._without_loss(why)
-            self._disable(why)
-            return
+            if tgt is None:
+                self._disable(why)
+                return
+            retry = why
         finally:
             torch.cuda.current_stream(dev).wait_stream(side)  # (a warm-up cut short may still write the buffers)
             with torch.no_grad():
                 for b, v in buffers:
                     b.copy_(v)
             gc.collect()
+        if retry is not None:
+            # the failed capture's graphs and pools are let go (this frame's references to them) before the module
+            # is captured alone
+            slots.clear()
+            slot = outs = got = inputs = target = None  # noqa: F841
+            self._without_loss(retry)
+            return
         self._params = params
         self._ptrs = self._placement()
         self.slots = slots

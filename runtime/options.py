@@ -250,15 +250,16 @@ class RuntimeOptions:
     ``PIPELOOM_HOST_OVERLAP_BACKWARD`` (``1``, ``0`` or ``auto``)."""
 
     defer_graph_teardown: bool = True
-    """Free a finished backward's autograd graph (full B, or W of the I/W split; its nodes:
-    host work of 0.15-0.3 ms for a few transformer blocks) after the rank's *next* action has
+    """Free a finished full backward's autograd graph (its nodes: host work of 0.15-0.3 ms for a
+    few transformer blocks) after the rank's *next* action has
     launched, or while the loop waits, instead of between the backward and that action.  The
     tensors autograd saved for the backward are freed during the backward as before; what lives on
     a little longer is the graph's nodes and what they hold: through their gradient accumulators,
     that microbatch's stage inputs (one boundary activation), and tensors a custom autograd
     Function keeps as attributes of its context.  Usually one such graph is pending, a few (the
     list is cut to two at each launch on the worker) where backwards launch on the worker thread
-    (``host_overlap_backward``), none after the step.  On a GPU
+    (``host_overlap_backward``), none after the step.  (Not W of the I/W split: I retains its graph, so the activation side's
+    saved tensors live until that graph is freed, which must stay at W's end.)  On a GPU
     rank whose host is as fast as its device only just (the last stage of a large model: its host
     launched each microbatch in 96-100% of the device's time, 4 x H200) the device idled for that
     work at each backward-to-forward switch; torch's runtime frees these graphs at the step's end.
@@ -390,7 +391,9 @@ class RuntimeOptions:
     the loss).  The loss function then falls under the graph's rules too: a function of the output
     and the target on the device, no Python state that changes between steps (a token count set
     each step, a scheduled weight), no side effects (it runs only at capture), no parameters of its
-    own (an ``nn.Module`` loss with parameters or buffers keeps the loss eager).  A loss that
+    own (an ``nn.Module`` loss with parameters or buffers keeps the loss eager; a closure or method
+    reading parameters is not seen, and they would get no gradient).  Ignored without
+    ``cuda_graphs``.  A loss that
     cannot be captured leaves the module captured alone, with a warning.  Off by default: with it
     off, the loss runs eagerly after the module's replay, whatever it does (measured on 2 x H200,
     GPT size s: no difference in the graphed step, 79.3 against 79.7 ms; the loss's saved tensors

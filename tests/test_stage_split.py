@@ -382,3 +382,44 @@ def test_a_full_backward_leaves_its_graph_to_be_freed_later(index: int) -> None:
         torch.testing.assert_close(q.grad, p.grad)
     b.graves.clear()
     assert markers[1]() is None
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_no_saved_activation_outlives_the_backward_with_deferred_teardown(split: bool) -> None:
+    """defer_graph_teardown keeps a finished backward's *nodes* for later, never what autograd saved: after a full
+    backward, or I then W (whose graph I retained: W frees it when it ends), no saved activation is alive but the
+    stage's input, which the graph's input accumulator holds until the runtime frees the nodes."""
+    import gc
+    import weakref
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(nn.functional.gelu(self.a(x)).sin())
+
+    saved: list[Any] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, nn.Parameter) and t.numel() >= 16 * 8:
+            saved.append(weakref.ref(t))
+        return t
+
+    torch.manual_seed(0)
+    ex = StageExecutor(1, Net(), is_last=False, loss_fn=None, grad_scale=1.0, split_backward=split)
+    ex.graves = []
+    x = torch.randn(32, 16).requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ex.forward(0, (x,), {})
+    g = [torch.randn(32, 16)]
+    if split:
+        ex.backward_input(0, g)
+        ex.backward_weight(0)
+    else:
+        ex.backward(0, g)
+    del g
+    gc.collect()
+    alive = [r() for r in saved if r() is not None]
+    assert all(t is x for t in alive), f"{len(alive)} saved activations alive after the backward"
