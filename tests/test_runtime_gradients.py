@@ -284,10 +284,23 @@ if os.environ.get("PIPELOOM_TEST_CASES"):
     CASES = {w: cs for w, cs in CASES.items() if cs}
 
 
+def _pool_world(item: pytest.Item) -> int:
+    """The rank pool a collected test reads: its `world` parameter, else 4 for the four-rank tests, else 2."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "world" in callspec.params:
+        return int(callspec.params["world"])
+    return 4 if "four_ranks" in item.name else 2
+
+
 @pytest.fixture(scope="module")
-def pool_results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, list[dict[str, Any]]]]:
+def pool_results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, list[dict[str, Any]]]]:
+    # only the pools the selected tests read: `-k four_ranks` must not wait for the 2-rank pool first (on NCCL the
+    # two pools together outlast the per-test timeout that the first test's setup runs under)
+    needed = {_pool_world(item) for item in request.session.items if "pool_results" in getattr(item, "fixturenames", ())}
     results = {}
     for world, cases in CASES.items():
+        if world not in needed:
+            continue
         out = tmp_path_factory.mktemp(f"ranks{world}")
         for c in cases:
             if c.get("csv") == "@csv":
