@@ -38,8 +38,12 @@ collectives inside the stage and are refused.
 
 Where it falls back.  A forward whose inputs or trainable set differ from the
 captured layout, one that finds every slot busy (a dynamic order keeping more
-microbatches alive than the static list), an evaluation step, and a module with
-keyword arguments run eagerly, exactly as without graphs.  A stage that cannot be
+microbatches alive than the static list), an evaluation step, and keyword
+arguments other than tensors on the stage's device and constants (None, bool,
+int, float, str) run eagerly, exactly as without graphs.  Keyword tensors (a
+Hugging Face layer's attention mask, position ids) are inputs of the graph like
+the positional ones; keyword constants are part of the layout (another value:
+eager).  A stage that cannot be
 captured (host synchronisation inside, a data-dependent shape, outputs that are
 not tensors, module hooks, which a replay would skip) runs eagerly with a
 one-time warning naming the stage and the reason.  Parameters whose storage moved
@@ -218,25 +222,37 @@ class StageGraphs:
 
     # -- layout ---------------------------------------------------------------
     def _layout(self, inputs: Sequence[Any], kwargs: dict[str, Any], target: Any = None) -> tuple[Any, ...] | None:
-        """What a capture depends on: the inputs' shapes, dtypes and which need a gradient, the autocast state,
-        and on a last stage whose loss is captured with it, the target's shape and dtype (None: not graphable)."""
-        if kwargs or not inputs:
+        """What a capture depends on: the inputs' shapes, dtypes and which need a gradient (positional, then the
+        keyword tensors by name), the keyword constants' values, the autocast state, and on a last stage whose
+        loss is captured with it, the target's shape and dtype (None: not graphable)."""
+        if not inputs and not kwargs:
             return None
         sig = []
         for t in inputs:
             if not isinstance(t, torch.Tensor) or t.device != self.device:
                 return None
             sig.append((tuple(t.shape), t.dtype, t.requires_grad))
+        kw = []
+        for name in sorted(kwargs):
+            v = kwargs[name]
+            if isinstance(v, torch.Tensor):
+                if v.device != self.device:
+                    return None
+                kw.append((name, True, (tuple(v.shape), v.dtype, v.requires_grad)))
+            elif v is None or type(v) in _CONSTANTS:
+                kw.append((name, False, (type(v), v)))  # (the type too: 1 == 1.0 == True)
+            else:
+                return None
         dt = self.device.type
         amp = torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else None
         if self.loss_fn is None:
-            return (tuple(sig), amp)
+            return (tuple(sig), tuple(kw), amp)
         # the last stage: its loss is captured with the module when the target is one tensor on the device that
         # needs no gradient (the usual labels); any other target keeps the loss eager after a module-only replay
         tgt = None
         if isinstance(target, torch.Tensor) and target.device == self.device and not target.requires_grad:
             tgt = (tuple(target.shape), target.dtype)
-        return (tuple(sig), amp, tgt)
+        return (tuple(sig), tuple(kw), amp, tgt)
 
     def _trainable(self) -> tuple[Any, ...]:
         """What the graphs depend on beyond the inputs: which parameters are trained, which modules are in
@@ -315,7 +331,7 @@ class StageGraphs:
         if why is not None:
             self._disable(why)
             return
-        sig, amp, *rest = self.layout
+        pos, kw, amp, *rest = self.layout
         tgt = rest[0] if rest else None  # (the last stage with its loss captured too: the target's shape, dtype)
         loss_fn = self.loss_fn
         params = [p for p in self.module.parameters() if p.requires_grad]
@@ -323,16 +339,22 @@ class StageGraphs:
         dev = self.device
         side = torch.cuda.Stream(dev)
 
+        # the graph's tensor inputs: the positional ones, then the keyword tensors in the layout's (name) order
+        sig = [*pos, *(v for _, is_t, v in kw if is_t)]
+        n_pos = len(pos)
+
         def sample() -> list[torch.Tensor]:
             return [torch.zeros(shape, dtype=dtype, device=dev).requires_grad_(rg) for shape, dtype, rg in sig]
 
         def run(inputs: list[torch.Tensor]) -> Any:
+            args, rest = inputs[:n_pos], iter(inputs[n_pos:])
+            kwargs = {name: (next(rest) if is_t else v[1]) for name, is_t, v in kw}
             if self.copy_inputs:
-                inputs = [t.clone() if t.requires_grad else t for t in inputs]
+                args = [t.clone() if t.requires_grad else t for t in args]
             if amp is not None:
                 with torch.autocast(dev.type, dtype=amp):
-                    return self.module(*inputs)
-            return self.module(*inputs)
+                    return self.module(*args, **kwargs)
+            return self.module(*args, **kwargs)
 
         def traced(inputs: list[torch.Tensor], target: torch.Tensor | None) -> tuple[str, tuple[torch.Tensor, ...], list[bool]]:
             """The forward to capture: the module's outputs (flattened), and with a target the loss after them;
@@ -455,7 +477,7 @@ class StageGraphs:
                       "captured alone and the loss runs eagerly", RuntimeWarning, stacklevel=3)
         self.loss_fn = None
         assert self.layout is not None
-        self.layout = self.layout[:2]
+        self.layout = self.layout[:3]
         self.slots = []
         gc.collect()
         self.capture()
@@ -478,7 +500,8 @@ class StageGraphs:
         self.replays += 1
         if slot.static_target is not None:
             slot.target = target  # (copied in on the replay's stream, after the slot's last reads)
-        outs = _GraphedStage.apply(slot, len(inputs), *inputs, *self._params)
+        flat = [*inputs, *(kwargs[name] for name, is_t, _ in self.layout[1] if is_t)]
+        outs = _GraphedStage.apply(slot, len(flat), *flat, *self._params)
         if slot.static_target is not None:
             return _unflatten(slot.out_kind, outs[:-1]), outs[-1]
         return _unflatten(slot.out_kind, outs), None
@@ -486,6 +509,10 @@ class StageGraphs:
 
 class _NotGraphable(Exception):
     pass
+
+
+#: keyword argument values a capture keeps as constants (the layout holds the value: another value runs eagerly)
+_CONSTANTS = (bool, int, float, str)
 
 
 def _settle_generator(dev: torch.device) -> None:

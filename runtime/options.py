@@ -376,7 +376,8 @@ class RuntimeOptions:
     one forward/backward pair per microbatch the schedule keeps alive on the stage, plus one where
     ``host_overlap_backward`` may launch a backward beside the next forward (the memory of that
     many activations, held for the job's life); what cannot use a graph (another input
-    layout, keyword arguments, evaluation, a stage that cannot be captured, which warns once)
+    layout, keyword arguments other than device tensors and constants (None, bool, int, float, str;
+    another constant value is another layout), evaluation, a stage that cannot be captured, which warns once)
     runs eagerly as before.  The stage module must be a function of its inputs and parameters on
     the device (no host reads of tensor values, no Python state that changes between calls);
     parameters are updated in place (any ``torch.optim`` optimizer); one that is replaced drops
@@ -392,7 +393,7 @@ class RuntimeOptions:
     and the target on the device, no Python state that changes between steps (a token count set
     each step, a scheduled weight), no side effects (it runs only at capture), no parameters of its
     own (an ``nn.Module`` loss with parameters or buffers keeps the loss eager; a closure or method
-    reading parameters is not seen, and they would get no gradient).  Ignored without
+    reading parameters is not seen, and they would get no gradient).  Refused (``ValueError``) without
     ``cuda_graphs``.  A loss that
     cannot be captured leaves the module captured alone, with a warning.  Off by default: with it
     off, the loss runs eagerly after the module's replay, whatever it does (measured on 2 x H200,
@@ -442,6 +443,9 @@ class RuntimeOptions:
             problems.append(f"cuda_graphs must be True or False (got {self.cuda_graphs!r})")
         if not isinstance(self.cuda_graphs_loss, bool):
             problems.append(f"cuda_graphs_loss must be True or False (got {self.cuda_graphs_loss!r})")
+        if self.cuda_graphs_loss is True and self.cuda_graphs is False:
+            problems.append("cuda_graphs_loss=True needs cuda_graphs=True (it captures the last stage's loss in that stage's "
+                            "CUDA graph; without graphs the loss always runs eagerly)")
         if not isinstance(self.defer_graph_teardown, bool):
             problems.append(f"defer_graph_teardown must be True or False (got {self.defer_graph_teardown!r})")
         if self.fsdp_reduce not in ("auto", "fsdp"):

@@ -65,6 +65,11 @@ def test_option_parsing() -> None:
     assert RuntimeOptions().cuda_graphs is False
     with pytest.raises(ValueError, match="cuda_graphs must be True or False"):
         RuntimeOptions(cuda_graphs="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"cuda_graphs_loss=True needs cuda_graphs=True"):
+        RuntimeOptions(cuda_graphs_loss=True)
+    with pytest.raises(ValueError, match=r"cuda_graphs_loss=True needs cuda_graphs=True"):
+        RuntimeOptions.from_env({"PIPELOOM_CUDA_GRAPHS_LOSS": "1"})
+    assert RuntimeOptions(cuda_graphs=True, cuda_graphs_loss=True).cuda_graphs_loss
 
 
 def test_the_last_stages_layout_names_its_target() -> None:
@@ -76,13 +81,30 @@ def test_the_last_stages_layout_names_its_target() -> None:
     last = StageGraphs(1, m, 1, dev, loss_fn=lambda y, t: ((y - t) ** 2).mean())
     x = torch.randn(2, 4, requires_grad=True)
     t = torch.randn(2, 4)
-    assert mid._layout([x], {}, t) == ((((2, 4), torch.float32, True),), None)  # (not a last stage: no target)
-    assert last._layout([x], {}, t) == ((((2, 4), torch.float32, True),), None, ((2, 4), torch.float32))
+    assert mid._layout([x], {}, t) == ((((2, 4), torch.float32, True),), (), None)  # (not a last stage: no target)
+    assert last._layout([x], {}, t) == ((((2, 4), torch.float32, True),), (), None, ((2, 4), torch.float32))
     ids = torch.zeros(2, dtype=torch.int64)
-    assert last._layout([x], {}, ids)[2] == ((2,), torch.int64)
+    assert last._layout([x], {}, ids)[3] == ((2,), torch.int64)
     for other in ({"y": t}, [t], t.requires_grad_(True), None):
-        assert last._layout([x], {}, other)[2] is None, other
-    assert last._layout([x], {"mask": t}, ids) is None  # keyword arguments: eager
+        assert last._layout([x], {}, other)[3] is None, other
+
+
+def test_keyword_arguments_in_the_layout() -> None:
+    """Keyword tensors on the stage's device are graph inputs (by name, whatever the call's order), keyword
+    constants part of the layout (another value, or 1 for True, is another layout); anything else: not graphable."""
+    dev = torch.device("cpu")
+    g = StageGraphs(1, nn.Linear(4, 4), 1, dev)
+    x = torch.randn(2, 4)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    a = g._layout([x], {"scale": 0.5, "mask": mask, "cache": None})
+    assert a == ((((2, 4), torch.float32, False),),
+                 (("cache", False, (type(None), None)), ("mask", True, ((2, 4), torch.bool, False)), ("scale", False, (float, 0.5))), None)
+    assert g._layout([x], {"mask": torch.zeros(2, 4, dtype=torch.bool), "cache": None, "scale": 0.5}) == a  # values of tensors: same
+    assert g._layout([x], {"scale": 0.25, "mask": mask, "cache": None}) != a
+    assert g._layout([x], {"flag": True}) != g._layout([x], {"flag": 1})
+    assert g._layout([], {"x": x}) is not None  # keyword-only stages too
+    for bad in ({"cache": [x]}, {"cache": object()}, {"mask": mask.to("meta")}):
+        assert g._layout([x], bad) is None, bad
 
 
 def test_which_losses_may_be_captured() -> None:
@@ -278,6 +300,73 @@ def test_a_loss_that_cannot_be_captured_leaves_the_module_captured_alone() -> No
             _, _, loss = ex.forward(mb, (_leaf(xs[mb]),), {}, ts[mb])
             ex.backward(mb, None)
     assert got.graphs.replays == 3
+    _same_grads(ref.module, got.module, rtol=1e-12, atol=1e-12)
+
+
+class _MaskedStage(nn.Module):
+    """A Hugging Face-style layer: the hidden state positionally, an attention-like mask, a bias tensor that
+    needs a gradient and a constant by keyword."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(dim, dim)
+        self.b = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor, bias: torch.Tensor, scale: float = 1.0,
+                past: Any = None) -> torch.Tensor:
+        assert past is None
+        h = torch.tanh(self.a(x)) * scale
+        return self.b(h.masked_fill(~mask, 0.0)) + bias
+
+
+@cuda
+def test_keyword_tensors_are_graph_inputs_and_constants_part_of_the_layout() -> None:
+    """A stage called with keyword arguments (a mask, a tensor that needs a gradient, constants): replayed from
+    its graph, equal to eager autograd in float64 (outputs, the gradients of the positional and the keyword
+    input, the parameters' accumulated gradients); another constant value runs eagerly, exact too."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    ref_m, got_m = _MaskedStage(16).to(dev).double(), _MaskedStage(16).to(dev).double()
+    got_m.load_state_dict(ref_m.state_dict())
+    ref = StageExecutor(1, ref_m, is_last=False, loss_fn=None, grad_scale=1.0)
+    got = StageExecutor(1, got_m, is_last=False, loss_fn=None, grad_scale=1.0)
+    got.graphs = StageGraphs(1, got_m, 2, dev)
+    xs = {m: torch.randn(3, 16, device=dev, dtype=torch.float64) for m in range(6)}
+    gs = {m: torch.randn(3, 16, device=dev, dtype=torch.float64) for m in range(6)}
+    masks = {m: torch.rand(3, 16, device=dev) > 0.3 for m in range(6)}
+    bias = {ex: torch.zeros(16, device=dev, dtype=torch.float64, requires_grad=True) for ex in ("ref", "got")}
+
+    def run(ex: StageExecutor, which: str, order: list[tuple[str, int]], scale: float = 0.5) -> dict[int, list[torch.Tensor]]:
+        out: dict[int, list[torch.Tensor]] = {}
+        for kind, mb in order:
+            if kind == "F":
+                outs, _, _ = ex.forward(mb, (_leaf(xs[mb]),), {"scale": scale, "mask": masks[mb], "bias": bias[which], "past": None})
+                out[mb] = [outs[0].detach().clone()]
+            else:
+                (gin,) = ex.backward(mb, [gs[mb]])
+                out[mb].append(gin.clone())
+        return out
+
+    run(ref, "ref", [("F", 0), ("B", 0)])
+    run(got, "got", [("F", 0), ("B", 0)])
+    assert got.graphs.wants_capture()
+    got.graphs.capture()
+    assert len(got.graphs.slots) == 2 and got.graphs.disabled is None
+    _zero_grads(ref, got)
+    for t in bias.values():
+        t.grad = None
+    order = [("F", 1), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]
+    want, have = run(ref, "ref", order), run(got, "got", order)
+    assert got.graphs.replays == 3
+    for m in want:
+        torch.testing.assert_close(have[m][0], want[m][0], rtol=1e-12, atol=1e-12)  # outputs (the mask was read)
+        torch.testing.assert_close(have[m][1], want[m][1], rtol=1e-12, atol=1e-12)  # input gradients
+    torch.testing.assert_close(bias["got"].grad, bias["ref"].grad, rtol=1e-12, atol=1e-12)  # the keyword tensor's
+    _same_grads(ref.module, got.module, rtol=1e-12, atol=1e-12)
+    # another constant: eager, and still exact
+    want, have = run(ref, "ref", [("F", 4), ("B", 4)], scale=2.0), run(got, "got", [("F", 4), ("B", 4)], scale=2.0)
+    assert got.graphs.replays == 3
+    torch.testing.assert_close(have[4][1], want[4][1], rtol=1e-12, atol=1e-12)
     _same_grads(ref.module, got.module, rtol=1e-12, atol=1e-12)
 
 
