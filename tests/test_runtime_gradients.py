@@ -235,9 +235,9 @@ def _graph_cases(world: int) -> list[dict[str, Any]]:
             # another sequence length each step: only the captured one replays
             dict(id="graphs-seq-per-step", schedule="1F1B", microbatches=4, dim=4, batch=8, seq=[3, 7, 3], steps=3, options=g,
                  graphed=[False, False, True]),
-            # a keyword argument every stage takes: eager throughout
+            # a keyword tensor every stage takes: a graph input like the positional ones (replayed from step 1)
             dict(id="graphs-kwargs", schedule="1F1B", microbatches=4, dim=4, batch=8, kwargs=True, steps=2, options=g,
-                 graphed=[False, False]),
+                 graphed=[False, True]),
             # the last stage's loss captured with it (cuda_graphs_loss)
             dict(awkward, id="graphs-loss-1F1B", schedule="1F1B", model="awkward", options={**g, "cuda_graphs_loss": True}),
             dict(awkward, id="graphs-loss-ZBVZeroBubble", schedule="ZBVZeroBubble", options={**g, "cuda_graphs_loss": True}),
