@@ -419,12 +419,18 @@ def _check_headerless(world: int, cfg: dict[str, Any], results: list[dict[str, A
 def _check_graphed(cfg: dict[str, Any], results: list[dict[str, Any]]) -> None:
     """options.cuda_graphs: which steps replayed forwards from graphs, on every rank (none without the option)."""
     want = cfg.get("graphed")
-    for step, r in ((step, r) for r in results for step, s in enumerate(r["stats"]) if s is not None):
-        n = r["stats"][step].get("graphed_forwards", 0)
-        if want is None or not want[step]:
-            assert n == 0, f"step {step}: {n} forwards replayed from graphs, expected none"
-        else:
-            assert n > 0, f"step {step}: no forward replayed from a graph (not captured: {r.get('graphs_disabled')})"
+    # every rank's count per step in the message (a GPU session sees all ranks' outcome from one failure)
+    counts = [[(s or {}).get("graphed_forwards", 0) for s in r["stats"]] for r in results]
+    for k, r in enumerate(results):
+        for step, s in enumerate(r["stats"]):
+            if s is None:
+                continue
+            n = s.get("graphed_forwards", 0)
+            if want is None or not want[step]:
+                assert n == 0, f"rank {k} step {step}: {n} forwards replayed from graphs, expected none (per rank and step: {counts})"
+            else:
+                assert n > 0, (f"rank {k} step {step}: no forward replayed from a graph (not captured: {r.get('graphs_disabled')}; "
+                               f"per rank and step: {counts})")
 
 
 @pytest.mark.parametrize("case_id", _ids(2))
