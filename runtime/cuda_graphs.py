@@ -9,8 +9,9 @@ pipelining launches the same way.  A CUDA graph replays a captured forward or
 backward with one launch.
 
 What is captured.  Per stage, after the first training step that ran it on one
-input layout (shapes, dtypes, which inputs require grad, the autocast state,
-the trainable parameters), its module's forward and the backward of that forward
+input layout (shapes, dtypes, which inputs require grad, the keyword arguments'
+names in call order and their constant values, the autocast state, the
+trainable parameters), its module's forward and the backward of that forward
 to its inputs and trainable parameters, once per *slot*: a slot holds one
 microbatch's activations from its forward until the autograd call that ran its
 backward has returned (autograd reads the gradients the replay returned after the
@@ -42,8 +43,10 @@ microbatches alive than the static list), an evaluation step, and keyword
 arguments other than tensors on the stage's device and constants (None, bool,
 int, float, str) run eagerly, exactly as without graphs.  Keyword tensors (a
 Hugging Face layer's attention mask, position ids) are inputs of the graph like
-the positional ones; keyword constants are part of the layout (another value:
-eager).  A stage that cannot be
+the positional ones; keyword constants are part of the layout (another value, or
+another call order of the names, which a ``**kwargs`` forward may see: eager).
+A module must not write into a keyword tensor in place (eagerly the caller's
+tensor would change; replayed, the graph's own copy).  A stage that cannot be
 captured (host synchronisation inside, a data-dependent shape, outputs that are
 not tensors, module hooks, which a replay would skip) runs eagerly with a
 one-time warning naming the stage and the reason.  Parameters whose storage moved
@@ -223,8 +226,9 @@ class StageGraphs:
     # -- layout ---------------------------------------------------------------
     def _layout(self, inputs: Sequence[Any], kwargs: dict[str, Any], target: Any = None) -> tuple[Any, ...] | None:
         """What a capture depends on: the inputs' shapes, dtypes and which need a gradient (positional, then the
-        keyword tensors by name), the keyword constants' values, the autocast state, and on a last stage whose
-        loss is captured with it, the target's shape and dtype (None: not graphable)."""
+        keyword tensors), the keyword names in the call's order (a ``**kwargs`` forward sees that order) and the
+        constants' values, the autocast state, and on a last stage whose loss is captured with it, the target's
+        shape and dtype (None: not graphable)."""
         if not inputs and not kwargs:
             return None
         sig = []
@@ -233,12 +237,13 @@ class StageGraphs:
                 return None
             sig.append((tuple(t.shape), t.dtype, t.requires_grad))
         kw = []
-        for name in sorted(kwargs):
-            v = kwargs[name]
+        for name, v in kwargs.items():
             if isinstance(v, torch.Tensor):
                 if v.device != self.device:
                     return None
                 kw.append((name, True, (tuple(v.shape), v.dtype, v.requires_grad)))
+            elif type(v) is float:
+                kw.append((name, False, (float, repr(v))))  # (its repr: 0.0 == -0.0, nan != nan)
             elif v is None or type(v) in _CONSTANTS:
                 kw.append((name, False, (type(v), v)))  # (the type too: 1 == 1.0 == True)
             else:
@@ -348,7 +353,7 @@ class StageGraphs:
 
         def run(inputs: list[torch.Tensor]) -> Any:
             args, rest = inputs[:n_pos], iter(inputs[n_pos:])
-            kwargs = {name: (next(rest) if is_t else v[1]) for name, is_t, v in kw}
+            kwargs = {name: (next(rest) if is_t else _constant(v)) for name, is_t, v in kw}
             if self.copy_inputs:
                 args = [t.clone() if t.requires_grad else t for t in args]
             if amp is not None:
@@ -513,6 +518,12 @@ class _NotGraphable(Exception):
 
 #: keyword argument values a capture keeps as constants (the layout holds the value: another value runs eagerly)
 _CONSTANTS = (bool, int, float, str)
+
+
+def _constant(key: tuple[type, Any]) -> Any:
+    """A keyword constant from its layout entry (a float is kept as its repr, which round-trips exactly)."""
+    kind, v = key
+    return float(v) if kind is float else v
 
 
 def _settle_generator(dev: torch.device) -> None:

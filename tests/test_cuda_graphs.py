@@ -90,18 +90,22 @@ def test_the_last_stages_layout_names_its_target() -> None:
 
 
 def test_keyword_arguments_in_the_layout() -> None:
-    """Keyword tensors on the stage's device are graph inputs (by name, whatever the call's order), keyword
-    constants part of the layout (another value, or 1 for True, is another layout); anything else: not graphable."""
+    """Keyword tensors on the stage's device are graph inputs, keyword constants part of the layout (another value,
+    1 for True, -0.0 for 0.0, or the names in another call order -- a ``**kwargs`` forward sees it -- is another
+    layout); anything else: not graphable."""
     dev = torch.device("cpu")
     g = StageGraphs(1, nn.Linear(4, 4), 1, dev)
     x = torch.randn(2, 4)
     mask = torch.ones(2, 4, dtype=torch.bool)
     a = g._layout([x], {"scale": 0.5, "mask": mask, "cache": None})
     assert a == ((((2, 4), torch.float32, False),),
-                 (("cache", False, (type(None), None)), ("mask", True, ((2, 4), torch.bool, False)), ("scale", False, (float, 0.5))), None)
-    assert g._layout([x], {"mask": torch.zeros(2, 4, dtype=torch.bool), "cache": None, "scale": 0.5}) == a  # values of tensors: same
+                 (("scale", False, (float, "0.5")), ("mask", True, ((2, 4), torch.bool, False)), ("cache", False, (type(None), None))), None)
+    assert g._layout([x], {"scale": 0.5, "mask": torch.zeros(2, 4, dtype=torch.bool), "cache": None}) == a  # tensor values: same
+    assert g._layout([x], {"mask": mask, "scale": 0.5, "cache": None}) != a  # another order
     assert g._layout([x], {"scale": 0.25, "mask": mask, "cache": None}) != a
     assert g._layout([x], {"flag": True}) != g._layout([x], {"flag": 1})
+    assert g._layout([x], {"s": 0.0}) != g._layout([x], {"s": -0.0})
+    assert g._layout([x], {"s": float("nan")}) == g._layout([x], {"s": float("nan")})  # (replays: nan is nan)
     assert g._layout([], {"x": x}) is not None  # keyword-only stages too
     for bad in ({"cache": [x]}, {"cache": object()}, {"mask": mask.to("meta")}):
         assert g._layout([x], bad) is None, bad
@@ -367,6 +371,55 @@ def test_keyword_tensors_are_graph_inputs_and_constants_part_of_the_layout() -> 
     want, have = run(ref, "ref", [("F", 4), ("B", 4)], scale=2.0), run(got, "got", [("F", 4), ("B", 4)], scale=2.0)
     assert got.graphs.replays == 3
     torch.testing.assert_close(have[4][1], want[4][1], rtol=1e-12, atol=1e-12)
+    _same_grads(ref.module, got.module, rtol=1e-12, atol=1e-12)
+
+
+class _CatStage(nn.Module):
+    """A ``**kwargs`` forward: the keyword tensors' call order is part of what it computes."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3 * dim, dim)
+
+    def forward(self, x: torch.Tensor, **feats: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.cat([x, *feats.values()], -1))
+
+
+@cuda
+def test_a_kwargs_forward_replays_its_call_order() -> None:
+    """Keyword tensors given in an order other than their names' (``b`` before ``a``) to a ``**kwargs`` forward
+    that concatenates them: the replay computes what eager autograd does (outputs, gradients of the input, of
+    both keyword tensors, of the parameters); the other order is another layout and runs eagerly."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    ref_m, got_m = _CatStage(8).to(dev).double(), _CatStage(8).to(dev).double()
+    got_m.load_state_dict(ref_m.state_dict())
+    ref = StageExecutor(1, ref_m, is_last=False, loss_fn=None, grad_scale=1.0)
+    got = StageExecutor(1, got_m, is_last=False, loss_fn=None, grad_scale=1.0)
+    got.graphs = StageGraphs(1, got_m, 1, dev)
+
+    def run(ex: StageExecutor, mb: int, swap: bool = False) -> list[torch.Tensor]:
+        g = torch.Generator(device="cpu").manual_seed(mb)
+        x, fa, fb, gout = (torch.randn(2, 8, generator=g, dtype=torch.float64).to(dev) for _ in range(4))
+        fa.requires_grad_(True)
+        fb.requires_grad_(True)
+        feats = {"a": fa, "b": fb} if swap else {"b": fb, "a": fa}
+        outs, _, _ = ex.forward(mb, (_leaf(x),), feats)
+        (gin,) = ex.backward(mb, [gout])
+        return [outs[0].detach().clone(), gin.clone(), fa.grad.clone(), fb.grad.clone()]
+
+    run(ref, 0)
+    run(got, 0)
+    got.graphs.capture()
+    assert got.graphs.slots and got.graphs.disabled is None
+    _zero_grads(ref, got)
+    for mb in (1, 2):
+        for w, h in zip(run(ref, mb), run(got, mb)):
+            torch.testing.assert_close(h, w, rtol=1e-12, atol=1e-12)
+    assert got.graphs.replays == 2
+    for w, h in zip(run(ref, 3, swap=True), run(got, 3, swap=True)):  # the names' order: eager
+        torch.testing.assert_close(h, w, rtol=1e-12, atol=1e-12)
+    assert got.graphs.replays == 2
     _same_grads(ref.module, got.module, rtol=1e-12, atol=1e-12)
 
 

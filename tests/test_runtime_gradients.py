@@ -289,7 +289,7 @@ def _pool_world(item: pytest.Item) -> int:
     callspec = getattr(item, "callspec", None)
     if callspec is not None and "world" in callspec.params:
         return int(callspec.params["world"])
-    return 4 if "four_ranks" in item.name else 2
+    return 4 if "four_ranks" in getattr(item, "originalname", item.name) else 2
 
 
 @pytest.fixture(scope="module")
