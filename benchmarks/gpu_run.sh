@@ -8,6 +8,9 @@
 #   tests      NCCL: tests/test_runtime_gradients.py (2-rank pool; 4-rank pool with >= 4 GPUs; TEST_VIS limits the GPUs)
 #              and, with >= 4 GPUs, the PP x DP / PP x FSDP rank pool of tests/test_data_parallel.py (~430 s on 4 GPUs:
 #              TEST_TIMEOUT; or split: tests2 = the 2-rank files, tests4 = the 4-rank pools)
+#   verify     NCCL correctness of a commit in one call on 4 GPUs (session P: ~6 min on 4 x H200): tests2 on GPUs 0,1 beside
+#              tests/test_cuda_graphs.py on GPU 2 and then the graphs-* rows of the 2-rank pool on GPUs 2,3; then tests4
+#              (VERIFY_TIMEOUT bounds tests2, default 470 s; logs $OUT/nccl-tests-tests{2,4}.log, $OUT/graphs-{unit,nccl2}.log)
 #   bench2     benchmarks/gpu_pipeline.py on GPUs VIS2 (0,1) for every schedule (+ varlen, + variants)
 #   bench4     benchmarks/gpu_pipeline.py on 4 GPUs for every schedule
 #   gpt2       benchmarks/gpu_pipeline.py --model gpt on GPUs VIS2 (0,1): sizes l and s (GPT_SIZES), schedules GPT_SCHEDULES
@@ -109,6 +112,18 @@ for part in "$@"; do
     # the fault tests spawn ranks that pick NCCL on a GPU host; they are gloo tests
     (cd /tmp && env ${TEST_VIS:+CUDA_VISIBLE_DEVICES=$TEST_VIS} PIPELOOM_TEST_BACKEND=nccl timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider --rootdir "$REPO" \
        -c "$REPO/pyproject.toml" -rf $files -k "$kexpr" 2>&1 > "$OUT/nccl-tests-$part.log"; tail -15 "$OUT/nccl-tests-$part.log")
+    ;;
+  verify)
+    if [ "$GPUS" -lt 4 ]; then echo "verify needs 4 GPUs (found $GPUS): run tests2 and graphs instead"; continue; fi
+    (SKIP_INSTALL=1 TEST_VIS=0,1 TEST_TIMEOUT=${VERIFY_TIMEOUT:-470} bash "$REPO/benchmarks/gpu_run.sh" tests2 > "$OUT/verify-tests2.out" 2>&1) &
+    ( cd /tmp && CUDA_VISIBLE_DEVICES=2 timeout 120 python3 -m pytest -q -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" \
+        -rf "$REPO/tests/test_cuda_graphs.py" > "$OUT/graphs-unit.log" 2>&1
+      CUDA_VISIBLE_DEVICES=2,3 PIPELOOM_TEST_BACKEND=nccl PIPELOOM_TEST_CASES=graphs timeout 200 python3 -m pytest -q -p no:cacheprovider \
+        --rootdir "$REPO" -c "$REPO/pyproject.toml" -rf "$REPO/tests/test_runtime_gradients.py" -k two_ranks > "$OUT/graphs-nccl2.log" 2>&1 ) &
+    wait
+    echo "-- cuda graphs unit"; tail -2 "$OUT/graphs-unit.log"; echo "-- graphs rows (2 ranks)"; tail -2 "$OUT/graphs-nccl2.log"
+    echo "-- tests2"; tail -3 "$OUT/verify-tests2.out"
+    SKIP_INSTALL=1 TEST_TIMEOUT=${VERIFY4_TIMEOUT:-400} bash "$REPO/benchmarks/gpu_run.sh" tests4 2>&1 | tail -3
     ;;
   bench2)
     for s in ${SCHEDULES:-$ALL}; do echo "== 2 GPUs $s"; CUDA_VISIBLE_DEVICES=$VIS2 bench 2 "" --schedule "$s"; done
