@@ -43,16 +43,24 @@ default, or ``layer_splits`` layers per stage.  Models without a plan are
 split the same way around their one ``nn.ModuleList`` of layers.
 
 Limits: the forward must map hidden states to hidden states through every
-module it does not own (true of Llama, Qwen2, Mistral and the other
-decoders with a ``base_model_pp_plan``; not of GPT-2, which adds a position
-embedding to the token embedding, nor of models that scale the embedding
-in the model's forward, like Gemma 1/2).  Tied input and output embeddings
+module it does not own and do nothing else to them (true of Llama, Qwen2,
+Mistral, OLMo, Phi, Gemma and most decoders with a ``base_model_pp_plan``;
+not of GPT-2, which adds a position embedding to the token embedding, nor of
+Cohere, Gemma 2 or Granite, whose forwards scale or cap the logits or the
+embeddings on every stage).  :func:`verify_causal_lm_split` (run by
+:func:`stage_fn_for_causal_lm` unless ``verify=False``) finds such a model on
+a small copy of its class and config and refuses it, so a split never
+computes another model silently.  Modules the plan lists go to their side
+even without parameters (a weightless final norm, an embedding dropout).
+Tied input and output embeddings
 cannot span stages (each stage would train its own copy): build the model
 with ``tie_word_embeddings=False`` or give the head its own weight.
 """
 
 from __future__ import annotations
 
+import copy
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -63,7 +71,7 @@ from torch import nn
 from .runtime.errors import PipelineConfigError
 from .runtime.split import reduce_output, split_by_fqn
 
-__all__ = ["causal_lm_loss", "stage_fn_for_causal_lm", "stage_names_for_causal_lm"]
+__all__ = ["causal_lm_loss", "stage_fn_for_causal_lm", "stage_names_for_causal_lm", "verify_causal_lm_split"]
 
 IGNORE_INDEX = -100
 
@@ -123,9 +131,11 @@ def _layout(model: nn.Module) -> tuple[list[str], str, int, list[str]]:
     order = [n for n, _ in children]
     # Modules with parameters before the layers go first, after them last; the plan's order
     # decides for the modules it lists, registration order for the others.
+    # (a module the plan lists goes to its side even without parameters: a final norm without weights, OLMo's,
+    # runs once at the end, not on every stage; unlisted ones without parameters, rotary tables, are on every stage)
     before, after = [], []
     for n, m in children:
-        if n == layers or not _has_params(m):
+        if n == layers or (not _has_params(m) and n not in planned):
             continue
         if n in planned:
             side = planned.index(n) < planned.index(layers)
@@ -230,6 +240,7 @@ def stage_fn_for_causal_lm(
     num_stages: int | None = None,
     layer_splits: Sequence[int] | None = None,
     device: torch.device | str | None = None,
+    verify: bool = True,
 ) -> tuple[Callable[[int], nn.Module], Callable[[Any, torch.Tensor], torch.Tensor]]:
     """``(stage_fn, loss_fn)`` for ``pipeloom.Pipeline`` over a Hugging Face causal LM.
 
@@ -242,6 +253,9 @@ def stage_fn_for_causal_lm(
             e.g. ``[3, 4, 4, 3]``; its length is the stage count.
         device: where a model on the meta device is materialised (see
             ``split_by_fqn``).
+        verify: first run a small model of the same class and config whole
+            and split (:func:`verify_causal_lm_split`, well under a second)
+            and refuse a model whose stages would not compose to it.
 
     Returns:
         ``stage_fn(i) -> nn.Module`` (attributes ``num_stages`` and
@@ -253,7 +267,10 @@ def stage_fn_for_causal_lm(
     Raises:
         PipelineConfigError: a model without a head over a base model, no
             single ModuleList of layers, more stages than the layers can
-            fill, bad ``layer_splits``, or tied embeddings across stages.
+            fill, bad ``layer_splits``, tied embeddings across stages, or
+            (``verify``) a model whose stages would not compute the whole
+            model (a scale or soft cap on logits or embeddings in its
+            forward, GPT-2's position embedding, dropout outside the layers).
     """
     names = stage_names_for_causal_lm(model, num_stages=num_stages, layer_splits=layer_splits)
     inp, out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
@@ -265,5 +282,183 @@ def stage_fn_for_causal_lm(
                 "and they would sit on the first and the last stage, each training its own copy; build it with "
                 "tie_word_embeddings=False, or untie: model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())"
             )
+    if verify and len(names) > 1:
+        layer_list = _layout(model)[1] + "."
+        verify_causal_lm_split(model, [sum(1 for n in st if n.startswith(layer_list)) for st in names])
     split = split_by_fqn(model, names, device=device, placeholder="identity", output_field="logits")
     return _CausalLMStageFn(split), causal_lm_loss
+
+
+#: the probe's sizes (attributes of the model's config set where it has them, as ints)
+_PROBE_SIZES = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 16, "ffn_hidden_size": 96, "n_inner": 96, "rotary_dim": 8,
+                "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 32}
+
+
+def _probe_model(model: nn.Module, layers: int) -> nn.Module:
+    """A small float32 CPU model of ``model``'s class and config (what its forward does around the layers depends
+    on the class and the config's flags and scales, not on the widths), with ``layers`` decoder layers, weights drawn
+    so that activations and logits are of order one to a few (a scale or a soft cap applied where it should not be
+    shows).  Draws from the global generator (the caller forks it)."""
+    cfg = copy.deepcopy(model.config)
+    total = getattr(cfg, "num_hidden_layers", None)
+    for attr, value in _PROBE_SIZES.items():
+        if isinstance(getattr(cfg, attr, None), int) and not isinstance(getattr(cfg, attr), bool):
+            try:
+                setattr(cfg, attr, value)
+            except (AttributeError, TypeError):
+                pass
+    specials = [getattr(cfg, a, None) for a in ("pad_token_id", "bos_token_id", "eos_token_id")]
+    specials = [i for v in specials for i in (v if isinstance(v, list) else [v]) if isinstance(i, int)]
+    cfg.vocab_size = max([96, *(i + 1 for i in specials)])
+    # per-layer lists (layer types, which layers use rope, ...) cut to the probe's layers
+    for attr, value in list(vars(cfg).items()):
+        if isinstance(value, list) and total is not None and len(value) == total and attr != "architectures":
+            setattr(cfg, attr, value[:layers])
+    cfg.num_hidden_layers = layers
+    cfg.tie_word_embeddings = False
+    torch.manual_seed(0)
+    with torch.device("cpu"):  # (not the meta device of a caller's context)
+        probe = type(model)(cfg).float().eval()
+    embeddings = {id(m.weight) for m in probe.modules() if isinstance(m, nn.Embedding)}
+    with torch.no_grad():
+        for name, p in probe.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 1.0 if id(p) in embeddings else 2.0 / p.shape[-1] ** 0.5)
+            else:
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.1)
+    return probe
+
+
+def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    for v in (*args, kwargs.get("hidden_states"), *kwargs.values()):
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v
+    return None
+
+
+def verify_causal_lm_split(model: nn.Module, layers_per_stage: Sequence[int]) -> None:
+    """Refuse a split whose stages, chained, would compute something other than the unsplit model.
+
+    Every stage runs the model's own ``forward`` with pass-through placeholders, which is right only if that
+    forward maps the hidden states through every module it does not own and does nothing else to them.  Some
+    models do more, and the split would then differ silently: a scale or soft cap the causal-LM ``forward`` applies
+    to the logits (Cohere's ``logit_scale``, Gemma 2's ``final_logit_softcapping``, Granite's ``logits_scaling``) or
+    the base model to the embeddings (Granite's ``embedding_multiplier``) would run on every stage's output; a
+    position embedding added to the token embedding (GPT-2) would be added again.  So a small model of the same
+    class and config (:func:`_probe_model`: the widths shrunk, one decoder layer for each stage that holds any) is
+    run whole and as the chained stages, in float32; their logits must agree to 1e-5 of their scale, else
+    :class:`PipelineConfigError` names the first stage boundary whose hidden states differ.  In training mode, a
+    dropout module outside the layers that the chained stages run more often than the whole model (it would drop
+    again on every stage) is refused too.  A probe that cannot be built or run warns and leaves the split unchecked.
+    The caller's random state is left as it was.
+    """
+    with torch.random.fork_rng(devices=[]):
+        _verify(model, layers_per_stage)
+
+
+def _verify(model: nn.Module, layers_per_stage: Sequence[int]) -> None:
+    counts = [1 if c > 0 else 0 for c in layers_per_stage]
+    name = type(model).__name__
+    try:
+        probe = _probe_model(model, sum(counts))
+    except Exception as exc:  # noqa: BLE001 - the check is a guard, not a requirement: say so
+        warnings.warn(f"pipeloom.hf: could not build a small {name} to check that its stages compose to the whole "
+                      f"model ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); the split is not "
+                      "checked", RuntimeWarning, stacklevel=3)
+        return
+    layer_list = _layout(probe)[1]
+    names = stage_names_for_causal_lm(probe, layer_splits=counts)
+    split = _CausalLMStageFn(split_by_fqn(probe, names, placeholder="identity", output_field="logits"))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, probe.config.vocab_size, (2, 6), generator=g)
+
+    # the whole model, with the hidden states entering each layer
+    entering: dict[int, torch.Tensor | None] = {}
+
+    def note(i: int) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            entering.setdefault(i, _first_tensor(args, kwargs))
+        return hook
+
+    hooks = [lay.register_forward_pre_hook(note(i), with_kwargs=True) for i, lay in enumerate(probe.get_submodule(layer_list))]
+    try:
+        with torch.no_grad():
+            whole = reduce_output(probe(ids, use_cache=False), "logits")
+    except Exception as exc:  # noqa: BLE001 - the small model itself does not run: nothing to compare with
+        warnings.warn(f"pipeloom.hf: a small {name} built to check that its stages compose to the whole model does not "
+                      f"run ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); the split is not "
+                      "checked", RuntimeWarning, stacklevel=3)
+        return
+    finally:
+        for hk in hooks:
+            hk.remove()
+    scale = max(1.0, float(whole.abs().max()))
+    h: Any = ids
+    first = 0
+    real = 0  # (the same boundary in the caller's model)
+    with torch.no_grad():
+        for s in range(len(counts)):
+            stage = split(s).eval()
+            try:
+                h = stage(h)
+            except Exception as exc:  # noqa: BLE001 - the whole model ran on this input: the split is what fails
+                raise PipelineConfigError(
+                    f"{name} cannot be split by stage_fn_for_causal_lm: stage {s} fails where the whole model runs "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; checked on a small {name} of "
+                    "the same config). Its forward does more than pass hidden states through the modules a stage does "
+                    "not own (GPT-2 adds a position embedding to the tokens'). Use pipeloom.split_by_tracing, or a "
+                    "stage_fn of your own (pipeloom.split_by_fqn with placeholder=None)") from None
+            del stage
+            first += counts[s]
+            real += layers_per_stage[s]
+            if s < len(counts) - 1 and first in entering:
+                want = entering[first]
+                if want is None or want.shape != h.shape or float((h - want).abs().max()) > 1e-5 * max(1.0, float(want.abs().max())):
+                    diff = "shape " + str(tuple(h.shape)) if want is None or want.shape != h.shape else f"by up to {float((h - want).abs().max()):.3g}"
+                    raise PipelineConfigError(
+                        f"{name} cannot be split by stage_fn_for_causal_lm: stage {s}'s output differs from the hidden "
+                        f"states that enter decoder layer {real} in the whole model ({diff}; checked on a small {name} "
+                        "of the same config). Its forward does more than pass hidden states through the modules a stage "
+                        "does not own (a scale or soft cap on the logits or the embeddings, a position embedding added "
+                        "to the tokens' ...), so the stages would compute another model. Use "
+                        "pipeloom.split_by_tracing, or a stage_fn of your own (pipeloom.split_by_fqn with placeholder=None)")
+    diff = float((h - whole).abs().max()) if h.shape == whole.shape else float("inf")
+    if diff > 1e-5 * scale:
+        raise PipelineConfigError(
+            f"{name} cannot be split by stage_fn_for_causal_lm: the last stage's logits differ from the whole model's "
+            f"by up to {diff:.3g} (logits up to {scale:.3g}; checked on a small {name} of the same config). Its forward "
+            "does more than pass hidden states through the modules a stage does not own (a scale or soft cap on the "
+            "logits applied on every stage, ...), so the stages would compute another model. Use "
+            "pipeloom.split_by_tracing, or a stage_fn of your own (pipeloom.split_by_fqn with placeholder=None)")
+
+    # training mode: a dropout outside the layers must not run on more stages than it runs in the whole model
+    def count(modules: Any, into: dict[str, int]) -> list[Any]:
+        return [m.register_forward_hook(lambda mod, a, o, n=n: into.__setitem__(n, into.get(n, 0) + 1))
+                for n, m in modules if isinstance(m, nn.Dropout) and m.p > 0 and not n.startswith(layer_list + ".")]
+
+    calls_whole: dict[str, int] = {}
+    calls_split: dict[str, int] = {}
+    hooks = count(probe.named_modules(), calls_whole)
+    try:
+        with torch.no_grad():
+            probe.train()(ids, use_cache=False)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    h = ids
+    with torch.no_grad():
+        for s in range(len(counts)):
+            stage = split(s).train()
+            hooks = count(stage.named_modules(), calls_split)
+            h = stage(h)
+            for hk in hooks:
+                hk.remove()
+            del stage
+    again = sorted(n for n, c in calls_split.items() if c > calls_whole.get(n, 0))
+    if again:
+        raise PipelineConfigError(
+            f"{name} cannot be split by stage_fn_for_causal_lm: its forward applies dropout {', '.join(again)} outside "
+            "the decoder layers, and every stage would apply it again in training. Set its probability to 0 in the "
+            "config, or use pipeloom.split_by_tracing or a stage_fn of your own")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -139,6 +140,117 @@ def test_tied_embeddings_across_stages_are_refused_with_the_fix() -> None:
     with pytest.raises(PipelineConfigError, match="tie_word_embeddings=False"):
         stage_fn_for_causal_lm(model, num_stages=2)
     stage_fn_for_causal_lm(model, num_stages=1)  # one stage holds both: fine
+
+
+def _tiny(config_cls: str, model_cls: str, **extra: Any) -> torch.nn.Module:
+    """A tiny float64 model of any transformers family (the config's own defaults beside the sizes)."""
+    import transformers
+
+    cfg = getattr(transformers, config_cls)(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **extra)
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(cfg).to(torch.float64)
+
+
+@pytest.mark.parametrize(("config_cls", "model_cls", "extra", "match"), [
+    # the causal LM's forward scales the logits (every stage's output, hidden states on all but the last)
+    ("CohereConfig", "CohereForCausalLM", {}, r"stage 0's output differs from the hidden states that enter decoder layer 2 "),
+    # a soft cap on the logits
+    ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 4}, r"stage 0's output differs"),
+    # the embeddings scaled in the base model's forward, the logits in the causal LM's
+    ("GraniteConfig", "GraniteForCausalLM", {"embedding_multiplier": 12.0, "logits_scaling": 8.0}, r"stage 0's output differs"),
+    # a position embedding added to the token embedding: the later stage fails where the whole model runs
+    ("GPT2Config", "GPT2LMHeadModel", {}, r"stage 1 fails where the whole model runs"),
+])
+def test_models_whose_stages_would_compute_another_model_are_refused(config_cls: str, model_cls: str, extra: dict, match: str) -> None:
+    """Every stage runs the model's own forward with pass-throughs: right only where that forward does nothing to
+    the hidden states but the modules' work.  These do more; split unchecked, the chained stages compute another
+    model, silently (verify=False shows it); checked, the split is refused, naming the first boundary that differs."""
+    model = _tiny(config_cls, model_cls, **{k: v for k, v in extra.items()})
+    with pytest.raises(PipelineConfigError, match=rf"{model_cls} cannot be split by stage_fn_for_causal_lm: {match}"):
+        stage_fn_for_causal_lm(model, num_stages=2)
+    stage_fn, _ = stage_fn_for_causal_lm(model, num_stages=2, verify=False)
+    ids, _, _ = make_hf_batch()
+    whole = model(ids, use_cache=False).logits
+    try:
+        out = _chain([stage_fn(i) for i in range(2)], ids)
+    except RuntimeError:
+        return  # (GPT-2: the unchecked split fails outright)
+    assert not torch.allclose(out, whole, **TOL)  # what the check prevents: another model, silently
+
+
+@pytest.mark.parametrize(("config_cls", "model_cls", "extra"), [
+    ("OlmoConfig", "OlmoForCausalLM", {}),  # its final norm has no weights: on the last stage only (the plan lists it)
+    ("PhiConfig", "PhiForCausalLM", {"embd_pdrop": 0.3}),  # embedding dropout: on the first stage only (ditto)
+    ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 4}),
+    ("GraniteConfig", "GraniteForCausalLM", {}),  # its multipliers at 1: nothing to apply twice
+])
+def test_other_families_compose_exactly(config_cls: str, model_cls: str, extra: dict) -> None:
+    """Families beyond the gradient pool's three, accepted by the check: chained stages equal the whole model
+    (logits, every parameter's gradient); Phi with embedding dropout in training draws it once, on stage 0."""
+    model = _tiny(config_cls, model_cls, **extra).eval()  # (dropout off for the comparison; on below)
+    stage_fn, loss_fn = stage_fn_for_causal_lm(model, num_stages=3)
+    stages = [stage_fn(i) for i in range(3)]
+    ids, labels, mask = make_hf_batch(padding=True)
+    ref = model(ids, attention_mask=mask, use_cache=False).logits
+    causal_lm_loss(ref, labels).backward()
+    out = _chain(stages, ids, attention_mask=mask)
+    loss_fn(out, labels).backward()
+    torch.testing.assert_close(out, ref, **TOL)
+    got = {n: p.grad for st in stages for n, p in st.named_parameters()}
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, **TOL, msg=lambda m, n=n: f"{n}: {m}")
+    if extra.get("embd_pdrop"):
+        calls = []
+        for st in stages:
+            st.train()
+            for name, m in st.named_modules():
+                if isinstance(m, torch.nn.Dropout) and m.p > 0 and ".layers." not in name:
+                    m.register_forward_hook(lambda mod, a, o, name=name: calls.append(name))
+        _chain(stages, ids)
+        assert calls == ["model.embed_dropout"]
+
+
+def test_a_dropout_outside_the_layers_on_every_stage_is_refused() -> None:
+    """A base model that drops its embeddings with a module the plan does not list: in evaluation the stages
+    compose, but in training every stage would drop again; refused."""
+    import transformers
+
+    class DropModel(transformers.LlamaModel):
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.extra_drop = torch.nn.Dropout(0.5)
+
+        def forward(self, input_ids: Any = None, inputs_embeds: Any = None, **kw: Any) -> Any:
+            if inputs_embeds is None:
+                inputs_embeds = self.embed_tokens(input_ids)
+            return super().forward(inputs_embeds=self.extra_drop(inputs_embeds), **kw)
+
+    class DropLM(transformers.LlamaForCausalLM):
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.model = DropModel(config)
+
+    model = DropLM(_tiny("LlamaConfig", "LlamaForCausalLM").config)
+    with pytest.raises(PipelineConfigError, match=r"applies dropout model.extra_drop outside the decoder layers"):
+        stage_fn_for_causal_lm(model, num_stages=2)
+
+
+def test_the_check_leaves_the_random_state_and_warns_when_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pipeloom.hf
+
+    model = build_hf_model("llama")
+    state = torch.get_rng_state()
+    stage_fn_for_causal_lm(model, num_stages=2)
+    assert torch.equal(torch.get_rng_state(), state)
+
+    def unbuildable(model: Any, layers: int) -> Any:
+        raise ValueError("a config the small model cannot be built from")
+
+    monkeypatch.setattr(pipeloom.hf, "_probe_model", unbuildable)
+    with pytest.warns(RuntimeWarning, match=r"could not build a small LlamaForCausalLM .*ValueError: a config.*the split is not checked"):
+        stage_fn_for_causal_lm(model, num_stages=2)
 
 
 def test_labels_go_to_the_loss_not_the_stages() -> None:
