@@ -307,6 +307,18 @@ def test_a_loss_that_cannot_be_captured_leaves_the_module_captured_alone() -> No
     _same_grads(ref.module, got.module, rtol=1e-12, atol=1e-12)
 
 
+def _graphed_pair(make: Any, slots: int) -> tuple[StageExecutor, StageExecutor, torch.device]:
+    """A middle stage run eagerly and the same stage (same weights, float64, on the GPU) with ``slots`` graph slots."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    ref_m, got_m = make().to(dev).double(), make().to(dev).double()
+    got_m.load_state_dict(ref_m.state_dict())
+    ref = StageExecutor(1, ref_m, is_last=False, loss_fn=None, grad_scale=1.0)
+    got = StageExecutor(1, got_m, is_last=False, loss_fn=None, grad_scale=1.0)
+    got.graphs = StageGraphs(1, got_m, slots, dev)
+    return ref, got, dev
+
+
 class _MaskedStage(nn.Module):
     """A Hugging Face-style layer: the hidden state positionally, an attention-like mask, a bias tensor that
     needs a gradient and a constant by keyword."""
@@ -328,13 +340,7 @@ def test_keyword_tensors_are_graph_inputs_and_constants_part_of_the_layout() -> 
     """A stage called with keyword arguments (a mask, a tensor that needs a gradient, constants): replayed from
     its graph, equal to eager autograd in float64 (outputs, the gradients of the positional and the keyword
     input, the parameters' accumulated gradients); another constant value runs eagerly, exact too."""
-    dev = torch.device("cuda", torch.cuda.current_device())
-    torch.manual_seed(0)
-    ref_m, got_m = _MaskedStage(16).to(dev).double(), _MaskedStage(16).to(dev).double()
-    got_m.load_state_dict(ref_m.state_dict())
-    ref = StageExecutor(1, ref_m, is_last=False, loss_fn=None, grad_scale=1.0)
-    got = StageExecutor(1, got_m, is_last=False, loss_fn=None, grad_scale=1.0)
-    got.graphs = StageGraphs(1, got_m, 2, dev)
+    ref, got, dev = _graphed_pair(lambda: _MaskedStage(16), slots=2)
     xs = {m: torch.randn(3, 16, device=dev, dtype=torch.float64) for m in range(6)}
     gs = {m: torch.randn(3, 16, device=dev, dtype=torch.float64) for m in range(6)}
     masks = {m: torch.rand(3, 16, device=dev) > 0.3 for m in range(6)}
@@ -390,13 +396,7 @@ def test_a_kwargs_forward_replays_its_call_order() -> None:
     """Keyword tensors given in an order other than their names' (``b`` before ``a``) to a ``**kwargs`` forward
     that concatenates them: the replay computes what eager autograd does (outputs, gradients of the input, of
     both keyword tensors, of the parameters); the other order is another layout and runs eagerly."""
-    dev = torch.device("cuda", torch.cuda.current_device())
-    torch.manual_seed(0)
-    ref_m, got_m = _CatStage(8).to(dev).double(), _CatStage(8).to(dev).double()
-    got_m.load_state_dict(ref_m.state_dict())
-    ref = StageExecutor(1, ref_m, is_last=False, loss_fn=None, grad_scale=1.0)
-    got = StageExecutor(1, got_m, is_last=False, loss_fn=None, grad_scale=1.0)
-    got.graphs = StageGraphs(1, got_m, 1, dev)
+    ref, got, dev = _graphed_pair(lambda: _CatStage(8), slots=1)
 
     def run(ex: StageExecutor, mb: int, swap: bool = False) -> list[torch.Tensor]:
         g = torch.Generator(device="cpu").manual_seed(mb)
