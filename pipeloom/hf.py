@@ -293,18 +293,22 @@ def stage_fn_for_causal_lm(
 _PROBE_SIZES = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
                 "head_dim": 16, "ffn_hidden_size": 96, "n_inner": 96, "rotary_dim": 8,
                 "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                "shared_expert_intermediate_size": 32}
+                "shared_expert_intermediate_size": 32,
+                # windows shorter than the probe's sequence, so a layer given the wrong attention kind shows
+                "sliding_window": 3, "attention_chunk_size": 3}
+#: the probe's batch: rows of this many tokens, the last row left-padded by _PROBE_PAD
+_PROBE_SEQ, _PROBE_PAD = 10, 3
 
 
-def _probe_model(model: nn.Module, layers: int) -> nn.Module:
-    """A small float32 CPU model of ``model``'s class and config (what its forward does around the layers depends
-    on the class and the config's flags and scales, not on the widths), with ``layers`` decoder layers, weights drawn
-    so that activations and logits are of order one to a few (a scale or a soft cap applied where it should not be
-    shows).  Draws from the global generator (the caller forks it)."""
+def _probe_model(model: nn.Module) -> nn.Module:
+    """A small float32 CPU model of ``model``'s class and config: the same depth, layer kinds and flags (what its
+    forward does around and between the layers depends on them), the widths, expert counts and attention windows
+    shrunk, weights drawn so that activations and logits are of order one to a few (a scale or a soft cap applied
+    where it should not be shows).  Draws from the global generator (the caller forks it)."""
     cfg = copy.deepcopy(model.config)
-    total = getattr(cfg, "num_hidden_layers", None)
     for attr, value in _PROBE_SIZES.items():
-        if isinstance(getattr(cfg, attr, None), int) and not isinstance(getattr(cfg, attr), bool):
+        cur = getattr(cfg, attr, None)
+        if isinstance(cur, int) and not isinstance(cur, bool) and cur > value:
             try:
                 setattr(cfg, attr, value)
             except (AttributeError, TypeError):
@@ -312,15 +316,9 @@ def _probe_model(model: nn.Module, layers: int) -> nn.Module:
     specials = [getattr(cfg, a, None) for a in ("pad_token_id", "bos_token_id", "eos_token_id")]
     specials = [i for v in specials for i in (v if isinstance(v, list) else [v]) if isinstance(i, int)]
     cfg.vocab_size = max([96, *(i + 1 for i in specials)])
-    # per-layer lists (layer types, which layers use rope, ...) cut to the probe's layers
-    for attr, value in list(vars(cfg).items()):
-        if isinstance(value, list) and total is not None and len(value) == total and attr != "architectures":
-            setattr(cfg, attr, value[:layers])
-    cfg.num_hidden_layers = layers
     cfg.tie_word_embeddings = False
     torch.manual_seed(0)
-    with torch.device("cpu"):  # (not the meta device of a caller's context)
-        probe = type(model)(cfg).float().eval()
+    probe = type(model)(cfg).float().eval()
     embeddings = {id(m.weight) for m in probe.modules() if isinstance(m, nn.Embedding)}
     with torch.no_grad():
         for name, p in probe.named_parameters():
@@ -338,6 +336,25 @@ def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor
     return None
 
 
+class _CountDropout(torch.overrides.TorchFunctionMode):
+    """Counts dropouts drawn (``F.dropout`` and kin with p > 0 in training: modules and functional calls alike)."""
+
+    _FUNCS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in self._FUNCS:
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            training = kwargs.get("training", args[2] if len(args) > 2 else True)
+            if training and float(p) > 0:
+                self.calls += 1
+        return func(*args, **kwargs)
+
+
 def verify_causal_lm_split(model: nn.Module, layers_per_stage: Sequence[int]) -> None:
     """Refuse a split whose stages, chained, would compute something other than the unsplit model.
 
@@ -346,33 +363,50 @@ def verify_causal_lm_split(model: nn.Module, layers_per_stage: Sequence[int]) ->
     models do more, and the split would then differ silently: a scale or soft cap the causal-LM ``forward`` applies
     to the logits (Cohere's ``logit_scale``, Gemma 2's ``final_logit_softcapping``, Granite's ``logits_scaling``) or
     the base model to the embeddings (Granite's ``embedding_multiplier``) would run on every stage's output; a
-    position embedding added to the token embedding (GPT-2) would be added again.  So a small model of the same
-    class and config (:func:`_probe_model`: the widths shrunk, one decoder layer for each stage that holds any) is
-    run whole and as the chained stages, in float32; their logits must agree to 1e-5 of their scale, else
-    :class:`PipelineConfigError` names the first stage boundary whose hidden states differ.  In training mode, a
-    dropout module outside the layers that the chained stages run more often than the whole model (it would drop
-    again on every stage) is refused too.  A probe that cannot be built or run warns and leaves the split unchecked.
-    The caller's random state is left as it was.
+    position embedding added to the token embedding (GPT-2) would be added again; a forward that picks each layer's
+    attention kind by its position in the layer list (``config.layer_types[i]`` over ``enumerate(self.layers)``:
+    Qwen2 with sliding windows, Gemma 3, GPT-OSS) would count from 0 on every stage.  So a small model of the same
+    class and config (:func:`_probe_model`: the same depth and layer kinds, widths and attention windows shrunk)
+    is split as asked and run whole and as the chained stages on a batch with a padded row, in float32; the hidden
+    states entering each stage and the logits must agree to 1e-5 of their scale, else :class:`PipelineConfigError`
+    names the first stage boundary that differs.  In training mode the chained stages must draw no more dropouts
+    than the whole model (a dropout outside the layers would drop again on every stage).  A small model that cannot
+    be built or run warns and leaves the split unchecked.  The caller's random state is left as it was, and the
+    check runs on the CPU whatever the caller's default device (the meta device included).
     """
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         _verify(model, layers_per_stage)
 
 
+def _refuse(name: str, what: str) -> PipelineConfigError:
+    return PipelineConfigError(
+        f"{name} cannot be split by stage_fn_for_causal_lm: {what} (checked on a small {name} of the same config). "
+        "Its forward does more than pass hidden states through the modules a stage does not own (a scale or soft cap "
+        "on the logits or the embeddings, a position embedding added to the tokens', each layer's attention kind "
+        "taken from its position in the layer list, ...), so the stages would compute another model. Use "
+        "pipeloom.split_by_tracing, or a stage_fn of your own (pipeloom.split_by_fqn with placeholder=None)")
+
+
 def _verify(model: nn.Module, layers_per_stage: Sequence[int]) -> None:
-    counts = [1 if c > 0 else 0 for c in layers_per_stage]
+    counts = [int(c) for c in layers_per_stage]
     name = type(model).__name__
+
+    def unchecked(why: str, exc: BaseException | None = None) -> None:
+        detail = f" ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})" if exc is not None else ""
+        warnings.warn(f"pipeloom.hf: {why}{detail}; the split of {name} is not checked", RuntimeWarning, stacklevel=4)
+
     try:
-        probe = _probe_model(model, sum(counts))
+        probe = _probe_model(model)
+        layer_list = _layout(probe)[1]
+        names = stage_names_for_causal_lm(probe, layer_splits=counts)
     except Exception as exc:  # noqa: BLE001 - the check is a guard, not a requirement: say so
-        warnings.warn(f"pipeloom.hf: could not build a small {name} to check that its stages compose to the whole "
-                      f"model ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); the split is not "
-                      "checked", RuntimeWarning, stacklevel=3)
+        unchecked(f"could not build a small {name} to check that its stages compose to the whole model", exc)
         return
-    layer_list = _layout(probe)[1]
-    names = stage_names_for_causal_lm(probe, layer_splits=counts)
     split = _CausalLMStageFn(split_by_fqn(probe, names, placeholder="identity", output_field="logits"))
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, probe.config.vocab_size, (2, 6), generator=g)
+    ids = torch.randint(3, probe.config.vocab_size, (3, _PROBE_SEQ), generator=g)
+    mask = torch.ones_like(ids)
+    mask[-1, :_PROBE_PAD] = 0
 
     # the whole model, with the hidden states entering each layer
     entering: dict[int, torch.Tensor | None] = {}
@@ -385,84 +419,55 @@ def _verify(model: nn.Module, layers_per_stage: Sequence[int]) -> None:
     hooks = [lay.register_forward_pre_hook(note(i), with_kwargs=True) for i, lay in enumerate(probe.get_submodule(layer_list))]
     try:
         with torch.no_grad():
-            whole = reduce_output(probe(ids, use_cache=False), "logits")
+            whole = reduce_output(probe(ids, attention_mask=mask, use_cache=False), "logits")
     except Exception as exc:  # noqa: BLE001 - the small model itself does not run: nothing to compare with
-        warnings.warn(f"pipeloom.hf: a small {name} built to check that its stages compose to the whole model does not "
-                      f"run ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); the split is not "
-                      "checked", RuntimeWarning, stacklevel=3)
+        unchecked(f"a small {name} built to check that its stages compose to the whole model does not run", exc)
         return
     finally:
         for hk in hooks:
             hk.remove()
     if not isinstance(whole, torch.Tensor) or not bool(torch.isfinite(whole).all()):
-        warnings.warn(f"pipeloom.hf: a small {name} built to check that its stages compose to the whole model gave "
-                      "logits that are not finite; the split is not checked", RuntimeWarning, stacklevel=3)
+        unchecked(f"a small {name} built to check that its stages compose to the whole model gave logits that are not finite")
         return
-    scale = max(1.0, float(whole.abs().max()))
+
+    def close(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, str]:
+        if got.shape != want.shape:
+            return False, f"shape {tuple(got.shape)} against {tuple(want.shape)}"
+        diff = float((got - want).abs().max())
+        return diff <= 1e-5 * max(1.0, float(want.abs().max())), f"by up to {diff:.3g}"  # (nan: not close)
+
     h: Any = ids
     first = 0
-    real = 0  # (the same boundary in the caller's model)
     with torch.no_grad():
         for s in range(len(counts)):
             stage = split(s).eval()
             try:
-                h = stage(h)
+                h = stage(h, attention_mask=mask)
             except Exception as exc:  # noqa: BLE001 - the whole model ran on this input: the split is what fails
-                raise PipelineConfigError(
-                    f"{name} cannot be split by stage_fn_for_causal_lm: stage {s} fails where the whole model runs "
-                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; checked on a small {name} of "
-                    "the same config). Its forward does more than pass hidden states through the modules a stage does "
-                    "not own (GPT-2 adds a position embedding to the tokens'). Use pipeloom.split_by_tracing, or a "
-                    "stage_fn of your own (pipeloom.split_by_fqn with placeholder=None)") from None
+                raise _refuse(name, f"stage {s} fails where the whole model runs ({type(exc).__name__}: "
+                                    f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
             del stage
             first += counts[s]
-            real += layers_per_stage[s]
-            if s < len(counts) - 1 and first in entering:
-                want = entering[first]
-                if want is None or want.shape != h.shape or not float((h - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max())):
-                    diff = "shape " + str(tuple(h.shape)) if want is None or want.shape != h.shape else f"by up to {float((h - want).abs().max()):.3g}"
-                    raise PipelineConfigError(
-                        f"{name} cannot be split by stage_fn_for_causal_lm: stage {s}'s output differs from the hidden "
-                        f"states that enter decoder layer {real} in the whole model ({diff}; checked on a small {name} "
-                        "of the same config). Its forward does more than pass hidden states through the modules a stage "
-                        "does not own (a scale or soft cap on the logits or the embeddings, a position embedding added "
-                        "to the tokens' ...), so the stages would compute another model. Use "
-                        "pipeloom.split_by_tracing, or a stage_fn of your own (pipeloom.split_by_fqn with placeholder=None)")
-    diff = float((h - whole).abs().max()) if h.shape == whole.shape else float("inf")
-    if not diff <= 1e-5 * scale:  # (nan: differs)
-        raise PipelineConfigError(
-            f"{name} cannot be split by stage_fn_for_causal_lm: the last stage's logits differ from the whole model's "
-            f"by up to {diff:.3g} (logits up to {scale:.3g}; checked on a small {name} of the same config). Its forward "
-            "does more than pass hidden states through the modules a stage does not own (a scale or soft cap on the "
-            "logits applied on every stage, ...), so the stages would compute another model. Use "
-            "pipeloom.split_by_tracing, or a stage_fn of your own (pipeloom.split_by_fqn with placeholder=None)")
+            if s < len(counts) - 1 and first < sum(counts):  # (past the last layer: the logits below tell)
+                want = entering.get(first)
+                ok, how = close(h, want) if isinstance(want, torch.Tensor) else (False, "no hidden states seen there")
+                if not ok:
+                    raise _refuse(name, f"stage {s}'s output differs from the hidden states that enter decoder layer "
+                                        f"{first} in the whole model ({how})")
+    ok, how = close(h, whole)
+    if not ok:
+        raise _refuse(name, f"the last stage's logits differ from the whole model's ({how})")
 
-    # training mode: a dropout outside the layers must not run on more stages than it runs in the whole model
-    def count(modules: Any, into: dict[str, int]) -> list[Any]:
-        return [m.register_forward_hook(lambda mod, a, o, n=n: into.__setitem__(n, into.get(n, 0) + 1))
-                for n, m in modules if isinstance(m, nn.Dropout) and m.p > 0 and not n.startswith(layer_list + ".")]
-
-    calls_whole: dict[str, int] = {}
-    calls_split: dict[str, int] = {}
-    hooks = count(probe.named_modules(), calls_whole)
-    try:
-        with torch.no_grad():
-            probe.train()(ids, use_cache=False)
-    finally:
-        for hk in hooks:
-            hk.remove()
+    # training mode: the chained stages draw no more dropouts than the whole model
+    with torch.no_grad(), _CountDropout() as whole_drops:
+        probe.train()(ids, attention_mask=mask, use_cache=False)
     h = ids
-    with torch.no_grad():
+    with torch.no_grad(), _CountDropout() as split_drops:
         for s in range(len(counts)):
             stage = split(s).train()
-            hooks = count(stage.named_modules(), calls_split)
-            h = stage(h)
-            for hk in hooks:
-                hk.remove()
+            h = stage(h, attention_mask=mask)
             del stage
-    again = sorted(n for n, c in calls_split.items() if c > calls_whole.get(n, 0))
-    if again:
-        raise PipelineConfigError(
-            f"{name} cannot be split by stage_fn_for_causal_lm: its forward applies dropout {', '.join(again)} outside "
-            "the decoder layers, and every stage would apply it again in training. Set its probability to 0 in the "
-            "config, or use pipeloom.split_by_tracing or a stage_fn of your own")
+    if split_drops.calls > whole_drops.calls:
+        raise _refuse(name, f"in training the stages draw {split_drops.calls} dropouts where the whole model draws "
+                            f"{whole_drops.calls} (a dropout outside the decoder layers runs on every stage; set its "
+                            "probability to 0 in the config, or split another way)")

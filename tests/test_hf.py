@@ -146,37 +146,54 @@ def _tiny(config_cls: str, model_cls: str, **extra: Any) -> torch.nn.Module:
     """A tiny float64 model of any transformers family (the config's own defaults beside the sizes)."""
     import transformers
 
-    cfg = getattr(transformers, config_cls)(
-        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **extra)
+    kw: dict[str, Any] = dict(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+                              num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    cfg = getattr(transformers, config_cls)(**{**kw, **extra})
     torch.manual_seed(0)
     return getattr(transformers, model_cls)(cfg).to(torch.float64)
 
 
-@pytest.mark.parametrize(("config_cls", "model_cls", "extra", "match"), [
+@pytest.mark.parametrize(("config_cls", "model_cls", "extra", "splits", "match"), [
     # the causal LM's forward scales the logits (every stage's output, hidden states on all but the last)
-    ("CohereConfig", "CohereForCausalLM", {}, r"stage 0's output differs from the hidden states that enter decoder layer 2 "),
+    ("CohereConfig", "CohereForCausalLM", {}, [2, 2], r"stage 0's output differs from the hidden states that enter decoder layer 2 "),
     # a soft cap on the logits
-    ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 4}, r"stage 0's output differs"),
+    ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 4}, [2, 2], r"stage 0's output differs"),
     # the embeddings scaled in the base model's forward, the logits in the causal LM's
-    ("GraniteConfig", "GraniteForCausalLM", {"embedding_multiplier": 12.0, "logits_scaling": 8.0}, r"stage 0's output differs"),
+    ("GraniteConfig", "GraniteForCausalLM", {"embedding_multiplier": 12.0, "logits_scaling": 8.0}, [2, 2], r"stage 0's output differs"),
+    # each layer's attention kind (sliding or full) taken from its position in the stage's list, counted from 0
+    ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 4, "num_hidden_layers": 12, "sliding_window": 3}, [4, 4, 4],
+     r"stage 1's output differs from the hidden states that enter decoder layer 8 "),
+    ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 2}, [1, 3],
+     r"the last stage's logits differ"),
     # a position embedding added to the token embedding: the later stage fails where the whole model runs
-    ("GPT2Config", "GPT2LMHeadModel", {}, r"stage 1 fails where the whole model runs"),
+    ("GPT2Config", "GPT2LMHeadModel", {}, [2, 2], r"stage 1 fails where the whole model runs"),
+    # an embedding dropout drawn functionally in the base model's forward (no module): again on every stage
+    ("Starcoder2Config", "Starcoder2ForCausalLM", {"embedding_dropout": 0.3}, [2, 2],
+     r"in training the stages draw 2 dropouts where the whole model draws 1"),
 ])
-def test_models_whose_stages_would_compute_another_model_are_refused(config_cls: str, model_cls: str, extra: dict, match: str) -> None:
+def test_models_whose_stages_would_compute_another_model_are_refused(config_cls: str, model_cls: str, extra: dict,
+                                                                     splits: list[int], match: str) -> None:
     """Every stage runs the model's own forward with pass-throughs: right only where that forward does nothing to
     the hidden states but the modules' work.  These do more; split unchecked, the chained stages compute another
-    model, silently (verify=False shows it); checked, the split is refused, naming the first boundary that differs."""
-    model = _tiny(config_cls, model_cls, **{k: v for k, v in extra.items()})
+    model, silently (verify=False shows it: another output, or in training another dropout draw); checked, the split
+    is refused, naming the first boundary that differs."""
+    import transformers
+
+    if not hasattr(transformers, model_cls):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_cls}")
+    model = _tiny(config_cls, model_cls, **extra).eval()
     with pytest.raises(PipelineConfigError, match=rf"{model_cls} cannot be split by stage_fn_for_causal_lm: {match}"):
-        stage_fn_for_causal_lm(model, num_stages=2)
-    stage_fn, _ = stage_fn_for_causal_lm(model, num_stages=2, verify=False)
-    ids, _, _ = make_hf_batch()
+        stage_fn_for_causal_lm(model, layer_splits=splits)
+    stage_fn, _ = stage_fn_for_causal_lm(model, layer_splits=splits, verify=False)
+    ids = torch.randint(3, 40, (2, 10), generator=torch.Generator().manual_seed(0))
     whole = model(ids, use_cache=False).logits
-    try:
-        out = _chain([stage_fn(i) for i in range(2)], ids)
-    except RuntimeError:
-        return  # (GPT-2: the unchecked split fails outright)
+    if model_cls == "GPT2LMHeadModel":
+        with pytest.raises(RuntimeError):  # the unchecked split fails outright
+            _chain([stage_fn(i) for i in range(len(splits))], ids)
+        return
+    if "dropout" in match:
+        return  # (evaluation composes; the extra draw in training is what the check counted)
+    out = _chain([stage_fn(i) for i in range(len(splits))], ids)
     assert not torch.allclose(out, whole, **TOL)  # what the check prevents: another model, silently
 
 
@@ -233,7 +250,7 @@ def test_a_dropout_outside_the_layers_on_every_stage_is_refused() -> None:
             self.model = DropModel(config)
 
     model = DropLM(_tiny("LlamaConfig", "LlamaForCausalLM").config)
-    with pytest.raises(PipelineConfigError, match=r"applies dropout model.extra_drop outside the decoder layers"):
+    with pytest.raises(PipelineConfigError, match=r"in training the stages draw 2 dropouts where the whole model draws 1"):
         stage_fn_for_causal_lm(model, num_stages=2)
 
 
@@ -244,12 +261,15 @@ def test_the_check_leaves_the_random_state_and_warns_when_it_cannot_run(monkeypa
     state = torch.get_rng_state()
     stage_fn_for_causal_lm(model, num_stages=2)
     assert torch.equal(torch.get_rng_state(), state)
+    for _ in range(3):  # (called under the meta device: the check still runs on the CPU, on real numbers)
+        with torch.device("meta"):
+            stage_fn_for_causal_lm(model, num_stages=3)
 
-    def unbuildable(model: Any, layers: int) -> Any:
+    def unbuildable(model: Any) -> Any:
         raise ValueError("a config the small model cannot be built from")
 
     monkeypatch.setattr(pipeloom.hf, "_probe_model", unbuildable)
-    with pytest.warns(RuntimeWarning, match=r"could not build a small LlamaForCausalLM .*ValueError: a config.*the split is not checked"):
+    with pytest.warns(RuntimeWarning, match=r"could not build a small LlamaForCausalLM .*ValueError: a config.*the split of LlamaForCausalLM is not checked"):
         stage_fn_for_causal_lm(model, num_stages=2)
 
 
