@@ -217,16 +217,48 @@ class _CausalLMInputs:
         return args, kwargs
 
 
-class _CausalLMStageFn:
-    """``stage_fn`` of :func:`stage_fn_for_causal_lm`: a ``split_by_fqn`` stage with the input hook."""
+class _AbsentLayer(nn.Module):
+    """A decoder layer that another stage owns, kept at its index in the stage's layer list (``aligned``): it hands
+    the hidden states on, in the form the model's layers return them, and carries the real layer's plain attributes
+    (``attention_type``, ``layer_idx``, ...), so a forward that walks ``enumerate(self.layers)`` and picks each
+    layer's attention kind by position counts the real layers' positions on every stage."""
 
-    def __init__(self, split: Any) -> None:
+    def __init__(self, attrs: dict[str, Any], tuple_output: bool) -> None:
+        super().__init__()
+        for k, v in attrs.items():
+            setattr(self, k, v)
+        self._tuple_output = tuple_output
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        h = args[0] if args else kwargs.get("hidden_states")
+        return (h,) if self._tuple_output else h
+
+
+def _plain_attrs(module: nn.Module) -> dict[str, Any]:
+    return {k: v for k, v in vars(module).items()
+            if not k.startswith("_") and k != "training" and (v is None or isinstance(v, (bool, int, float, str)))}
+
+
+class _CausalLMStageFn:
+    """``stage_fn`` of :func:`stage_fn_for_causal_lm`: a ``split_by_fqn`` stage with the input hook (and, ``aligned``,
+    the layers other stages own as :class:`_AbsentLayer` entries at their indices: ``(layer list name, each layer's
+    plain attributes, whether layers return tuples)``)."""
+
+    def __init__(self, split: Any, aligned: tuple[str, list[dict[str, Any]], bool] | None = None) -> None:
         self._split = split
         self.num_stages: int = split.num_stages
         self.stage_fqns: tuple[tuple[str, ...], ...] = split.stage_fqns
+        self.aligned = aligned
 
     def __call__(self, index: int) -> nn.Module:
         stage = self._split(index)
+        if self.aligned is not None:
+            name, attrs, tuple_output = self.aligned
+            layers = stage.get_submodule(name)
+            kept = dict(layers._modules)
+            layers._modules.clear()
+            for i, a in enumerate(attrs):
+                layers._modules[str(i)] = kept.get(str(i)) or _AbsentLayer(a, tuple_output)
         stage.register_forward_pre_hook(_CausalLMInputs(index), with_kwargs=True)
         return stage
 
@@ -282,11 +314,24 @@ def stage_fn_for_causal_lm(
                 "and they would sit on the first and the last stage, each training its own copy; build it with "
                 "tie_word_embeddings=False, or untie: model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())"
             )
+    aligned = None
     if verify and len(names) > 1:
-        layer_list = _layout(model)[1] + "."
-        verify_causal_lm_split(model, [sum(1 for n in st if n.startswith(layer_list)) for st in names])
+        layer_list = _layout(model)[1]
+        counts = [sum(1 for n in st if n.startswith(layer_list + ".")) for st in names]
+        try:
+            verify_causal_lm_split(model, counts)
+        except PipelineConfigError as refused:
+            # a forward that picks each layer's kind by its position in the list may compose with the other stages'
+            # layers kept in place as pass-throughs (Gemma 3, Qwen2 with sliding windows): taken only if checked so
+            try:
+                tuple_output = _verify_aligned(model, counts)
+            except PipelineConfigError:
+                raise refused from None
+            if tuple_output is None:
+                raise refused from None
+            aligned = (layer_list, [_plain_attrs(m) for m in model.get_submodule(layer_list)], tuple_output)
     split = split_by_fqn(model, names, device=device, placeholder="identity", output_field="logits")
-    return _CausalLMStageFn(split), causal_lm_loss
+    return _CausalLMStageFn(split, aligned), causal_lm_loss
 
 
 #: the probe's sizes (attributes of the model's config set where it has them, as ints)
@@ -387,7 +432,15 @@ def _refuse(name: str, what: str) -> PipelineConfigError:
         "pipeloom.split_by_tracing, or a stage_fn of your own (pipeloom.split_by_fqn with placeholder=None)")
 
 
-def _verify(model: nn.Module, layers_per_stage: Sequence[int]) -> None:
+def _verify_aligned(model: nn.Module, layers_per_stage: Sequence[int]) -> bool | None:
+    """:func:`verify_causal_lm_split` of the split with the other stages' layers kept in place as pass-throughs;
+    returns whether the model's layers return tuples (the pass-throughs return the same), None if it could not run."""
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        return _verify(model, layers_per_stage, aligned=True)
+
+
+def _verify(model: nn.Module, layers_per_stage: Sequence[int], aligned: bool = False) -> bool | None:
+    """The check (see :func:`verify_causal_lm_split`); whether the layers return tuples, or None where it could not run."""
     counts = [int(c) for c in layers_per_stage]
     name = type(model).__name__
 
@@ -401,8 +454,7 @@ def _verify(model: nn.Module, layers_per_stage: Sequence[int]) -> None:
         names = stage_names_for_causal_lm(probe, layer_splits=counts)
     except Exception as exc:  # noqa: BLE001 - the check is a guard, not a requirement: say so
         unchecked(f"could not build a small {name} to check that its stages compose to the whole model", exc)
-        return
-    split = _CausalLMStageFn(split_by_fqn(probe, names, placeholder="identity", output_field="logits"))
+        return None
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, probe.config.vocab_size, (3, _PROBE_SEQ), generator=g)
     mask = torch.ones_like(ids)
@@ -416,19 +468,25 @@ def _verify(model: nn.Module, layers_per_stage: Sequence[int]) -> None:
             entering.setdefault(i, _first_tensor(args, kwargs))
         return hook
 
+    tuple_output: list[bool] = []
     hooks = [lay.register_forward_pre_hook(note(i), with_kwargs=True) for i, lay in enumerate(probe.get_submodule(layer_list))]
+    hooks.append(probe.get_submodule(layer_list)[0].register_forward_hook(
+        lambda m, a, o: tuple_output.append(isinstance(o, tuple)) if not tuple_output else None))
     try:
         with torch.no_grad():
             whole = reduce_output(probe(ids, attention_mask=mask, use_cache=False), "logits")
     except Exception as exc:  # noqa: BLE001 - the small model itself does not run: nothing to compare with
         unchecked(f"a small {name} built to check that its stages compose to the whole model does not run", exc)
-        return
+        return None
     finally:
         for hk in hooks:
             hk.remove()
     if not isinstance(whole, torch.Tensor) or not bool(torch.isfinite(whole).all()):
         unchecked(f"a small {name} built to check that its stages compose to the whole model gave logits that are not finite")
-        return
+        return None
+    tup = bool(tuple_output and tuple_output[0])
+    split = _CausalLMStageFn(split_by_fqn(probe, names, placeholder="identity", output_field="logits"),
+                             (layer_list, [_plain_attrs(m) for m in probe.get_submodule(layer_list)], tup) if aligned else None)
 
     def close(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, str]:
         if got.shape != want.shape:
@@ -471,3 +529,4 @@ def _verify(model: nn.Module, layers_per_stage: Sequence[int]) -> None:
         raise _refuse(name, f"in training the stages draw {split_drops.calls} dropouts where the whole model draws "
                             f"{whole_drops.calls} (a dropout outside the decoder layers runs on every stage; set its "
                             "probability to 0 in the config, or split another way)")
+    return tup

@@ -160,11 +160,6 @@ def _tiny(config_cls: str, model_cls: str, **extra: Any) -> torch.nn.Module:
     ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 4}, [2, 2], r"stage 0's output differs"),
     # the embeddings scaled in the base model's forward, the logits in the causal LM's
     ("GraniteConfig", "GraniteForCausalLM", {"embedding_multiplier": 12.0, "logits_scaling": 8.0}, [2, 2], r"stage 0's output differs"),
-    # each layer's attention kind (sliding or full) taken from its position in the stage's list, counted from 0
-    ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 4, "num_hidden_layers": 12, "sliding_window": 3}, [4, 4, 4],
-     r"stage 1's output differs from the hidden states that enter decoder layer 8 "),
-    ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 2}, [1, 3],
-     r"the last stage's logits differ"),
     # a position embedding added to the token embedding: the later stage fails where the whole model runs
     ("GPT2Config", "GPT2LMHeadModel", {}, [2, 2], r"stage 1 fails where the whole model runs"),
     # an embedding dropout drawn functionally in the base model's forward (no module): again on every stage
@@ -227,6 +222,41 @@ def test_other_families_compose_exactly(config_cls: str, model_cls: str, extra: 
                     m.register_forward_hook(lambda mod, a, o, name=name: calls.append(name))
         _chain(stages, ids)
         assert calls == ["model.embed_dropout"]
+
+
+@pytest.mark.parametrize(("config_cls", "model_cls", "extra", "splits"), [
+    ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 4, "num_hidden_layers": 12, "sliding_window": 3}, [4, 4, 4]),
+    ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 2}, [1, 3]),
+])
+def test_layer_kinds_by_list_position_compose_with_the_other_layers_kept_in_place(config_cls: str, model_cls: str,
+                                                                                extra: dict, splits: list[int]) -> None:
+    """Forwards that pick each layer's attention kind (sliding or full window) by its position in the layer list,
+    ``config.layer_types[i]`` over ``enumerate(self.layers)``: with the other stages' layers removed a stage counts
+    from 0 and gives its layers the wrong windows (verify=False shows the chained stages differ); the check finds
+    it, and the split keeps the other stages' layers in place as pass-throughs, which composes exactly (logits and
+    every gradient, float64, a padded row, sequences past the window)."""
+    model = _tiny(config_cls, model_cls, **extra).eval()
+    ids = torch.randint(3, 40, (3, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[-1, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    plain, _ = stage_fn_for_causal_lm(model, layer_splits=splits, verify=False)
+    assert plain.aligned is None  # type: ignore[attr-defined]
+    with torch.no_grad():
+        assert not torch.allclose(_chain([plain(i) for i in range(len(splits))], ids, attention_mask=mask),
+                                  model(ids, attention_mask=mask, use_cache=False).logits, **TOL)
+    stage_fn, loss_fn = stage_fn_for_causal_lm(model, layer_splits=splits)
+    assert stage_fn.aligned is not None  # type: ignore[attr-defined]
+    stages = [stage_fn(i) for i in range(len(splits))]
+    ref = model(ids, attention_mask=mask, use_cache=False).logits
+    causal_lm_loss(ref, labels).backward()
+    out = _chain(stages, ids, attention_mask=mask)
+    loss_fn(out, labels).backward()
+    torch.testing.assert_close(out, ref, **TOL)
+    got = {n: p.grad for st in stages for n, p in st.named_parameters()}
+    assert got.keys() == {n for n, _ in model.named_parameters()}  # (the pass-throughs hold nothing)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, **TOL, msg=lambda m, n=n: f"{n}: {m}")
 
 
 def test_a_dropout_outside_the_layers_on_every_stage_is_refused() -> None:
