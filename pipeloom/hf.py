@@ -50,7 +50,10 @@ Cohere, Gemma 2 or Granite, whose forwards scale or cap the logits or the
 embeddings on every stage).  :func:`verify_causal_lm_split` (run by
 :func:`stage_fn_for_causal_lm` unless ``verify=False``) finds such a model on
 a small copy of its class and config and refuses it, so a split never
-computes another model silently.  Modules the plan lists go to their side
+computes another model silently.  A forward that picks each layer's
+attention kind by its position in the layer list (Gemma 3, GPT-OSS, Qwen2
+with sliding windows) gets the other stages' layers kept in place as
+pass-throughs (``stage_fn.aligned``), where the check confirms that split.  Modules the plan lists go to their side
 even without parameters (a weightless final norm, an embedding dropout).
 Tied input and output embeddings
 cannot span stages (each stage would train its own copy): build the model

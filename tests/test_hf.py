@@ -359,6 +359,7 @@ def test_tracing_hf_names_the_cache_and_routes_skip_edges() -> None:
 CASES_2 = [dict(id=f"llama-{s}", family="llama", schedule=s, microbatches=4) for s in SCHEDULE_NAMES] + [
     dict(id="qwen2-ZBV", family="qwen2", schedule="ZBVZeroBubble", microbatches=4),
     dict(id="mistral-Interleaved1F1B", family="mistral", schedule="Interleaved1F1B", microbatches=4, padding=True),
+    dict(id="gemma3-1F1B", family="gemma3", schedule="1F1B", microbatches=4, padding=True),
 ]
 CASES_4 = [
     dict(id="llama-1F1B", family="llama", schedule="1F1B", microbatches=8),

@@ -29,7 +29,12 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    # sliding and full attention layers by position (layers 0-4 slide over 3 tokens, 5 attends fully): split with
+    # the other stages' layers kept in place (pipeloom.hf's aligned split)
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
+#: family -> its config's arguments beside the common ones
+EXTRA = {"gemma3": {"head_dim": 4, "sliding_window": 3}}
 
 
 def build_hf_model(family: str, *, layers: int = LAYERS, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
@@ -40,6 +45,7 @@ def build_hf_model(family: str, *, layers: int = LAYERS, seed: int = 0, dtype: t
     config = config_cls(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        **EXTRA.get(family, {}),
     )
     torch.manual_seed(seed)
     return model_cls(config).to(dtype)
