@@ -44,24 +44,26 @@ def _chain(stages: list[torch.nn.Module], ids: torch.Tensor, **kw: torch.Tensor)
     return h
 
 
-@pytest.mark.parametrize(("family", "num_stages"), [("llama", 2), ("llama", 8), ("qwen2", 4), ("mistral", 3)])
-def test_stages_compose_to_the_hf_model(family: str, num_stages: int) -> None:
-    model = build_hf_model(family)
-    stage_fn, loss_fn = stage_fn_for_causal_lm(model, num_stages=num_stages)
-    stages = [stage_fn(i) for i in range(num_stages)]
-    ids, labels, mask = make_hf_batch(padding=True)
-
+def _assert_stages_are_the_model(model: torch.nn.Module, stages: list[torch.nn.Module], loss_fn: Any, ids: torch.Tensor,
+                                 labels: torch.Tensor, mask: torch.Tensor | None) -> None:
+    """The chained stages' logits and every parameter's gradient (under its Hugging Face name) equal the model's."""
     ref = model(ids, attention_mask=mask, use_cache=False).logits
     causal_lm_loss(ref, labels).backward()
     out = _chain(stages, ids, attention_mask=mask)
     loss_fn(out, labels).backward()
-
     assert isinstance(out, torch.Tensor)
     torch.testing.assert_close(out, ref, **TOL)
     got = {n: p.grad for st in stages for n, p in st.named_parameters()}
     assert got.keys() == {n for n, _ in model.named_parameters()}
     for n, p in model.named_parameters():
         torch.testing.assert_close(got[n], p.grad, **TOL, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize(("family", "num_stages"), [("llama", 2), ("llama", 8), ("qwen2", 4), ("mistral", 3)])
+def test_stages_compose_to_the_hf_model(family: str, num_stages: int) -> None:
+    model = build_hf_model(family)
+    stage_fn, loss_fn = stage_fn_for_causal_lm(model, num_stages=num_stages)
+    _assert_stages_are_the_model(model, [stage_fn(i) for i in range(num_stages)], loss_fn, *make_hf_batch(padding=True))
 
 
 def test_split_layout_names_and_state_dict() -> None:
@@ -205,14 +207,7 @@ def test_other_families_compose_exactly(config_cls: str, model_cls: str, extra: 
     stage_fn, loss_fn = stage_fn_for_causal_lm(model, num_stages=3)
     stages = [stage_fn(i) for i in range(3)]
     ids, labels, mask = make_hf_batch(padding=True)
-    ref = model(ids, attention_mask=mask, use_cache=False).logits
-    causal_lm_loss(ref, labels).backward()
-    out = _chain(stages, ids, attention_mask=mask)
-    loss_fn(out, labels).backward()
-    torch.testing.assert_close(out, ref, **TOL)
-    got = {n: p.grad for st in stages for n, p in st.named_parameters()}
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(got[n], p.grad, **TOL, msg=lambda m, n=n: f"{n}: {m}")
+    _assert_stages_are_the_model(model, stages, loss_fn, ids, labels, mask)
     if extra.get("embd_pdrop"):
         calls = []
         for st in stages:
@@ -247,16 +242,8 @@ def test_layer_kinds_by_list_position_compose_with_the_other_layers_kept_in_plac
                                   model(ids, attention_mask=mask, use_cache=False).logits, **TOL)
     stage_fn, loss_fn = stage_fn_for_causal_lm(model, layer_splits=splits)
     assert stage_fn.aligned is not None  # type: ignore[attr-defined]
-    stages = [stage_fn(i) for i in range(len(splits))]
-    ref = model(ids, attention_mask=mask, use_cache=False).logits
-    causal_lm_loss(ref, labels).backward()
-    out = _chain(stages, ids, attention_mask=mask)
-    loss_fn(out, labels).backward()
-    torch.testing.assert_close(out, ref, **TOL)
-    got = {n: p.grad for st in stages for n, p in st.named_parameters()}
-    assert got.keys() == {n for n, _ in model.named_parameters()}  # (the pass-throughs hold nothing)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(got[n], p.grad, **TOL, msg=lambda m, n=n: f"{n}: {m}")
+    # (every gradient under its name: the pass-throughs hold nothing)
+    _assert_stages_are_the_model(model, [stage_fn(i) for i in range(len(splits))], loss_fn, ids, labels, mask)
 
 
 def test_a_dropout_outside_the_layers_on_every_stage_is_refused() -> None:
