@@ -20,7 +20,8 @@ transformers renames between releases.  Alternatives:
   :func:`pipeloom.split_by_fqn` and pass-through placeholders.  Every stage
   is the model's own class running its own, unmodified ``forward``: the
   modules another stage owns hand their input on, the decoder layers of
-  other stages are absent from ``layers``, and the rotary embedding (buffers
+  other stages are absent from ``layers`` (or, in an aligned split, pass-through
+  entries at their indices: see Limits), and the rotary embedding (buffers
   only) is copied to every stage, which recomputes the mask, positions and
   ``cos``/``sin`` for itself (cheap, and nothing but hidden states crosses a
   stage boundary).  Parameter names stay the model's
@@ -226,15 +227,26 @@ class _AbsentLayer(nn.Module):
     (``attention_type``, ``layer_idx``, ...), so a forward that walks ``enumerate(self.layers)`` and picks each
     layer's attention kind by position counts the real layers' positions on every stage."""
 
-    def __init__(self, attrs: dict[str, Any], tuple_output: bool) -> None:
+    def __init__(self, index: int, attrs: dict[str, Any], tuple_output: bool) -> None:
         super().__init__()
         for k, v in attrs.items():
             setattr(self, k, v)
+        self._index = index
         self._tuple_output = tuple_output
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         h = args[0] if args else kwargs.get("hidden_states")
         return (h,) if self._tuple_output else h
+
+    def extra_repr(self) -> str:
+        return f"decoder layer {self._index}: on another pipeline stage (a pass-through here)"
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            raise AttributeError(f"decoder layer {self.__dict__.get('_index')} is on another pipeline stage; this stage "
+                                 f"holds a pass-through in its place, which has no {name!r}") from None
 
 
 def _plain_attrs(module: nn.Module) -> dict[str, Any]:
@@ -261,7 +273,7 @@ class _CausalLMStageFn:
             kept = dict(layers._modules)
             layers._modules.clear()
             for i, a in enumerate(attrs):
-                layers._modules[str(i)] = kept.get(str(i)) or _AbsentLayer(a, tuple_output)
+                layers._modules[str(i)] = kept[str(i)] if str(i) in kept else _AbsentLayer(i, a, tuple_output)
         stage.register_forward_pre_hook(_CausalLMInputs(index), with_kwargs=True)
         return stage
 
@@ -421,6 +433,10 @@ def verify_causal_lm_split(model: nn.Module, layers_per_stage: Sequence[int]) ->
     than the whole model (a dropout outside the layers would drop again on every stage).  A small model that cannot
     be built or run warns and leaves the split unchecked.  The caller's random state is left as it was, and the
     check runs on the CPU whatever the caller's default device (the meta device included).
+
+    This checks the plain split (other stages' layers removed).  :func:`stage_fn_for_causal_lm`, where this
+    refuses, checks the aligned split too (other stages' layers kept in place as pass-throughs) and takes it if it
+    passes, which serves the forwards that pick layer kinds by list position.
     """
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         _verify(model, layers_per_stage)

@@ -119,7 +119,9 @@ class _SplitModuleList(nn.ModuleList):
 
     Iteration yields the kept entries in order; ``[i]`` looks up original index
     ``i``; ``len`` counts the kept entries; ``append`` continues after the
-    highest original index, so it never overwrites a kept entry.
+    highest original index, so it never overwrites a kept entry.  (``pipeloom.hf``'s
+    aligned split fills the other indices with pass-throughs: then ``len`` is the
+    model's depth and iteration runs every index.)
     """
 
     def __getitem__(self, idx: Any) -> Any:  # type: ignore[override]

@@ -243,7 +243,12 @@ def test_layer_kinds_by_list_position_compose_with_the_other_layers_kept_in_plac
     stage_fn, loss_fn = stage_fn_for_causal_lm(model, layer_splits=splits)
     assert stage_fn.aligned is not None  # type: ignore[attr-defined]
     # (every gradient under its name: the pass-throughs hold nothing)
-    _assert_stages_are_the_model(model, [stage_fn(i) for i in range(len(splits))], loss_fn, ids, labels, mask)
+    stages = [stage_fn(i) for i in range(len(splits))]
+    _assert_stages_are_the_model(model, stages, loss_fn, ids, labels, mask)
+    absent = stages[0].model.layers[splits[0]]  # (a layer of stage 1, as stage 0 holds it)
+    assert "on another pipeline stage" in repr(absent)
+    with pytest.raises(AttributeError, match=rf"decoder layer {splits[0]} is on another pipeline stage.*'self_attn'"):
+        absent.self_attn
 
 
 def test_a_dropout_outside_the_layers_on_every_stage_is_refused() -> None:
