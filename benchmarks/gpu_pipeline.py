@@ -22,7 +22,13 @@ middle ones), RMSNorm + SwiGLU blocks, cross-entropy on token ids, and many
 small microbatches (``s``: 8 layers, hidden 1024, 32 microbatches of 1
 sequence; ``l``: 16 layers, hidden 2048, 16 microbatches of 2 sequences;
 sequence 1024 both).  Each row also reports the schedule's bubble ceiling
-(1F1B/GPipe: m/(m+p-1) of the compute floor) and ``vs_ceiling``.
+(1F1B/GPipe: m/(m+p-1) of the compute floor) and ``vs_ceiling``, and the
+schedule's *simulated* ceiling: its action lists run by
+``pipeloom.schedules.simulate`` with each stage's measured device time of F, B
+and I (W = B - I; CUDA events, same modules and inputs as the floor), free
+transfers and no host (``sim_ms``; ``vs_sim`` = sim_ms / step: the share of
+the schedule's own ideal a run reached, for the unbalanced stages and the
+multi-stage lists the formula does not fit).
 
 ``--profile N`` runs N more steps of each engine under ``torch.profiler``
 (CUDA activity) and attributes every gap in the rank's compute (all non-NCCL
@@ -201,6 +207,72 @@ def _stages_of(name: str, rank: int, world: int, spr: int) -> list[int]:
     if name in ("ZBVZeroBubble", "DualPipeV"):
         return [rank, 2 * world - 1 - rank]
     return [rank + k * world for k in range(spr)]
+
+
+def _stage_costs(mods: dict[int, Any], args: argparse.Namespace, seqs: list[int], last: int) -> dict[int, dict[str, float]]:
+    """Per stage of this rank, the device time (ms, median over microbatches) of F, B and I, timed with CUDA
+    events on the same modules and inputs as :func:`_floor`; W is taken as B - I (the weight half of a
+    full backward).  The last stage's F includes the loss (as in both runtimes).  Stage 0 has no input
+    gradient: its I is 0 and its W the whole backward, as in pipeloom's split."""
+    import torch
+
+    gpt = args.model == "gpt"
+
+    def fwd(s: int, m: Any, t: int) -> tuple[Any, Any, Any]:
+        if gpt and s == 0:
+            x = torch.randint(0, args.vocab, (args.mbsize, t), device="cuda")
+        else:
+            x = torch.randn(args.mbsize, t, args.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=s != 0)
+        out = m(x)
+        if s == last:
+            tgt = torch.zeros(out.shape[:-1], dtype=torch.long, device="cuda")
+            root = _gpt_loss(out, tgt) if gpt else _loss(out, torch.zeros_like(out))
+            return x, root, None
+        return x, out, torch.ones_like(out)
+
+    out: dict[int, dict[str, float]] = {}
+    for s, m in sorted(mods.items()):
+        spans: dict[str, list[float]] = {"F": [], "B": [], "I": []}
+        for rep in range(2):  # the first pass warms up
+            pend = []
+            for t in seqs:
+                e = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
+                e[0].record()
+                x, root, g = fwd(s, m, t)
+                e[1].record()
+                torch.autograd.backward(root, g)
+                e[2].record()
+                x, root, g = fwd(s, m, t)
+                e[3].record()
+                if x.requires_grad:
+                    torch.autograd.grad(root, [x], g)
+                e[4].record()
+                pend.append(e)
+                del x, root, g
+            torch.cuda.synchronize()
+            if rep:
+                for e in pend:
+                    spans["F"].append(e[0].elapsed_time(e[1]))
+                    spans["B"].append(e[1].elapsed_time(e[2]))
+                    spans["I"].append(e[3].elapsed_time(e[4]))
+        m.zero_grad(set_to_none=True)
+        c = {k: statistics.median(v) for k, v in spans.items()}
+        c["W"] = max(c["B"] - c["I"], 0.0)
+        out[s] = c
+    return out
+
+
+def _sim_ceiling(name: str, n: int, world: int, costs: dict[int, dict[str, float]]) -> dict[str, Any]:
+    """The schedule's own bubble ceiling: its action lists (as torch orders them) simulated with the measured
+    per-stage device times, free transfers and no host, an OVERLAP_F_B taking the sum of its halves (a dense
+    stage is compute-bound on both).  ``sim_ms`` is that step; ``sim_busy_ms`` the busiest rank's compute."""
+    from pipeloom.schedules import Costs, default_stages_per_rank, generate, simulate
+
+    sched = generate(name, num_ranks=world, num_microbatches=n, stages_per_rank=default_stages_per_rank(name))
+    ac = {(s, k, None): v for s, c in costs.items() for k, v in c.items()}
+    res = simulate(sched, Costs(send_latency=0.0, overlap=1.0), action_costs=ac)
+    return {"sim_ms": res.makespan, "sim_busy_ms": max(res.busy.values()),
+            "stage_costs_ms": {str(s): {k: round(v, 3) for k, v in c.items()} for s, c in sorted(costs.items())}}
 
 
 def _timed(fn: Any, steps: int, warmup: int) -> tuple[list[float], int]:
@@ -484,6 +556,9 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
     results = []
     floor = _reduce_max(_floor(mods, args, seqs, num_stages - 1))
     ceiling = _ceiling(name, n, world)
+    every_cost: list[Any] = [None] * world
+    dist.all_gather_object(every_cost, _stage_costs(mods, args, seqs, num_stages - 1))
+    sim = _sim_ceiling(name, n, world, {s: c for part in every_cost for s, c in part.items()})
     model_name = f"gpt-{args.size}" if gpt else "transformer"
 
     def host_profile(engine: str, fn: Any) -> None:
@@ -552,7 +627,7 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         row = {
             "engine": engine, "schedule": name, "model": model_name, "microbatches": n, "varlen": args.varlen, "return_outputs": args.return_outputs,
             "step_ms": step * 1e3, "floor_ms": floor * 1e3, "efficiency": floor / step, "ceiling": ceiling,
-            "vs_ceiling": floor / step / ceiling, "peak_gib": peak_max / 2**30, "tokens_per_s": tokens / step,
+            "vs_ceiling": floor / step / ceiling, **sim, "vs_sim": sim["sim_ms"] / (step * 1e3), "peak_gib": peak_max / 2**30, "tokens_per_s": tokens / step,
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cpu_bind": os.environ.get("PIPELOOM_CPU_BIND") or args.cpu_bind, "date": time.strftime("%Y-%m-%d"),
             "gpus": world, "label": args.label, "code": args.code,
             "env": {k: v for k, v in os.environ.items() if k.startswith("PIPELOOM_")},
@@ -757,14 +832,20 @@ def table(path: str) -> str:
             r["_base_case"] = case
             continue
         by.setdefault((r.get("gpus", 2), r["schedule"], case), {})[r["engine"]] = r
-    out = ["| GPUs | schedule | case | torch ms | pipeloom ms | ratio | rounds' ratios | torch eff | pipeloom eff | ceiling | pipeloom/ceiling | torch GiB | pipeloom GiB | B beside F per rank |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| GPUs | schedule | case | torch ms | pipeloom ms | ratio | rounds' ratios | torch eff | pipeloom eff | ceiling | pipeloom/ceiling | simulated ms | torch/sim | pipeloom/sim | torch GiB | pipeloom GiB | B beside F per rank |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def beside(r: dict[str, Any] | None) -> str:
         # each rank's backwards launched on the worker in the last step: pipelines alike but for one rank's
         # auto decision differed by 30% in session K, which this column shows at a glance
         ranks = (r or {}).get("overlapped_by_rank") or []
         return ",".join("?" if o is None or o.get("n") is None else str(o["n"]) for o in ranks) or "—"
+
+    def sim(r: dict[str, Any] | None, frac: Any) -> str:
+        # the simulated ceiling (_sim_ceiling): its step, or the share of it a run reached (sim / measured step)
+        if not r or "sim_ms" not in r:
+            return "—"
+        return f"{r['sim_ms']:.1f}" if frac is None else f"{r['sim_ms'] / r['step_ms']:.3f}"
 
     for (gpus, sched, case), e in by.items():
         t, p = e.get("torch"), e.get("pipeloom")
@@ -778,7 +859,8 @@ def table(path: str) -> str:
             spread = f"{rr[0]:.3f}-{rr[-1]:.3f}"
         out.append(f"| {gpus} | {sched} | {case} | {f(t,'step_ms','%.1f')} | {f(p,'step_ms','%.1f')} | {ratio} | {spread} | "
                    f"{f(t,'efficiency','%.3f')} | {f(p,'efficiency','%.3f')} | {f(p or t,'ceiling','%.3f') if (p or t) and 'ceiling' in (p or t) else '—'} | "
-                   f"{f(p,'vs_ceiling','%.3f') if p and 'vs_ceiling' in p else '—'} | {f(t,'peak_gib','%.2f')} | {f(p,'peak_gib','%.2f')} | "
+                   f"{f(p,'vs_ceiling','%.3f') if p and 'vs_ceiling' in p else '—'} | {sim(p or t, None)} | {sim(t, 1)} | {sim(p, 1)} | "
+                   f"{f(t,'peak_gib','%.2f')} | {f(p,'peak_gib','%.2f')} | "
                    f"{beside(p)} |")
     prof = [r for r in rows if r.get("gaps_by_rank")]
     if prof:
