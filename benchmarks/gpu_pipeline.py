@@ -25,8 +25,8 @@ sequence 1024 both).  Each row also reports the schedule's bubble ceiling
 (1F1B/GPipe: m/(m+p-1) of the compute floor) and ``vs_ceiling``, and the
 schedule's *simulated* ceiling: its action lists run by
 ``pipeloom.schedules.simulate`` with each stage's measured device time of F, B
-and I (W = B - I; CUDA events, same modules and inputs as the floor), free
-transfers and no host (``sim_ms``; ``vs_sim`` = sim_ms / step: the share of
+and I (W = B - I; CUDA events, the stream asleep while the host launches, same
+modules and inputs as the floor), free transfers and no host (``sim_ms``; ``vs_sim`` = sim_ms / step: the share of
 the schedule's own ideal a run reached, for the unbalanced stages and the
 multi-stage lists the formula does not fit).
 
@@ -209,14 +209,34 @@ def _stages_of(name: str, rank: int, world: int, spr: int) -> list[int]:
     return [rank + k * world for k in range(spr)]
 
 
-def _stage_costs(mods: dict[int, Any], args: argparse.Namespace, seqs: list[int], last: int) -> dict[int, dict[str, float]]:
+def _stage_costs(mods: dict[int, Any], args: argparse.Namespace, seqs: list[int], last: int) -> tuple[dict[int, dict[str, float]], bool]:
     """Per stage of this rank, the device time (ms, median over microbatches) of F, B and I, timed with CUDA
     events on the same modules and inputs as :func:`_floor`; W is taken as B - I (the weight half of a
     full backward).  The last stage's F includes the loss (as in both runtimes).  Stage 0 has no input
-    gradient: its I is 0 and its W the whole backward, as in pipeloom's split."""
+    gradient: its I is 0 and its W the whole backward, as in pipeloom's split.
+
+    Device time, not the host's: before each timed launch the stream sleeps (``torch.cuda._sleep``) for
+    ``PAD_MS``, so the launch lands in the sleep's shadow and the event pair spans the kernels alone (a
+    host-bound action would otherwise be timed at the host's pace).  Without ``_sleep`` the times are
+    the eager loop's (``padded`` False in the row)."""
     import torch
 
     gpt = args.model == "gpt"
+    sleep = getattr(torch.cuda, "_sleep", None)
+    cycles = 0
+    if sleep is not None:
+        sleep(1_000_000)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        sleep(2_000_000)
+        b.record()
+        b.synchronize()
+        ms = a.elapsed_time(b)
+        cycles = int(2_000_000 / ms * _PAD_MS) if ms > 0 else 0
+
+    def pad() -> None:
+        if cycles:
+            sleep(cycles)
 
     def fwd(s: int, m: Any, t: int) -> tuple[Any, Any, Any]:
         if gpt and s == 0:
@@ -236,30 +256,39 @@ def _stage_costs(mods: dict[int, Any], args: argparse.Namespace, seqs: list[int]
         for rep in range(2):  # the first pass warms up
             pend = []
             for t in seqs:
-                e = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
+                e = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
+                pad()
                 e[0].record()
                 x, root, g = fwd(s, m, t)
                 e[1].record()
-                torch.autograd.backward(root, g)
+                pad()
                 e[2].record()
-                x, root, g = fwd(s, m, t)
+                torch.autograd.backward(root, g)
                 e[3].record()
+                x, root, g = fwd(s, m, t)
+                pad()
+                e[4].record()
                 if x.requires_grad:
                     torch.autograd.grad(root, [x], g)
-                e[4].record()
+                e[5].record()
                 pend.append(e)
                 del x, root, g
             torch.cuda.synchronize()
             if rep:
                 for e in pend:
                     spans["F"].append(e[0].elapsed_time(e[1]))
-                    spans["B"].append(e[1].elapsed_time(e[2]))
-                    spans["I"].append(e[3].elapsed_time(e[4]))
+                    spans["B"].append(e[2].elapsed_time(e[3]))
+                    spans["I"].append(e[4].elapsed_time(e[5]))
         m.zero_grad(set_to_none=True)
         c = {k: statistics.median(v) for k, v in spans.items()}
         c["W"] = max(c["B"] - c["I"], 0.0)
         out[s] = c
-    return out
+    return out, bool(cycles)
+
+
+#: _stage_costs: how long the stream sleeps before each timed launch (longer than any action's host launch
+#: here: the GPT's slowest, the last stage's backward, takes the host about 6 ms)
+_PAD_MS = 12.0
 
 
 def _sim_ceiling(name: str, n: int, world: int, costs: dict[int, dict[str, float]]) -> dict[str, Any]:
@@ -558,7 +587,8 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
     ceiling = _ceiling(name, n, world)
     every_cost: list[Any] = [None] * world
     dist.all_gather_object(every_cost, _stage_costs(mods, args, seqs, num_stages - 1))
-    sim = _sim_ceiling(name, n, world, {s: c for part in every_cost for s, c in part.items()})
+    sim = _sim_ceiling(name, n, world, {s: c for part, _ in every_cost for s, c in part.items()})
+    sim["padded"] = all(p for _, p in every_cost)
     model_name = f"gpt-{args.size}" if gpt else "transformer"
 
     def host_profile(engine: str, fn: Any) -> None:
