@@ -33,6 +33,7 @@ _RUNTIME_NAMES = (
     "split_by_fqn",
     "split_by_tracing",
     "stage_fn_from_pipe",
+    "verify_split",
     "wait_checkpoints",
 )
 

@@ -10,6 +10,7 @@ from .expert_parallel import StageContext
 from .options import RuntimeOptions
 from .pipeline import Microbatches, Pipeline, split_microbatches
 from .split import split_by_fqn
+from .split_check import verify_split
 from .traced_split import split_by_tracing, stage_fn_from_pipe
 
 __all__ = [
@@ -34,5 +35,6 @@ __all__ = [
     "split_by_fqn",
     "split_by_tracing",
     "stage_fn_from_pipe",
+    "verify_split",
     "wait_checkpoints",
 ]
