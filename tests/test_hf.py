@@ -144,13 +144,20 @@ def test_tied_embeddings_across_stages_are_refused_with_the_fix() -> None:
     stage_fn_for_causal_lm(model, num_stages=1)  # one stage holds both: fine
 
 
-def _tiny(config_cls: str, model_cls: str, **extra: Any) -> torch.nn.Module:
-    """A tiny float64 model of any transformers family (the config's own defaults beside the sizes)."""
+def _tiny_config(config_cls: str, **extra: Any) -> Any:
+    """The config of :func:`_tiny`'s models."""
     import transformers
 
     kw: dict[str, Any] = dict(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
                               num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    cfg = getattr(transformers, config_cls)(**{**kw, **extra})
+    return getattr(transformers, config_cls)(**{**kw, **extra})
+
+
+def _tiny(config_cls: str, model_cls: str, **extra: Any) -> torch.nn.Module:
+    """A tiny float64 model of any transformers family (the config's own defaults beside the sizes)."""
+    import transformers
+
+    cfg = _tiny_config(config_cls, **extra)
     torch.manual_seed(0)
     return getattr(transformers, model_cls)(cfg).to(torch.float64)
 
@@ -249,6 +256,111 @@ def test_layer_kinds_by_list_position_compose_with_the_other_layers_kept_in_plac
     assert "on another pipeline stage" in repr(absent)
     with pytest.raises(AttributeError, match=rf"decoder layer {splits[0]} is on another pipeline stage.*'self_attn'"):
         absent.self_attn
+
+
+def _qwen2_with_tuple_layers(**extra: Any) -> torch.nn.Module:
+    """A tiny float64 Qwen2 in the transformers 4.x style, built from the installed 5.x classes: each decoder layer
+    returns a tuple ``(hidden_states,)`` and the base model takes ``[0]`` of it (4.x's ``layer_outputs[0]``); the
+    rest is Qwen2's own (its config and ``base_model_pp_plan``, attention kinds by list position,
+    ``config.layer_types[i]``), so ``stage_fn_for_causal_lm`` treats it as Qwen2."""
+    from transformers.cache_utils import DynamicCache
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+    from transformers.models.qwen2 import modeling_qwen2 as qwen2
+
+    class TupleQwen2DecoderLayer(qwen2.Qwen2DecoderLayer):
+        def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor]:
+            return (super().forward(*args, **kwargs),)
+
+    class TupleQwen2Model(qwen2.Qwen2Model):
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.layers = torch.nn.ModuleList(TupleQwen2DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+
+        def forward(self, input_ids: Any = None, attention_mask: Any = None, position_ids: Any = None, cache: Any = None,
+                    inputs_embeds: Any = None, use_cache: Any = None, **kwargs: Any) -> Any:
+            # transformers 5.24's Qwen2Model.forward (its decorators left out), but for the [0] on each layer's output
+            if (input_ids is None) ^ (inputs_embeds is not None):
+                raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+            if inputs_embeds is None:
+                inputs_embeds = self.embed_tokens(input_ids)
+            if use_cache and cache is None:
+                cache = DynamicCache(config=self.config)
+            if position_ids is None:
+                past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+                position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens).unsqueeze(0)
+            if not isinstance(causal_mask_mapping := attention_mask, dict):
+                mask_kwargs = {"config": self.config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
+                               "cache": cache, "position_ids": position_ids}
+                causal_mask_mapping = {"full_attention": create_causal_mask(**mask_kwargs)}
+                if self.has_sliding_layers:
+                    causal_mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+            hidden_states = inputs_embeds
+            position_embeddings = self.rotary_emb(hidden_states, position_ids)
+            for i, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+                hidden_states = decoder_layer(
+                    hidden_states, attention_mask=causal_mask_mapping[self.config.layer_types[i]],
+                    position_embeddings=position_embeddings, position_ids=position_ids, cache=cache, use_cache=use_cache,
+                    **kwargs,
+                )[0]  # (the 4.x style)
+            hidden_states = self.norm(hidden_states)
+            return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
+
+    class TupleQwen2ForCausalLM(qwen2.Qwen2ForCausalLM):
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.model = TupleQwen2Model(config)
+
+    cfg = _tiny_config("Qwen2Config", **extra)
+    torch.manual_seed(0)
+    return TupleQwen2ForCausalLM(cfg).to(torch.float64)
+
+
+def test_the_aligned_split_of_a_model_whose_layers_return_tuples_passes_tuples(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers 4.x decoder layers return ``(hidden_states, ...)`` and the model's forward takes ``[0]``; the
+    aligned split's pass-throughs must return the same (they are told so by the check, which watches the small
+    model's first layer).  On a Qwen2 made in that style: the aligned split is taken, with tuples; its pass-throughs
+    return ``(hidden_states,)``; the chained stages equal the model exactly (logits, every gradient, float64, a padded
+    row, a sequence past the window); and the same stages with pass-throughs that return the bare tensor do not."""
+    from pipeloom.hf import _AbsentLayer
+
+    model = _qwen2_with_tuple_layers(use_sliding_window=True, sliding_window=3, max_window_layers=2).eval()
+    assert model.config.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
+    ids = torch.randint(3, 40, (3, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[-1, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    outputs: list[Any] = []
+    hook = model.model.layers[0].register_forward_hook(lambda m, a, o: outputs.append(o))
+    with torch.no_grad():
+        model(ids, attention_mask=mask, use_cache=False)
+    hook.remove()
+    assert isinstance(outputs[0], tuple) and len(outputs[0]) == 1  # (the style, for real)
+    splits = [1, 2, 1]  # (the middle stage has pass-throughs on both sides)
+    stage_fn, loss_fn = stage_fn_for_causal_lm(model, layer_splits=splits)
+    assert stage_fn.aligned is not None  # type: ignore[attr-defined]
+    layer_list, attrs, tuple_output = stage_fn.aligned  # type: ignore[attr-defined]
+    assert (layer_list, len(attrs), tuple_output) == ("model.layers", 4, True)
+    stages = [stage_fn(i) for i in range(len(splits))]
+    kinds = [[type(lay).__name__ for lay in st.model.layers] for st in stages]
+    assert kinds == [["TupleQwen2DecoderLayer", "_AbsentLayer", "_AbsentLayer", "_AbsentLayer"],
+                     ["_AbsentLayer", "TupleQwen2DecoderLayer", "TupleQwen2DecoderLayer", "_AbsentLayer"],
+                     ["_AbsentLayer", "_AbsentLayer", "_AbsentLayer", "TupleQwen2DecoderLayer"]]
+    h = torch.randn(3, 10, 16, dtype=torch.float64)
+    for got in (stages[1].model.layers[3](h, attention_mask=None), stages[1].model.layers[0](hidden_states=h)):
+        assert isinstance(got, tuple) and len(got) == 1 and got[0] is h
+    _assert_stages_are_the_model(model, stages, loss_fn, ids, labels, mask)
+
+    # the control: the same split with pass-throughs that return the bare tensor, as for 5.x layers, is another model:
+    # the forward's [0] takes the first batch row of what a pass-through returns (then that row's first token, ...),
+    # and on stage 0, after three pass-throughs, the head is handed a 0-d tensor
+    assert _AbsentLayer(1, {}, tuple_output=False)(h) is h
+    monkeypatch.setattr(stage_fn, "aligned", (layer_list, attrs, False))
+    bare = [stage_fn(i) for i in range(len(splits))]
+    assert [type(lay).__name__ for st in bare for lay in st.model.layers] == sum(kinds, [])
+    assert stages[0].model.layers[1](h)[0] is h and bare[0].model.layers[1](h)[0].shape == (10, 16)
+    with torch.no_grad(), pytest.raises(IndexError, match="too many indices for tensor of dimension 0"):
+        _chain(bare, ids, attention_mask=mask)
 
 
 def test_a_dropout_outside_the_layers_on_every_stage_is_refused() -> None:
