@@ -201,7 +201,10 @@ def stage_names_for_causal_lm(
 
 
 class _CausalLMInputs:
-    """Forward pre-hook: ``use_cache=False`` everywhere; later stages take hidden states as ``inputs_embeds``."""
+    """Forward pre-hook: ``use_cache=False`` everywhere; later stages take hidden states as ``inputs_embeds``.
+    (A pure mapping of the call's arguments: ``RuntimeOptions.cuda_graphs`` captures it with the module.)"""
+
+    _pipeloom_graph_safe = True
 
     def __init__(self, index: int) -> None:
         self.index = index

@@ -48,7 +48,8 @@ another call order of the names, which a ``**kwargs`` forward may see: eager).
 A module must not write into a keyword tensor in place (eagerly the caller's
 tensor would change; replayed, the graph's own copy).  A stage that cannot be
 captured (host synchronisation inside, a data-dependent shape, outputs that are
-not tensors, module hooks, which a replay would skip) runs eagerly with a
+not tensors, module hooks, which a replay would skip, other than pipeloom's own
+pure ones marked ``GRAPH_SAFE_HOOK``) runs eagerly with a
 one-time warning naming the stage and the reason.  Parameters whose storage moved
 (replaced, not updated in place) drop the stage's graphs; they are captured again
 after the next step.
@@ -186,10 +187,22 @@ def _unflatten(kind: str, outs: tuple[torch.Tensor, ...]) -> Any:
     return outs if kind == "tuple" else list(outs)
 
 
+#: The attribute that marks a forward (pre-)hook as part of what the module computes: a pure function of the call's
+#: arguments or output, with no side effects and no state (pipeloom's own: ``split_by_fqn``'s output reducer, the
+#: Hugging Face stages' input mapping).  Capture runs the module through ``__call__``, hooks included, so such a
+#: hook's work is in the graph; any other hook would be skipped by a replay, and keeps the stage eager.
+GRAPH_SAFE_HOOK = "_pipeloom_graph_safe"
+
+
+def _graph_safe(hook: Any) -> bool:
+    return getattr(hook, GRAPH_SAFE_HOOK, False) is True
+
+
 def _foreign_hooks(module: nn.Module, ours: set[int]) -> str | None:
     for name, m in module.named_modules():
-        pre = [h for h in m._forward_pre_hooks.values() if id(getattr(h, "__func__", h)) not in ours]
-        if pre or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks:
+        pre = [h for h in m._forward_pre_hooks.values() if id(getattr(h, "__func__", h)) not in ours and not _graph_safe(h)]
+        post = [h for h in m._forward_hooks.values() if not _graph_safe(h)]
+        if pre or post or m._backward_hooks or m._backward_pre_hooks:
             return f"module {name or type(module).__name__!r} has hooks (a replay would not run them)"
     return None
 

@@ -477,7 +477,10 @@ def _default_device() -> torch.device:
 
 
 class _OutputReducer:
-    """Forward hook: a stage's mapping/dataclass output becomes the tensor it hands on."""
+    """Forward hook: a stage's mapping/dataclass output becomes the tensor it hands on (a pure function of the
+    output: ``RuntimeOptions.cuda_graphs`` captures it with the module)."""
+
+    _pipeloom_graph_safe = True
 
     def __init__(self, field: str | None, index: int) -> None:
         self.field, self.index = field, index

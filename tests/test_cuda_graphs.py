@@ -493,6 +493,106 @@ def test_hooks_and_host_syncs_keep_the_stage_eager_with_a_warning() -> None:
     torch.testing.assert_close(outs[0], x)
 
 
+def test_only_pipeloom_s_pure_hooks_are_captured_with_the_module() -> None:
+    """split_by_fqn's output reducer (marked graph-safe) does not keep a stage eager; any other forward hook or
+    pre-hook does, and so does a hook that merely looks like ours (the mark must be True)."""
+    from pipeloom.runtime.cuda_graphs import GRAPH_SAFE_HOOK, _foreign_hooks
+    from pipeloom.runtime.split import _OutputReducer
+
+    m = nn.Sequential(nn.Linear(2, 2))
+    m.register_forward_hook(_OutputReducer(None, 0))
+    assert _foreign_hooks(m, set()) is None
+
+    class Fake:
+        def __call__(self, *a: Any) -> None:
+            return None
+
+    fake = Fake()
+    setattr(fake, GRAPH_SAFE_HOOK, "yes")  # (not True)
+    h = m[0].register_forward_pre_hook(fake)
+    assert "module '0' has hooks" in (_foreign_hooks(m, set()) or "")
+    h.remove()
+    m.register_forward_hook(lambda mod, i, o: None)
+    assert "has hooks" in (_foreign_hooks(m, set()) or "")
+
+
+class _DictOut(nn.Module):
+    """A torchtitan-style model (``placeholder=None`` forward) whose forward returns a mapping, so a split stage
+    hands its tensor on through split_by_fqn's output reducer (a forward hook)."""
+
+    def __init__(self, dim: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        if self.norm is not None:
+            x = self.norm(x)
+        return {"hidden": x}
+
+
+def _stage_pair(stage: nn.Module, twin: nn.Module, slots: int) -> tuple[StageExecutor, StageExecutor, torch.device]:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ref_m, got_m = stage.to(dev).double(), twin.to(dev).double()
+    got_m.load_state_dict(ref_m.state_dict())
+    ref = StageExecutor(1, ref_m, is_last=False, loss_fn=None, grad_scale=1.0)
+    got = StageExecutor(1, got_m, is_last=False, loss_fn=None, grad_scale=1.0)
+    got.graphs = StageGraphs(1, got_m, slots, dev)
+    return ref, got, dev
+
+
+def _graphed_equals_eager(ref: StageExecutor, got: StageExecutor, dev: torch.device, shape: tuple[int, ...]) -> None:
+    """Warm-up step, capture, then 1F1B's order on two slots: replayed outputs, input and parameter gradients
+    equal eager autograd in float64."""
+    xs = {m: torch.randn(*shape, device=dev, dtype=torch.float64) for m in range(5)}
+    gs = {m: torch.randn(*shape, device=dev, dtype=torch.float64) for m in range(5)}
+    _run(ref, [("F", 0), ("B", 0)], xs, gs)
+    _run(got, [("F", 0), ("B", 0)], xs, gs)
+    assert got.graphs.wants_capture()
+    got.graphs.capture()
+    assert got.graphs.disabled is None and len(got.graphs.slots) == 2
+    _zero_grads(ref, got)
+    order = [("F", 1), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("F", 4), ("B", 3), ("B", 4)]
+    want, have = _run(ref, order, xs, gs), _run(got, order, xs, gs)
+    assert got.graphs.replays == 4
+    for m in want:
+        torch.testing.assert_close(have[m][0], want[m][0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(have[m][1], want[m][1], rtol=1e-12, atol=1e-12)
+    _same_grads(ref.module, got.module, rtol=1e-12, atol=1e-12)
+
+
+@cuda
+def test_a_split_by_fqn_stage_is_captured_with_its_output_reducer() -> None:
+    """Before, every split_by_fqn stage but the last (which carries the output reducer hook) stayed eager under
+    cuda_graphs; the reducer is now part of the captured forward, and the replay equals eager."""
+    from pipeloom.runtime.split import split_by_fqn
+
+    torch.manual_seed(0)
+    fn = split_by_fqn(_DictOut(), [["layers.0", "layers.1"], ["layers.2", "layers.3", "norm"]])
+    ref, got, dev = _stage_pair(fn(0), fn(0), slots=2)
+    assert got.module._forward_hooks  # (the reducer is there)
+    _graphed_equals_eager(ref, got, dev, (3, 16))
+
+
+@cuda
+def test_a_hugging_face_middle_stage_is_captured() -> None:
+    """A Hugging Face decoder's middle stage from ``stage_fn_for_causal_lm`` (its input hook maps the hidden states
+    to ``inputs_embeds``; its output reducer takes the last hidden state): captured, and the replay equals eager
+    in float64 (outputs, input gradients, every parameter's gradient)."""
+    transformers = pytest.importorskip("transformers")
+    from pipeloom.hf import stage_fn_for_causal_lm
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    stage_fn, _ = stage_fn_for_causal_lm(model, num_stages=3, device="cpu")
+    ref, got, dev = _stage_pair(stage_fn(1), stage_fn(1), slots=2)
+    _graphed_equals_eager(ref, got, dev, (2, 8, 32))
+
+
 @cuda
 def test_a_capture_that_fails_half_way_leaves_the_process_usable() -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
