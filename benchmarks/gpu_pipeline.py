@@ -239,10 +239,7 @@ def _stage_costs(mods: dict[int, Any], args: argparse.Namespace, seqs: list[int]
             sleep(cycles)
 
     def fwd(s: int, m: Any, t: int) -> tuple[Any, Any, Any]:
-        if gpt and s == 0:
-            x = torch.randint(0, args.vocab, (args.mbsize, t), device="cuda")
-        else:
-            x = torch.randn(args.mbsize, t, args.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=s != 0)
+        x = _stage_input(args, s, t)
         out = m(x)
         if s == last:
             tgt = torch.zeros(out.shape[:-1], dtype=torch.long, device="cuda")
@@ -402,6 +399,16 @@ def _reduce_max(x: float) -> float:
     return float(t.item())
 
 
+def _stage_input(args: argparse.Namespace, stage: int, t: int) -> Any:
+    """A microbatch of ``t`` positions as stage ``stage`` takes it: token ids on the GPT's first stage, else bf16
+    hidden states (needing a gradient past the first stage)."""
+    import torch
+
+    if args.model == "gpt" and stage == 0:
+        return torch.randint(0, args.vocab, (args.mbsize, t), device="cuda")
+    return torch.randn(args.mbsize, t, args.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=stage != 0)
+
+
 def _floor(mods: dict[int, Any], args: argparse.Namespace, seqs: list[int], last: int) -> float:
     """Forward+backward of this rank's stages for every microbatch, no communication."""
     import torch
@@ -411,11 +418,7 @@ def _floor(mods: dict[int, Any], args: argparse.Namespace, seqs: list[int], last
     def once() -> None:
         for t in seqs:
             for s, m in sorted(mods.items()):
-                if gpt and s == 0:
-                    x = torch.randint(0, args.vocab, (args.mbsize, t), device="cuda")
-                else:
-                    x = torch.randn(args.mbsize, t, args.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=s != 0)
-                out = m(x)
+                out = m(_stage_input(args, s, t))
                 if s == last:
                     if gpt:
                         _gpt_loss(out, torch.zeros(out.shape[:-1], dtype=torch.long, device="cuda")).backward()

@@ -543,6 +543,14 @@ def _stage_pair(stage: nn.Module, twin: nn.Module, slots: int) -> tuple[StageExe
     return ref, got, dev
 
 
+def _same_run(want: dict[int, tuple], have: dict[int, tuple], ref: StageExecutor, got: StageExecutor) -> None:
+    """Per microbatch the output and the input gradient, then every parameter's gradient: ``got`` against ``ref``."""
+    for m in want:
+        torch.testing.assert_close(have[m][0], want[m][0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(have[m][1], want[m][1], rtol=1e-12, atol=1e-12)
+    _same_grads(ref.module, got.module, rtol=1e-12, atol=1e-12)
+
+
 def _graphed_equals_eager(ref: StageExecutor, got: StageExecutor, dev: torch.device, shape: tuple[int, ...]) -> None:
     """Warm-up step, capture, then 1F1B's order on two slots: replayed outputs, input and parameter gradients
     equal eager autograd in float64."""
@@ -557,10 +565,7 @@ def _graphed_equals_eager(ref: StageExecutor, got: StageExecutor, dev: torch.dev
     order = [("F", 1), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("F", 4), ("B", 3), ("B", 4)]
     want, have = _run(ref, order, xs, gs), _run(got, order, xs, gs)
     assert got.graphs.replays == 4
-    for m in want:
-        torch.testing.assert_close(have[m][0], want[m][0], rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(have[m][1], want[m][1], rtol=1e-12, atol=1e-12)
-    _same_grads(ref.module, got.module, rtol=1e-12, atol=1e-12)
+    _same_run(want, have, ref, got)
 
 
 @cuda
@@ -603,10 +608,7 @@ def test_a_hugging_face_middle_stage_gets_past_the_hooks_and_stays_exact() -> No
     order = [("F", 1), ("F", 2), ("B", 1), ("B", 2)]
     want, have = _run(ref, order, xs, gs), _run(got, order, xs, gs)
     assert got.graphs.replays == 0
-    for m in want:
-        torch.testing.assert_close(have[m][0], want[m][0], rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(have[m][1], want[m][1], rtol=1e-12, atol=1e-12)
-    _same_grads(ref.module, got.module, rtol=1e-12, atol=1e-12)
+    _same_run(want, have, ref, got)
 
 
 @cuda
