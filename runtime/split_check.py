@@ -67,14 +67,19 @@ def verify_split(
       both, every parameter's gradient, by name (``split_by_fqn`` and torch's
       tracer keep the model's parameter names on the stages).  A gradient that
       differs, or is missing on the stage that holds the parameter where the
-      model's is not zero, or is there where the model has none, is refused.
+      model's is not zero, or is there where the model has none, is refused;
+      so is a parameter no stage holds whose gradient in the model is not zero
+      (a module left out with ``allow_unassigned=True`` that the model trains).
 
-    Each value must agree to ``rtol`` of its scale: ``max |got - want| <=
-    rtol * max(1, max |want|)``.  Before running, every stage's parameters
+    Each element must agree to ``rtol`` of its own size: ``|got - want| <=
+    rtol * (|want| + rms)``, ``rms`` = max(1, the root mean square of the
+    reference tensor), so one large value does not loosen the others.  A
+    reference that is not finite (NaN, inf) cannot be compared and is
+    refused; so is an output with no tensor in it.  Before running, every stage's parameters
     must equal the model's of the same name (a ``stage_fn`` built from another
     model, or from a factory that does not seed itself, is refused as such).
 
-    Random state: the caller's is forked and left as it was; the same seed is
+    Random state: the caller's (every CUDA device's too, once CUDA is up) is forked and left as it was; the same seed is
     set before the model's run and before the stages', so dropout draws alike
     when ``train=True`` (which runs both in training mode; the default runs
     both in eval mode).  Nothing of the caller's is modified: the model and
@@ -106,7 +111,7 @@ def verify_split(
             be passed through).
         target, loss_fn: the last stage's loss, as in ``Pipeline``; given
             together, they add the loss and gradient comparisons.
-        rtol: the tolerance, relative to each value's scale ``max(1, max |reference|)``.
+        rtol: the tolerance, relative to each value's size (above).
         train: run in training mode (dropout, batch statistics) rather than
             eval mode.
         num_stages: how many stages to chain; default ``stage_fn.num_stages``
@@ -139,9 +144,12 @@ def verify_split(
     field = getattr(stage_fn, "output_field", None)
     devices = sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers(), *_tensors(args), *_tensors(kwargs))
                       if t.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
-        want_out, want_loss, want_grads = _run_whole(model, args, kwargs, target, loss_fn, train, field)
-        stages, got_out, got_loss = _run_stages(model, stage_fn, n, args, kwargs, target, loss_fn, train)
+    # (every CUDA device's generator is forked once CUDA is up: the seeding below touches only the devices in use,
+    # but a stage may draw on another)
+    forked = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else devices
+    with torch.random.fork_rng(devices=forked):
+        want_out, want_loss, want_grads = _run_whole(model, args, kwargs, target, loss_fn, train, field, devices)
+        stages, got_out, got_loss = _run_stages(model, stage_fn, n, args, kwargs, target, loss_fn, train, devices)
 
     if field is not None:
         want_out = reduce_output(want_out, field)  # what the last stage returns (output_field applies to it too)
@@ -151,11 +159,11 @@ def verify_split(
     if loss_fn is None:
         return
     assert got_loss is not None and want_loss is not None
-    diff, scale = _diff(got_loss, want_loss)
+    diff, scale, off = _diff(got_loss, want_loss, "loss")
     if not diff <= rtol * scale:
         raise PipelineConfigError(
             f"verify_split: the chained stages' loss {float(got_loss):.6g} differs from the whole model's "
-            f"{float(want_loss):.6g} (by {diff:.3g}, scale {scale:.3g}, rtol {rtol:g}) although their outputs agree: "
+            f"{float(want_loss):.6g} (by {off:.3g}, rtol {rtol:g}) although their outputs agree: "
             "loss_fn gives different results on equal outputs (does it read something else, or draw random numbers?)"
         )
     _compare_grads(stages, want_grads, rtol)
@@ -198,6 +206,14 @@ def _fresh(value: Any) -> Any:
     return value
 
 
+def _seed(devices: list[int]) -> None:
+    """The same random state before each run: the CPU generator and the CUDA devices in use (``torch.manual_seed``
+    would also seed every other device, whose state the caller's fork does not restore before CUDA is up)."""
+    torch.random.default_generator.manual_seed(_SEED)
+    for d in devices:
+        torch.cuda.default_generators[d].manual_seed(_SEED)
+
+
 def _prepared(module: nn.Module, train: bool) -> nn.Module:
     module.train(train)
     for p in module.parameters():
@@ -206,12 +222,13 @@ def _prepared(module: nn.Module, train: bool) -> nn.Module:
 
 
 def _run_whole(
-    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, train: bool, field: str | None
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, train: bool, field: str | None,
+    devices: list[int],
 ) -> tuple[Any, torch.Tensor | None, dict[str, torch.Tensor | None]]:
     """(The whole model's output, its loss or None, each parameter name -> its gradient), on a copy."""
     whole = _prepared(copy.deepcopy(model), train)
     args, kwargs = _fresh(args), _fresh(kwargs)
-    torch.manual_seed(_SEED)
+    _seed(devices)
     if loss_fn is None:
         with torch.no_grad():
             return whole(*args, **kwargs), None, {}
@@ -236,18 +253,21 @@ def _stage_error(i: int, n: int, when: str, exc: BaseException) -> PipelineConfi
 
 def _run_stages(
     model: nn.Module, stage_fn: Callable[[int], nn.Module], n: int, args: tuple[Any, ...], kwargs: dict[str, Any],
-    target: Any, loss_fn: Any, train: bool,
+    target: Any, loss_fn: Any, train: bool, devices: list[int],
 ) -> tuple[list[nn.Module], Any, torch.Tensor | None]:
     """(The stage modules, the last stage's output, the loss or None), chained as the runtime chains them."""
     fresh = isinstance(stage_fn, _FqnStageFn)  # builds a new copy on every call: nothing of the caller's to protect
     reference = dict(model.named_parameters(remove_duplicate=False))
     modules: list[nn.Module] = []
     executors: list[StageExecutor] = []
-    for i in range(n):
-        m = stage_fn(i)
+    built = [stage_fn(i) for i in range(n)]
+    for i, m in enumerate(built):
         if not isinstance(m, nn.Module):
             raise PipelineConfigError(f"verify_split: stage_fn({i}) returned {type(m).__name__}, not an nn.Module")
-        m = _prepared(m if fresh else copy.deepcopy(m), train)
+    if not fresh:  # one copy of them all: a weight two stages share (tied across a V schedule's ends) stays shared
+        built = copy.deepcopy(built)
+    for i, m in enumerate(built):
+        m = _prepared(m, train)
         _check_weights(i, m, reference, type(model).__name__)
         modules.append(m)
         executors.append(StageExecutor(i, m, is_last=i == n - 1, loss_fn=loss_fn, grad_scale=1.0))
@@ -256,7 +276,7 @@ def _run_stages(
     kwargs = _fresh(kwargs)
     out: Any = None
     loss = None
-    torch.manual_seed(_SEED)
+    _seed(devices)
     for i, ex in enumerate(executors):
         try:
             outputs, out, loss = ex.forward(0, inputs, kwargs, target if i == n - 1 else None, train=grad)
@@ -284,7 +304,7 @@ def _check_weights(i: int, stage: nn.Module, reference: dict[str, nn.Parameter],
                 f"verify_split: stage {i} holds a parameter {name!r} that {model_name} has not; gradients are compared "
                 "by name, so a stage must keep the model's parameter names (split_by_fqn and torch's tracer do)"
             )
-        if p.shape != want.shape or not torch.equal(p.detach().to(want.device), want.detach()):
+        if p.shape != want.shape or not _same_values(p.detach().to(want.device), want.detach()):
             how = f"shape {tuple(p.shape)} against {tuple(want.shape)}" if p.shape != want.shape else "other values"
             raise PipelineConfigError(
                 f"verify_split: stage {i}'s {name!r} is not the model's ({how}): the stages do not hold this model's "
@@ -293,16 +313,29 @@ def _check_weights(i: int, stage: nn.Module, reference: dict[str, nn.Parameter],
             )
 
 
-def _diff(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
-    """(max |got - want|, the scale max(1, max |want|)), in float64; nan where they differ in NaN/inf."""
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+
+
+def _diff(got: torch.Tensor, want: torch.Tensor, what: str = "") -> tuple[float, float, float]:
+    """(how far ``got`` is from ``want``, the scale it is measured against), in float64: the largest
+    ``|got - want| / (1 + |want| / rms)`` and ``rms`` = max(1, root mean square of ``want``), so that each
+    element is held to its own size (one large value does not loosen the others) and small ones to the
+    tensor's typical size.  ``got`` within ``rtol`` of ``want`` where ``diff <= rtol * scale``.  Third: the
+    largest plain ``|got - want|`` (for messages).  A reference that is not finite cannot be compared: refused
+    (``what`` names it)."""
     if want.numel() == 0:
-        return 0.0, 1.0
+        return 0.0, 1.0, 0.0
     g, w = got.detach().to(device=want.device, dtype=torch.float64), want.detach().to(torch.float64)
-    same = (g == w) | (torch.isnan(g) & torch.isnan(w))  # (equal infinities, and NaN where the model has NaN, agree)
-    d = torch.where(same, torch.zeros_like(g), (g - w).abs())
-    finite = w[torch.isfinite(w)]
-    scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
-    return float(d.max()), scale
+    if not bool(torch.isfinite(w).all()):
+        raise PipelineConfigError(
+            f"verify_split: the whole model's {what or 'result'} holds NaN or infinite values, so the split cannot be "
+            "checked against it: run the check on inputs (and a small configuration) where the model is finite"
+        )
+    rms = max(1.0, float(w.pow(2).mean().sqrt()))
+    a = (g - w).abs()
+    a = torch.where(torch.isnan(a), torch.full_like(a, float("inf")), a)  # (a NaN where the model is finite: off)
+    return float((a / (1.0 + w.abs() / rms)).max()), rms, float(a.max())
 
 
 def _leaves(value: Any, path: str) -> Iterator[tuple[str, Any]]:
@@ -322,6 +355,12 @@ def _leaves(value: Any, path: str) -> Iterator[tuple[str, Any]]:
 
 def _compare_outputs(got: Any, want: Any, rtol: float) -> None:
     got_leaves, want_leaves = dict(_leaves(got, "output")), dict(_leaves(want, "output"))
+    if not want_leaves:
+        raise PipelineConfigError(
+            f"verify_split: the whole model returns a {type(want).__name__} with no tensor that verify_split can find "
+            "(it walks tensors, tuples, lists, mappings and dataclasses), so nothing could be compared: pass a "
+            "loss_fn and target to compare the loss and gradients, or give the model an output of those kinds"
+        )
     if got_leaves.keys() != want_leaves.keys():
         raise PipelineConfigError(
             f"verify_split: the last stage returns {_shape_of(got_leaves)} where the whole model returns "
@@ -334,11 +373,11 @@ def _compare_outputs(got: Any, want: Any, rtol: float) -> None:
                 f"verify_split: the chained stages' {path} has shape {tuple(g.shape)} where the whole model's has "
                 f"{tuple(w.shape)}. " + _CAUSE
             )
-        diff, scale = _diff(g, w)
+        diff, scale, off = _diff(g, w, path)
         if not diff <= rtol * scale:
             raise PipelineConfigError(
-                f"verify_split: the chained stages' {path} differs from the whole model's by up to {diff:.3g} "
-                f"(scale {scale:.3g}, allowed {rtol * scale:.3g}). " + _CAUSE
+                f"verify_split: the chained stages' {path} differs from the whole model's by up to {off:.3g} "
+                f"(its typical size {scale:.3g}; allowed rtol {rtol:g} of each value's size). " + _CAUSE
             )
 
 
@@ -366,17 +405,22 @@ def _compare_grads(stages: list[nn.Module], want: dict[str, torch.Tensor | None]
             if g is None or w is None:
                 present = w if g is None else g
                 assert present is not None
-                size, _ = _diff(present, torch.zeros_like(present))
+                size = float(present.detach().abs().max()) if present.numel() else 0.0
                 if size == 0.0:
                     continue  # (no gradient and a zero gradient are the same)
                 what = ("got no gradient, where the whole model's is up to " if g is None
                         else "got a gradient of up to ") + f"{size:.3g}" + (" where the whole model's has none" if w is None else "")
                 bad.append((float("inf"), f"{where} {what}"))
                 continue
-            diff, scale = _diff(g, w)
+            diff, scale, off = _diff(g, w, f"gradient of {name!r}")
             if not diff <= rtol * scale:
                 bad.append((diff / (rtol * scale) if rtol * scale > 0 else float("inf"),
-                            f"{where} differs by up to {diff:.3g} (scale {scale:.3g})"))
+                            f"{where} differs by up to {off:.3g} (typical size {scale:.3g})"))
+    for name, w in want.items():
+        # a parameter no stage holds (dropped with allow_unassigned=True) that the model trains: the stages lose it
+        if name not in holders and w is not None and w.numel() and float(w.detach().abs().max()) != 0.0:
+            bad.append((float("inf"), f"{name!r} is held by no stage, where the whole model's gradient is up to "
+                                      f"{float(w.detach().abs().max()):.3g}"))
     if not bad:
         return
     bad.sort(key=lambda b: -b[0])

@@ -11,6 +11,7 @@ are left as they were; a stage that raises is named.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -161,7 +162,7 @@ def test_an_embedding_scale_in_the_forward_is_refused() -> None:
         whole = model.eval()(x)
     off = float((chain(stage_fn, 2, x) - whole).abs().max())
     assert off > 1e-3  # (the final norm undoes much of it; the check allows 1e-5 of the scale)
-    with pytest.raises(PipelineConfigError, match=r"stages' output differs .* by up to [0-9.e+-]+ \(scale") as info:
+    with pytest.raises(PipelineConfigError, match=r"stages' output differs .* by up to [0-9.e+-]+ \(its typical size") as info:
         verify_split(model, stage_fn, x)
     assert "outside the modules a stage owns" in str(info.value)
     assert f"{off:.3g}" in str(info.value)
@@ -294,3 +295,148 @@ def test_bad_arguments_are_refused() -> None:
         with torch.device("meta"):
             meta = TitanLM()
         verify_split(meta, stage_fn, x)
+
+
+# ---------------------------------------------------------------- the review's cases (session Q)
+
+
+class _Adapter(nn.Module):
+    """Zero-initialised (LoRA-style): adds nothing at first, so outputs and loss agree without it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.Linear(DIM, DIM, bias=False)
+        self.up = nn.Linear(DIM, DIM, bias=False)
+        nn.init.zeros_(self.up.weight)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.up(self.down(h))
+
+
+class _AdapterLM(TitanLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.adapter = _Adapter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.embed is not None else x
+        for layer in self.layers:
+            h = layer(h)
+        if self.adapter is not None:
+            h = h + self.adapter(h)
+        h = self.norm(h) if self.norm is not None else h
+        return self.head(h) if self.head is not None else h
+
+
+def test_a_trained_parameter_that_no_stage_holds_is_refused() -> None:
+    """A module left to no stage (allow_unassigned=True) whose gradient in the whole model is not zero: outputs and
+    loss agree (it adds zero at initialisation), but the pipeline would never train it."""
+    model = build(_AdapterLM)
+    stage_fn = split_by_fqn(model, SPLITS[2], allow_unassigned=True)
+    x, y = batch()
+    verify_split(model, stage_fn, x)  # (the outputs agree: not what differs)
+    with pytest.raises(PipelineConfigError, match=r"'adapter.up.weight' is held by no stage"):
+        verify_split(model, stage_fn, x, target=y, loss_fn=lm_loss)
+
+
+class _Result:
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+
+class _OpaqueLM(TitanLM):
+    def forward(self, x: torch.Tensor) -> Any:
+        out = super().forward(x)
+        return _Result(out) if self.head is not None else out
+
+
+def test_an_output_with_no_tensor_to_compare_is_refused_not_passed() -> None:
+    model = build(_OpaqueLM)
+    stage_fn = split_by_fqn(model, SPLITS[2])
+    x, _ = batch()
+    with pytest.raises(PipelineConfigError, match=r"no tensor that verify_split can find"):
+        verify_split(model, stage_fn, x)
+
+
+class _OffsetNet(nn.Module):
+    """A root-forward offset (repeated on every stage) beside one huge output column."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, DIM)
+        with torch.no_grad():
+            self.head.bias[0] = 1e5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + 0.5
+        h = self.a(h) if self.a is not None else h
+        return self.head(h) if self.head is not None else h
+
+
+def test_one_large_value_does_not_loosen_the_others() -> None:
+    torch.manual_seed(0)
+    model = _OffsetNet()
+    x = torch.randn(4, DIM)
+    stage_fn = split_by_fqn(model, [["a"], ["head"]])
+    with torch.no_grad():
+        off = float((model(x) - model.head(model.a(x + 0.5) + 0.5))[:, 1:].abs().max())
+    assert off > 1e-2  # (the split's real error on the ordinary columns)
+    with pytest.raises(PipelineConfigError, match=r"output differs"):
+        verify_split(model, stage_fn, x)
+
+
+def test_a_model_that_is_not_finite_on_the_input_cannot_be_checked() -> None:
+    model = build()
+    stage_fn = split_by_fqn(model, SPLITS[2])
+    x, _ = batch()
+    with torch.no_grad():
+        model.head.bias[0] = float("nan")
+    with pytest.raises(PipelineConfigError, match=r"NaN or infinite"):
+        verify_split(model, stage_fn, x)
+
+
+class _TiedEnds(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.mid = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.mid(self.embed(x))) @ self.embed.weight.t()
+
+
+class _First(nn.Module):
+    def __init__(self, embed: nn.Embedding, mid: nn.Linear) -> None:
+        super().__init__()
+        self.embed, self.mid = embed, mid
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.mid(self.embed(x)))
+
+
+class _Last(nn.Module):
+    def __init__(self, embed: nn.Embedding) -> None:
+        super().__init__()
+        self.embed = embed
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.embed.weight.t()
+
+
+def test_a_weight_two_hand_written_stages_share_stays_shared() -> None:
+    """A hand-written stage_fn whose first and last stage share the embedding (tied weights on a V schedule's ends):
+    the stages are copied together, so the tie survives and the split, which is right, passes; an untied copy
+    (each stage with its own) is refused for the gradient the pipeline would then split between two copies."""
+    torch.manual_seed(0)
+    model = _TiedEnds()
+    x, y = batch()
+    first, last = _First(model.embed, model.mid), _Last(model.embed)
+
+    def stage_fn(i: int) -> nn.Module:
+        return (first, last)[i]
+
+    verify_split(model, stage_fn, x, target=y, loss_fn=lm_loss, num_stages=2)
+    untied = (_First(model.embed, model.mid), _Last(copy.deepcopy(model.embed)))
+    with pytest.raises(PipelineConfigError, match=r"embed.weight"):
+        verify_split(model, lambda i: untied[i], x, target=y, loss_fn=lm_loss, num_stages=2)
