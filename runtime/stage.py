@@ -320,11 +320,18 @@ class StageExecutor:
             got = graphs.call(inputs, kwargs, target)
             if got is not None:
                 return got
+            out = self._eager(inputs, kwargs)
+            # (noted once the eager forward has returned: a call that raised, e.g. with a keyword argument the
+            # stage refuses, must not become the layout that is captured)
             graphs.note(inputs, kwargs, target)
+            return out, None
+        return self._eager(inputs, kwargs), None
+
+    def _eager(self, inputs: Sequence[torch.Tensor], kwargs: dict[str, Any]) -> Any:
         if self._copy_inputs:
-            return self.module(*(_copy_leaf(t) for t in inputs), **kwargs), None
+            return self.module(*(_copy_leaf(t) for t in inputs), **kwargs)
         try:
-            return self.module(*inputs, **kwargs), None
+            return self.module(*inputs, **kwargs)
         except RuntimeError as exc:
             if "leaf Variable that requires grad is being used in an in-place operation" not in str(exc):
                 raise
@@ -335,9 +342,9 @@ class StageExecutor:
                 f"stage {self.index} modifies its input in place; from now on it runs on a copy of "
                 "its inputs (the forward that raised was run again)",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
-            return self.module(*(_copy_leaf(t) for t in inputs), **kwargs), None
+            return self.module(*(_copy_leaf(t) for t in inputs), **kwargs)
 
     def _roots(self, saved: _Saved, grad_outputs: Sequence[torch.Tensor | None] | None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         if self.is_last:

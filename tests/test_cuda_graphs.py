@@ -516,6 +516,32 @@ def test_only_pipeloom_s_pure_hooks_are_captured_with_the_module() -> None:
     assert "has hooks" in (_foreign_hooks(m, set()) or "")
 
 
+def test_a_forward_that_raises_does_not_become_the_captured_layout() -> None:
+    """The layout is noted once the eager forward has returned: a step that failed (here a keyword argument the
+    stage refuses) leaves nothing to capture, and the next good forward's layout is the one noted."""
+
+    class Refuses(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, labels: Any = None) -> torch.Tensor:
+            if labels is not None:
+                raise ValueError("labels go to the loss, not the stage")
+            return self.lin(x)
+
+    m = Refuses()
+    ex = StageExecutor(1, m, is_last=False, loss_fn=None, grad_scale=1.0)
+    ex.graphs = StageGraphs(1, m, 1, torch.device("cpu"))  # (noting needs no GPU; capturing would)
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="labels go to the loss"):
+        ex.forward(0, (x,), {"labels": torch.ones(2)})
+    assert ex.graphs.layout is None and not ex.graphs.wants_capture()
+    ex.forward(1, (x,), {})
+    assert ex.graphs.wants_capture()
+    assert [name for name, *_ in ex.graphs.layout[1]] == []  # (no keyword in the noted layout)
+
+
 class _DictOut(nn.Module):
     """A torchtitan-style model (``placeholder=None`` forward) whose forward returns a mapping, so a split stage
     hands its tensor on through split_by_fqn's output reducer (a forward hook)."""
