@@ -238,31 +238,38 @@ def _stage_costs(mods: dict[int, Any], args: argparse.Namespace, seqs: list[int]
         if cycles:
             sleep(cycles)
 
-    def fwd(s: int, m: Any, t: int) -> tuple[Any, Any, Any]:
-        x = _stage_input(args, s, t)
+    def fwd(s: int, m: Any, x: Any, tgt: Any) -> Any:
+        """The forward as the runtimes run it (the last stage's with its loss): the root of the backward."""
         out = m(x)
         if s == last:
-            tgt = torch.zeros(out.shape[:-1], dtype=torch.long, device="cuda")
-            root = _gpt_loss(out, tgt) if gpt else _loss(out, torch.zeros_like(out))
-            return x, root, None
-        return x, out, torch.ones_like(out)
+            return _gpt_loss(out, tgt) if gpt else _loss(out, torch.zeros_like(out))
+        return out
 
-    out: dict[int, dict[str, float]] = {}
+    def seed(s: int, root: Any) -> Any:
+        return None if s == last else torch.ones_like(root)
+
+    out: dict[int, dict[str, Any]] = {}
     for s, m in sorted(mods.items()):
         spans: dict[str, list[float]] = {"F": [], "B": [], "I": []}
         for rep in range(2):  # the first pass warms up
             pend = []
             for t in seqs:
+                # inputs, targets and gradient seeds made outside the timed spans (no runtime does that work there)
                 e = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
+                x = _stage_input(args, s, t)
+                tgt = torch.zeros((args.mbsize, t), dtype=torch.long, device="cuda") if s == last else None
                 pad()
                 e[0].record()
-                x, root, g = fwd(s, m, t)
+                root = fwd(s, m, x, tgt)
                 e[1].record()
+                g = seed(s, root)
                 pad()
                 e[2].record()
                 torch.autograd.backward(root, g)
                 e[3].record()
-                x, root, g = fwd(s, m, t)
+                x = _stage_input(args, s, t)
+                root = fwd(s, m, x, tgt)
+                g = seed(s, root)
                 pad()
                 e[4].record()
                 if x.requires_grad:
@@ -277,8 +284,11 @@ def _stage_costs(mods: dict[int, Any], args: argparse.Namespace, seqs: list[int]
                     spans["B"].append(e[2].elapsed_time(e[3]))
                     spans["I"].append(e[4].elapsed_time(e[5]))
         m.zero_grad(set_to_none=True)
-        c = {k: statistics.median(v) for k, v in spans.items()}
+        spans["W"] = [max(b - i, 0.0) for b, i in zip(spans["B"], spans["I"])]
+        c: dict[str, Any] = {k: statistics.median(v) for k, v in spans.items()}
         c["W"] = max(c["B"] - c["I"], 0.0)
+        if len(set(seqs)) > 1:  # (varying lengths: each microbatch its own cost, in the order of seqs)
+            c["per_mb"] = spans
         out[s] = c
     return out, bool(cycles)
 
@@ -295,10 +305,15 @@ def _sim_ceiling(name: str, n: int, world: int, costs: dict[int, dict[str, float
     from pipeloom.schedules import Costs, default_stages_per_rank, generate, simulate
 
     sched = generate(name, num_ranks=world, num_microbatches=n, stages_per_rank=default_stages_per_rank(name))
-    ac = {(s, k, None): v for s, c in costs.items() for k, v in c.items()}
+    ac: dict[tuple[int, str, int | None], float] = {}
+    for s, c in costs.items():
+        for k in ("F", "B", "I", "W"):
+            ac[(s, k, None)] = c[k]
+            for j, v in enumerate(c.get("per_mb", {}).get(k, ())):  # (varying lengths: looked up first)
+                ac[(s, k, j)] = v
     res = simulate(sched, Costs(send_latency=0.0, overlap=1.0), action_costs=ac)
     return {"sim_ms": res.makespan, "sim_busy_ms": max(res.busy.values()),
-            "stage_costs_ms": {str(s): {k: round(v, 3) for k, v in c.items()} for s, c in sorted(costs.items())}}
+            "stage_costs_ms": {str(s): {k: round(c[k], 3) for k in ("F", "B", "I", "W")} for s, c in sorted(costs.items())}}
 
 
 def _timed(fn: Any, steps: int, warmup: int) -> tuple[list[float], int]:
