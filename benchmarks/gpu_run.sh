@@ -18,6 +18,9 @@
 #              alternating in ALTERNATE rounds (default 3); 1F1B of size l profiled (--profile 3, traces of
 #              ranks 0 and last under $OUT/prof-$CODE; NO_TRACES=1 keeps none, NO_PROFILE=1 skips); CODE tags rows
 #   gpt4       the same on 4 GPUs, size l, no profile
+#   ceil2/ceil4  gpt2/gpt4 with engines pipeloom, torch and pipeloom with cuda_graphs (ALTERNATE, default 3; no profile):
+#              each row's torch/sim, pipeloom/sim columns are the share of the schedule's simulated device ceiling
+#              reached (session Q, 2 x H100: graphs 0.95-0.96 at size l on every schedule; ~5 min for both sizes)
 #   streams2   benchmarks/gpu_pipeline.py --profile on GPUs VIS2: per rank, how long two stage streams ran kernels at once
 #   p2p2       benchmarks/p2p_cost.py on GPUs VIS2: host us per NCCL post, standalone vs batched, flight recorder on/off
 #   fsdp       benchmarks/gpu_fsdp.py, 2 pipeline ranks x 2 FSDP ranks
@@ -133,6 +136,10 @@ for part in "$@"; do
       IFS=: read -r label envset sched <<< "$v"
       echo "== 2 GPUs $sched $label"; (export CUDA_VISIBLE_DEVICES=$VIS2 "$envset"; bench 2 "$label" --schedule "$sched")
     done
+    ;;
+  ceil2|ceil4)
+    ENGINES=pipeloom,torch,pipeloom-x NO_PROFILE=1 CODE=${CODE:-ceil} BENCH_TIMEOUT=${BENCH_TIMEOUT:-240} \
+      BENCH_ARGS="--x-options cuda_graphs=true ${BENCH_ARGS:-}" SKIP_INSTALL=1 bash "$REPO/benchmarks/gpu_run.sh" "gpt${part#ceil}"
     ;;
   gpt2|gpt4)
     n=2; vis=$VIS2; [ "$part" = gpt4 ] && { n=4; vis=0,1,2,3; }
