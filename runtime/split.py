@@ -50,6 +50,13 @@ Iterating a split ``ModuleList``/``ModuleDict`` yields the kept entries in
 their original order, and indexing one with an original index or key finds
 the entry (a clear ``KeyError`` if another stage owns it).
 
+**Check a split before training on it.**  A forward that breaks this contract
+(a scale, a soft cap or a weightless norm in the root forward, repeated on every
+stage by pass-throughs; a ``detach()``) trains another model silently:
+:func:`pipeloom.verify_split` (``runtime/split_check.py``) runs the whole model
+and the chained stages on one batch and refuses a split whose output, loss or
+gradients differ (run it on a small configuration of the model).
+
 **Modules without parameters are shared.**  A module holding only buffers
 (rotary embeddings, position tables) or nothing at all (an activation) that
 no stage names is kept, copied, by *every* stage: it is state or code that
