@@ -12,6 +12,8 @@ are left as they were; a stage that raises is named.
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +23,9 @@ from torch import nn
 
 from pipeloom import PipelineConfigError, split_by_fqn, verify_split
 from pipeloom.runtime.stage import StageExecutor
+
+sys.path.insert(0, str(Path(__file__).parent / "ranks"))
+from split_worker import TinyLM  # noqa: E402
 
 VOCAB, DIM, LAYERS = 11, 8, 4
 
@@ -35,22 +40,12 @@ class Block(nn.Module):
         return h + self.drop(self.fc2(torch.relu(self.fc1(h))))
 
 
-class TitanLM(nn.Module):
-    """torchtitan style: a module another stage owns is None, and the forward checks."""
+class TitanLM(TinyLM):
+    """torchtitan style: a module another stage owns is None, and the forward checks (the split tests' model,
+    with blocks that may draw dropout)."""
 
     def __init__(self, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block(dropout) for _ in range(LAYERS))
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x) if self.embed is not None else x
-        for layer in self.layers:
-            h = layer(h)
-        h = self.norm(h) if self.norm is not None else h
-        return self.head(h) if self.head is not None else h
+        super().__init__(VOCAB, DIM, LAYERS, block=lambda: Block(dropout))
 
 
 class ScaledEmbedLM(TitanLM):

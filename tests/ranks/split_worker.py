@@ -50,10 +50,10 @@ class TinyBlock(nn.Module):
 class TinyLM(nn.Module):
     """embed -> layers -> norm -> head; the forward tolerates modules another stage owns."""
 
-    def __init__(self, vocab: int = 13, dim: int = 8, layers: int = 4) -> None:
+    def __init__(self, vocab: int = 13, dim: int = 8, layers: int = 4, block: Any = None) -> None:
         super().__init__()
         self.embed: nn.Module | None = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(TinyBlock(dim) for _ in range(layers))
+        self.layers = nn.ModuleList((block or (lambda: TinyBlock(dim)))() for _ in range(layers))
         self.norm: nn.Module | None = nn.LayerNorm(dim)
         self.head: nn.Module | None = nn.Linear(dim, vocab)
 
