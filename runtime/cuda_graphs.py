@@ -50,7 +50,11 @@ tensor would change; replayed, the graph's own copy).  A stage that cannot be
 captured (host synchronisation inside, a data-dependent shape, outputs that are
 not tensors, module hooks, which a replay would skip, other than pipeloom's own
 pure ones marked ``GRAPH_SAFE_HOOK``) runs eagerly with a
-one-time warning naming the stage and the reason.  Parameters whose storage moved
+one-time warning naming the stage and the reason; a module hook registered after
+the capture drops the stage's graphs at the next step.  While a process-wide module
+hook is registered (``torch.nn.modules.module.register_module_forward_hook`` and
+its kin: a profiler's, a FLOP counter's) every graphed stage runs eagerly, so that
+the hook sees its calls, and replays again once it is removed.  Parameters whose storage moved
 (replaced, not updated in place) drop the stage's graphs; they are captured again
 after the next step.
 
@@ -73,6 +77,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
+import torch.nn.modules.module as _nn_module
 
 __all__ = ["StageGraphs", "capturable_loss", "slots_per_stage"]
 
@@ -198,7 +203,40 @@ def _graph_safe(hook: Any) -> bool:
     return getattr(hook, GRAPH_SAFE_HOOK, False) is True
 
 
+#: The process-wide module hooks (``torch.nn.modules.module.register_module_forward_hook`` and its kin): they run
+#: for every module's call, so a replay, which calls no module, would skip them.  torch keeps them in these private
+#: dicts of ``torch.nn.modules.module`` and offers no public getter; a name missing in some version reads as empty.
+_GLOBAL_HOOKS = (
+    ("_global_forward_pre_hooks", "register_module_forward_pre_hook"),
+    ("_global_forward_hooks", "register_module_forward_hook"),
+    ("_global_backward_pre_hooks", "register_module_full_backward_pre_hook"),
+    ("_global_backward_hooks", "register_module_(full_)backward_hook"),
+)
+
+
+def _any_global_hooks() -> bool:
+    """Whether any process-wide module hook is registered (a few dict reads: checked at every replay)."""
+    return any(getattr(_nn_module, attr, None) for attr, _ in _GLOBAL_HOOKS)
+
+
+def _global_hooks(ours: set[int]) -> str | None:
+    """Why a replay would skip a process-wide module hook registered now (None: there is none, or only ours)."""
+    for attr, api in _GLOBAL_HOOKS:
+        hooks = getattr(_nn_module, attr, None) or {}
+        foreign = [h for h in hooks.values() if id(getattr(h, "__func__", h)) not in ours and not _graph_safe(h)]
+        if foreign:
+            name = getattr(foreign[0], "__qualname__", type(foreign[0]).__name__)
+            return (f"a process-wide module hook is registered ({name}, through torch.nn.modules.module.{api}): "
+                    "it runs for every module's call, and a replay would not run it")
+    return None
+
+
 def _foreign_hooks(module: nn.Module, ours: set[int]) -> str | None:
+    """Why a replay of ``module`` would skip a hook that an eager call runs (None: there is none but ours)."""
+    return _global_hooks(ours) or _module_hooks(module, ours)
+
+
+def _module_hooks(module: nn.Module, ours: set[int]) -> str | None:
     for name, m in module.named_modules():
         pre = [h for h in m._forward_pre_hooks.values() if id(getattr(h, "__func__", h)) not in ours and not _graph_safe(h)]
         post = [h for h in m._forward_hooks.values() if not _graph_safe(h)]
@@ -222,6 +260,8 @@ class StageGraphs:
         self._allowed_hooks = {id(getattr(h, "__func__", h)) for h in allowed_hooks}
         #: why this stage stays eager (set once, with a warning), or None
         self.disabled: str | None = None
+        #: a process-wide module hook kept it eager for a while (warned once)
+        self._deferred = False
         #: the layout seen on eager training calls, and how many times
         self.layout: tuple[Any, ...] | None = None
         self._seen = 0
@@ -309,6 +349,10 @@ class StageGraphs:
             s.busy = False
         if self._placement() != self._ptrs or self._trainable() != self._trainable_at:
             self.drop()
+            return
+        why = _module_hooks(self.module, self._allowed_hooks)
+        if why is not None:  # a hook registered since the capture: a replay would skip it
+            self._disable(why)
 
     def release(self) -> None:
         """After the autograd call that ran a backward of this stage returned (``StageExecutor.backward`` /
@@ -337,6 +381,13 @@ class StageGraphs:
         self.layout = None
 
     # -- capture --------------------------------------------------------------
+    def _defer(self, why: str) -> None:
+        """Run eagerly for now (a process-wide hook is registered), warning once; replays resume once it is gone."""
+        if not self._deferred:
+            self._deferred = True
+            warnings.warn(f"stage {self.stage}: runs eagerly while {why}; its CUDA graphs replay again once it is "
+                          "removed", RuntimeWarning, stacklevel=3)
+
     def _disable(self, why: str) -> None:
         self.disabled = why
         self.slots = []
@@ -345,7 +396,11 @@ class StageGraphs:
     def capture(self) -> None:
         """Capture the stage's slots (between steps: synchronizes the device)."""
         assert self.layout is not None
-        why = _foreign_hooks(self.module, self._allowed_hooks)
+        why = _global_hooks(self._allowed_hooks)
+        if why is not None:  # (often a passing tool's, a profiler's: not now, after a later step)
+            self._defer(why)
+            return
+        why = _module_hooks(self.module, self._allowed_hooks)
         if why is not None:
             self._disable(why)
             return
@@ -505,6 +560,9 @@ class StageGraphs:
         """(The module's output, and the loss where it is captured too) by a replay, or None (the caller runs it
         eagerly).  The outputs and the loss are the slot's buffers until its backward has run."""
         if not self.slots or not torch.is_grad_enabled():
+            return None
+        if _any_global_hooks() and _global_hooks(self._allowed_hooks) is not None:
+            self._defer(_global_hooks(self._allowed_hooks) or "")
             return None
         if self._layout(inputs, kwargs, target) != self.layout:
             return None

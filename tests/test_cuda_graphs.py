@@ -516,6 +516,79 @@ def test_only_pipeloom_s_pure_hooks_are_captured_with_the_module() -> None:
     assert "has hooks" in (_foreign_hooks(m, set()) or "")
 
 
+def test_process_wide_module_hooks_are_seen() -> None:
+    """A hook registered for every module (``register_module_forward_hook`` and its kin: a profiler's, a FLOP
+    counter's) runs at every eager call and would be skipped by a replay: it is reported, pipeloom's own are not."""
+    from torch.nn.modules import module as mm
+
+    from pipeloom.runtime.cuda_graphs import GRAPH_SAFE_HOOK, _any_global_hooks, _foreign_hooks, _global_hooks
+
+    m = nn.Sequential(nn.Linear(2, 2))
+    assert not _any_global_hooks() and _foreign_hooks(m, set()) is None
+
+    def counter(mod: nn.Module, args: Any, out: Any) -> None:
+        return None
+
+    for register in (mm.register_module_forward_hook, mm.register_module_forward_pre_hook,
+                     mm.register_module_full_backward_hook, mm.register_module_full_backward_pre_hook):
+        h = register(counter)  # type: ignore[operator]
+        try:
+            assert _any_global_hooks()
+            why = _foreign_hooks(m, set()) or ""
+            assert "process-wide module hook" in why and "counter" in why, why
+            assert _global_hooks({id(counter)}) is None  # ours (the executor's recompute note): allowed
+        finally:
+            h.remove()
+    assert not _any_global_hooks()
+    setattr(counter, GRAPH_SAFE_HOOK, True)
+    h = mm.register_module_forward_hook(counter)
+    try:
+        assert _global_hooks(set()) is None
+    finally:
+        h.remove()
+
+
+@cuda
+def test_hooks_registered_after_the_capture_are_run() -> None:
+    """A process-wide hook registered after the capture: the stage runs eagerly (the hook sees every call, the
+    results stay exact) until it is removed, then replays again; a module hook registered after the capture drops
+    the stage's graphs at the next step."""
+    from torch.nn.modules import module as mm
+
+    ref, got = _pair()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    xs = {m: torch.randn(3, 16, device=dev, dtype=torch.float64) for m in range(8)}
+    gs = {m: torch.randn(3, 16, device=dev, dtype=torch.float64) for m in range(8)}
+    _run(ref, [("F", 0), ("B", 0)], xs, gs)
+    _run(got, [("F", 0), ("B", 0)], xs, gs)
+    got.graphs.capture()
+    assert got.graphs.slots
+    _zero_grads(ref, got)
+    seen: list[str] = []
+    h = mm.register_module_forward_hook(lambda mod, i, o: seen.append(type(mod).__name__))
+    try:
+        with pytest.warns(RuntimeWarning, match="stage 1: runs eagerly while a process-wide module hook"):
+            have = _run(got, [("F", 1), ("B", 1)], xs, gs)
+    finally:
+        h.remove()
+    assert got.graphs.replays == 0 and seen  # eager, and the hook saw the stage's modules
+    want = _run(ref, [("F", 1), ("B", 1)], xs, gs)
+    torch.testing.assert_close(have[1][0], want[1][0], rtol=1e-12, atol=1e-12)
+    got.graphs.start_step()
+    n = len(seen)
+    _run(got, [("F", 2), ("B", 2)], xs, gs)
+    _run(ref, [("F", 2), ("B", 2)], xs, gs)
+    assert got.graphs.replays == 1 and len(seen) == n  # replayed again, the hook gone
+    got.module.a.register_forward_hook(lambda mod, i, o: seen.append("module hook"))
+    with pytest.warns(RuntimeWarning, match="stage 1: not captured as a CUDA graph .*has hooks"):
+        got.graphs.start_step()
+    assert not got.graphs.slots and got.graphs.disabled
+    _run(got, [("F", 3), ("B", 3)], xs, gs)
+    _run(ref, [("F", 3), ("B", 3)], xs, gs)
+    assert seen[-1] == "module hook" and got.graphs.replays == 1
+    _same_grads(ref.module, got.module, rtol=1e-12, atol=1e-12)
+
+
 def test_a_forward_that_raises_does_not_become_the_captured_layout() -> None:
     """The layout is noted once the eager forward has returned: a step that failed (here a keyword argument the
     stage refuses) leaves nothing to capture, and the next good forward's layout is the one noted."""
