@@ -329,7 +329,18 @@ def _auto_rule(schedule: Schedule, *, static: bool, cuda: bool) -> str:
     action runs only if its outputs are next in that order (``sends="in_turn"``;
     ``_sends_in_turn``, on gloo and NCCL); with headers each leaves when produced.
     A CPU rank notices a landed transfer only between actions, a GPU rank's host at once.
+
+    GPU ranks keep the list (``list``): their host commits actions to the device ahead of it, in
+    list order (``RuntimeOptions.gpu_commit_ms``), so a rule reorders only what is not yet
+    committed, which the simulator does not model; and a rule other than ``list`` turns off
+    what pays on GPUs only in list order (backwards launched beside forwards).  Measured, no
+    simulated gain survived: GPipe at 2 ranks with ``critical`` -5.1..-0.0% (2 x H200, five
+    workloads), GPipe at 4 ranks with ``ready`` -3.3..-1.0% with no action reordered on three
+    of four workloads (4 x H100, session R; ``benchmarks/RESULTS.md``).  A rule named in
+    ``RuntimeOptions.dispatch`` still runs as asked.
     """
+    if cuda:
+        return "list"
     sends = "in_turn" if static else "free"
     notice = 0.0 if cuda else _CPU_NOTICE
     key = (tuple(schedule.stage_to_rank), schedule.num_microbatches, tuple((r, tuple(a)) for r, a in sorted(schedule.actions.items())),

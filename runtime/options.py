@@ -64,7 +64,9 @@ class RuntimeOptions:
     simulator predicts beats the static order by more than 2% on some uneven workload
     (lengths, jitter, a slow rank) and loses at most 0.5% on any, fixed lengths included,
     else the static list order itself (``schedules.dispatch.choose_rule``, simulated with this
-    transport's send order and, on CPU ranks, notice delay).  Every rule keeps the static order's
+    transport's send order and, on CPU ranks, notice delay); on GPU ranks ``auto`` is the list order
+    (their host commits actions ahead of the device in list order, and no simulated gain held
+    there when measured: ``runtime.actor._auto_rule``).  Every rule keeps the static order's
     memory peak and is deadlock-free.  With static shapes a rule runs a later action ahead only if
     its outputs to other ranks are next in their send order (gloo and NCCL).
     Environment: ``PIPELOOM_DISPATCH``."""
@@ -278,7 +280,8 @@ class RuntimeOptions:
     kernels.  Pairs that could make a peer wait forever are left inline
     (``schedules.dispatch.queueable_backwards``).  Measured once (4 x H200, GPT, 32
     microbatches): x0.93 of the default step on host-bound 1F1B, x0.96 on LoopedBFS, level where
-    the device bounds the step; off until a second run agrees.  Only under the ``list`` dispatch
+    the device bounds the step; a second run did not agree (4 x H100, GPT size l, 16
+    microbatches, 6 alternating rounds: 1F1B x1.001 of the default, GPipe x1.047): off.  Only under the ``list`` dispatch
     rule, as the overlap.  Environment:
     ``PIPELOOM_HOST_QUEUE_BACKWARDS=1``."""
 
