@@ -37,7 +37,9 @@
 #              MOE_TESTS=0 skips them)
 #   uneven2    benchmarks/uneven.py on GPUs VIS2 (0,1) (uneven4: 0..3): GPT size UNEVEN_SIZE (default s), schedules
 #              UNEVEN_SCHEDULES, workloads UNEVEN_WORKLOADS (lengths fixed/uniform/bimodal/longtail, rank 1 jittered),
-#              pipeloom deterministic vs UNEVEN_RULES (default auto) vs torch, with the simulated gain and ceiling
+#              rules UNEVEN_RULES (default auto,aa: aa is the A/A control, a second deterministic pipeline; session R
+#              on 4 x H100 measured two identical list-order pipelines -1.2..-4.3% apart: read gains against it),
+#              pipeloom deterministic vs those vs torch, with the simulated gain and ceiling
 #              next to each measured gain; rows in $OUT/uneven.jsonl, table in $OUT/uneven-table.md
 #   tunegrid   benchmarks/tune_grid.py on GPUs VIS2 (0,1): profiling runs of the GPT (size s; Interleaved1F1B m=16,
 #              blocks 2,1,3,2; traced with and without device syncs, then untraced), `pipeloom schedule tune`'s
@@ -228,7 +230,7 @@ PY
     n=2; vis=$VIS2; [ "$part" = uneven4 ] && { n=4; vis=0,1,2,3; }
     (cd /tmp && CUDA_VISIBLE_DEVICES=$vis timeout "${UNEVEN_TIMEOUT:-230}" python3 "$REPO/benchmarks/uneven.py" --backend nccl --ranks $n \
        --model gpt --size "${UNEVEN_SIZE:-s}" --schedules "${UNEVEN_SCHEDULES:-GPipe,1F1B,ZBVZeroBubble,InterleavedZeroBubble}" \
-       --workloads "${UNEVEN_WORKLOADS:-fixed,uniform,bimodal,longtail,jitter}" --rules "${UNEVEN_RULES:-auto}" \
+       --workloads "${UNEVEN_WORKLOADS:-fixed,uniform,bimodal,longtail,jitter}" --rules "${UNEVEN_RULES:-auto,aa}" \
        --steps "${UNEVEN_STEPS:-12}" --blocks "${UNEVEN_STEPS:-12}" --warmup 3 --timeout 225 --json "$OUT/uneven.jsonl" ${UNEVEN_ARGS:-} \
        2>&1 | grep -v "^\[W\|Warning\|warn" | cut -c1-300 | tail -40 | tee "$OUT/uneven-$n.txt")
     python3 benchmarks/uneven.py --table "$OUT/uneven.jsonl" | tee "$OUT/uneven-table.md"

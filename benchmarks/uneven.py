@@ -180,6 +180,7 @@ def _gains(sched: Any, steps: list[dict[tuple[int, str, int], float]], transfer:
         tot["ceiling"] += min(got.values())
     out = {r: tot["static"] / v - 1.0 for r, v in tot.items() if r != "static" and v > 0}
     out["list"] = 0.0
+    out["A/A"] = 0.0  # (the A/A control: the same order)
     return out
 
 
@@ -478,6 +479,10 @@ def _rank_main(args: argparse.Namespace) -> int:
         pipes: dict[str, Any] = {"det": pipeloom.Pipeline(make("det"), schedule=name, num_microbatches=m, loss_fn=loss_fn, deterministic=True)}
         rules: dict[str, str] = {}
         for r in args.rules.split(","):
+            if r == "aa":  # the A/A control: a second deterministic pipeline, the noise floor of the comparison
+                pipes[r] = pipeloom.Pipeline(make(r), schedule=name, num_microbatches=m, loss_fn=loss_fn, deterministic=True)
+                rules[r] = "A/A"
+                continue
             pipes[r] = pipeloom.Pipeline(make(r), schedule=name, num_microbatches=m, loss_fn=loss_fn,
                                          options=RuntimeOptions.from_env(dispatch=r))
             rules[r] = pipes[r]._actor.dispatch_rule if hasattr(pipes[r], "_actor") else "?"
@@ -674,7 +679,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--size", default="s", choices=sorted(GPT_SIZES), help="GPT size (layers, hidden, heads, vocab, seq, microbatches, sequences)")
     ap.add_argument("--schedules", default=ALL_SCHEDULES)
     ap.add_argument("--workloads", default=ALL_WORKLOADS)
-    ap.add_argument("--rules", default="auto", help="dispatch options measured against deterministic (auto, ready, critical, guarded)")
+    ap.add_argument("--rules", default="auto", help="dispatch options measured against deterministic (auto, ready, critical, guarded; "
+                    "aa: a second deterministic pipeline, the A/A control whose 'gain' is the comparison's own bias and noise)")
     ap.add_argument("--microbatches", type=int, default=None, help="default: 8 (sleep), the size's (gpt)")
     ap.add_argument("--f-ms", type=float, default=8.0, help="sleep model: forward sleep of a full-length microbatch (I and W as long)")
     ap.add_argument("--max-rows", type=int, default=32)

@@ -334,9 +334,10 @@ def _auto_rule(schedule: Schedule, *, static: bool, cuda: bool) -> str:
     list order (``RuntimeOptions.gpu_commit_ms``), so a rule reorders only what is not yet
     committed, which the simulator does not model; and a rule other than ``list`` turns off
     what pays on GPUs only in list order (backwards launched beside forwards).  Measured, no
-    simulated gain survived: GPipe at 2 ranks with ``critical`` -5.1..-0.0% (2 x H200, five
-    workloads), GPipe at 4 ranks with ``ready`` -3.3..-1.0% with no action reordered on three
-    of four workloads (4 x H100, session R; ``benchmarks/RESULTS.md``).  A rule named in
+    simulated gain showed: GPipe at 2 ranks with ``critical`` -5.1..-0.0% (2 x H200, five
+    workloads), GPipe at 4 ranks with ``ready`` -3.3..-1.0%, reordering nothing on three of
+    four workloads (4 x H100, session R), where two identical list-order pipelines measured
+    -4.3..-1.2% apart (the comparison's own bias: ``benchmarks/RESULTS.md``).  A rule named in
     ``RuntimeOptions.dispatch`` still runs as asked.
     """
     if cuda:
