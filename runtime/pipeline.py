@@ -982,6 +982,16 @@ class Pipeline:
                     "for its loss_fn: pass step(..., target=y) (eval() runs without one)"
                 )
         check_batch(args, kwargs, target, rank=self.rank)
+        if train and len(set(self.schedule.stage_to_rank)) > 1:
+            for name, v in kwargs.items():
+                vals = v if isinstance(v, Microbatches) else [v.value if isinstance(v, Replicate) else v]
+                if any(isinstance(t, torch.Tensor) and t.requires_grad for t in vals):
+                    raise PipelineConfigError(
+                        f"rank {self.rank}: keyword input {name!r} requires grad; every stage gets it, on every rank, so "
+                        "each rank's copy would receive only the gradient of its own stages (not the sum over the "
+                        "whole model). Compute it inside a stage (e.g. as a parameter of the stage that uses it), "
+                        "pass it detached, or as a positional input of the first stage"
+                    )
 
     def _stall_budget(self, train: bool) -> float:
         """Seconds an action of this step may run while peers wait: generous while torch.compile may compile.

@@ -254,12 +254,18 @@ class StageExecutor:
         #: free later (the actor's list, shared by its stages; None: freed when the backward returns)
         self.graves: list[Any] | None = None
         self._warned_unsplittable = False
-        self._copy_inputs = False  # the module modifies its inputs in place (see _call)
+        #: the module modifies its inputs in place (see _call); None: not known yet
+        self._copy_inputs: bool | None = None
         # Activation checkpointing: a module whose forward runs again during I is being
         # recomputed.  Its parameters' gradients are then taken in I's own backward
         # (one graph task, one recomputation) instead of in W, which would recompute
-        # the region a second time.  Learned at the first I; sticky.
+        # the region a second time.  Learned at the first I; sticky.  A parameter the region uses
+        # directly (``checkpoint(self._body, h)`` with ``self.gain`` read in ``_body``: no module
+        # of its own runs again) is found at W instead, when its group's backward recomputes the
+        # region (a module forward runs during it): from the next microbatch on, it is taken at I.
         self._in_backward = False
+        self._in_weight = False
+        self._weight_recomputed = False
         self._recomputed: set[nn.Module] = set()
         self._at_i: set[int] = set()
         if split_backward:
@@ -268,7 +274,9 @@ class StageExecutor:
                     m.register_forward_pre_hook(self._note_recompute)
 
     def _note_recompute(self, module: nn.Module, args: Any) -> None:
-        if self._in_backward and module not in self._recomputed:
+        if self._in_weight:
+            self._weight_recomputed = True
+        elif self._in_backward and module not in self._recomputed:
             self._recomputed.add(module)
             self._at_i.update(id(p) for p in module.parameters(recurse=False))
 
@@ -311,9 +319,13 @@ class StageExecutor:
 
         In the unsplit model a stage's input is an intermediate tensor, so the module may
         modify it in place (``x += pos``, ``x.mul_(scale)``); a leaf that requires grad
-        refuses that.  The first time a stage does it, the forward is run again on
-        copies of its inputs, and from then on that stage always gets copies (one
-        activation copy per microbatch; the leaves still receive the gradients).
+        refuses that.  So the stage's first training forward with such a leaf runs on copies
+        of its inputs, and if it modified one in place, the stage always gets copies from
+        then on (one activation copy per microbatch; the leaves still receive the
+        gradients).  Running the forward again after the leaf's error instead would repeat
+        what it did before the in-place op (a buffer updated, a counter, random numbers
+        drawn): that remains only for a stage that starts modifying its input in a later
+        forward.
         """
         graphs = self.graphs
         if graphs is not None:
@@ -330,6 +342,18 @@ class StageExecutor:
     def _eager(self, inputs: Sequence[torch.Tensor], kwargs: dict[str, Any]) -> Any:
         if self._copy_inputs:
             return self.module(*(_copy_leaf(t) for t in inputs), **kwargs)
+        if self._copy_inputs is None and any(isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad for t in inputs):
+            copies = [_copy_leaf(t) for t in inputs]
+            versions = [c._version if c is not t else None for c, t in zip(copies, inputs)]
+            out = self.module(*copies, **kwargs)
+            self._copy_inputs = any(c is not t and c._version != v for c, t, v in zip(copies, inputs, versions))
+            if self._copy_inputs:
+                warnings.warn(
+                    f"stage {self.index} modifies its input in place; it runs on a copy of its inputs",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            return out
         try:
             return self.module(*inputs, **kwargs)
         except RuntimeError as exc:
@@ -340,7 +364,8 @@ class StageExecutor:
             self._copy_inputs = True
             warnings.warn(
                 f"stage {self.index} modifies its input in place; from now on it runs on a copy of "
-                "its inputs (the forward that raised was run again)",
+                "its inputs (the forward that raised was run again: what it did before the in-place op, "
+                "such as a buffer update, was done twice)",
                 RuntimeWarning,
                 stacklevel=4,
             )
@@ -447,7 +472,21 @@ class StageExecutor:
             self._in_backward = False
             for h in handles:
                 h.remove()
-        root_grad = {get_gradient_edge(r).node: (r, g) for r, g in zip(roots, grads)}
+        # An input that is not a leaf (the first stage's microbatch of a caller's batch that requires grad: a view
+        # of the caller's tensor) is where I stops; a full backward goes on into the caller's graph, so does this.
+        # (Its node is no W work then: ``backward(inputs=...)`` above may have run it, and recorded its gradient.)
+        upstream = [(t, g) for t, need, g in zip(saved.inputs, saved.needs_grad, input_grads)
+                    if need and g is not None and t.grad_fn is not None]
+        if upstream:
+            for t, _ in upstream:
+                recorded.pop(t.grad_fn, None)
+            torch.autograd.backward([t for t, _ in upstream], [g for _, g in upstream])
+        # Per root node, every output edge seeded from it with its gradient: several outputs may share a node
+        # (``chunk``/``split``/``unbind`` outputs, the same tensor returned twice), and each gradient counts.
+        root_grad: dict[Node, list[tuple[GradientEdge, torch.Tensor]]] = {}
+        for r, g in zip(roots, grads):
+            edge = get_gradient_edge(r)
+            root_grad.setdefault(edge.node, []).append((edge, g))
         work: list[_WeightGroup] = []
         for bnodes, root_seeds, leaves in groups:
             edges: list[GradientEdge] = []
@@ -464,8 +503,8 @@ class StageExecutor:
                 if len(bnodes) > 1:
                     pinned.append((node, rec, activation_side[node]))
             for node in root_seeds:
-                for r, g in (v for k, v in root_grad.items() if k is node):
-                    edges.append(get_gradient_edge(r))
+                for edge, g in root_grad.get(node, ()):
+                    edges.append(edge)
                     seed_grads.append(g)
             if edges:
                 tensors = [n.variable for n in leaves]
@@ -491,7 +530,11 @@ class StageExecutor:
                     # quiet: another boundary node of this group may be reached through it.
                     handles.append(node.register_prehook(lambda g, rec=rec: rec))
                     handles.append(node.register_hook(lambda gi, go, act=act: tuple(None if a else g for g, a in zip(gi, act))))
+                self._in_weight, self._weight_recomputed = True, False
                 torch.autograd.backward(grp.edges, grp.grads, retain_graph=i < last, inputs=grp.leaves)
             finally:
+                self._in_weight = False
                 for h in handles:
                     h.remove()
+            if self._weight_recomputed:
+                self._at_i.update(id(t) for t in grp.leaves)

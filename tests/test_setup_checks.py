@@ -193,6 +193,15 @@ def test_keyword_tensor_is_not_cut_silently_and_replicate_passes_it_whole(checks
     assert ok["losses"] == pytest.approx(ok["reference"], rel=1e-12, abs=0)
 
 
+def test_a_keyword_tensor_that_requires_grad_is_refused(checks: list[dict[str, Any]]) -> None:
+    # every stage gets it, on every rank: each rank's copy would hold only its own stages' gradient share
+    for r, rec in enumerate(checks):
+        c = rec["mask_grad"]
+        assert c["type"] == "PipelineConfigError", c
+        assert f"rank {r}: keyword input 'mask' requires grad" in c["message"], c["message"]
+        assert "only the gradient of its own stages" in c["message"], c["message"]
+
+
 def test_return_outputs_false_drops_each_output_after_its_loss(checks: list[dict[str, Any]]) -> None:
     # GPipe, 4 microbatches, the last stage's loss graph does not hold its output: kept, every earlier
     # output is alive at each forward (held for the merged return); not kept, none is

@@ -176,6 +176,32 @@ class Checkpointed(nn.Module):
         return checkpoint(self._inner, x, use_reentrant=self.reentrant) + x
 
 
+class CheckpointedBare(Checkpointed):
+    """A parameter of the module itself read inside the checkpointed region (no module of its own runs again)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__(reentrant)
+        self.gain = nn.Parameter(1 + 0.1 * torch.randn(D))
+
+    def _inner(self, x):
+        type(self).calls += 1
+        return self.block(x) * self.gain
+
+
+class SharedNodeOutputs(nn.Module):
+    """Outputs that share one autograd node (``chunk``; ``unbind`` of parameters only) and one returned twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, 2 * D)
+        self.pos = nn.Parameter(torch.randn(2, D))
+
+    def forward(self, x):
+        a, b = self.lin(x).chunk(2, -1)
+        p, q = (self.pos * 2.0).unbind(0)
+        return a, b, p, q, a
+
+
 class Attention(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -200,6 +226,8 @@ CASES = {
     "param_output": ParamOutput,
     "checkpoint": lambda: Checkpointed(False),
     "checkpoint_reentrant": lambda: Checkpointed(True),
+    "checkpoint_bare_param": lambda: CheckpointedBare(False),
+    "shared_node_outputs": SharedNodeOutputs,
     "attention": Attention,
 }
 
@@ -242,7 +270,9 @@ def _run_full(module: nn.Module, xs, gys, *, position: str):
 @pytest.mark.parametrize(
     ("case", "position"),
     # A reentrant checkpoint whose input needs no gradient has no gradient at all (torch's rule).
-    [(c, p) for c in sorted(CASES) for p in ("middle", "first", "last") if (c, p) != ("checkpoint_reentrant", "first")],
+    # (The last stage's loss reads only the first output: the others' parameters get no gradient there.)
+    [(c, p) for c in sorted(CASES) for p in ("middle", "first", "last")
+     if (c, p) not in (("checkpoint_reentrant", "first"), ("shared_node_outputs", "last"))],
 )
 def test_split_equals_full_backward(case: str, position: str) -> None:
     torch.manual_seed(0)
@@ -266,19 +296,21 @@ def test_split_equals_full_backward(case: str, position: str) -> None:
             torch.testing.assert_close(gi[0], w[0], rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_checkpoint_recomputes_no_more_than_a_full_backward(reentrant: bool) -> None:
-    """I + W recompute a checkpointed region at most once per microbatch, as one full backward does."""
-    mod = Checkpointed(reentrant)
+@pytest.mark.parametrize("reentrant,bare", [(False, False), (True, False), (False, True)])
+def test_checkpoint_recomputes_no_more_than_a_full_backward(reentrant: bool, bare: bool) -> None:
+    """I + W recompute a checkpointed region at most once per microbatch, as one full backward does (``bare``: a
+    parameter the region reads directly, found when W recomputes the region for it)."""
+    cls = CheckpointedBare if bare else Checkpointed
+    mod = cls(reentrant)
     xs = _inputs("checkpoint", 2)
-    Checkpointed.calls = 0
+    cls.calls = 0
     _run_full(copy.deepcopy(mod), xs, [(torch.ones(5, D),)] * 2, position="middle")
-    full_calls = Checkpointed.calls
+    full_calls = cls.calls
     # The executor learns at its first I which modules are recomputed: from then on,
     # every step recomputes each checkpointed region once per microbatch.
     ex = StageExecutor(0, mod, is_last=False, loss_fn=None, grad_scale=1.0, split_backward=True)
     for step in range(3):
-        Checkpointed.calls = 0
+        cls.calls = 0
         leaves = [x.detach().requires_grad_() for x in xs]
         for mb, x in enumerate(leaves):
             ex.forward(mb, (x,), {})
@@ -287,7 +319,7 @@ def test_checkpoint_recomputes_no_more_than_a_full_backward(reentrant: bool) -> 
         for mb in range(len(xs)):
             ex.backward_weight(mb)
         if step > 0:
-            assert Checkpointed.calls <= full_calls, (step, Checkpointed.calls, full_calls)
+            assert cls.calls <= full_calls, (step, cls.calls, full_calls)
 
 
 def test_trainable_set_may_change_between_steps() -> None:
@@ -423,3 +455,64 @@ def test_no_saved_activation_outlives_the_backward_with_deferred_teardown(split:
     gc.collect()
     alive = [r() for r in saved if r() is not None]
     assert all(t is x for t in alive), f"{len(alive)} saved activations alive after the backward"
+
+
+@pytest.mark.parametrize("case", ["twice", "checkpoint"])
+def test_a_first_stage_input_that_requires_grad_gets_a_full_backwards_gradient(case: str) -> None:
+    """The caller's batch requires grad: the first stage's inputs are views of it, not leaves.  I stops at them (a
+    full backward goes on into the caller's graph): the split goes on too, so the batch gets a full backward's
+    gradient (``checkpoint``: from the second microbatch the recomputed modules' gradients are taken in I)."""
+    torch.manual_seed(0)
+    ref = CASES[case]()
+    mod = copy.deepcopy(ref)
+    x = _inputs(case, 1)[0].repeat(2, 1)
+    g = torch.Generator().manual_seed(3)
+    gys = [torch.randn(5, D, generator=g) for _ in range(2)]
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    for xm, gy in zip(torch.tensor_split(xa, 2), gys):
+        ref(xm).backward(gy)
+    ex = StageExecutor(0, mod, is_last=False, loss_fn=None, grad_scale=1.0, split_backward=True)
+    for mb, xm in enumerate(torch.tensor_split(xb, 2)):
+        ex.forward(mb, (xm,), {})
+    for mb in range(2):
+        ex.backward_input(mb, (gys[mb],))
+    for mb in range(2):
+        ex.backward_weight(mb)
+    assert xb.grad is not None, "the batch got no gradient"
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-10, atol=1e-12)
+    for p, q in zip(ref.parameters(), mod.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12)
+
+
+class CountsThenModifiesInput(nn.Module):
+    """Updates a buffer, then modifies its input in place (allowed on the unsplit model's intermediate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.register_buffer("seen", torch.zeros(D))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.seen.mul_(0.5).add_(x.mean(0))
+        x.mul_(1.5)
+        return self.lin(x - self.seen)
+
+
+def test_a_stage_that_modifies_its_input_in_place_runs_each_forward_once() -> None:
+    """The stage's first forward runs on copies of its leaf inputs and finds the in-place op on them: no forward is
+    run twice, so what a forward does before the in-place op (a buffer update) happens once, as unsplit."""
+    torch.manual_seed(0)
+    ref = CountsThenModifiesInput()
+    mod = copy.deepcopy(ref)
+    xs = _inputs("in_place_input", 3)
+    g = torch.Generator().manual_seed(5)
+    gys = [(torch.randn(5, D, generator=g),) for _ in xs]
+    want = _run_full(ref, xs, gys, position="middle")
+    with pytest.warns(RuntimeWarning, match="modifies its input in place"):
+        got = _run_split(mod, xs, gys, position="middle")
+    torch.testing.assert_close(mod.seen, ref.seen, rtol=1e-10, atol=1e-12)
+    for p, q in zip(ref.parameters(), mod.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12)
+    for w, gi in zip(want, got):
+        torch.testing.assert_close(gi[0], w[0], rtol=1e-10, atol=1e-12)

@@ -220,6 +220,9 @@ def main() -> None:
     rec = run_case("mask_replicated", pipe(lambda s: mask_stages[s]), step(xm, target=ym, mask=pipeloom.Replicate(mask)))
     rec["reference"] = ref_losses
     results["mask_replicated"] = rec
+    # -- a keyword tensor that requires grad: each rank would keep only its own stages' share of its gradient
+    results["mask_grad"] = run_case("mask_grad", pipe(lambda s: mask_stages[s]),
+                                    step(xm, target=ym, mask=pipeloom.Replicate(mask.clone().requires_grad_())))
     # -- loss_fn / target missing
     results["no_target"] = run_case("no_target", pipe(), step(x))
     # rank 0 still computes its first forward when rank 1 fails and closes: its send then

@@ -98,8 +98,13 @@ def _draw(module: nn.Module, args: Any) -> None:
 
 def build_stages(num_stages: int, *, dim: int, multi: bool, seed: int, dtype: torch.dtype, model: str = "block") -> list[nn.Module]:
     """``model``: "block" (Linear + tanh), "tied-ends" (blocks, the first and last sharing a weight),
-    "awkward" (AwkwardBlock), "awkward-ckpt" (checkpointed) or "draws" (blocks whose forwards draw a random number)."""
+    "awkward" (AwkwardBlock), "awkward-ckpt" (checkpointed), "draws" (blocks whose forwards draw a random number)
+    or "adv-<kind>" (``adv_models.AdvStage``)."""
     torch.manual_seed(seed)
+    if model.startswith("adv-"):  # tests/ranks/adv_models.py: unusual autograd graphs (tests/test_iw_adversarial.py)
+        from adv_models import build
+
+        return [m.to(dtype) for m in build(model[4:], num_stages, dim)]
     if model.startswith("awkward"):
         return [AwkwardBlock(dim, checkpointed=model.endswith("ckpt")).to(dtype) for _ in range(num_stages)]
     stages = [Block(dim, first=s == 0, last=s == num_stages - 1, multi=multi).to(dtype) for s in range(num_stages)]

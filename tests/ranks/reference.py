@@ -55,12 +55,15 @@ def reference_run(cfg: dict[str, Any], num_stages: int) -> list[dict[str, Any]]:
             args, kws, tg = [(x,) for x in b["x_mbs"]], [{}] * n, b["y_mbs"]
         else:
             kw = {"scale": b["scale"]} if "scale" in b else {}
+            if cfg.get("x_grad"):
+                b["x"].requires_grad_(True)
             si = split_microbatches((b["x"],), kw, b["target"], n)
             args, kws, tg = si.args, si.kwargs, si.targets
         args, kws, tg = _to(args, dev), _to(kws, dev), _to(tg, dev)
         losses, outs = _to(run_reference(stages, args, kws, tg, n), torch.device("cpu"))
         grads = {f"s{i}.{pn}": (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).cpu()
                  for i, m in enumerate(stages) for pn, p in m.named_parameters()}
+        x_grad = b["x"].grad.clone() if cfg.get("x_grad") and b["x"].grad is not None else None
         opt.step()
         evals = None
         if cfg.get("eval"):
@@ -72,5 +75,6 @@ def reference_run(cfg: dict[str, Any], num_stages: int) -> list[dict[str, Any]]:
                         x = st(*x, **k)
                         x = x if isinstance(x, tuple) else (x,)
                     evals.append(x[0].cpu())
-        steps.append({"grads": grads, "losses": losses, "outputs": outs, "eval": evals})
+        steps.append({"grads": grads, "losses": losses, "outputs": outs, "eval": evals, "x_grad": x_grad})
+    steps[-1]["buffers"] = {f"s{i}.{bn}": b.detach().clone().cpu() for i, m in enumerate(stages) for bn, b in m.named_buffers()}
     return steps

@@ -92,6 +92,8 @@ def run_pipeloom(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
     result: dict[str, Any] = {"grads": [], "losses": [], "outputs": [], "eval": [], "stats": []}
     for step in range(cfg.get("steps", 1)):
         b = make_step_batches(cfg, step)
+        if cfg.get("x_grad"):  # the batch requires grad: the first stage's backward reaches it
+            b["x"].requires_grad_(True)
         for m in pipe.stages.values():
             m.zero_grad(set_to_none=True)
         apply_freeze(pipe.stages, cfg, step)
@@ -102,6 +104,8 @@ def run_pipeloom(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
             kw = {"scale": b["scale"]} if "scale" in b else {}
             out = pipe.step(b["x"], target=b["target"], losses=losses, **kw)
         result["grads"].append(_grads(pipe.stages))
+        if cfg.get("x_grad"):
+            result.setdefault("x_grad", []).append(None if b["x"].grad is None else b["x"].grad.clone())
         result["losses"].append([l.clone() for l in losses])
         result["outputs"].append(out)
         st = pipe.statistics
@@ -126,6 +130,7 @@ def run_pipeloom(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
             result["eval"].append(ev)
     result["stages"] = sorted(pipe.stages)
     result["params"] = {f"s{s}.{n}": _full(p).detach().clone() for s, m in pipe.stages.items() for n, p in m.named_parameters()}
+    result["buffers"] = {f"s{s}.{n}": b.detach().clone() for s, m in pipe.stages.items() for n, b in m.named_buffers()}
     # (private: options.cuda_graphs, why a stage was not captured)
     result["graphs_disabled"] = {s: ex.graphs.disabled for s, ex in getattr(pipe, "_executors", {}).items()
                                  if getattr(ex, "graphs", None) is not None and ex.graphs.disabled}
