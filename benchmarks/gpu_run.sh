@@ -108,7 +108,7 @@ for part in "$@"; do
     # (at 83c2762 on 4 x H200: test_runtime_gradients.py 2- and 4-rank pools ~300 s, the PP x DP pool ~130 s:
     # tests2 = the 2-rank files, tests4 = the 4-rank pools, tests = both, each within one call;
     # on 4 x H100 (session G) about 1.7x slower: tests2 > 330 s, tests4 ~420 s: TEST_TIMEOUT=560, one part per call)
-    files="$REPO/tests/test_runtime_gradients.py $REPO/tests/test_static_shapes.py $REPO/tests/test_harness.py $REPO/tests/test_trace_device.py"
+    files="$REPO/tests/test_runtime_gradients.py $REPO/tests/test_static_shapes.py $REPO/tests/test_harness.py $REPO/tests/test_trace_device.py $REPO/tests/test_iw_adversarial.py"
     kexpr="not dead_rank and not user_error"
     [ "$part" = tests2 ] && kexpr="$kexpr and not four_ranks"
     if [ "$GPUS" -ge 4 ] && [ "$part" != tests2 ]; then files="$files $REPO/tests/test_data_parallel.py"; fi

@@ -988,7 +988,7 @@ class RankActor:
             self._send_in_order(dst, from_stage, step, (kind, to_stage, mb), tensors)
             return
         if self._static:  # a step with headers: learn what the later steps send without them
-            _, sig, mask = signature(tensors, kind, to_stage, mb)
+            _, sig, mask = signature(tensors, kind, to_stage, mb, sendable=False)
             self._cur_tx[(kind, to_stage, mb)] = (sig, mask)
         self._send_one(dst, from_stage, step, kind, to_stage, mb,
                        lambda: self.tensors.send_transfer(dst, step, kind, to_stage, mb, tensors)[:2])
@@ -1057,7 +1057,10 @@ class RankActor:
         kind, to_stage, mb = k
         train = self._train_now
         exp, exp_mask = self._cur_tx[k]
-        real, sig, mask = signature(tensors, kind, to_stage, mb)
+        # (no sendable copies here: a copy's kernel must run where the send is posted, on the producer's
+        # stream, which ``send`` does inside ``_send_one``; here it would run on whatever stream is current and
+        # could read a non-contiguous output before its producer wrote it: GPUs, a stream per stage)
+        real, sig, mask = signature(tensors, kind, to_stage, mb, sendable=False)
         if sig != exp or mask != exp_mask:
             with self.dev.on_stage(from_stage):
                 self.tensors.send_placeholder(dst, exp)  # the peer's posted receive completes

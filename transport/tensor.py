@@ -392,8 +392,14 @@ def _sendable(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def signature(tensors: Sequence[torch.Tensor | None], kind: str, stage: int, mb: int) -> tuple[list[torch.Tensor], _Key, int]:
+def signature(tensors: Sequence[torch.Tensor | None], kind: str, stage: int, mb: int, *,
+              sendable: bool = True) -> tuple[list[torch.Tensor], _Key, int]:
     """A transfer's sendable tensors, its shapes and dtypes by position, and its requires-grad bits.
+
+    ``sendable=False``: the tensors as given (detached), no copies.  Making a sendable copy (a
+    non-contiguous output, a conjugate view) launches a kernel on the current stream, so on a GPU
+    it belongs where the send is posted: on the producer's stream (``RankActor._send_one``), or
+    it may read the output before its producer has written it.
 
     Raises ValueError (naming the stage and microbatch) for what the tensor plane cannot send.
     """
@@ -416,7 +422,7 @@ def signature(tensors: Sequence[torch.Tensor | None], kind: str, stage: int, mb:
             )
         if t.requires_grad:
             mask |= 1 << j
-        t = _sendable(t.detach())
+        t = _sendable(t.detach()) if sendable else t.detach()
         real.append(t)
         key_l.append((tuple(t.shape), dtype_name(t.dtype)))
     return real, tuple(key_l), mask
