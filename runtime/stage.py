@@ -36,6 +36,11 @@ itself, as torch's own pipelining does, and it is exact by construction:
   node's gradient to the recorded one, and a post-hook drops its
   activation-side outputs, so nothing is counted twice and the chain between
   them runs on undefined gradients (no arithmetic).
+* A custom autograd Function on a boundary computes every output of its
+  backward in one Python call, so I runs it whole: its weight-side outputs are
+  kept (a node post-hook) and W seeds the nodes below it with them instead of
+  running it again, which would repeat any side effect of that backward
+  (Megatron's ``main_grad += ...`` with None returned for the weight).
 * Gradients reach the leaves through their own AccumulateGrad nodes, so
   ``.grad`` accumulation, hooks and frozen/unfrozen parameters behave as in a
   full backward; the trainable set is whatever requires grad at that forward.
@@ -56,6 +61,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 __all__ = ["StageExecutor", "as_tensor_tuple"]
@@ -91,6 +97,9 @@ class _WeightGroup:
     #: (boundary node, its recorded gradients, which of its edges are activation side), when
     #: the group has several boundary nodes (one may reach another through the activation chain)
     pinned: list[tuple[Node, tuple[torch.Tensor | None, ...], tuple[bool, ...]]]
+    #: custom autograd Function boundary nodes whose weight-side gradients I kept (W seeds below them and must not
+    #: run them again), when the group has several boundary nodes (one may be reached through another)
+    quiet: list[Node]
 
 
 @dataclass
@@ -453,12 +462,22 @@ class StageExecutor:
                     deferred.append(grp)
             groups = deferred
         recorded: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+        # A custom autograd Function's backward computes its weight-side gradients in I already (it is one Python
+        # call), and may have side effects (Megatron-style ``main_grad += ...``, returning None for the weight):
+        # its weight-side outputs are kept here, and W seeds the nodes below it with them instead of running it
+        # again (which would repeat the side effects).
+        captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
         handles = []
         self._in_backward = True
         try:
             for bnodes, _, _ in groups:
                 for node in bnodes:
                     handles.append(node.register_prehook(lambda g, node=node: recorded.__setitem__(node, g)))
+                    if isinstance(node, BackwardCFunction):
+                        act = activation_side[node]
+                        handles.append(node.register_hook(
+                            lambda gi, go, node=node, act=act: captured.__setitem__(
+                                node, tuple(None if a else g for g, a in zip(gi, act)))))
             if now:
                 torch.autograd.backward(roots, grads, retain_graph=True, inputs=want_inputs + now)
                 input_grads = self._input_grads(saved)
@@ -492,9 +511,19 @@ class StageExecutor:
             edges: list[GradientEdge] = []
             seed_grads: list[torch.Tensor] = []
             pinned = []
+            quiet = []
             for node in bnodes:
                 rec = recorded.get(node)
                 if rec is None:
+                    continue
+                kept = captured.get(node)
+                if kept is not None:  # (a custom Function: below it, with what its one run in I gave)
+                    for (fn, idx), g in zip(node.next_functions, kept):
+                        if fn is not None and g is not None:
+                            edges.append(GradientEdge(fn, idx))
+                            seed_grads.append(g)
+                    if len(bnodes) > 1:
+                        quiet.append(node)
                     continue
                 for i, g in enumerate(rec):
                     if g is not None:
@@ -508,7 +537,7 @@ class StageExecutor:
                     seed_grads.append(g)
             if edges:
                 tensors = [n.variable for n in leaves]
-                work.append(_WeightGroup(edges, seed_grads, tensors, pinned))
+                work.append(_WeightGroup(edges, seed_grads, tensors, pinned, quiet))
         saved.weight_work = work
         # The outputs stay referenced until W: a custom autograd Function's node is kept
         # alive only by the graph above it (its Python object holds it weakly on torch
@@ -530,6 +559,9 @@ class StageExecutor:
                     # quiet: another boundary node of this group may be reached through it.
                     handles.append(node.register_prehook(lambda g, rec=rec: rec))
                     handles.append(node.register_hook(lambda gi, go, act=act: tuple(None if a else g for g, a in zip(gi, act))))
+                for node in grp.quiet:  # (its weight side is seeded directly; if reached, it passes nothing on)
+                    handles.append(node.register_prehook(lambda g: tuple(None for _ in g)))
+                    handles.append(node.register_hook(lambda gi, go: tuple(None for _ in gi)))
                 self._in_weight, self._weight_recomputed = True, False
                 torch.autograd.backward(grp.edges, grp.grads, retain_graph=i < last, inputs=grp.leaves)
             finally:

@@ -516,3 +516,61 @@ def test_a_stage_that_modifies_its_input_in_place_runs_each_forward_once() -> No
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12)
     for w, gi in zip(want, got):
         torch.testing.assert_close(gi[0], w[0], rtol=1e-10, atol=1e-12)
+
+
+class _FusedWgrad(torch.autograd.Function):
+    """x @ w.T + b whose backward adds the weight gradient into ``w.main_grad`` and returns None for ``w``
+    (Megatron's gradient-accumulation fusion): a backward with a side effect, which must run once."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        return x @ w.t() + b
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        w.main_grad.add_(g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
+        return g @ w, None, g.reshape(-1, g.shape[-1]).sum(0)
+
+
+class FusedWgrad(nn.Module):
+    """The fused Function twice on one weight, a plain Linear beside it, and a pure custom Function (Scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D, D) / D)
+        self.b = nn.Parameter(torch.randn(D))
+        self.lin = nn.Linear(D, D)
+        self.s = nn.Parameter(torch.randn(D))
+        self.w.main_grad = torch.zeros(D, D)
+
+    def forward(self, x):
+        h = torch.tanh(_FusedWgrad.apply(x, self.w, self.b))
+        h = _FusedWgrad.apply(h, self.w, self.b) + self.lin(h)
+        return Scale.apply(h, self.s)
+
+
+@pytest.mark.parametrize("position", ["middle", "first", "last"])
+def test_a_custom_backward_with_side_effects_runs_once(position: str) -> None:
+    """W does not run a custom autograd Function's backward again: its weight-side gradients from I's one run seed
+    the nodes below it, so a side effect (``main_grad += ...``) happens once per microbatch, as in a full backward."""
+    torch.manual_seed(0)
+    ref = FusedWgrad()
+    mod = copy.deepcopy(ref)
+    mod.w.main_grad = torch.zeros(D, D)
+    xs = _inputs("fused", 3)
+    g = torch.Generator().manual_seed(3)
+    gys = [(torch.randn(5, D, generator=g),) for _ in xs]
+    want = _run_full(ref, xs, gys, position=position)
+    got = _run_split(mod, xs, gys, position=position)
+    assert float(ref.w.main_grad.abs().sum()) > 0
+    torch.testing.assert_close(mod.w.main_grad, ref.w.main_grad, rtol=1e-10, atol=1e-12)
+    assert ref.w.grad is None and mod.w.grad is None
+    for name in ("b", "lin.weight", "lin.bias", "s"):
+        p, q = ref.get_parameter(name), mod.get_parameter(name)
+        assert p.grad is not None and q.grad is not None, name
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12, msg=lambda m, name=name: f"{position} {name}: {m}")
+    if position != "first":
+        for w, gi in zip(want, got):
+            torch.testing.assert_close(gi[0], w[0], rtol=1e-10, atol=1e-12)
