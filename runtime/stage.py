@@ -37,10 +37,11 @@ itself, as torch's own pipelining does, and it is exact by construction:
   activation-side outputs, so nothing is counted twice and the chain between
   them runs on undefined gradients (no arithmetic).
 * A custom autograd Function on a boundary computes every output of its
-  backward in one Python call, so I runs it whole: its weight-side outputs are
-  kept (a node post-hook) and W seeds the nodes below it with them instead of
-  running it again, which would repeat any side effect of that backward
-  (Megatron's ``main_grad += ...`` with None returned for the weight).
+  backward in one Python call, so I runs it whole: its weight-side outputs
+  (taken by a node post-hook) go on into their leaves at the end of I, and W
+  does not run it again, which would repeat its whole backward and any side
+  effect of it (Megatron's ``main_grad += ...`` with None returned for the
+  weight).  Those parameters' gradients are then complete after I.
 * Gradients reach the leaves through their own AccumulateGrad nodes, so
   ``.grad`` accumulation, hooks and frozen/unfrozen parameters behave as in a
   full backward; the trainable set is whatever requires grad at that forward.
@@ -97,8 +98,8 @@ class _WeightGroup:
     #: (boundary node, its recorded gradients, which of its edges are activation side), when
     #: the group has several boundary nodes (one may reach another through the activation chain)
     pinned: list[tuple[Node, tuple[torch.Tensor | None, ...], tuple[bool, ...]]]
-    #: custom autograd Function boundary nodes whose weight-side gradients I kept (W seeds below them and must not
-    #: run them again), when the group has several boundary nodes (one may be reached through another)
+    #: custom autograd Function boundary nodes whose weight side I did (W must not run them again), when the group
+    #: has several boundary nodes (one may be reached through another)
     quiet: list[Node]
 
 
@@ -464,8 +465,8 @@ class StageExecutor:
         recorded: dict[Node, tuple[torch.Tensor | None, ...]] = {}
         # A custom autograd Function's backward computes its weight-side gradients in I already (it is one Python
         # call), and may have side effects (Megatron-style ``main_grad += ...``, returning None for the weight):
-        # its weight-side outputs are kept here, and W seeds the nodes below it with them instead of running it
-        # again (which would repeat the side effects).
+        # its weight-side outputs are taken here and accumulated below it at once, and W does not run it again
+        # (which would repeat its whole backward, side effects included, and hold nothing more until W).
         captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
         handles = []
         self._in_backward = True
@@ -506,6 +507,12 @@ class StageExecutor:
         for r, g in zip(roots, grads):
             edge = get_gradient_edge(r)
             root_grad.setdefault(edge.node, []).append((edge, g))
+        if captured:  # the custom Functions' weight-side gradients, on into their leaves now (see above)
+            below = [(GradientEdge(fn, idx), g) for node, kept in captured.items() if node in recorded
+                     for (fn, idx), g in zip(node.next_functions, kept) if fn is not None and g is not None]
+            if below:
+                into = [n.variable for bnodes, _, leaves in groups if any(b in captured for b in bnodes) for n in leaves]
+                torch.autograd.backward([e for e, _ in below], [g for _, g in below], retain_graph=True, inputs=into)
         work: list[_WeightGroup] = []
         for bnodes, root_seeds, leaves in groups:
             edges: list[GradientEdge] = []
@@ -516,12 +523,7 @@ class StageExecutor:
                 rec = recorded.get(node)
                 if rec is None:
                     continue
-                kept = captured.get(node)
-                if kept is not None:  # (a custom Function: below it, with what its one run in I gave)
-                    for (fn, idx), g in zip(node.next_functions, kept):
-                        if fn is not None and g is not None:
-                            edges.append(GradientEdge(fn, idx))
-                            seed_grads.append(g)
+                if node in captured:  # (a custom Function: its weight side was done in I)
                     if len(bnodes) > 1:
                         quiet.append(node)
                     continue
@@ -559,7 +561,7 @@ class StageExecutor:
                     # quiet: another boundary node of this group may be reached through it.
                     handles.append(node.register_prehook(lambda g, rec=rec: rec))
                     handles.append(node.register_hook(lambda gi, go, act=act: tuple(None if a else g for g, a in zip(gi, act))))
-                for node in grp.quiet:  # (its weight side is seeded directly; if reached, it passes nothing on)
+                for node in grp.quiet:  # (its weight side was done in I; if reached, it passes nothing on)
                     handles.append(node.register_prehook(lambda g: tuple(None for _ in g)))
                     handles.append(node.register_hook(lambda gi, go: tuple(None for _ in gi)))
                 self._in_weight, self._weight_recomputed = True, False
