@@ -495,8 +495,16 @@ class StageExecutor:
         # An input that is not a leaf (the first stage's microbatch of a caller's batch that requires grad: a view
         # of the caller's tensor) is where I stops; a full backward goes on into the caller's graph, so does this.
         # (Its node is no W work then: ``backward(inputs=...)`` above may have run it, and recorded its gradient.)
-        upstream = [(t, g) for t, need, g in zip(saved.inputs, saved.needs_grad, input_grads)
-                    if need and g is not None and t.grad_fn is not None]
+        # A first-stage input that is a leaf (a caller's tensor given whole to every microbatch: 0-d or
+        # ``Replicate``; a ``Microbatches`` piece) gets its gradient accumulated into ``.grad``, as a full backward
+        # does; ``autograd.grad`` above does not accumulate (``backward(inputs=...)`` in the other branch did).
+        # One tensor passed in several positions (``step(h, s, s)``) is sent on once: ``autograd.grad`` gave
+        # each position its whole gradient.
+        upstream: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for t, need, g in zip(saved.inputs, saved.needs_grad, input_grads):
+            if (need and g is not None and (t.grad_fn is not None or (self.index == 0 and not now))
+                    and all(t is not u for u, _ in upstream)):
+                upstream.append((t, g))
         if upstream:
             for t, _ in upstream:
                 recorded.pop(t.grad_fn, None)
