@@ -63,9 +63,37 @@ def _rows(value: Any) -> int | None:
     return int(value.shape[0]) if isinstance(value, torch.Tensor) and value.dim() > 0 else None
 
 
-def check_batch(args: Sequence[Any], kwargs: Mapping[str, Any], target: Any, *, rank: int) -> None:
-    """Every tensor that will be cut along dim 0 must have the batch's row count (see the module docstring)."""
+def _in_container(value: Any, rows: int) -> str | None:
+    """Where a plain tuple, list or dict holds a tensor with ``rows`` rows (None: it holds none)."""
+    if type(value) is dict:
+        items: Any = value.items()
+    elif type(value) in (tuple, list):
+        items = enumerate(value)
+    else:
+        return None
+    for k, t in items:
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == rows:
+            return f"[{k!r}]"
+    return None
+
+
+def check_batch(args: Sequence[Any], kwargs: Mapping[str, Any], target: Any, *, rank: int, microbatches: int = 2) -> None:
+    """Every tensor that will be cut along dim 0 must have the batch's row count (see the module docstring); a
+    plain container (tuple, list, dict) holding a tensor of the batch's rows is refused: containers reach every
+    microbatch whole, not cut (with one row per microbatch its tensors would broadcast against each microbatch)."""
     rows = [r for v in (*args, *kwargs.values(), target) if (r := _rows(v)) is not None]
+    if rows and microbatches > 1:
+        named_all = [*((f"positional input {i}", a) for i, a in enumerate(args)),
+                     *((f"keyword input {k!r}", v) for k, v in kwargs.items()), ("target", target)]
+        for name, v in named_all:
+            where = _in_container(v, rows[0])
+            if where is not None:
+                raise PipelineConfigError(
+                    f"rank {rank}: {name} is a {type(v).__name__} whose element {where} has the batch's {rows[0]} rows; "
+                    "tuples, lists and dicts reach every microbatch whole (they are not cut along dim 0): pass its "
+                    "tensors as separate inputs, cut them yourself with pipeloom.Microbatches, or wrap a container "
+                    "meant whole for every microbatch in pipeloom.Replicate"
+                )
     if all(r == rows[0] for r in rows):  # (each step: the names are formatted only for the error)
         return
     named = [(f"positional input {i}", a) for i, a in enumerate(args)]

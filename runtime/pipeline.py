@@ -981,7 +981,7 @@ class Pipeline:
                     f"rank {self.rank}: step() got no target, and stage {last} (the last, on this rank) needs one "
                     "for its loss_fn: pass step(..., target=y) (eval() runs without one)"
                 )
-        check_batch(args, kwargs, target, rank=self.rank)
+        check_batch(args, kwargs, target, rank=self.rank, microbatches=self.num_microbatches)
         if train and len(set(self.schedule.stage_to_rank)) > 1:
             for name, v in kwargs.items():
                 vals = v if isinstance(v, Microbatches) else [v.value if isinstance(v, Replicate) else v]

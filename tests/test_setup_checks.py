@@ -193,6 +193,16 @@ def test_keyword_tensor_is_not_cut_silently_and_replicate_passes_it_whole(checks
     assert ok["losses"] == pytest.approx(ok["reference"], rel=1e-12, abs=0)
 
 
+def test_a_container_holding_batch_rows_is_refused(checks: list[dict[str, Any]]) -> None:
+    # tuples, lists and dicts reach every microbatch whole: a target (y, y) would pair every microbatch with the
+    # whole batch (silently, where a microbatch has one row and the loss broadcasts)
+    for r, rec in enumerate(checks):
+        c = rec["tuple_target"]
+        assert c["type"] == "PipelineConfigError", c
+        assert f"rank {r}: target is a tuple whose element [0] has the batch's 8 rows" in c["message"], c["message"]
+        assert "pipeloom.Microbatches" in c["message"] and "pipeloom.Replicate" in c["message"], c["message"]
+
+
 def test_a_keyword_tensor_that_requires_grad_is_refused(checks: list[dict[str, Any]]) -> None:
     # every stage gets it, on every rank: each rank's copy would hold only its own stages' gradient share
     for r, rec in enumerate(checks):

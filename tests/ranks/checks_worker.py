@@ -220,6 +220,8 @@ def main() -> None:
     rec = run_case("mask_replicated", pipe(lambda s: mask_stages[s]), step(xm, target=ym, mask=pipeloom.Replicate(mask)))
     rec["reference"] = ref_losses
     results["mask_replicated"] = rec
+    # -- a tuple target holding batch-row tensors: containers are not cut (one row per microbatch would broadcast)
+    results["tuple_target"] = run_case("tuple_target", pipe(), step(x, target=(y, y)))
     # -- a keyword tensor that requires grad: each rank would keep only its own stages' share of its gradient
     results["mask_grad"] = run_case("mask_grad", pipe(lambda s: mask_stages[s]),
                                     step(xm, target=ym, mask=pipeloom.Replicate(mask.clone().requires_grad_())))
