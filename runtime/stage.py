@@ -232,6 +232,15 @@ def _plan_weight_work(
     return activation_side, out, None
 
 
+def _nonleaf_grad(t: torch.Tensor) -> torch.Tensor | None:
+    """``.grad`` of a first-stage input that is not a leaf (a view of a caller's batch that requires grad): set only by
+    a backward that named it in ``inputs=``, None after a full backward (which went on into the caller's graph); read
+    without torch's warning about non-leaf ``.grad`` (the caller did nothing wrong)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return t.grad
+
+
 def _copy_leaf(t: Any) -> Any:
     return t.clone() if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad else t
 
@@ -401,7 +410,7 @@ class StageExecutor:
         return roots, grads
 
     def _input_grads(self, saved: _Saved) -> list[torch.Tensor | None]:
-        return [t.grad if need else None for t, need in zip(saved.inputs, saved.needs_grad)]
+        return [(t.grad if t.is_leaf else _nonleaf_grad(t)) if need else None for t, need in zip(saved.inputs, saved.needs_grad)]
 
     def backward(self, mb: int, grad_outputs: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
         """Full backward (B): accumulate parameter gradients, return the input gradients."""

@@ -484,6 +484,24 @@ def test_a_first_stage_input_that_requires_grad_gets_a_full_backwards_gradient(c
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12)
 
 
+def test_a_full_backward_into_the_callers_batch_warns_nothing() -> None:
+    """A full backward (1F1B's B) of a first stage whose inputs are views of a batch that requires grad: the batch
+    gets its gradient, and reading the inputs' gradients raises no warning about a non-leaf ``.grad``."""
+    import warnings
+
+    torch.manual_seed(0)
+    mod = CASES["twice"]()
+    xb = _inputs("twice", 1)[0].repeat(2, 1).requires_grad_()
+    ex = StageExecutor(0, mod, is_last=False, loss_fn=None, grad_scale=1.0)
+    g = torch.Generator().manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for mb, xm in enumerate(torch.tensor_split(xb, 2)):
+            ex.forward(mb, (xm,), {})
+            ex.backward(mb, (torch.randn(5, D, generator=g),))
+    assert xb.grad is not None
+
+
 class CountsThenModifiesInput(nn.Module):
     """Updates a buffer, then modifies its input in place (allowed on the unsplit model's intermediate)."""
 
