@@ -252,7 +252,13 @@ def test_tune_ranks_configurations_from_a_run(runs: Path, capsys: pytest.Capture
     cands = doc["candidates"]
     assert doc["recorded"]["schedule"] == "1F1B" and doc["recorded"]["microbatches"] == 4
     times = [c["step_ns"] for c in cands]
-    assert times == sorted(times) and all(c["fits"] for c in cands)
+    # ranked by predicted step, except that the near-ties of the fastest (within TIE) lead in order of risk
+    # (schedule_tune.rank_candidates): which ones tie depends on the recorded run's costs
+    from pipeloom.tools.schedule_tune import TIE
+
+    n = sum(1 for t in times if t <= min(times) * (1 + TIE))
+    assert all(t <= min(times) * (1 + TIE) for t in times[:n]) and times[n:] == sorted(times[n:]), times
+    assert all(c["fits"] for c in cands)
     assert {(c["schedule"], c["microbatches"], c["stages_per_rank"]) for c in cands} >= {("1F1B", 2, 1), ("ZBVZeroBubble", 4, 2)}
     assert any("GPipe m=2 v=2" in s for s in doc["skipped"])
     assert main(["schedule", "tune", "--costs-from", path, "--top", "3"]) == 0
