@@ -677,10 +677,15 @@ class StageCollectives:
             layout.append((name, sp, full, rows, rest, chunk_rows, chunk_rows * per_row, total))
             total += chunk_rows * per_row
         dtype = sharded[0][1].dtype
-        inp = torch.zeros(ws, total, dtype=dtype, device=self.device)
-        for name, sp, full, rows, rest, chunk_rows, cn, off in layout:
+        # After the gradients, one column per parameter in every rank's row: how many replicas hold a
+        # gradient for it (see _all_reduce: a parameter that got none anywhere keeps grad None)
+        inp = torch.zeros(ws, total + len(layout), dtype=dtype, device=self.device)
+        local_none = False
+        for i, (name, sp, full, rows, rest, chunk_rows, cn, off) in enumerate(layout):
             g = full.grad
+            local_none = local_none or g is None
             if g is not None:
+                inp[:, total + i] = 1
                 # rank k's shard is rows [k * chunk_rows, (k + 1) * chunk_rows), zero-padded
                 padded = g.new_zeros(ws * chunk_rows, *rest)
                 padded[:rows].copy_(g)
@@ -689,7 +694,7 @@ class StageCollectives:
         fp.finish_backward(units)
         if self.device.type == "cuda":
             kind = "reduce-scatter"
-            out = torch.empty(total, dtype=dtype, device=self.device)
+            out = torch.empty(total + len(layout), dtype=dtype, device=self.device)
             work = dist.reduce_scatter_tensor(out, inp.view(-1), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         else:
             # gloo's reduce-scatter Work never reports completion to is_completed() (only a
@@ -703,12 +708,16 @@ class StageCollectives:
         def landed() -> None:
             del inp_keep[:]
             out.div_(ws)
-            for name, sp, full, rows, rest, chunk_rows, cn, off in layout:
+            # (read on the host only where this rank lacked a gradient: a sync on GPUs)
+            anywhere = out[total:].tolist() if local_none else [1.0] * len(layout)
+            for (name, sp, full, rows, rest, chunk_rows, cn, off), used in zip(layout, anywhere):
                 local_rows = max(0, min(chunk_rows, rows - idx * chunk_rows))
                 local = out[off : off + cn].view(chunk_rows, *rest)[:local_rows]
                 old = sp.grad
                 if old is not None:
                     local = old.to_local() + local
+                elif not used:
+                    continue  # no replica had a gradient for it: None, as in a full backward
                 sp.grad = DTensor.from_local(local, sp.device_mesh, sp.placements, run_check=False, shape=sp.shape, stride=sp.stride())
 
         inp_keep = [inp]  # alive until the collective is done
@@ -717,19 +726,32 @@ class StageCollectives:
 
     def _all_reduce(self, bucket: _Bucket, s: int, step: int, *, group: Any = None, divisor: int | None = None) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        flat = torch.cat([g.detach().reshape(-1) for g in grads])
+        # One more element per parameter, summed with the gradients: how many replicas hold a
+        # gradient for it.  A parameter that got none on any replica (unused in this step, or
+        # by the model) keeps ``grad = None``, as in the unsplit model's backward; a zero
+        # gradient there instead would be stepped by AdamW's weight decay or a momentum.
+        # (made without a host-to-device copy, which would wait for a GPU's queued work; read back on the
+        # host only where this rank lacks a gradient, which is rare)
+        held = grads[0].new_ones(len(grads))
+        for i, p in enumerate(bucket.params):
+            if p.grad is None:
+                held[i] = 0
+        flat = torch.cat([*(g.detach().reshape(-1) for g in grads), held])
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group if group is None else group, async_op=True)
         size = self.size if divisor is None else divisor
 
         def landed() -> None:
             flat.div_(size)
+            local_none = any(p.grad is None for p in bucket.params)
+            anywhere = flat[bucket.numel :].tolist() if local_none else [1.0] * len(bucket.params)
             offset = 0
-            for p in bucket.params:
+            for p, used in zip(bucket.params, anywhere):
                 n = p.numel()
                 view = flat[offset : offset + n].view_as(p)
                 offset += n
                 if p.grad is None:
-                    p.grad = view
+                    if used:
+                        p.grad = view
                 else:
                     p.grad.copy_(view)
 
