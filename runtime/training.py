@@ -136,9 +136,18 @@ def clip_grad_norm_(
         else:
             norms = torch.stack([torch.linalg.vector_norm(g.detach(), p).to(torch.float64) for g in counted])
             local_total = norms.pow(p).sum()
-    op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM
-    _collective(pipe, local_total, op, dst=None, what="the gradient norm's all-reduce")
-    total = local_total if p == math.inf else local_total.pow(1.0 / p)
+    if p == math.inf:
+        # A NaN must reach every rank, as torch's max gives NaN on the unsplit model.  gloo's MAX
+        # keeps a NaN only where it is the left operand (rank 0's): from any other rank it is
+        # dropped and the norm came back finite.  So the NaN travels as a flag beside the maximum
+        # of the rest, in the same all-reduce.
+        nan = torch.isnan(local_total)
+        both = torch.stack([torch.where(nan, torch.zeros_like(local_total), local_total), nan.to(torch.float64)])
+        _collective(pipe, both, dist.ReduceOp.MAX, dst=None, what="the gradient norm's all-reduce")
+        total = torch.where(both[1] > 0, torch.full_like(both[0], math.nan), both[0])
+    else:
+        _collective(pipe, local_total, dist.ReduceOp.SUM, dst=None, what="the gradient norm's all-reduce")
+        total = local_total.pow(1.0 / p)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from all pipeline stages is non-finite, so it cannot "

@@ -1,0 +1,279 @@
+"""One rank of tests/test_training_adversarial.py: a training loop's essentials against the unsplit model.
+
+``python train_adv_worker.py JOB.json`` on every rank of a gloo job (the harness's rank pool).  Each case of
+the job builds a Pipeline and runs a *script* of training-loop operations on it (steps of changing batch sizes,
+``eval`` between steps, accumulation without ``zero_grad``, ``no_sync``, global clipping by the 2- and
+inf-norm, a NaN gradient, optimizer steps, toggling a parameter's use); every rank runs the same script on the
+unsplit model itself (same seeds, float64, the global batch cut as the replicas cut it) and compares after each
+operation: every gradient of the stages it holds (``None`` included), the clip norm, the step's losses, the
+eval outputs and, after optimizer steps, every parameter and buffer.  Where the runtime must refuse, the error
+text is recorded instead.  The result goes to ``{out}/{case}-rank{R}.json``: ``{"diffs": {what: max abs diff
+or a message}, "errors": [...]}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import install_stack_dump  # noqa: E402
+
+D, F64 = 4, torch.float64
+TOL = dict(rtol=1e-10, atol=1e-12)
+
+
+class Blk(nn.Module):
+    """A stage with what a training loop must get right: a weight tied inside the stage (``b``/``b2``), a
+    parameter used twice (``g``), a frozen Linear, a parameter used only when ``use_sometimes`` (set per step),
+    one never used, a constant buffer and, with ``ema``, a buffer updated in forward."""
+
+    def __init__(self, s: int, ema: bool = False, dropout: float = 0.0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(100 + s)
+
+        def r(*sh: int) -> torch.Tensor:
+            return torch.randn(*sh, generator=g, dtype=F64) * 0.5
+
+        self.a = nn.Linear(D, D, dtype=F64)
+        self.b = nn.Linear(D, D, bias=False, dtype=F64)
+        self.b2 = nn.Linear(D, D, bias=False, dtype=F64)
+        self.b2.weight = self.b.weight
+        self.frozen = nn.Linear(D, D, dtype=F64).requires_grad_(False)
+        with torch.no_grad():
+            for p in [self.a.weight, self.a.bias, self.b.weight, self.frozen.weight, self.frozen.bias]:
+                p.copy_(r(*p.shape))
+        self.g = nn.Parameter(1 + r(D))
+        self.sometimes = nn.Parameter(r(D))
+        self.unused = nn.Parameter(r(D))
+        self.register_buffer("scale", 1 + r(D))
+        self.ema = ema
+        if ema:
+            self.register_buffer("running", torch.zeros(D, dtype=F64))
+        self.drop = nn.Dropout(dropout) if dropout else None
+        self.use_sometimes = True
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.ema and self.training:
+            with torch.no_grad():
+                self.running.mul_(0.9).add_(0.1 * h.mean(0))
+        y = torch.tanh(self.a(h)) * self.g
+        if self.drop is not None:
+            y = self.drop(y)
+        y = self.b2(torch.tanh(self.b(y))) * self.g + self.frozen(h) * self.scale
+        if self.use_sometimes:
+            y = y + self.sometimes
+        if self.ema:
+            y = y - 0.1 * self.running
+        return y
+
+
+def rnd(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def _full(t: Any) -> Any:
+    return t.full_tensor() if t is not None and hasattr(t, "full_tensor") else t
+
+
+def _cut(t: torch.Tensor, dp: int, n: int) -> list[torch.Tensor]:
+    return [m for part in torch.tensor_split(t, dp) for m in torch.tensor_split(part, n)]
+
+
+class Ref:
+    """The unsplit model on this process: every stage, one full backward over the global batch's microbatches."""
+
+    def __init__(self, cfg: dict[str, Any], num_stages: int) -> None:
+        self.cfg = cfg
+        self.dp, self.n = cfg.get("dp", 1), cfg["microbatches"]
+        self.stages = [make_stage(cfg, s) for s in range(num_stages)]
+        self.own = dict(enumerate(self.stages))
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, *, train: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        outs, losses = [], []
+        for xm, ym in zip(_cut(x, self.dp, self.n), _cut(y, self.dp, self.n)):
+            h = xm
+            for st in self.stages:
+                h = st(h)
+            outs.append(h.detach())
+            losses.append(nn.functional.mse_loss(h, ym))
+        if train:
+            (torch.stack(losses).sum() / len(losses)).backward()
+        return outs, [v.detach() for v in losses]
+
+
+def make_stage(cfg: dict[str, Any], s: int) -> nn.Module:
+    m = Blk(s, ema=cfg.get("ema", False), dropout=cfg.get("dropout", 0.0))
+    if cfg.get("compile"):
+        m.compile(backend=cfg["compile"])
+    return m
+
+
+def make_opt(params: list[torch.Tensor], cfg: dict[str, Any]) -> torch.optim.Optimizer:
+    if cfg.get("opt", "adamw") == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=False)
+    return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1, foreach=False)
+
+
+class Compare:
+    def __init__(self) -> None:
+        self.diffs: dict[str, Any] = {}
+
+    def tensors(self, what: str, got: Any, want: Any) -> None:
+        if (got is None) != (want is None):
+            self.diffs[what] = f"got {'None' if got is None else 'a tensor'}, the unsplit model has {'None' if want is None else 'a tensor'}"
+            return
+        if got is None:
+            return
+        got, want = got.detach().to(F64), want.detach().to(F64)
+        if got.shape != want.shape:
+            self.diffs[what] = f"shape {tuple(got.shape)} vs {tuple(want.shape)}"
+            return
+        both_nan = torch.isnan(got) & torch.isnan(want)
+        if not torch.equal(torch.isnan(got), torch.isnan(want)):
+            self.diffs[what] = "NaN in other places"
+            return
+        g, w = got.masked_fill(both_nan, 0), want.masked_fill(both_nan, 0)
+        if not torch.allclose(g, w, **TOL, equal_nan=True):
+            self.diffs[what] = float((g - w).abs().max())
+
+    def model(self, what: str, own: dict[int, nn.Module], ref: Ref, *, grads: bool, params: bool) -> None:
+        for s, mod in own.items():
+            rmod = ref.stages[s]
+            rp = dict(rmod.named_parameters())
+            for name, p in mod.named_parameters():
+                name = name.replace("_orig_mod.", "")
+                if grads:
+                    self.tensors(f"{what} grad s{s}.{name}", _full(p.grad), rp[name].grad)
+                if params:
+                    self.tensors(f"{what} param s{s}.{name}", _full(p), rp[name])
+            if params:
+                rb = dict(rmod.named_buffers())
+                for name, b in mod.named_buffers():
+                    self.tensors(f"{what} buffer s{s}.{name.replace('_orig_mod.', '')}", b, rb[name.replace("_orig_mod.", "")])
+
+
+def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
+    import pipeloom
+    from pipeloom.schedules import default_stages_per_rank
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp = cfg.get("dp", 1)
+    pp = world // dp
+    spr = cfg.get("spr") or default_stages_per_rank(cfg["schedule"])
+    ns = pp * spr
+    n = cfg["microbatches"]
+    torch.manual_seed(cfg.get("seed", 0))
+    pipe = pipeloom.Pipeline(lambda s: make_stage(cfg, s), schedule=cfg["schedule"], num_microbatches=n,
+                             loss_fn=nn.functional.mse_loss, stages_per_rank=spr, data_parallel=dp,
+                             fsdp=cfg.get("fsdp", False), deterministic=cfg.get("deterministic"))
+    ref = Ref(cfg, ns)
+    opt = make_opt(pipe.parameters(), cfg)
+    ref_opt = make_opt(list({id(p): p for st in ref.stages for p in st.parameters()}.values()), cfg)
+    cmp = Compare()
+    errors: list[str] = []
+    part = pipe.dp_rank
+    syncing_off = False
+    for i, op in enumerate(cfg["script"]):
+        kind = op[0]
+        tag = f"op{i}:{kind}"
+        if kind in ("step", "eval"):
+            _, rows, seed = op[:3]
+            x, y = rnd(rows, D, seed=seed), rnd(rows, D, seed=seed + 1000)
+            losses: list[torch.Tensor] = []
+            if kind == "step":
+                out = pipe.step(x, target=y, losses=losses)
+            else:
+                out = pipe.eval(x, target=y, losses=losses)
+            want_out, want_losses = ref.step(x, y, train=kind == "step")
+            if pipe.has_last_stage:
+                mine = slice(part * n, (part + 1) * n)
+                cmp.tensors(f"{tag} output", out, torch.cat(want_out[mine]))
+                cmp.tensors(f"{tag} losses", torch.stack([v.detach() for v in losses]), torch.stack(want_losses[mine]))
+            cmp.tensors(f"{tag} last_loss", torch.tensor(pipe.last_loss(), dtype=F64), torch.stack(want_losses).mean())
+            # (inside no_sync the replicas' gradients are local, FSDP's not on .grad: compared after it)
+            cmp.model(tag, pipe.stages, ref, grads=not syncing_off, params=False)
+        elif kind == "clip":
+            _, max_norm, norm_type = op[:3]
+            norm_type = math.inf if norm_type == "inf" else float(norm_type)
+            raise_nonfinite = len(op) > 3 and op[3]
+            ref_params = [p for st in ref.stages for p in st.parameters()]
+            ref_params = list({id(p): p for p in ref_params}.values())
+            try:
+                want = torch.nn.utils.clip_grad_norm_(ref_params, max_norm, norm_type, error_if_nonfinite=raise_nonfinite)
+                want_err = None
+            except RuntimeError as exc:
+                want, want_err = None, str(exc)
+            try:
+                got = pipe.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=raise_nonfinite)
+                got_err = None
+            except RuntimeError as exc:
+                got, got_err = None, str(exc)
+            if (got_err is None) != (want_err is None):
+                cmp.diffs[f"{tag} error"] = f"pipeline: {got_err!r}; unsplit model: {want_err!r}"
+            else:
+                cmp.tensors(f"{tag} norm", got, want)
+            cmp.model(tag, pipe.stages, ref, grads=True, params=False)
+        elif kind == "nan":  # a NaN into element [0] of a gradient (every rank holding that element)
+            _, stage, name = op[:3]
+            stage = stage % ns  # (-1: the last stage)
+            if stage in pipe.stages:
+                p = dict(pipe.stages[stage].named_parameters())[name]
+                local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                if local.numel() and (not hasattr(p.grad, "to_local") or pipe.dp_rank == 0):
+                    local.view(-1)[0] = float("nan")
+            rp = dict(ref.stages[stage].named_parameters())[name]
+            rp.grad.view(-1)[0] = float("nan")
+        elif kind == "opt":
+            opt.step()
+            ref_opt.step()
+            cmp.model(tag, pipe.stages, ref, grads=False, params=True)
+        elif kind == "zero":
+            opt.zero_grad(set_to_none=True)
+            ref_opt.zero_grad(set_to_none=True)
+        elif kind == "use":  # a parameter used in the coming steps, or not (on every stage)
+            for m in [*pipe.stages.values(), *ref.stages]:
+                getattr(m, "_orig_mod", m).use_sometimes = bool(op[1])
+        elif kind == "no_sync":  # ("no_sync", [sub-ops]): run them under pipe.no_sync()
+            raise AssertionError("use no_sync_on / no_sync_off")
+        elif kind == "no_sync_on":
+            ctx = pipe.no_sync()
+            ctx.__enter__()
+            syncing_off = True
+        elif kind == "no_sync_off":
+            ctx.__exit__(None, None, None)
+            syncing_off = False
+        else:
+            raise AssertionError(kind)
+    pipe.close()
+    return {"diffs": cmp.diffs, "errors": errors}
+
+
+def main() -> None:
+    install_stack_dump()
+    job = json.load(open(sys.argv[1]))
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    for cfg in job["cases"]:
+        print(f"rank {rank}: case {cfg['id']}", file=sys.stderr, flush=True)
+        try:
+            result = run_case(cfg)
+        except Exception as exc:  # noqa: BLE001 - recorded for the test to show
+            result = {"diffs": {}, "errors": [f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"]}
+        with open(os.path.join(job["out"], f"{cfg['id']}-rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
