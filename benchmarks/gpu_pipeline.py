@@ -607,7 +607,12 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
     dist.all_gather_object(every_cost, _stage_costs(mods, args, seqs, num_stages - 1))
     sim = _sim_ceiling(name, n, world, {s: c for part, _ in every_cost for s, c in part.items()})
     sim["padded"] = all(p for _, p in every_cost)
-    model_name = f"gpt-{args.size}" if gpt else "transformer"
+    # (the plain stack is named by its shape, so that rows of several shapes in one file stay apart; the default
+    # shape keeps the old name)
+    shape = (args.layers, args.hidden, args.heads, args.seq, args.microbatches, args.mbsize)
+    model_name = (f"gpt-{args.size}" + (f"-v{args.vocab}" if args.vocab != 32000 else "") if gpt else
+                  "transformer" if shape == (16, 2048, 16, 1024, 8, 4) else
+                  "transformer-{}x{}-h{}-s{}-m{}x{}".format(*shape))
 
     def host_profile(engine: str, fn: Any) -> None:
         """``--cprofile N``: N more steps under cProfile on rank 0; where the host's time goes, printed."""

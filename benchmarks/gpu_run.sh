@@ -18,6 +18,10 @@
 #              alternating in ALTERNATE rounds (default 3); 1F1B of size l profiled (--profile 3, traces of
 #              ranks 0 and last under $OUT/prof-$CODE; NO_TRACES=1 keeps none, NO_PROFILE=1 skips); CODE tags rows
 #   gpt4       the same on 4 GPUs, size l, no profile
+#   shapes2    models the engine was not tuned on, beside torch on GPUs VIS2 (0,1): the plain transformer stage at
+#              SHAPES (";"-separated gpu_pipeline.py argument sets; default a BERT-base-like 24 x 768 stack with 16
+#              microbatches, a wide 8 x 4096 stack with long sequences, and the GPT of size s with a 128k vocabulary
+#              head), schedules SHAPE_SCHEDULES, ALTERNATE rounds (default 3), no profile; rows in $OUT/gpu.jsonl
 #   ceil2/ceil4  gpt2/gpt4 with engines pipeloom, torch and pipeloom with cuda_graphs (ALTERNATE, default 3; no profile):
 #              each row's torch/sim, pipeloom/sim columns are the share of the schedule's simulated device ceiling
 #              reached (session Q, 2 x H100: graphs 0.95-0.96 at size l on every schedule; ~5 min for both sizes)
@@ -138,6 +142,16 @@ for part in "$@"; do
       IFS=: read -r label envset sched <<< "$v"
       echo "== 2 GPUs $sched $label"; (export CUDA_VISIBLE_DEVICES=$VIS2 "$envset"; bench 2 "$label" --schedule "$sched")
     done
+    ;;
+  shapes2)
+    IFS=';' read -r -a shapes <<< "${SHAPES:---layers 24 --hidden 768 --heads 12 --seq 512 --microbatches 16 --mbsize 4;--layers 8 --hidden 4096 --heads 32 --seq 2048 --microbatches 8 --mbsize 1;--model gpt --size s --vocab 128000}"
+    for sh in "${shapes[@]}"; do
+      echo "== 2 GPUs $sh"
+      # shellcheck disable=SC2086
+      CUDA_VISIBLE_DEVICES=$VIS2 bench 2 "" $sh --schedule "${SHAPE_SCHEDULES:-1F1B,GPipe,Interleaved1F1B,ZBVZeroBubble,DualPipeV}" \
+        --engines pipeloom,torch --alternate "${ALTERNATE:-3}" --code "${CODE:-shapes}"
+    done
+    python3 "$REPO/benchmarks/gpu_pipeline.py" --table "$OUT/gpu.jsonl" | tee "$OUT/shapes-table.md"
     ;;
   ceil2|ceil4)
     ENGINES=pipeloom,torch,pipeloom-x NO_PROFILE=1 CODE=${CODE:-ceil} BENCH_TIMEOUT=${BENCH_TIMEOUT:-240} \
