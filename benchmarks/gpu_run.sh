@@ -21,7 +21,7 @@
 #   shapes2    models the engine was not tuned on, beside torch on GPUs VIS2 (0,1): the plain transformer stage at
 #              SHAPES (";"-separated gpu_pipeline.py argument sets; default a BERT-base-like 24 x 768 stack with 16
 #              microbatches, a wide 8 x 4096 stack with long sequences, and the GPT of size s with a 128k vocabulary
-#              head), schedules SHAPE_SCHEDULES, ALTERNATE rounds (default 3), no profile; rows in $OUT/gpu.jsonl
+#              head), schedules SHAPE_SCHEDULES, engines ENGINES, ALTERNATE rounds (default 3), no profile; rows in $OUT/gpu.jsonl
 #   ceil2/ceil4  gpt2/gpt4 with engines pipeloom, torch and pipeloom with cuda_graphs (ALTERNATE, default 3; no profile):
 #              each row's torch/sim, pipeloom/sim columns are the share of the schedule's simulated device ceiling
 #              reached (session Q, 2 x H100: graphs 0.95-0.96 at size l on every schedule; ~5 min for both sizes)
@@ -149,7 +149,7 @@ for part in "$@"; do
       echo "== 2 GPUs $sh"
       # shellcheck disable=SC2086
       CUDA_VISIBLE_DEVICES=$VIS2 bench 2 "" $sh --schedule "${SHAPE_SCHEDULES:-1F1B,GPipe,Interleaved1F1B,ZBVZeroBubble,DualPipeV}" \
-        --engines pipeloom,torch --alternate "${ALTERNATE:-3}" --code "${CODE:-shapes}"
+        --engines "${ENGINES:-pipeloom,torch}" --alternate "${ALTERNATE:-3}" --code "${CODE:-shapes}"
     done
     python3 "$REPO/benchmarks/gpu_pipeline.py" --table "$OUT/gpu.jsonl" | tee "$OUT/shapes-table.md"
     ;;
