@@ -23,6 +23,9 @@ the checks, kept out of the hot path unless asked for:
   NaN/inf and the first one found raises ``FloatingPointError`` naming the
   stage, microbatch and action.  The finite check costs a reduction per
   tensor and, on GPUs, a device sync per action, so it is off by default.
+  With data parallelism a forward that updates a buffer in place (BatchNorm's
+  running statistics, an EMA) is refused, naming the stage, microbatch and
+  buffer: each replica would update its own copy from its own rows.
 
 Alternatives: checking dtypes up front forbids legitimate mixes (autocast, a
 float32 head on a bfloat16 body); a global ``torch.autograd.detect_anomaly``
@@ -159,11 +162,14 @@ def _nonfinite(t: Any) -> str | None:
 
 
 class _StageChecks:
-    def __init__(self, executor: Any, *, rank: int, stage_to_rank: Sequence[int], check_finite: bool) -> None:
+    def __init__(self, executor: Any, *, rank: int, stage_to_rank: Sequence[int], check_finite: bool,
+                 replicas: int = 1) -> None:
         self.ex = executor
         self.rank = rank
         self.stage_to_rank = stage_to_rank
         self.check_finite = check_finite
+        #: data-parallel replicas (columns) of this stage: a forward may not update a buffer then
+        self.replicas = replicas
 
     def _where(self, action: str, mb: int) -> str:
         return f"stage {self.ex.index}, microbatch {mb}, action {self.ex.index}{action}{mb}"
@@ -193,6 +199,12 @@ class _StageChecks:
         ex = self.ex
         if self.check_finite:
             self._check("input" if ex.index == 0 else f"activation received from stage {ex.index - 1}", list(inputs), "F", mb)
+        # With data parallelism a buffer updated in forward (BatchNorm's running statistics, an EMA, a
+        # counter) is updated by each replica from its own rows only: no single process computes that
+        # (the unsplit model updates it once per microbatch of the whole batch, in order), the replicas'
+        # copies drift apart, and a checkpoint keeps one of them.  Refused where it first happens; the
+        # check reads each buffer's version counter (no tensor is read).
+        buffers = [(n, b, b._version) for n, b in ex.module.named_buffers()] if self.replicas > 1 else ()
         try:
             result = orig(mb, inputs, *args, **kwargs)
         except Exception as exc:
@@ -200,6 +212,15 @@ class _StageChecks:
             if hint is None:
                 raise
             raise TypeError(f"{hint}; the forward failed with {type(exc).__name__}: {exc}") from exc
+        for name, b, version in buffers:
+            if b._version != version:
+                raise PipelineConfigError(
+                    f"rank {self.rank}: {self._where('F', mb)} updated the buffer {name!r} in place, with "
+                    f"{self.replicas} data-parallel replicas: each replica would update its own copy from its own "
+                    "rows, which no single-process run does (the copies drift apart). Keep such state out of "
+                    "data-parallel stages (BatchNorm: module.eval() to freeze its statistics), or train without "
+                    "data parallelism"
+                )
         if self.check_finite:
             outputs, raw, loss = result
             self._check("output", list(outputs) if outputs else ([raw] if isinstance(raw, torch.Tensor) else []), "F", mb)
@@ -242,9 +263,11 @@ class _StageChecks:
         return out
 
 
-def install_stage_checks(executor: Any, *, rank: int, stage_to_rank: Sequence[int], check_finite: bool) -> None:
+def install_stage_checks(executor: Any, *, rank: int, stage_to_rank: Sequence[int], check_finite: bool,
+                         replicas: int = 1) -> None:
     """Wrap the executor's forward/backward methods with the checks (on the instance; the class is untouched)."""
-    checks = _StageChecks(executor, rank=rank, stage_to_rank=stage_to_rank, check_finite=check_finite)
+    checks = _StageChecks(executor, rank=rank, stage_to_rank=stage_to_rank, check_finite=check_finite,
+                          replicas=replicas)
     fwd = executor.forward
     executor.forward = functools.wraps(fwd)(functools.partial(checks.forward, fwd))
     if not check_finite:

@@ -345,6 +345,9 @@ class _Plan:
         self.unshard_first: set[int] = set()
         #: FSDP stages that compute without a prior UNSHARD (filled in by StageCollectives)
         self.ungated: list[int] = []
+        #: per stage, the buckets of parameters it shares with another local stage that its REDUCE_GRAD reduces
+        #: (filled in by StageCollectives)
+        self.shared_buckets: dict[int, list[_Bucket]] = {}
         computes: dict[int, int] = {}
         reduced: set[int] = set()
         reshards: dict[int, int] = {}
@@ -424,6 +427,19 @@ class StageCollectives:
         #: launch REDUCE_GRAD on the stage's own CUDA stream (set by the Pipeline with expert
         #: parallelism, where the stages keep their streams; see RankActor)
         self.on_stage_streams = False
+        self._bucket_bytes = bucket_bytes
+        # A parameter held by several of this rank's stages (a weight tied between the first and the last
+        # stage of a V schedule, both on this rank) gets gradients from each; reduced in each stage's
+        # bucket, the first REDUCE_GRAD averaged a part and its completion then overwrote what the other
+        # stage's backward had added meanwhile.  It is reduced once, by whichever of its stages' REDUCE_GRAD
+        # comes last in the list (collectives run in list order, so the others' backward is done by then).
+        holders: dict[int, list[int]] = {}
+        for s, module in stages.items():
+            for p in module.parameters():
+                holders.setdefault(id(p), []).append(s)
+        shared = {i for i, ss in holders.items() if len(ss) > 1}
+        #: (parameter, the local stages holding it) for every parameter several local stages share
+        self._shared: list[tuple[torch.Tensor, list[int]]] = []
         for s, module in stages.items():
             units = fsdp_modules(module)
             if units:
@@ -433,6 +449,10 @@ class StageCollectives:
             # Replicated parameters: every one under DDP, with FSDP those that no unit manages
             # (FSDP's are DTensors while resharded, which they are at construction).
             replicated = [p for p in module.parameters() if p.requires_grad and not _is_dtensor(p)]
+            for p in replicated:
+                if id(p) in shared and holders[id(p)][0] == s:
+                    self._shared.append((p, holders[id(p)]))
+            replicated = [p for p in replicated if id(p) not in shared]
             if expert_divisor is not None:
                 from pipeloom.moe import is_expert_parameter
 
@@ -496,6 +516,14 @@ class StageCollectives:
         plan = _Plan(actions)
         computed = {leaf.stage for a in actions if a.type not in COLLECTIVE_TYPES for leaf in a.leaves()}
         plan.ungated = sorted(s for s in self._units if s in computed and s not in plan.unshard_first)
+        if self._shared and self.size > 1:
+            order = [s for t, s in plan.collectives if t is _REDUCE]
+            by_stage: dict[int, list[torch.Tensor]] = {}
+            for p, holding in self._shared:
+                listed = [s for s in order if s in holding]
+                if listed:
+                    by_stage.setdefault(listed[-1], []).append(p)
+            plan.shared_buckets = {s: _make_buckets(ps, self._bucket_bytes) for s, ps in by_stage.items()}
         self._plans.append((actions, plan))
         return plan
 
@@ -594,7 +622,7 @@ class StageCollectives:
                 return
             if units:
                 self._reduce_sharded(s, units)
-            for bucket in self._buckets.get(s, ()):
+            for bucket in [*self._buckets.get(s, ()), *self._plan.shared_buckets.get(s, ())]:
                 self._all_reduce(bucket, s, step)
             for bucket in self._expert_buckets.get(s, ()):
                 if self.expert_group is None:

@@ -490,7 +490,7 @@ class Pipeline:
                 s, module, is_last=s == last, loss_fn=loss_fn, grad_scale=grad_scale, split_backward=s in split,
             )
             install_stage_checks(self._executors[s], rank=self.rank, stage_to_rank=self.stage_to_rank,
-                                 check_finite=opts.check_finite)
+                                 check_finite=opts.check_finite, replicas=lay.dp if lay is not None else 1)
         if opts.cuda_graphs:
             from .cuda_graphs import StageGraphs, capturable_loss, slots_per_stage
 
@@ -587,6 +587,7 @@ class Pipeline:
         """The schedule and the pp x dp (x ep) sizes, from this rank's arguments alone (nothing collective)."""
         self.layout: Layout | None = None  #: the pp x dp grid (set after the settings checkpoint), or None
         self._with_dp = data_parallel != 1 or fsdp or mesh is not None
+        self._fsdp = bool(fsdp)
         #: expert parallelism: the ep size and the pp x (dp * ep) grid; groups made with the stages
         self.expert_parallel = 1
         self._ep_grid: list[list[int]] | None = None
@@ -687,6 +688,20 @@ class Pipeline:
             if not isinstance(module, nn.Module):
                 raise PipelineConfigError(f"rank {self.rank}: stage_fn({s}) returned {type(module).__name__}, not an nn.Module")
             modules[s] = module.to(self.device)
+        if self._fsdp and len(modules) > 1:
+            # FSDP shards each stage on its own: a parameter two local stages share (a weight tied between the
+            # first and last stage of a V schedule) would be sharded twice, its gradients silently wrong
+            held: dict[int, tuple[int, str]] = {}
+            for s, module in modules.items():
+                for name, p in module.named_parameters():
+                    if id(p) in held and held[id(p)][0] != s:
+                        raise PipelineConfigError(
+                            f"rank {self.rank}: stages {held[id(p)][0]} and {s} share one parameter "
+                            f"({held[id(p)][1]!r} of stage {held[id(p)][0]}, {name!r} of stage {s}); fsdp=True shards "
+                            "each stage on its own and cannot shard it twice: untie it, or use data_parallel "
+                            "without fsdp (which reduces a shared parameter once)"
+                        )
+                    held.setdefault(id(p), (s, name))
         if last in modules and self.loss_fn is None and not self.forward_only:
             raise PipelineConfigError(
                 f"rank {self.rank} holds the last stage ({last}) but loss_fn is None: training needs "

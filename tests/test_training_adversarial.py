@@ -14,12 +14,20 @@ Bugs these rows found (regression tests now):
   (the unsplit model leaves it alone);
 - ``clip_grad_norm_(norm_type=inf)`` with a NaN gradient on a rank other than 0: gloo's MAX all-reduce drops
   the NaN, so the norm came back finite and ``error_if_nonfinite`` did not fire.
+- a Parameter shared by two stages of one rank (tied between the first and last stage of a V schedule) under
+  DDP was reduced by both stages' REDUCE_GRAD: the first one's completion overwrote what the other stage's
+  backward had added meanwhile (now reduced once, by the later one); under FSDP it was sharded twice (now
+  refused at construction, on every rank);
+- a buffer updated in forward (an EMA, BatchNorm's statistics) under data parallelism: each replica updated
+  its own copy from its own rows, silently unlike any single-process run (now refused at the first such
+  forward, naming rank, stage, microbatch, action and buffer).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,15 +52,29 @@ LOOP = [
 ]
 
 
-def _cases() -> list[dict[str, Any]]:
-    cases = []
-    for s in ["1F1B", *SPLIT]:
-        for fsdp in (False, True):
-            cases.append(dict(id=f"dp-{'fsdp' if fsdp else 'ddp'}-{s}", schedule=s, microbatches=4, dp=2, fsdp=fsdp, script=LOOP))
-    return cases
+def _dp(s: str, fsdp: bool) -> dict[str, Any]:
+    return dict(id=f"dp-{'fsdp' if fsdp else 'ddp'}-{s}", schedule=s, microbatches=4, dp=2, fsdp=fsdp, script=LOOP)
 
 
-CASES4 = _cases()
+CASES4_ALL = [_dp(s, fsdp) for s in ["1F1B", *SPLIT] for fsdp in (False, True)] + [
+    # one Parameter in the first and the last stage, both on rank 0 under a V schedule
+    dict(id="tie-pp4-ZBV", schedule="ZBVZeroBubble", microbatches=4, dp=1, tie_ends=True, script=LOOP),
+    dict(id="tie-ddp-ZBV", schedule="ZBVZeroBubble", microbatches=4, dp=2, tie_ends=True, script=LOOP),
+    dict(id="tie-ddp-DualPipeV", schedule="DualPipeV", microbatches=4, dp=2, tie_ends=True, script=LOOP),
+    # torch.compile'd stages (aot_eager: the autograd graph of a compiled region without inductor's compile time)
+    dict(id="compile-pp4-ZBV", schedule="ZBVZeroBubble", microbatches=4, dp=1, compile="aot_eager", script=LOOP[:10]),
+    dict(id="compile-pp4-1F1B", schedule="1F1B", microbatches=4, dp=1, compile="aot_eager", script=LOOP[:10]),
+    # a buffer updated in forward (an EMA): exact without data parallelism...
+    dict(id="ema-pp4-ZBV", schedule="ZBVZeroBubble", microbatches=4, dp=1, ema=True, script=LOOP[:10]),
+    # refused: FSDP cannot shard a parameter two stages share
+    dict(id="tie-fsdp-ZBV", schedule="ZBVZeroBubble", microbatches=4, dp=2, fsdp=True, tie_ends=True, script=LOOP,
+         expect_error="share one parameter"),
+    # ...refused with it (each replica would update its copy from its own rows); last: the step fails
+    dict(id="ema-ddp-ZBV", schedule="ZBVZeroBubble", microbatches=4, dp=2, ema=True, script=LOOP[:4],
+         expect_error="updated the buffer 'running' in place"),
+]
+# (TADV_ONLY=id,id: run only those rows, while debugging)
+CASES4 = [c for c in CASES4_ALL if not os.environ.get("TADV_ONLY") or c["id"] in os.environ["TADV_ONLY"].split(",")]
 
 
 async def _run(world: int, cases: list[dict[str, Any]], out: Path, timeout: float) -> dict[str, list[dict[str, Any]]]:
@@ -72,6 +94,12 @@ def results4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[st
 
 @pytest.mark.parametrize("case_id", [c["id"] for c in CASES4])
 def test_training_loop_matches_unsplit_model(results4: dict[str, list[dict[str, Any]]], case_id: str) -> None:
+    cfg = next(c for c in CASES4 if c["id"] == case_id)
+    if cfg.get("expect_error"):
+        for r, res in enumerate(results4[case_id]):
+            assert res["errors"], f"rank {r}: not refused"
+            assert cfg["expect_error"] in res["errors"][0], f"rank {r}: {res['errors'][0]}"
+        return
     for r, res in enumerate(results4[case_id]):
         assert not res["errors"], f"rank {r}: {res['errors'][0]}"
         assert not res["diffs"], f"rank {r}: differs from the unsplit model: {json.dumps(dict(list(res['diffs'].items())[:12]), indent=1)}"

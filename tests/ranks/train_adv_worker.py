@@ -17,6 +17,7 @@ import json
 import math
 import os
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -73,6 +74,8 @@ class Blk(nn.Module):
             y = y + self.sometimes
         if self.ema:
             y = y - 0.1 * self.running
+        if getattr(self, "tied", None) is not None:
+            y = y * self.tied
         return y
 
 
@@ -94,7 +97,8 @@ class Ref:
     def __init__(self, cfg: dict[str, Any], num_stages: int) -> None:
         self.cfg = cfg
         self.dp, self.n = cfg.get("dp", 1), cfg["microbatches"]
-        self.stages = [make_stage(cfg, s) for s in range(num_stages)]
+        shared: dict[str, nn.Parameter] = {}
+        self.stages = [make_stage(cfg, s, num_stages, shared, reference=True) for s in range(num_stages)]
         self.own = dict(enumerate(self.stages))
 
     def step(self, x: torch.Tensor, y: torch.Tensor, *, train: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -110,9 +114,15 @@ class Ref:
         return outs, [v.detach() for v in losses]
 
 
-def make_stage(cfg: dict[str, Any], s: int) -> nn.Module:
+def make_stage(cfg: dict[str, Any], s: int, num_stages: int, shared: dict[str, nn.Parameter], *,
+               reference: bool = False) -> nn.Module:
     m = Blk(s, ema=cfg.get("ema", False), dropout=cfg.get("dropout", 0.0))
-    if cfg.get("compile"):
+    if cfg.get("tie_ends") and s in (0, num_stages - 1):
+        # one Parameter in the first and the last stage (both on rank 0 under a V schedule)
+        if "tied" not in shared:
+            shared["tied"] = nn.Parameter(1 + rnd(D, seed=7))
+        m.tied = shared["tied"]
+    if cfg.get("compile") and not reference:  # (the unsplit model runs eagerly)
         m.compile(backend=cfg["compile"])
     return m
 
@@ -172,7 +182,8 @@ def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
     ns = pp * spr
     n = cfg["microbatches"]
     torch.manual_seed(cfg.get("seed", 0))
-    pipe = pipeloom.Pipeline(lambda s: make_stage(cfg, s), schedule=cfg["schedule"], num_microbatches=n,
+    shared: dict[str, nn.Parameter] = {}
+    pipe = pipeloom.Pipeline(lambda s: make_stage(cfg, s, ns, shared), schedule=cfg["schedule"], num_microbatches=n,
                              loss_fn=nn.functional.mse_loss, stages_per_rank=spr, data_parallel=dp,
                              fsdp=cfg.get("fsdp", False), deterministic=cfg.get("deterministic"))
     ref = Ref(cfg, ns)
@@ -183,6 +194,8 @@ def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
     part = pipe.dp_rank
     syncing_off = False
     for i, op in enumerate(cfg["script"]):
+        if os.environ.get("TADV_TIMES"):
+            print(f"rank {rank} {time.perf_counter():.2f} op {i} {op}", file=sys.stderr, flush=True)
         kind = op[0]
         tag = f"op{i}:{kind}"
         if kind in ("step", "eval"):
@@ -265,10 +278,12 @@ def main() -> None:
     dist.init_process_group("gloo")
     for cfg in job["cases"]:
         print(f"rank {rank}: case {cfg['id']}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
         try:
             result = run_case(cfg)
         except Exception as exc:  # noqa: BLE001 - recorded for the test to show
             result = {"diffs": {}, "errors": [f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"]}
+        result["seconds"] = time.perf_counter() - t0
         with open(os.path.join(job["out"], f"{cfg['id']}-rank{rank}.json"), "w") as f:
             json.dump(result, f)
         dist.barrier()
