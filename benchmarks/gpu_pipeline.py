@@ -701,6 +701,9 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
 
         mine = {"n": st.overlapped_backwards if st else None,
                 "decided": {f"{b}>{f}": v for (b, f), v in getattr(actor, "_bg_decided", {}).items()},
+                # (host_overlap_trial: the host-heavy pairs the rule kept inline, tried beside; whether they stayed)
+                "trial": None if getattr(actor, "_trial", None) is None else {
+                    **actor._trial.state(), "pairs": [f"{b}>{f}" for (b, f) in sorted(getattr(actor, "_bg_try", ()))]},
                 "learned": {f"{t.value}{s}": actor.dev.learned((t, s)) for s in actor.stages for t in (ActionType.F, ActionType.B)}}
         got: list[Any] = [None] * world
         dist.all_gather_object(got, mine)
@@ -966,7 +969,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--mbsize", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
+    # (12: the engine learns its action times over the first 2-3 steps, and RuntimeOptions.host_overlap_trial then
+    # tries host-heavy pairs over 8 more; timed steps after that are the steady state)
+    ap.add_argument("--warmup", type=int, default=12)
     ap.add_argument("--varlen", action="store_true")
     ap.add_argument("--return-outputs", action="store_true",
                     help="keep and return the last stage's outputs (both engines' default); without it both engines run "

@@ -91,7 +91,8 @@ from typing import Any, NamedTuple
 import torch
 
 from ..schedules import Action, ActionType, Dataflow, Schedule, consumer_stage, producer_stage
-from ..schedules.dispatch import Dispatcher, choose_rule, overlappable_backwards, plan_ranks, queueable_backwards, stage_streams
+from ..schedules.dispatch import (Dispatcher, OverlapTrial, choose_rule, host_heavy, overlappable_backwards, plan_ranks, queueable_backwards,
+                                  stage_streams)
 from ..transport.control import ControlPlane
 from ..transport.tensor import END, Landed, SendError, TensorPlane, TransferError, guard_exit_works, signature
 from .device import DevicePolicy, backward_overlap_pays, make_policy
@@ -523,6 +524,12 @@ class RankActor:
         self._bg_decided: dict[tuple[int, int], bool] = {}
         #: what each one-stream decision read (B's host launch, B's and F's device times, ms): for tests and logs
         self._bg_inputs: dict[tuple[int, int], tuple[float, float, float]] = {}
+        #: auto, options.host_overlap_trial: the pairs the rule keeps inline on a host-heavy rank, tried beside
+        #: (schedules.dispatch.OverlapTrial; the periods are taken at each training step's start)
+        self._trial = OverlapTrial() if self._bg_auto and self._bg_ok and options.host_overlap_trial else None
+        self._bg_try: set[tuple[int, int]] = set()
+        self._bg_unlearned = False  #: a pair met in this step was not decided yet (its times not learned)
+        self._trial_t0: float | None = None  #: the last training step's start (None: the next period is not comparable)
         #: options.host_overlap_backward: the backwards (stage, microbatch) that may launch beside the forward after
         #: them without making a peer wait on their outputs forever (schedules/dispatch.py)
         #: options.host_queue_backwards: the backwards (stage, microbatch) that may be queued on the worker behind
@@ -1213,6 +1220,9 @@ class RankActor:
         self.dev.relearn()
         self._bg_decided.clear()
         self._bg_inputs.clear()
+        self._bg_try.clear()
+        if self._trial is not None:
+            self._trial.reset()
 
     def _bg_pays(self, b_stage: int, f_stage: int) -> bool:
         """host_overlap_backward auto: whether B of ``b_stage`` is launched beside the F of ``f_stage`` after
@@ -1220,20 +1230,50 @@ class RankActor:
         key = (b_stage, f_stage)
         got = self._bg_decided.get(key)
         if got is not None:
-            return got
+            # (the rule's "no" for a host-heavy pair: beside while its trial says so, see OverlapTrial)
+            return got or (self._trial is not None and self._trial.on and key in self._bg_try)
         one = self.dev.shares_stream(b_stage, f_stage)
         host_ms, b_ms = self.dev.learned((_B, b_stage)) if one else (None, None)
-        f_ms = self.dev.learned((_F, f_stage))[1] if one else None
+        host_f, f_ms = self.dev.learned((_F, f_stage)) if one else (None, None)
         got = backward_overlap_pays(one, host_ms, b_ms, f_ms)
         if got is None:
+            self._bg_unlearned = True
             return False  # not learned yet: inline, decided later
         if one:
             self._bg_inputs[key] = (host_ms, b_ms, f_ms)  # type: ignore[assignment]
+            tried = not got and self._trial is not None and host_heavy(host_ms, host_f, b_ms, f_ms)
+            if tried:
+                self._bg_try.add(key)
             log.info("rank %d: host_overlap_backward auto: B of stage %d (host launch %.2f ms, device %.2f ms) %s "
-                     "beside the F of stage %d (device %.2f ms) on one stream", self.rank, b_stage, host_ms, b_ms,
-                     "launched" if got else "not launched", f_stage, f_ms)
+                     "beside the F of stage %d (host launch %.2f ms, device %.2f ms) on one stream%s", self.rank, b_stage,
+                     host_ms, b_ms, "launched" if got else "not launched", f_stage, host_f or 0.0, f_ms,
+                     " (host-heavy: to be tried beside)" if tried else "")
         self._bg_decided[key] = got
         return got
+
+    def _trial_step(self, train: bool) -> None:
+        """At a step's start (options.host_overlap_trial): the previous training step's period to the trial, and
+        its blocks begun once every pair met is decided and some are to be tried."""
+        trial = self._trial
+        if trial is None:
+            return
+        if not train:
+            self._trial_t0 = None  # (an evaluation step in between: the next period is not comparable)
+            return
+        decided, self._bg_unlearned = not self._bg_unlearned, False  # (every pair the last step met was decided)
+        now = time.perf_counter()
+        t0, self._trial_t0 = self._trial_t0, now
+        if t0 is None:
+            return
+        was = trial.phase
+        trial.record(now - t0)
+        if was == "wait" and decided and self._bg_try:
+            trial.start()
+            log.info("rank %d: host_overlap_backward auto: trying the host-heavy pairs %s beside (blocks of %d steps)",
+                     self.rank, sorted(self._bg_try), trial.steps)
+        elif was == "run" and trial.phase == "done":
+            log.info("rank %d: host_overlap_backward auto: the pairs %s %s beside (%s)", self.rank, sorted(self._bg_try),
+                     "stay" if trial.kept else "do not stay", trial.state())
 
     def _launch_bg(self, a: Action, step: int, tkey: Any, token: Any, h0: float, a0: int, queued: bool = False) -> _Beside:
         """options.host_overlap_backward: take B's input here, launch its backward on the worker thread.
@@ -1416,6 +1456,7 @@ class RankActor:
         try:
             return await self._run_step(inputs, train, keep_outputs)
         except BaseException:
+            self._trial_t0 = None  # (a failed step's period says nothing of the launches)
             futs, self._bg_futs = self._bg_futs, []
             for fut in futs:  # backwards still launching on the worker: let them end before the step is torn down
                 try:
@@ -1447,6 +1488,7 @@ class RankActor:
         self.step_index += 1
         if self._remote_error is not None:
             raise self._remote_error
+        self._trial_step(train)
         self.control.step = step
         self.liveness.start_step()
         self._liveness_interval = self.liveness.check_interval

@@ -267,6 +267,19 @@ class RuntimeOptions:
     work at each backward-to-forward switch; torch's runtime frees these graphs at the step's end.
     False: freed when the backward returns.  Environment: ``PIPELOOM_DEFER_GRAPH_TEARDOWN``."""
 
+    host_overlap_trial: bool = True
+    """With ``host_overlap_backward`` auto (the default) on GPUs: a pair the rule keeps inline on a rank whose
+    host launches the B and the F after it in more time than its device runs them (the rank's device waits on
+    its host every microbatch) is put to the test once every pair is decided: 4 blocks of 2 training steps
+    alternate between inline and beside, and the pair stays beside only if the beside blocks' median step
+    period is at least 3% shorter (``schedules.dispatch.OverlapTrial``).  The learned times alone do not tell
+    which way pays near the rule's margin: 2 x H200, a GPT of size s with a 128k vocabulary head, 1F1B, the last
+    rank kept inline took the step to x1.05-1.08 of torch's and beside to x0.93 (Interleaved1F1B x0.89 and
+    x0.80), while a rank of a device-bound 1F1B that went beside took it to x1.32 (session M).  Costs up to 4
+    steps in the worse setting, once (again after ``cuda_graphs`` captures); the outcome is logged (logger
+    ``pipeloom.actor``, level INFO).  False: the rule alone, as before.  Environment:
+    ``PIPELOOM_HOST_OVERLAP_TRIAL=0``."""
+
     host_queue_backwards: bool = False
     """With ``host_overlap_backward`` in effect (on GPUs by default), a backward that the list runs
     right after another backward is queued on the worker thread behind it, instead of waiting on
@@ -451,6 +464,8 @@ class RuntimeOptions:
                             "CUDA graph; without graphs the loss always runs eagerly)")
         if not isinstance(self.defer_graph_teardown, bool):
             problems.append(f"defer_graph_teardown must be True or False (got {self.defer_graph_teardown!r})")
+        if not isinstance(self.host_overlap_trial, bool):
+            problems.append(f"host_overlap_trial must be True or False (got {self.host_overlap_trial!r})")
         if self.fsdp_reduce not in ("auto", "fsdp"):
             problems.append(f"fsdp_reduce must be 'auto' or 'fsdp' (got {self.fsdp_reduce!r})")
         if problems:
@@ -577,6 +592,7 @@ ENV_VARS: dict[str, tuple[str, Any]] = {
     "PIPELOOM_GPU_LEARN_SLEEP": ("gpu_learn_sleep", _flag),
     "PIPELOOM_HOST_OVERLAP_BACKWARD": ("host_overlap_backward", _auto_flag),
     "PIPELOOM_HOST_QUEUE_BACKWARDS": ("host_queue_backwards", _flag),
+    "PIPELOOM_HOST_OVERLAP_TRIAL": ("host_overlap_trial", _flag),
     "PIPELOOM_DEFER_GRAPH_TEARDOWN": ("defer_graph_teardown", _flag),
     "PIPELOOM_CUDA_GRAPHS_LOSS": ("cuda_graphs_loss", _flag),
     "PIPELOOM_OVERLAP_COLLECTIVES": ("overlap_collectives", _flag),

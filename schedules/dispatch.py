@@ -95,7 +95,7 @@ from .dataflow import consumer_stage
 from .schedule import Schedule
 from .simulate import Costs, simulate
 
-__all__ = ["OVERLAP_MARGIN", "RULES", "Dispatcher", "RankPlan", "backward_overlap_pays", "choose_rule", "overlappable_backwards", "plan_ranks",
+__all__ = ["OVERLAP_MARGIN", "RULES", "Dispatcher", "OverlapTrial", "host_heavy", "RankPlan", "backward_overlap_pays", "choose_rule", "overlappable_backwards", "plan_ranks",
            "stage_streams", "static_peak"]
 
 #: The dispatch rules: ``list`` (deterministic), ``ready`` (first ready in list order),
@@ -389,6 +389,73 @@ def backward_overlap_pays(shares_stream: bool, host_b: float | None, device_b: f
     if host_b is None or device_b is None or device_f is None:
         return None
     return host_b > margin * (device_b + device_f)
+
+
+def host_heavy(host_b: float | None, host_f: float | None, device_b: float | None, device_f: float | None) -> bool:
+    """Whether a rank's host launches a B and the F after it in more time than its device runs them (ms, learned
+    means): inline, such a rank's device waits on its host every microbatch, whatever ``backward_overlap_pays``
+    says about the B alone.  The candidates of :class:`OverlapTrial`."""
+    if None in (host_b, host_f, device_b, device_f):
+        return False
+    return host_b + host_f > device_b + device_f  # type: ignore[operator]
+
+
+class OverlapTrial:
+    """``RuntimeOptions.host_overlap_trial``: try the host-heavy pairs beside, keep them where the steps got faster.
+
+    ``backward_overlap_pays`` judges a pair from learned times alone, and near its margin they do not tell
+    which way pays: a host-bound rank kept inline may lose 10% (2 x H200, a GPT of size s with a 128k head,
+    1F1B: the last rank's B launched in 3.7 ms against 2.6 + 1.7 ms of device time, inline, step x1.05-1.08 of
+    torch's; beside, x0.93), while a rank that read 1.05-1.18x and went beside took a device-bound step to 1.32x
+    (session M).  So the rule's "no" for a pair whose B and F take the host longer than the device
+    (:func:`host_heavy`) is put to the test: once every pair is decided, ``blocks`` blocks of ``steps`` training
+    steps alternate between the rule's choice and those pairs beside (base, trial, base, trial, ...), and the
+    pairs stay beside only if the median step period of the trial blocks is at least ``gain`` below the base
+    blocks'.  A step period is the time from one training step's start to the next's, so the caller's work
+    between steps counts alike in both.  Pure: the actor feeds it the periods."""
+
+    def __init__(self, steps: int = 2, blocks: int = 4, gain: float = 0.03) -> None:
+        self.steps, self.blocks, self.gain = steps, blocks, gain
+        #: "wait" (pairs not all decided, or none to try) -> "run" (blocks alternating) -> "done"
+        self.phase = "wait"
+        self.block = 0  #: the block running (even: base, odd: trial)
+        self.periods: tuple[list[float], list[float]] = ([], [])  #: (base, trial) step periods, seconds
+        self._in_block = 0
+        self.kept: bool | None = None  #: done: the pairs stay beside?
+
+    @property
+    def on(self) -> bool:
+        """Whether the candidate pairs launch beside in the step starting now."""
+        return (self.phase == "run" and self.block % 2 == 1) or (self.phase == "done" and bool(self.kept))
+
+    def start(self) -> None:
+        """Every pair is decided and some are candidates: the blocks begin with the next step."""
+        if self.phase == "wait":
+            self.phase = "run"
+
+    def reset(self) -> None:
+        """The learned times were dropped (``RankActor.relearn``): decide and try again."""
+        self.__init__(self.steps, self.blocks, self.gain)  # type: ignore[misc]
+
+    def record(self, period: float | None) -> None:
+        """The step that just ended took ``period`` seconds (start to the next start); None: not comparable (an
+        evaluation step in between, another input layout): the block runs one more step."""
+        if self.phase != "run" or period is None:
+            return
+        self.periods[self.block % 2].append(period)
+        self._in_block += 1
+        if self._in_block < self.steps:
+            return
+        self._in_block = 0
+        self.block += 1
+        if self.block >= self.blocks:
+            base, trial = (sorted(p)[len(p) // 2] for p in self.periods)
+            self.kept = trial < (1.0 - self.gain) * base
+            self.phase = "done"
+
+    def state(self) -> dict[str, object]:
+        return {"phase": self.phase, "on": self.on, "kept": self.kept, "base_ms": [round(p * 1e3, 2) for p in self.periods[0]],
+                "trial_ms": [round(p * 1e3, 2) for p in self.periods[1]]}
 
 
 def stage_streams(option: bool | None, actions: Sequence[Action], *, stage_collectives: bool = False) -> bool:

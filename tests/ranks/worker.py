@@ -117,6 +117,8 @@ def run_pipeloom(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
                 "decided": {f"{b}>{f}": v for (b, f), v in actor._bg_decided.items()},
                 "one_stream": {f"{b}>{f}": actor.dev.shares_stream(b, f) for (b, f) in actor._bg_decided},
                 "inputs": {f"{b}>{f}": v for (b, f), v in getattr(actor, "_bg_inputs", {}).items()},
+                "trial": None if getattr(actor, "_trial", None) is None else {
+                    **actor._trial.state(), "pairs": [f"{b}>{f}" for (b, f) in sorted(actor._bg_try)]},
                 "learned": {f"{t.value}{s}": actor.dev.learned((t, s)) for s in actor.stages
                             for t in (ActionType.F, ActionType.B)}})
         if opt is not None:
