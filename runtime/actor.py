@@ -97,7 +97,7 @@ from ..transport.control import ControlPlane
 from ..transport.tensor import END, Landed, SendError, TensorPlane, TransferError, guard_exit_works, signature
 from .device import DevicePolicy, backward_overlap_pays, make_policy
 from .direct_wait import DirectWait
-from .errors import PeerLostError, PipelineError, RemoteRankError, StageError
+from .errors import PeerLostError, PipelineConfigError, PipelineError, RemoteRankError, StageError
 from .landing import LandingQueue
 from .liveness import PeerLiveness
 from .options import RuntimeOptions
@@ -192,6 +192,9 @@ class StepInputs:
     #: a hashable key of the batch before it was cut (``split_microbatches``) that determines every
     #: microbatch's layout, or None; ``input_signature`` caches its digest by it
     layout_key: Any = None
+    #: what the ranks' calls must agree on (batch rows, keyword names: ``pipeline.call_check``), checked
+    #: with the step's input layouts where those are gathered
+    call_check: int = 0
 
 
 @dataclass(frozen=True)
@@ -1507,6 +1510,9 @@ class RankActor:
             else:
                 self._cur_rx, self._cur_tx = {}, {}
             self._cur_layout = layout
+        elif self.agree is not None:
+            # static_shapes=False: no layouts to learn, but the ranks' calls are checked as with auto
+            await self._agree_layout(inputs, step, train)
         self._spec = spec
         self._head = None
         # their landings queue up for the dispatcher (runtime/landing.py)
@@ -1824,7 +1830,9 @@ class RankActor:
             self._wake.clear()
             if not await self._wake.wait_for(self._liveness_interval) and time.monotonic() - last >= self._liveness_interval:
                 last = time.monotonic()
-                self._check_liveness([], step)
+                # (named by what is awaited here: with nothing pending, describe_wait would guess
+                # "data-parallel collectives", which a job without them never waits for)
+                self._check_liveness([], step, waiting=what)
 
     def _learn_done(self, train: bool) -> None:
         """Static shapes: a step with headers completed; later steps of its layout go without them."""
@@ -1850,7 +1858,7 @@ class RankActor:
         if self.agree is None:  # (an actor built without a Pipeline: its own inputs only)
             return (sig,)
         try:
-            g = self.agree(sig)  # (runtime/pipeline.py _gather_ints: an all-gather in flight)
+            g = self.agree((sig, inputs.call_check))  # (runtime/pipeline.py _gather_ints: an all-gather in flight)
             w0 = clock_ns() if self.trace is not None and not g.done() else 0
             if not g.done():
                 # the ranks start their steps about together: a short spin usually sees it complete,
@@ -1888,7 +1896,8 @@ class RankActor:
                     raise
             if w0 and self.trace is not None:  # (a wait for the ranks not yet at this step, not runtime)
                 self.trace.wait(step, w0, clock_ns(), ["the ranks' input layouts"])
-            got = tuple(g.result())
+            gathered = g.result()
+            got = tuple(v[0] for v in gathered)
         except PipelineError:
             raise
         except RuntimeError as exc:  # gloo: a rank of the all-gather is gone (its connection closed)
@@ -1907,7 +1916,37 @@ class RankActor:
                 f"step (Pipeline.step) and rank(s) {ev} an evaluation step (Pipeline.eval); every rank must make the "
                 "same calls in the same order"
             )
+        self._check_calls([v[1] for v in gathered], step, inputs)
         return got
+
+    def _check_calls(self, checks: Sequence[int], step: int, inputs: StepInputs) -> None:
+        """Every rank's ``call_check`` (``pipeline.call_check``): the same batch rows where a rank passed a batch,
+        the same keyword names everywhere; else every rank raises the same PipelineConfigError here."""
+        rows = {r: c >> 32 for r, c in enumerate(checks) if c >> 32}
+        if len(set(rows.values())) > 1:
+            by: dict[int, list[int]] = {}
+            for r, n in rows.items():
+                by.setdefault(n, []).append(r)
+            said = ", ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} pass{'' if len(rs) > 1 else 'es'} "
+                             f"{n} rows" for n, rs in by.items())
+            raise PipelineConfigError(
+                f"rank {self.rank} step {step}: the ranks pass batches of different sizes (rows along dim 0 of the "
+                f"first input tensor, else of the target): {said}; every rank must pass the same batch (each rank "
+                "cuts it into the microbatches of its own stages: the last stage would pair one rank's microbatch "
+                "outputs with other rows of the target)"
+            )
+        names = [c & 0xFFFFFFFF for c in checks]
+        if len(set(names)) > 1:
+            by = {}
+            for r, n in enumerate(names):
+                by.setdefault(n, []).append(r)
+            groups = " | ".join(", ".join(map(str, rs)) for rs in by.values())
+            mine = sorted(inputs.kwargs[0]) if inputs.kwargs else []
+            raise PipelineConfigError(
+                f"rank {self.rank} step {step}: the ranks pass different keyword inputs (ranks {groups} differ; this "
+                f"rank passes {mine or 'none'}); every stage gets every keyword input, on every rank, so every rank "
+                "must pass the same ones (a rank's stages would otherwise run another model)"
+            )
 
     def _lost_any(self, what: str, exc: BaseException) -> PeerLostError | None:
         """A transport error in a collective of every rank: the PeerLostError of whichever peer is gone
@@ -2006,19 +2045,20 @@ class RankActor:
             raise self._annotate_wait(self._remote_error, [], step)
         self._check_liveness([], step)
 
-    def _check_liveness(self, pending: list[Action], step: int) -> None:
-        """Raise PeerLostError if a peer is lost (see runtime/liveness.py for the decision)."""
+    def _check_liveness(self, pending: list[Action], step: int, waiting: str | None = None) -> None:
+        """Raise PeerLostError if a peer is lost (see runtime/liveness.py for the decision); ``waiting``: what
+        this rank waits for, as the error says it (default: what ``pending`` waits for)."""
         lost = self.liveness.check(step, disconnected=self.control.disconnected, events_read_at=self.control.monitors_read_at,
                                    needed=self._needed_peers(pending, step))
         if lost is not None:
             root = self._abort_behind(lost.peer)
             if root is not None:  # the peer left because another rank failed: that failure, heard, not re-broadcast
-                raise self._annotate_wait(root, pending, step) from None
+                raise self._annotate_wait(root, pending, step, waiting) from None
             err = PeerLostError(lost.reason, rank=self.rank, peer=lost.peer)
             self._remote_error = err
             self.broadcast_abort(err, None, step)
             # from None: raised while handling the wait's TimeoutError, which is no part of the story
-            raise self._annotate_wait(err, pending, step) from None
+            raise self._annotate_wait(err, pending, step, waiting) from None
 
     def _abort_behind(self, peer: int) -> RemoteRankError | None:
         """A peer found gone because it closed its Pipeline in this step (its 'bye') most often stopped because

@@ -127,7 +127,11 @@ def _ranks(rs: Sequence[int]) -> str:
 
 
 def _show(v: Any) -> str:
-    return json.dumps(v) if not isinstance(v, str) else v
+    # (None is a setting of its own, e.g. static_shapes=None: auto; a field a rank's record lacks is "nothing")
+    return "None" if v is None else json.dumps(v) if not isinstance(v, str) else v
+
+
+_ABSENT = "\0absent"
 
 
 def compare_records(records: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -137,17 +141,97 @@ def compare_records(records: Sequence[Mapping[str, Any]]) -> list[str]:
     for name in fields:
         groups: dict[str, list[int]] = {}
         for r, rec in enumerate(records):
-            groups.setdefault(json.dumps(rec.get(name), sort_keys=True), []).append(r)
+            groups.setdefault(json.dumps(rec[name], sort_keys=True) if name in rec else _ABSENT, []).append(r)
         if len(groups) < 2:
             continue
         if name == "schedule actions" and out:
             continue  # implied by the differences already named
         parts = []
         for value, rs in groups.items():
-            v = json.loads(value)
             verb = "has" if len(rs) == 1 else "have"
-            parts.append(f"{_ranks(rs)} {verb} {'nothing' if v is None else _show(v)}")
+            parts.append(f"{_ranks(rs)} {verb} {'nothing' if value == _ABSENT else _show(json.loads(value))}")
         out.append(f"{name} differs: " + ", ".join(parts))
+    return out
+
+
+def secret_field() -> str:
+    """The settings record's view of ``PIPELOOM_JOB_SECRET`` (every rank must see the same).
+
+    A rank that has none takes rank 0's from a broadcast at construction, while a rank that has one
+    skips that broadcast: ranks that differ here would pair that broadcast with the next collective
+    (a hang), and ranks with different secrets drop each other's control messages as forged (a
+    peer's heartbeats and aborts never count, so it is named lost after the heartbeat timeout).
+    The secret itself is never posted, only a digest of it.
+    """
+    secret = os.environ.get("PIPELOOM_JOB_SECRET")
+    if not secret:
+        return "unset (rank 0 draws one and shares it)"
+    return "set (digest " + hashlib.sha256(b"pipeloom job secret\0" + secret.encode()).hexdigest()[:12] + ")"
+
+
+def check_heartbeats(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each rank's heartbeat interval against every rank's heartbeat timeout (``_heartbeat``: [interval, timeout]).
+
+    A rank declares a peer lost after ``heartbeat_timeout`` of its own without a message from it; a
+    peer that sends heartbeats less often than that is named lost while it is alive and well.
+    Refused where an interval exceeds half a timeout (one late heartbeat would do it).
+    """
+    beats = [(r, rec["_heartbeat"]) for r, rec in enumerate(records) if rec.get("_heartbeat")]
+    if not beats:
+        return []
+    r_int, (interval, _) = max(beats, key=lambda b: b[1][0])
+    r_to, (_, timeout) = min(beats, key=lambda b: b[1][1])
+    if interval * 2 <= timeout:
+        return []
+    who = f"rank {r_int}'s" if len(records) > 1 else "the"
+    whose = f"rank {r_to}'s" if len(records) > 1 else "the"
+    return [f"{who} heartbeat_interval ({interval:g} s) exceeds half of {whose} heartbeat_timeout ({timeout:g} s): a "
+            "rank alive and well would be named lost between two heartbeats; every rank's heartbeat_interval must be "
+            "at most half of every rank's heartbeat_timeout"]
+
+
+#: parameters and buffers listed per stage in the construction record (beyond: the digest alone)
+_MAX_LISTED = 2000
+
+
+def stage_tensors(modules: Mapping[int, Any]) -> dict[str, Any]:
+    """Per stage held here: its parameters' and buffers' names, shapes and dtypes, in the order a replica's
+    broadcast at construction pairs them (``data_parallel.sync_module_states``), and a digest of the list."""
+    out: dict[str, Any] = {}
+    for s, m in modules.items():
+        ents = [[n, list(t.shape), str(t.dtype).removeprefix("torch.")]
+                for n, t in [*m.named_parameters(), *m.named_buffers()]]
+        digest = hashlib.sha256(json.dumps(ents).encode()).hexdigest()[:16]
+        out[str(s)] = {"digest": digest, "tensors": ents[:_MAX_LISTED]}
+    return out
+
+
+def check_stage_replicas(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Ranks that hold the same stage (data-parallel replicas, expert-parallel peers) must hold the same tensors.
+
+    Construction broadcasts replica 0's parameters and buffers to the others, tensor by tensor: a
+    shape that differs ends the process inside gloo (C++ ``terminate``, which its peers see only as a
+    process gone), and a dtype that differs copies raw bytes into the wrong type, silently.
+    """
+    held: dict[str, list[tuple[int, Any]]] = {}
+    for r, rec in enumerate(records):
+        for s, ent in (rec.get("_stages") or {}).items():
+            held.setdefault(s, []).append((r, ent))
+    out = []
+    for s, ents in sorted(held.items(), key=lambda kv: int(kv[0])):
+        (r0, e0), *rest = ents
+        for r, e in rest:
+            if e["digest"] == e0["digest"]:
+                continue
+            a, b = e0["tensors"], e["tensors"]
+            show = lambda t: f"{t[0]} {t[2]}{t[1]}"  # noqa: E731
+            diff = next((f"rank {r0} has {show(x)}, rank {r} has {show(y)}" for x, y in zip(a, b) if x != y), None)
+            if diff is None:
+                diff = (f"rank {r0} has {len(a)} tensors, rank {r} has {len(b)}" if len(a) != len(b)
+                        else f"digests {e0['digest']} and {e['digest']}")
+            out.append(f"stage {s} differs between the ranks that hold it (data-parallel replicas start from "
+                       f"replica 0's parameters and buffers, which needs the same names, shapes and dtypes): {diff}")
+            break
     return out
 
 
@@ -179,10 +263,13 @@ class SetupAgreement:
         self._store = None
 
     # ---------------------------------------------------------------- checkpoints
-    def agree(self, checkpoint: str, record: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    def agree(self, checkpoint: str, record: Mapping[str, Any] | None,
+              check: Callable[[list[dict[str, Any]]], list[str]] | None = None) -> list[dict[str, Any]]:
         """Post this rank's record, read every rank's, raise if any failed or differs; return them (by rank).
 
         Fields whose name starts with ``_`` ride along without being compared (a rank's pid).
+        ``check(records)``: more problems (one sentence each) found in every rank's records, reported
+        as the differences are (every rank decides from the same records, so every rank raises them).
         """
         records = self._exchange(checkpoint, {"ok": dict(record or {})})
         failed = [(r, rec) for r, rec in enumerate(records) if "error" in rec]
@@ -194,6 +281,8 @@ class SetupAgreement:
                 action=None, error=f"while building its Pipeline: {rec['error']}", remote_traceback=rec.get("traceback", ""),
             )
         diffs = compare_records([rec["ok"] for rec in records])
+        if check is not None:
+            diffs += check([rec["ok"] for rec in records])
         if diffs:
             self._done(checkpoint, linger=True)
             raise PipelineConfigError(

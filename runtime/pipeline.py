@@ -28,6 +28,7 @@ import socket
 import sys
 import time
 import traceback
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,8 @@ from ..schedules.dispatch import OVERLAP_MARGIN
 from ..transport.control import ControlPlane, choose_bind_host
 from ..transport.tensor import TensorPlane, abort_communicators, guard_exit, make_pair_groups
 from .actor import ActorStatistics, RankActor, StepInputs
-from .agreement import SetupAgreement, config_record, short_traceback
+from .agreement import (SetupAgreement, check_heartbeats, check_stage_replicas, config_record, secret_field,
+                        short_traceback, stage_tensors)
 from .checks import Replicate, check_batch, install_stage_checks
 from .data_parallel import DEFAULT_BUCKET_BYTES, Layout, StageCollectives
 from .errors import PeerLostError, PipelineConfigError, PipelineError, RemoteRankError
@@ -81,13 +83,13 @@ class _Gathering:
     def on_done(self, fn: Callable[[], None]) -> None:
         self.fut.add_done_callback(lambda _f: fn())
 
-    def result(self) -> list[int]:
+    def result(self) -> list[tuple[int, ...]]:
         self.fut.wait()  # (raises gloo's error)
-        return [int(t) for t in self.out]
+        return [tuple(int(v) for v in t.tolist()) for t in self.out]
 
 
-def _gather_ints(group: Any) -> Callable[[int], _Gathering]:
-    """Start an all-gather of one int64 per rank over the gloo ``group`` (None: the default group).
+def _gather_ints(group: Any) -> Callable[[tuple[int, int]], _Gathering]:
+    """Start an all-gather of two int64 per rank over the gloo ``group`` (None: the default group).
 
     Asynchronous (a gloo collective ``Work``): the caller polls it on its own thread rather than
     hopping to an executor thread and back for each step's gather (measured ~35 us for the
@@ -95,14 +97,14 @@ def _gather_ints(group: Any) -> Callable[[int], _Gathering]:
 
     last: list[_Gathering] = []  # the previous gather: its buffers are reused once it has completed
 
-    def gather(value: int) -> _Gathering:
+    def gather(values: tuple[int, int]) -> _Gathering:
         prev = last[0] if last else None
         if prev is not None and prev.done():
             mine, out = prev.mine, prev.out
-            mine.fill_(value)
+            mine[0], mine[1] = values
         else:  # (the first, or one a failed step left pending: gloo may still write into its buffers)
-            mine = torch.tensor([value], dtype=torch.int64)
-            out = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+            mine = torch.tensor(values, dtype=torch.int64)
+            out = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
         g = _Gathering(dist.all_gather(out, mine, group=group, async_op=True), mine, out)
         last[:] = [g]
         return g
@@ -143,6 +145,22 @@ def _split_value(value: Any, n: int, what: str, device: torch.device | None = No
             )
         return list(torch.tensor_split(value, n, dim=0))
     return [value] * n  # non-tensors reach every microbatch unchanged
+
+
+def call_check(args: tuple[Any, ...], kwargs: Mapping[str, Any], target: Any) -> int:
+    """What every rank's ``step``/``eval`` call must agree on, in one int64 (``StepInputs.call_check``): the
+    batch's rows (dim 0 of the first positional tensor, else of the first keyword tensor, else of the target;
+    0 when there is none: a rank may pass nothing it does not use) in the high half, a digest of the keyword
+    inputs' names in the low half.  Ranks that differ cut the batch into other microbatches (the last stage
+    pairs a microbatch's output with another target's rows, broadcast by the loss without a word) or give
+    their stages other keyword inputs (every stage gets every keyword input): a silently different model."""
+    rows = 0
+    for v in (*args, *kwargs.values(), target):
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            rows = int(v.shape[0])
+            break
+    names = zlib.crc32("\0".join(sorted(kwargs)).encode()) if kwargs else 0
+    return (min(rows, 0x7FFFFFFF) << 32) | names
 
 
 def split_microbatches(
@@ -428,7 +446,15 @@ class Pipeline:
             # Who runs where rides along: if a peer dies while this rank is in a construction
             # collective, gloo only says "Connection reset"; the pids tell which rank it was.
             record["_process"] = [socket.gethostname(), os.getpid()]
-            records = agreement.agree(checkpoint, record)
+            # Settings that change which collectives construction runs (a rank with a job secret skips
+            # its broadcast; pair groups are made collectively) or whether the ranks can hear each other
+            # (signatures; heartbeats against timeouts): ranks that differ would otherwise hang in the
+            # constructor or name a live peer lost in the first step.
+            record["PIPELOOM_JOB_SECRET"] = secret_field()
+            record["pair_groups"] = bool(backend == "nccl" or opts.emulate_nccl_transport or opts.static_shapes is not False
+                                         or opts.pair_groups)
+            record["_heartbeat"] = [opts.heartbeat_interval, opts.heartbeat_timeout]
+            records = agreement.agree(checkpoint, record, check_heartbeats)
             self._procs: list[tuple[str, int]] = [tuple(r["_process"]) for r in records]  # type: ignore[misc]
             agreement.procs = self._procs
             agreement.dead_peers = lambda: _dead_peers(self._procs, self.rank)
@@ -438,7 +464,10 @@ class Pipeline:
             except BaseException as exc:
                 agreement.fail(checkpoint, exc)
                 raise
-            agreement.agree(checkpoint, None)
+            # ranks that hold the same stage (replicas) must build the same tensors: construction
+            # broadcasts replica 0's into the others (agreement.check_stage_replicas says why)
+            agreement.agree(checkpoint, {"_stages": stage_tensors(modules)} if self._with_dp else None,
+                            check_stage_replicas)
         except BaseException as exc:
             text = str(exc)
             if text.startswith(prefix := f"rank {self.rank}: "):
@@ -568,6 +597,13 @@ class Pipeline:
             # static shapes: the ranks' input layouts, each step (a world of one has only its own: no
             # gather, whose completion on gloo's thread took 67 us median to be seen on this CPU machine)
             self._actor.agree = _gather_ints(obj_group)
+        elif opts.static_shapes is False and self.world_size > 1:
+            # gloo's header protocol: the same gather, for what the ranks' calls must agree on (the kind of
+            # step, batch rows, keyword names: actor._agree_layout). Without it, ranks that disagree on the
+            # kind post receives from another step kind's table, and a sender's packed header+payload landing
+            # in a smaller receive ends the receiving process inside gloo (C++ terminate), unexplained.
+            # Its own group: the transfers of this protocol may use the default group.
+            self._actor.agree = _gather_ints(dist.new_group(backend="gloo") if obj_group is None else obj_group)
         self._control.start_heartbeats(opts.heartbeat_interval, lambda: self._actor.state)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._bound_loop: asyncio.AbstractEventLoop | None = None
@@ -1071,11 +1107,13 @@ class Pipeline:
         try:
             self._check_step_inputs(args, kwargs, target, train=train)
             self._control.stall_budget = self._stall_budget(train)
+            check = call_check(args, kwargs, target)  # (the global batch, before a replica takes its share)
             if self.layout is not None and self.layout.dp > 1:
                 from .data_parallel import replica_share
 
                 args, kwargs, target = replica_share(args, kwargs, target, dp=self.layout.dp, index=self.dp_rank, n=self.num_microbatches)
             inputs = split_microbatches(args, kwargs, target, self.num_microbatches, self.device)
+            inputs.call_check = check
             graphs = [ex.graphs for ex in self._executors.values() if ex.graphs is not None]
             for g in graphs:
                 g.start_step()

@@ -108,12 +108,12 @@ from pipeloom.runtime.pipeline import _gather_ints
 gather = _gather_ints(None)
 late = 0
 for i in range(200):
-    g = gather(i)
+    g = gather((i, 7))
     seen, ev = [], threading.Event()
     g.on_done(lambda g=g: (seen.append(g.done()), ev.set()))
     assert ev.wait(10), "the completion callback never ran"
     late += not seen[0]
-    assert g.done() and g.result() == [i]
+    assert g.done() and g.result() == [(i, 7)]
 dist.destroy_process_group()
 print("late", late)
 """
