@@ -96,6 +96,7 @@ __all__ = [
 ]
 
 _NAME = re.compile(r"^step-(\d{8,})$")
+_PARTIAL = re.compile(r"^\.step-(\d{8,})\.partial$")
 MARKER = "COMPLETE"
 
 
@@ -587,7 +588,9 @@ def load_checkpoint(
     # (a directory not shared, a different path) stops every rank rather than loading something else.
     seen: str | None = None
     error = None
-    if _NAME.match(p.name) or (p / ".metadata").exists():
+    if _PARTIAL.match(p.name):
+        error = f"{p} is a partial checkpoint: a save that did not complete (cut by a crash, or still being written)"
+    elif _NAME.match(p.name) or (p / ".metadata").exists():
         if is_complete(p):
             seen = str(p)
         else:
@@ -610,6 +613,7 @@ def load_checkpoint(
     ckpt = Path(chosen)
     error = None
     meshes: dict[str, Any] = {}
+    stateless: list[tuple[str, torch.Tensor]] = []
     try:
         view = _build_view(pipe.stages, stage_prefix=stage_prefix, rank=rank)
         optims = _optims(optimizer)
@@ -618,6 +622,21 @@ def load_checkpoint(
         if optims and not any(k.startswith("optim.") for k in saved_keys):
             raise PipelineConfigError(f"{ckpt} holds no optimizer state (it was saved with optimizer=None)")
         msd, osd = _state_dicts(view, optims)
+        if osd is not None:
+            # A parameter that never had a gradient before the save (unused, or not used yet) has no
+            # optimizer state in the checkpoint, while get_state_dict gives a fresh optimizer state for
+            # every parameter (a step with zero gradients): DCP then refused the load ("Missing key").
+            # Such parameters are left out of the load, and their state dropped after it (below), as
+            # in the run that saved.
+            saved_state = set()
+            for k in saved_keys:
+                if k.startswith("optim.state."):
+                    parts = k[len("optim.state."):].split(".")
+                    saved_state.update(".".join(parts[:i]) for i in range(1, len(parts)))
+            stateless = [(key, param) for key, param in view.module.named_parameters() if key not in saved_state]
+            if stateless:
+                gone = tuple(f"state.{key}." for key, _ in stateless)
+                osd = {k: v for k, v in osd.items() if not k.startswith(gone)}
         meshes = _expert_meshes(pipe, view)
         msd, osd = _shard_experts(msd, meshes, optim=False), _shard_experts(osd, meshes, optim=True)
         missing = sorted(k for k in msd if f"model.{k}" not in saved_keys)
@@ -629,7 +648,19 @@ def load_checkpoint(
             )
     except PipelineConfigError as exc:
         error = str(exc)
-    _raise_any(_agree(group, error))
+    everyone = _agree(group, (error, None if error else sorted(msd)))
+    _raise_any([e for e, _ in everyone])
+    # Every tensor of the checkpoint's model must go somewhere, as load_state_dict(strict=True) wants: a
+    # checkpoint of more stages (stage_prefix keys stage{S}.*) or of a larger model loaded its first part
+    # into this pipeline without a word, which then trained another model.
+    loaded = {k for _, keys in everyone for k in keys}
+    unloaded = sorted(k[len("model."):] for k in saved_keys if k.startswith("model.") and k[len("model."):] not in loaded)
+    if unloaded:
+        shown = ", ".join(unloaded[:6]) + ("..." if len(unloaded) > 6 else "")
+        raise PipelineConfigError(
+            f"rank {rank}: {ckpt} holds {len(unloaded)} tensor(s) that no stage of this pipeline has: {shown}; "
+            "it was saved from another model (with stage_prefix=True: another number of stages, keys stage{S}.*)"
+        )
     state: dict[str, Any] = {"model": msd, "pipeloom": {"step": 0, "extra": b""}}
     if osd is not None:
         state["optim"] = osd
@@ -642,9 +673,15 @@ def load_checkpoint(
     dcp.load(state, checkpoint_id=str(ckpt), process_group=group)
     # (expert shards: back to this rank's rows, which DCP filled in place)
     if osd is not None:
+        for _, param in stateless:  # (else set_state_dict would look for the fresh state's entries in the loaded dict)
+            for o in optims:
+                o.state.pop(param, None)
         set_state_dict(view.module, optims if len(optims) > 1 else optims[0],
                        model_state_dict=_local(state["model"], meshes, optim=False),
                        optim_state_dict=_local(state["optim"], meshes, optim=True), options=_options())
+        for _, param in stateless:
+            for o in optims:
+                o.state.pop(param, None)
     else:
         set_model_state_dict(view.module, _local(state["model"], meshes, optim=False), options=_options())
     with torch.no_grad():

@@ -171,7 +171,10 @@ class Compare:
                     self.tensors(f"{what} buffer s{s}.{name.replace('_orig_mod.', '')}", b, rb[name.replace("_orig_mod.", "")])
 
 
-def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
+def run_case(cfg: dict[str, Any], out_dir: str, ckroot: str) -> dict[str, Any]:
+    """The case's script on a Pipeline and on the unsplit model.  ``start``: the ops before it run on the
+    unsplit model only (the run being resumed from a checkpoint, ``load``); ``ref=False``: no unsplit model
+    (dropout: its masks are the ranks' own), the run's losses and parameters are recorded for another case."""
     import pipeloom
     from pipeloom.schedules import default_stages_per_rank
 
@@ -181,6 +184,8 @@ def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
     spr = cfg.get("spr") or default_stages_per_rank(cfg["schedule"])
     ns = pp * spr
     n = cfg["microbatches"]
+    start = cfg.get("start", 0)
+    use_ref = cfg.get("ref", True)
     torch.manual_seed(cfg.get("seed", 0))
     shared: dict[str, nn.Parameter] = {}
     pipe = pipeloom.Pipeline(lambda s: make_stage(cfg, s, ns, shared), schedule=cfg["schedule"], num_microbatches=n,
@@ -189,24 +194,47 @@ def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
     ref = Ref(cfg, ns)
     opt = make_opt(pipe.parameters(), cfg)
     ref_opt = make_opt(list({id(p): p for st in ref.stages for p in st.parameters()}.values()), cfg)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
     cmp = Compare()
     errors: list[str] = []
+    records: dict[str, Any] = {}
     part = pipe.dp_rank
     syncing_off = False
+    ckpt = os.path.join(ckroot, cfg.get("ckpt", "ckpt"))
+    if cfg.get("load"):
+        torch.manual_seed(4321)  # (a resumed process's generators are not the saved ones)
+        try:
+            info = pipeloom.load_checkpoint(os.path.join(ckroot, cfg["load"]), pipe, opt, stage_prefix=True)
+        except BaseException:
+            pipe.close()
+            raise
+        assert info is not None and info.step == cfg["load_step"], info
+        sched.load_state_dict(info.extra["sched"])
     for i, op in enumerate(cfg["script"]):
         if os.environ.get("TADV_TIMES"):
             print(f"rank {rank} {time.perf_counter():.2f} op {i} {op}", file=sys.stderr, flush=True)
         kind = op[0]
         tag = f"op{i}:{kind}"
+        live = i >= start
+        check = live and use_ref
         if kind in ("step", "eval"):
             _, rows, seed = op[:3]
             x, y = rnd(rows, D, seed=seed), rnd(rows, D, seed=seed + 1000)
             losses: list[torch.Tensor] = []
+            if use_ref:
+                # (the ops of a resumed run's past: cut as the run that saved cut them)
+                ref.dp = dp if live else cfg.get("replay_dp", dp)
+                want_out, want_losses = ref.step(x, y, train=kind == "step")
+            if not live:
+                continue
             if kind == "step":
                 out = pipe.step(x, target=y, losses=losses)
             else:
                 out = pipe.eval(x, target=y, losses=losses)
-            want_out, want_losses = ref.step(x, y, train=kind == "step")
+            records[f"{tag} last_loss"] = pipe.last_loss()
+            if not check:
+                continue
             if pipe.has_last_stage:
                 mine = slice(part * n, (part + 1) * n)
                 cmp.tensors(f"{tag} output", out, torch.cat(want_out[mine]))
@@ -225,11 +253,15 @@ def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
                 want_err = None
             except RuntimeError as exc:
                 want, want_err = None, str(exc)
+            if not live:
+                continue
             try:
                 got = pipe.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=raise_nonfinite)
                 got_err = None
             except RuntimeError as exc:
                 got, got_err = None, str(exc)
+            if not check:
+                continue
             if (got_err is None) != (want_err is None):
                 cmp.diffs[f"{tag} error"] = f"pipeline: {got_err!r}; unsplit model: {want_err!r}"
             else:
@@ -238,25 +270,37 @@ def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
         elif kind == "nan":  # a NaN into element [0] of a gradient (every rank holding that element)
             _, stage, name = op[:3]
             stage = stage % ns  # (-1: the last stage)
-            if stage in pipe.stages:
+            if stage in pipe.stages and live:
                 p = dict(pipe.stages[stage].named_parameters())[name]
                 local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 if local.numel() and (not hasattr(p.grad, "to_local") or pipe.dp_rank == 0):
                     local.view(-1)[0] = float("nan")
             rp = dict(ref.stages[stage].named_parameters())[name]
             rp.grad.view(-1)[0] = float("nan")
-        elif kind == "opt":
-            opt.step()
+        elif kind == "opt":  # an optimizer step, then the LR scheduler's
             ref_opt.step()
-            cmp.model(tag, pipe.stages, ref, grads=False, params=True)
+            ref_sched.step()
+            if live:
+                opt.step()
+                sched.step()
+                for s_, mod in pipe.stages.items():
+                    for name, p_ in mod.named_parameters():
+                        records[f"{tag} param s{s_}.{name}"] = _full(p_).detach().clone()
+                    for name, b_ in mod.named_buffers():
+                        records[f"{tag} buffer s{s_}.{name}"] = b_.detach().clone()
+            if check:
+                cmp.model(tag, pipe.stages, ref, grads=False, params=True)
         elif kind == "zero":
-            opt.zero_grad(set_to_none=True)
             ref_opt.zero_grad(set_to_none=True)
+            if live:
+                opt.zero_grad(set_to_none=True)
         elif kind == "use":  # a parameter used in the coming steps, or not (on every stage)
             for m in [*pipe.stages.values(), *ref.stages]:
                 getattr(m, "_orig_mod", m).use_sometimes = bool(op[1])
-        elif kind == "no_sync":  # ("no_sync", [sub-ops]): run them under pipe.no_sync()
-            raise AssertionError("use no_sync_on / no_sync_off")
+        elif kind == "save":  # ("save", step): a checkpoint of this step (stage_prefix: the stages share names)
+            if live:
+                pipeloom.save_checkpoint(ckpt, pipe, opt, step=op[1], extra={"sched": sched.state_dict()},
+                                         stage_prefix=True)
         elif kind == "no_sync_on":
             ctx = pipe.no_sync()
             ctx.__enter__()
@@ -267,7 +311,15 @@ def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
         else:
             raise AssertionError(kind)
     pipe.close()
-    return {"diffs": cmp.diffs, "errors": errors}
+    torch.save(records, os.path.join(out_dir, f"{cfg['id']}-rank{rank}-records.pt"))
+    return {"diffs": cmp.diffs, "errors": errors, "stages": sorted(pipe.stages)}
+
+
+def _make_partial(complete: str, partial: str) -> None:
+    """What a save cut by a crash leaves: the ranks' data files in ``.step-N.partial``, no DCP metadata, no marker."""
+    import shutil
+
+    shutil.copytree(complete, partial, ignore=shutil.ignore_patterns("COMPLETE", ".metadata"))
 
 
 def main() -> None:
@@ -280,7 +332,10 @@ def main() -> None:
         print(f"rank {rank}: case {cfg['id']}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         try:
-            result = run_case(cfg)
+            if cfg.get("make_partial") and rank == 0:
+                _make_partial(os.path.join(job["ckroot"], cfg["make_partial"][0]), os.path.join(job["ckroot"], cfg["make_partial"][1]))
+            dist.barrier()
+            result = run_case(cfg, job["out"], job["ckroot"])
         except Exception as exc:  # noqa: BLE001 - recorded for the test to show
             result = {"diffs": {}, "errors": [f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"]}
         result["seconds"] = time.perf_counter() - t0
