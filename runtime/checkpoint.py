@@ -495,7 +495,19 @@ def save_checkpoint(
         )
     _check_global_names(view, group, rank)
     optims = _optims(optimizer)
+    # An optimizer that has not stepped yet has no state, and get_state_dict makes some: a step with zero
+    # gradients and lr 0, which leaves the parameters alone but counts a step (AdamW's bias correction
+    # then differed from a run that did not save at step 0).  Its state is cleared again after, and saved
+    # as none (load_checkpoint leaves a parameter without saved state stateless).
+    fresh = [o for o in optims if not o.state]
     msd, osd = _state_dicts(view, optims)
+    if fresh:
+        mine = {id(p) for o in fresh for g in o.param_groups for p in g["params"]}
+        gone = tuple(f"state.{key}." for key, p in view.module.named_parameters() if id(p) in mine)
+        if osd is not None and gone:
+            osd = {k: v for k, v in osd.items() if not k.startswith(gone)}
+        for o in fresh:
+            o.state.clear()
     meshes = _expert_meshes(pipe, view)
     msd, osd = _shard_experts(msd, meshes, optim=False), _shard_experts(osd, meshes, optim=True)
     # DCP keeps one copy of a value every rank has, from whichever rank it picks: make it rank 0's
@@ -614,6 +626,7 @@ def load_checkpoint(
     error = None
     meshes: dict[str, Any] = {}
     stateless: list[tuple[str, torch.Tensor]] = []
+    fresh_state: dict[str, Any] = {}
     try:
         view = _build_view(pipe.stages, stage_prefix=stage_prefix, rank=rank)
         optims = _optims(optimizer)
@@ -636,6 +649,9 @@ def load_checkpoint(
             stateless = [(key, param) for key, param in view.module.named_parameters() if key not in saved_state]
             if stateless:
                 gone = tuple(f"state.{key}." for key, _ in stateless)
+                # (their fresh entries go back in beside what DCP reads: set_state_dict wants every entry the
+                # optimizer holds, and with none it would make the zero-gradient step again)
+                fresh_state = {k: v for k, v in osd.items() if k.startswith(gone)}
                 osd = {k: v for k, v in osd.items() if not k.startswith(gone)}
         meshes = _expert_meshes(pipe, view)
         msd, osd = _shard_experts(msd, meshes, optim=False), _shard_experts(osd, meshes, optim=True)
@@ -673,12 +689,9 @@ def load_checkpoint(
     dcp.load(state, checkpoint_id=str(ckpt), process_group=group)
     # (expert shards: back to this rank's rows, which DCP filled in place)
     if osd is not None:
-        for _, param in stateless:  # (else set_state_dict would look for the fresh state's entries in the loaded dict)
-            for o in optims:
-                o.state.pop(param, None)
         set_state_dict(view.module, optims if len(optims) > 1 else optims[0],
                        model_state_dict=_local(state["model"], meshes, optim=False),
-                       optim_state_dict=_local(state["optim"], meshes, optim=True), options=_options())
+                       optim_state_dict={**fresh_state, **_local(state["optim"], meshes, optim=True)}, options=_options())
         for _, param in stateless:
             for o in optims:
                 o.state.pop(param, None)

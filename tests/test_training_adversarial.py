@@ -33,6 +33,9 @@ Bugs these rows found (regression tests now):
   and 1 and ignored the rest, silently; now every tensor of the checkpoint's model must be loaded by some rank;
 - ``load_checkpoint(".step-N.partial")`` (a save cut by a crash, passed by its path) returned None, as for an
   empty root (a fresh start): now refused.
+- ``save_checkpoint`` before the first optimizer step: torch's ``get_state_dict`` gave the stateless optimizer
+  a zero-gradient step, which counted: AdamW's next steps used another bias correction than a run that did
+  not save (now the optimizer's state is cleared again and saved as none).
 """
 
 from __future__ import annotations
@@ -69,14 +72,16 @@ def _dp(s: str, fsdp: bool) -> dict[str, Any]:
     return dict(id=f"dp-{'fsdp' if fsdp else 'ddp'}-{s}", schedule=s, microbatches=4, dp=2, fsdp=fsdp, script=LOOP)
 
 
-# checkpoints: saved after step 2 (op 7); a resumed run starts at op 8 (the unsplit model replays ops 0-7)
+# checkpoints: saved at step 0 (op 0) and after step 2 (op 8); a resumed run starts at op 9 (the unsplit model
+# replays the ops before)
 CK = [
+    ["save", 0],  # before the first optimizer step (the optimizer has no state yet)
     ["step", 16, 1], ["clip", 0.5, 2], ["opt"], ["zero"],
     ["step", 12, 2], ["opt"], ["zero"], ["save", 2],
     ["step", 16, 3], ["clip", 0.5, 2], ["opt"], ["zero"],
     ["step", 16, 4], ["opt"], ["zero"],
 ]
-RESUME = dict(script=CK, start=8, load_step=2)
+RESUME = dict(script=CK, start=9, load_step=2)
 # a torch.compile'd stage: fixed shapes (each new shape or grad mode recompiles, seconds on 2 cores)
 LOOP_C = [["step", 16, 1], ["clip", 0.05, 2], ["opt"], ["zero"], ["step", 16, 2], ["step", 16, 3], ["opt"], ["zero"]]
 
@@ -96,6 +101,8 @@ CASES4_ALL = [_dp(s, False) for s in ["1F1B", *SPLIT]] + [_dp(s, True) for s in 
     # ...resumed: the same layout (the root: the complete step 2, not the partial step 3), pp 4 with 1F1B,
     # FSDP with InterleavedZeroBubble (4 stages each), and refused where the stage count differs (2 stages)
     dict(id="ck-load-ddp-ZBV", schedule="ZBVZeroBubble", microbatches=4, dp=2, **RESUME, load="a"),
+    dict(id="ck-load0-ddp-ZBV", schedule="ZBVZeroBubble", microbatches=4, dp=2, script=CK, start=1, load_step=0,
+         load="a/step-00000000"),
     dict(id="ck-load-pp4-1F1B", schedule="1F1B", microbatches=4, dp=1, **RESUME, load="a", replay_dp=2),
     dict(id="ck-load-fsdp-IZB", schedule="InterleavedZeroBubble", microbatches=4, dp=2, fsdp=True, **RESUME, load="a"),
     dict(id="ck-load-ddp-1F1B", schedule="1F1B", microbatches=4, dp=2, **RESUME, load="a", expect_error="that no stage of this pipeline has: stage2."),
@@ -183,7 +190,7 @@ def test_resumed_dropout_run_equals_uninterrupted(results4: dict[str, list[dict[
         pytest.skip("not selected")
     for r, (a, b) in enumerate(zip(results4["ck-drop-save"], results4["ck-drop-load"])):
         assert not a["errors"] and not b["errors"], (a["errors"] or b["errors"])[0]
-        later = {k: v for k, v in a["records"].items() if int(k.split(":")[0][2:]) >= 8}
+        later = {k: v for k, v in a["records"].items() if int(k.split(":")[0][2:]) >= RESUME["start"]}
         assert later and set(later) == set(b["records"]), f"rank {r}: recorded {sorted(b['records'])}"
         for k, v in later.items():
             if isinstance(v, torch.Tensor):
