@@ -218,8 +218,9 @@ class _StageChecks:
                     f"rank {self.rank}: {self._where('F', mb)} updated the buffer {name!r} in place, with "
                     f"{self.replicas} data-parallel replicas: each replica would update its own copy from its own "
                     "rows, which no single-process run does (the copies drift apart). Keep such state out of "
-                    "data-parallel stages (BatchNorm: module.eval() to freeze its statistics), or train without "
-                    "data parallelism"
+                    "data-parallel stages (BatchNorm: module.eval() to freeze its statistics), train without "
+                    "data parallelism, or take replica 0's values after every step as torch DDP does "
+                    "(RuntimeOptions(dp_buffers='replica0'))"
                 )
         if self.check_finite:
             outputs, raw, loss = result

@@ -101,6 +101,16 @@ class RuntimeOptions:
     around ``FloatingPointError``) naming the stage, microbatch and action where one first
     appears.  Off by default: a reduction per tensor and, on GPUs, a device sync per action."""
 
+    dp_buffers: str = "refuse"
+    """With data parallelism: what a forward that updates a buffer in place (BatchNorm's running statistics, an
+    EMA, a counter) does.  ``"refuse"`` (default): a ``PipelineConfigError`` at the first such forward, naming
+    the stage, microbatch and buffer: each replica updates its own copy from its own rows, which no
+    single-process run does.  ``"replica0"``: allowed, and after every training step each stage's buffers are
+    broadcast from its first replica, so the replicas hold the same values (torch DDP's
+    ``broadcast_buffers=True`` broadcasts rank 0's before each forward: the same state, one broadcast per step
+    instead of per forward); the statistics then come from replica 0's rows alone.  Environment:
+    ``PIPELOOM_DP_BUFFERS``."""
+
     trace: str | None = None
     """Path of the trace file to record (one file per rank without a collector); None: no
     trace unless ``trace_endpoint`` is set.  Environment: ``PIPELOOM_TRACE`` (``--trace``)."""
@@ -464,6 +474,8 @@ class RuntimeOptions:
                             "CUDA graph; without graphs the loss always runs eagerly)")
         if not isinstance(self.defer_graph_teardown, bool):
             problems.append(f"defer_graph_teardown must be True or False (got {self.defer_graph_teardown!r})")
+        if self.dp_buffers not in ("refuse", "replica0"):
+            problems.append(f"dp_buffers must be 'refuse' or 'replica0' (got {self.dp_buffers!r})")
         if not isinstance(self.host_overlap_trial, bool):
             problems.append(f"host_overlap_trial must be True or False (got {self.host_overlap_trial!r})")
         if self.fsdp_reduce not in ("auto", "fsdp"):
@@ -593,6 +605,7 @@ ENV_VARS: dict[str, tuple[str, Any]] = {
     "PIPELOOM_HOST_OVERLAP_BACKWARD": ("host_overlap_backward", _auto_flag),
     "PIPELOOM_HOST_QUEUE_BACKWARDS": ("host_queue_backwards", _flag),
     "PIPELOOM_HOST_OVERLAP_TRIAL": ("host_overlap_trial", _flag),
+    "PIPELOOM_DP_BUFFERS": ("dp_buffers", str),
     "PIPELOOM_DEFER_GRAPH_TEARDOWN": ("defer_graph_teardown", _flag),
     "PIPELOOM_CUDA_GRAPHS_LOSS": ("cuda_graphs_loss", _flag),
     "PIPELOOM_OVERLAP_COLLECTIVES": ("overlap_collectives", _flag),

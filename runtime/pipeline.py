@@ -519,7 +519,12 @@ class Pipeline:
                 s, module, is_last=s == last, loss_fn=loss_fn, grad_scale=grad_scale, split_backward=s in split,
             )
             install_stage_checks(self._executors[s], rank=self.rank, stage_to_rank=self.stage_to_rank,
-                                 check_finite=opts.check_finite, replicas=lay.dp if lay is not None else 1)
+                                 check_finite=opts.check_finite,
+                                 replicas=lay.dp if lay is not None and opts.dp_buffers == "refuse" else 1)
+        #: RuntimeOptions.dp_buffers="replica0": each stage's buffers are broadcast from its first replica after
+        #: every training step (stages that have buffers only)
+        self._sync_buffers = bool(lay is not None and lay.dp > 1 and self._ep_groups is None and opts.dp_buffers == "replica0"
+                                  and any(True for m in modules.values() for _ in m.buffers()))
         if opts.cuda_graphs:
             from .cuda_graphs import StageGraphs, capturable_loss, slots_per_stage
 
@@ -929,6 +934,15 @@ class Pipeline:
         finally:
             coll.sync = before
 
+    @torch.no_grad()
+    def _broadcast_buffers(self) -> None:
+        """RuntimeOptions.dp_buffers="replica0": every local stage's buffers from its first replica, in stage order
+        (every replica of a stage holds the same stages, so the broadcasts pair)."""
+        lay = self.layout
+        for s in sorted(self._executors):
+            for b in self._executors[s].module.buffers():
+                dist.broadcast(b.data, src=lay.row[0], group=lay.dp_group)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip every stage's gradients by the norm of the whole model's; return that norm (call on every rank).
 
@@ -1124,6 +1138,8 @@ class Pipeline:
                     self._trace_sink.emit(self._actor.trace.drain())
             if graphs:
                 self._after_graphed_step(graphs, train)
+            if train and self._sync_buffers:
+                self._broadcast_buffers()
             self._last_losses = mb_losses
             if not self.has_last_stage:
                 return None

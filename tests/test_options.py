@@ -59,6 +59,7 @@ def test_from_env_maps_every_variable() -> None:
         "PIPELOOM_HOST_OVERLAP_BACKWARD": "0",
         "PIPELOOM_HOST_QUEUE_BACKWARDS": "1",
         "PIPELOOM_HOST_OVERLAP_TRIAL": "0",
+        "PIPELOOM_DP_BUFFERS": "replica0",
         "PIPELOOM_CUDA_GRAPHS": "1",
         "PIPELOOM_DEFER_GRAPH_TEARDOWN": "0",
         "PIPELOOM_CUDA_GRAPHS_LOSS": "1",
@@ -71,7 +72,7 @@ def test_from_env_maps_every_variable() -> None:
         trace_endpoint="tcp://127.0.0.1:5555", pair_groups=True, p2p_max_ctas=4, ep_max_ctas=8, gpu_commit_ms=3.0, gpu_commit_launches=0.0,
         gpu_early_receives=True, overlap_streams=False, profile_ranges=True, overlap_collectives=False, fsdp_reduce="fsdp", dispatch="ready",
         static_shapes=True, gpu_commit_running=False, gpu_learn_sleep=False, batch_p2p=True, host_overlap_backward=False, host_queue_backwards=True,
-        host_overlap_trial=False, cuda_graphs=True, defer_graph_teardown=False, cuda_graphs_loss=True,
+        host_overlap_trial=False, dp_buffers="replica0", cuda_graphs=True, defer_graph_teardown=False, cuda_graphs_loss=True,
     )
 
 
