@@ -676,7 +676,7 @@ class RankActor:
         src = msg["src"]
         self.liveness.seen(src)
         if kind == "heartbeat":
-            self.liveness.heartbeat(src, msg["state"], msg["what"], msg["for_s"], stall_s=msg["stall_s"])
+            self.liveness.heartbeat(src, msg["state"], msg["what"], msg["for_s"], stall_s=msg["stall_s"], step=msg["step"])
             return
         if kind == "bye":
             self.liveness.bye(src, msg["steps"], msg["cause"])
@@ -880,7 +880,11 @@ class RankActor:
         lost = self.liveness.check(self.step_index - 1, disconnected=self.control.disconnected,
                                    events_read_at=self.control.monitors_read_at, needed={peer})
         if lost is None:
-            return None
+            stuck = self._all_waiting(self.step_index - 1)
+            if stuck is not None:
+                self._remote_error = stuck
+                self.broadcast_abort(stuck, None, self.step_index - 1)
+            return stuck
         root = self._abort_behind(lost.peer)
         return root if root is not None else PeerLostError(lost.reason, rank=self.rank, peer=lost.peer)
 
@@ -1634,7 +1638,7 @@ class RankActor:
                     waits += 1
                 wake.clear()
                 t0 = time.perf_counter()
-                self.state = ("waiting", self._name(pending[0]), time.monotonic())
+                self._wait_state(self._name(pending[0]))
                 w0 = clock_ns() if trace is not None else 0
                 waiting_for = self.describe_wait(pending, step, train) if trace is not None else None
                 # Held by the commit horizon: re-check when about that much device time has run.
@@ -1822,7 +1826,7 @@ class RankActor:
         (liveness checked every interval).  ``done`` must turn true only when ``_wake`` is set."""
         if done():
             return
-        self.state = ("waiting", what, time.monotonic())
+        self._wait_state(what)
         last = time.monotonic()
         while not done():
             if self._remote_error is not None:
@@ -2050,6 +2054,10 @@ class RankActor:
         this rank waits for, as the error says it (default: what ``pending`` waits for)."""
         lost = self.liveness.check(step, disconnected=self.control.disconnected, events_read_at=self.control.monitors_read_at,
                                    needed=self._needed_peers(pending, step))
+        if lost is None and (stuck := self._all_waiting(step)) is not None:
+            self._remote_error = stuck
+            self.broadcast_abort(stuck, None, step)
+            raise stuck
         if lost is not None:
             root = self._abort_behind(lost.peer)
             if root is not None:  # the peer left because another rank failed: that failure, heard, not re-broadcast
@@ -2059,6 +2067,31 @@ class RankActor:
             self.broadcast_abort(err, None, step)
             # from None: raised while handling the wait's TimeoutError, which is no part of the story
             raise self._annotate_wait(err, pending, step, waiting) from None
+
+    def _wait_state(self, what: str) -> None:
+        """Report this rank waiting for ``what``; a wait for the same thing that goes on (the dispatcher looks again
+        each liveness interval) keeps its start, so that its duration in the heartbeats is the wait's own."""
+        st = self.state
+        if st[0] != "waiting" or st[1] != what:
+            self.state = ("waiting", what, time.monotonic())
+
+    def _all_waiting(self, step: int) -> PipelineError | None:
+        """Every rank waiting in ``step``, none running an action, for longer than the stall budget in force (at
+        least the heartbeat timeout): nothing can move (``PeerLiveness.all_waiting``), an error naming each
+        rank's wait; else None.  (The stall budget, not less: a rank whose device runs a long queue, or a very
+        large transfer in flight, waits with nothing of its own to run.)"""
+        state, what, since = self.state
+        if state != "waiting" or self.control.world_size < 2:
+            return None
+        after = max(self.options.heartbeat_timeout, float(self.control.stall_budget))
+        why = self.liveness.all_waiting(step, what, time.monotonic() - since, after)
+        if why is None:
+            return None
+        return PipelineError(
+            f"rank {self.rank} step {step}: every rank has been waiting for over {after:g} s and none runs an action: "
+            f"{why}. Nothing can move: the ranks' calls disagree in a way no check saw (one rank in Pipeline.eval "
+            "while another is in Pipeline.step, with static_shapes=True: no per-step agreement compares them), or a "
+            "transfer was never sent")
 
     def _abort_behind(self, peer: int) -> RemoteRankError | None:
         """A peer found gone because it closed its Pipeline in this step (its 'bye') most often stopped because

@@ -54,6 +54,11 @@ class LostPeer:
     reason: str
 
 
+#: waits that may last long with every rank waiting and the job still moving (a data-parallel reduction of a large
+#: model over a slow network, the device's queue at a step's end): never taken for :meth:`PeerLiveness.all_waiting`
+LONG_WAITS = frozenset({"data-parallel collectives", "sends to complete"})
+
+
 class PeerLiveness:
     """One rank's view of its peers' liveness (single-threaded: the actor's loop calls it)."""
 
@@ -80,6 +85,9 @@ class PeerLiveness:
         self._state: dict[int, tuple[str, str, float]] = {}
         #: peer -> the stall budget (seconds) its last heartbeat granted its current step
         self._stall_budget: dict[int, float] = {}
+        #: peer -> the step its last heartbeat was sent in, and when (this clock) that heartbeat arrived
+        self._hb_step: dict[int, int | None] = {}
+        self._hb_at: dict[int, float] = {}
         #: peers whose Pipeline closed, and how many steps each had completed
         self._bye_steps: dict[int, int] = {}
         self._bye_cause: dict[int, int] = {}
@@ -99,13 +107,17 @@ class PeerLiveness:
         """Any message from ``peer`` arrived now."""
         self._last_seen[peer] = self.clock()
 
-    def heartbeat(self, peer: int, state: str, what: str, for_s: float, *, stall_s: float | None = None) -> None:
+    def heartbeat(self, peer: int, state: str, what: str, for_s: float, *, stall_s: float | None = None,
+                  step: int | None = None) -> None:
         """``peer`` reports it is ``state`` (idle/busy/waiting) in ``what`` for ``for_s`` seconds.
 
         ``stall_s``: how long the peer allows one action of its current step to run (longer in
         a cold step, while torch.compile compiles); None keeps this rank's ``stall_timeout``.
+        ``step``: the step the peer was in (for :meth:`all_waiting`).
         """
         self._state[peer] = (state, what, for_s)
+        self._hb_step[peer] = step
+        self._hb_at[peer] = self.clock()
         if stall_s is not None:
             self._stall_budget[peer] = stall_s
 
@@ -129,6 +141,30 @@ class PeerLiveness:
     def last_heard(self, peer: int) -> float:
         """When (this clock) anything last arrived from ``peer``; 0.0 if nothing has."""
         return self._last_seen.get(peer, 0.0)
+
+    def all_waiting(self, step: int, what: str, waited: float, after: float) -> str | None:
+        """Whether every rank has been waiting in ``step`` for at least ``after`` seconds with none running an
+        action (this one waits for ``what``, since ``waited`` seconds): then nothing can move, as when the ranks'
+        calls disagree in a way no per-step check saw (``static_shapes=True``: one rank in ``Pipeline.eval``
+        while another is in ``Pipeline.step``: each waits for a transfer the other will never send, and their
+        heartbeats keep flowing).  A description of every rank's wait, or None.  A peer not heard from lately
+        is left to :meth:`check` (lost, not stuck)."""
+        if waited < after or what in LONG_WAITS:
+            return None
+        now = self.clock()
+        waits = [f"rank {self.rank} waits for {what or 'its inputs'} ({waited:.1f} s)"]
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                continue
+            at = self._hb_at.get(peer)
+            state, pwhat, for_s = self._state.get(peer, ("idle", "", 0.0))
+            if (at is None or state != "waiting" or pwhat in LONG_WAITS or self._hb_step.get(peer) != step
+                    or now - at > self.heartbeat_timeout / 2):
+                return None
+            if for_s + (now - at) < after:
+                return None
+            waits.append(f"rank {peer} waits for {pwhat or 'its inputs'} ({for_s + now - at:.1f} s)")
+        return "; ".join(waits)
 
     def peer_states(self) -> dict[int, tuple[str, str, float]]:
         """Each peer's last reported (state, what, seconds), by rank (for debug dumps)."""

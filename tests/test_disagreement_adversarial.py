@@ -93,6 +93,11 @@ def case(name):
             x, y = batch()
             pipe.step(x, target=y)
             (pipe.eval if one else pipe.step)(x, target=y)
+        elif name == "eval-static":  # (no per-step agreement: every rank waits on the other, heartbeats flowing)
+            pipe = build(options=dict(static_shapes=True), stall_timeout=2.0, first_step_stall_timeout=2.0)
+            x, y = batch()
+            pipe.step(x, target=y)
+            (pipe.eval if one else pipe.step)(x, target=y)
         elif name in ("replica-shape", "replica-dtype"):
             odd = rank % 2 == 1  # the second replica of each stage
             kw = {"dims": (D, D + 2 if odd else D)} if name == "replica-shape" else {"dtype": torch.float64 if odd else torch.float32}
@@ -137,6 +142,7 @@ dist.destroy_process_group()
 CASES_2 = ["secret-one", "secret-differs", "pair-groups", "heartbeat", "rows", "rows-headers", "kwarg", "eval-headers",
            "agree", "close-early"]
 CASES_4 = ["replica-shape", "replica-dtype"]
+CASES_STUCK = ["eval-static"]  # (its own pool: the waits it breaks leave that process group unusable)
 
 
 async def _run(tmp: Path, world: int, cases: list[str]) -> list[dict[str, Any]]:
@@ -150,6 +156,11 @@ async def _run(tmp: Path, world: int, cases: list[str]) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return asyncio.run(_run(tmp_path_factory.mktemp("disagree2"), 2, CASES_2))
+
+
+@pytest.fixture(scope="module")
+def stuck(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return asyncio.run(_run(tmp_path_factory.mktemp("disagree-stuck"), 2, CASES_STUCK))
 
 
 @pytest.fixture(scope="module")
@@ -226,3 +237,17 @@ def test_a_rank_that_closes_early_is_named_with_what_was_awaited(two: list[dict[
 ])
 def test_replicas_with_different_stage_tensors_fail_at_construction(four: list[dict[str, Any]], name: str, says: str) -> None:
     _all_fail(four, name, "PipelineConfigError", "stage 0 differs between the ranks that hold it", says)
+
+
+@pytest.mark.timeout(150)
+def test_eval_against_step_with_static_shapes_ends_when_every_rank_waits(stuck: list[dict[str, Any]]) -> None:
+    """``static_shapes=True`` has no per-step agreement: rank 1 in ``eval`` and rank 0 in ``step`` each waited
+    for a transfer the other never sends, heartbeats flowing, forever.  Now a rank that has waited longer than
+    the stall budget while every peer's heartbeat says it waits too, in the same step, ends the step on every
+    rank (the first to see it aborts; the other hears it)."""
+    for r, rec in enumerate(stuck):
+        c = rec["eval-static"]
+        assert c["status"] == "error" and c["type"] in ("PipelineError", "RemoteRankError"), (r, c)
+        assert "every rank has been waiting for over" in c["message"] and "none runs an action" in c["message"], (r, c)
+        assert "rank 0 waits for" in c["message"] and "rank 1 waits for" in c["message"], (r, c)
+        assert c["elapsed"] < 20.0, (r, c)  # the 2 s budget and the 3 s heartbeat timeout, not a hang

@@ -119,3 +119,31 @@ def test_the_stall_budget_is_the_one_the_peer_sent() -> None:
     assert lost is not None and lost.peer == 1
     assert "running 1F1 for 2.0 s (stall timeout 1.5 s)" in lost.reason
     assert "--stall-timeout" in lost.reason and "first_step_stall_timeout" in lost.reason
+
+
+def test_every_rank_waiting_in_the_same_step_is_stuck() -> None:
+    live, clock = make(world=3, hb=10, stall=30)
+    live.heartbeat(1, "waiting", "1F0", 28.0, step=5)
+    live.heartbeat(2, "waiting", "2B3", 31.0, step=5)
+    assert live.all_waiting(5, "0B0", 29.0, after=30.0) is None  # this rank's own wait is not long enough yet
+    assert live.all_waiting(5, "0B0", 31.0, after=30.0) is None  # rank 1's is not (28 s when it said so)
+    clock.advance(1.5)
+    assert live.all_waiting(5, "0B0", 32.5, after=30.0) is None  # (rank 1: 29.5 s)
+    clock.advance(1.0)
+    got = live.all_waiting(5, "0B0", 33.5, after=30.0)
+    assert got == "rank 0 waits for 0B0 (33.5 s); rank 1 waits for 1F0 (30.5 s); rank 2 waits for 2B3 (33.5 s)"
+    # not stuck: a peer running an action, in another step, or not heard lately (lost, for check() to name)
+    live.heartbeat(2, "busy", "2F4", 31.0, step=5)
+    assert live.all_waiting(5, "0B0", 33.5, after=30.0) is None
+    live.heartbeat(2, "waiting", "2B3", 31.0, step=6)
+    assert live.all_waiting(5, "0B0", 33.5, after=30.0) is None
+    live.heartbeat(2, "waiting", "2B3", 31.0, step=5)
+    clock.advance(5.1)  # > heartbeat_timeout / 2 since either heartbeat
+    assert live.all_waiting(5, "0B0", 38.6, after=30.0) is None
+    # waits that last long with the job still moving never count (a large model's data-parallel reduction)
+    live.heartbeat(1, "waiting", "1F0", 40.0, step=5)
+    live.heartbeat(2, "waiting", "2B3", 40.0, step=5)
+    assert live.all_waiting(5, "0B0", 40.0, after=30.0) is not None
+    assert live.all_waiting(5, "data-parallel collectives", 40.0, after=30.0) is None
+    live.heartbeat(2, "waiting", "sends to complete", 40.0, step=5)
+    assert live.all_waiting(5, "0B0", 40.0, after=30.0) is None
