@@ -109,10 +109,10 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from operator import itemgetter
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from .action import Action, ActionType
 from .dataflow import Dataflow, consumer_stage
@@ -260,6 +260,11 @@ class SimulationResult:
     events: tuple[TimedEvent, ...] = field(repr=False, default=())
     overlapped_backwards: Mapping[int, int] = field(default_factory=dict)
     """Per rank, the backwards launched beside the forwards after them (``host_overlap_backward``; empty without)."""
+    overlap_decided: Mapping[int, Mapping[tuple[int, int], bool]] = field(default_factory=dict)
+    """``host_overlap_backward="auto"``: per rank, each (B stage, F stage) pair met and whether it went beside."""
+    overlap_tried: Mapping[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    """``overlap_trial``: per rank, the host-heavy pairs the rule kept inline that were tried beside (they went
+    beside in this result where ``overlap_decided`` says True)."""
 
     @property
     def overall_bubble_fraction(self) -> float:
@@ -292,7 +297,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, action_costs: Ac
              device_streams: bool = False, host_overlap_backward: bool | str | None = None,
              overlap_contention: float = OVERLAP_CONTENTION,
              overlap_pairs: Mapping[int, Collection[tuple[int, int]]] | None = None,
-             overlap_margin: float | None = None) -> SimulationResult:
+             overlap_margin: float | None = None, overlap_trial: bool = True) -> SimulationResult:
     """Simulate ``schedule`` under ``costs`` (default :class:`Costs`).
 
     ``action_costs`` overrides the compute costs of F, B, I and W per stage
@@ -328,7 +333,12 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, action_costs: Ac
     at all, 2: one interpreter shared evenly; :data:`OVERLAP_CONTENTION`).
     ``overlap_margin``: the auto rule's margin (None: the runtime's,
     :data:`~pipeloom.schedules.dispatch.OVERLAP_MARGIN`; 1.0 replays a run
-    recorded before session M).
+    recorded before session M).  ``overlap_trial`` (with ``"auto"``; the runtime's
+    ``RuntimeOptions.host_overlap_trial``, on by default): the pairs the rule
+    keeps inline on a host-heavy rank (:func:`~pipeloom.schedules.dispatch.host_heavy`)
+    go beside if that makes the simulated step at least 3% shorter
+    (:class:`~pipeloom.schedules.dispatch.OverlapTrial`'s gain), as the runtime's
+    trial keeps them where its measured steps got that much faster.
 
     Accepts compute-only and lowered schedules, with or without FSDP actions,
     ``REDUCE_GRAD`` and ``OVERLAP_F_B``.  Raises :class:`ScheduleError` when
@@ -348,10 +358,23 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, action_costs: Ac
     if not (isinstance(overlap_contention, (int, float)) and 1.0 <= overlap_contention <= 2.0):
         raise ValueError(f"overlap_contention must be a number from 1 (no contention) to 2 (one interpreter shared "
                          f"evenly) (got {overlap_contention!r})")
-    return _run(schedule, costs, lowered=lowered, marks=None, record=True, action_costs=action_costs,
-                device_costs=device_costs, horizon=commit_horizon, device_transfer=device_transfer,
-                host_overlap=host_overlap, device_streams=device_streams, bg_mode=bg_mode,
-                contention=float(overlap_contention), margin=overlap_margin)
+    def run(mode: Any, trial: bool = False) -> SimulationResult:
+        return _run(schedule, costs, lowered=lowered, marks=None, record=True, action_costs=action_costs,
+                    device_costs=device_costs, horizon=commit_horizon, device_transfer=device_transfer,
+                    host_overlap=host_overlap, device_streams=device_streams, bg_mode=mode,
+                    contention=float(overlap_contention), margin=overlap_margin, trial=trial)
+
+    base = run(bg_mode, trial=bg_mode == "auto" and overlap_trial)
+    if not base.overlap_tried:
+        return base
+    from .dispatch import OverlapTrial  # (here: dispatch imports this module)
+
+    pairs = {r: {p for p, on in got.items() if on} | set(base.overlap_tried.get(r, ())) for r, got in base.overlap_decided.items()}
+    tried = run(pairs)
+    if tried.makespan < (1.0 - OverlapTrial().gain) * base.makespan:
+        decided = {r: {p: on or p in base.overlap_tried.get(r, ()) for p, on in got.items()} for r, got in base.overlap_decided.items()}
+        return replace(tried, overlap_decided=decided, overlap_tried=base.overlap_tried)
+    return base
 
 
 def lane_times(schedule: Schedule, costs: Costs | None = None) -> dict[int, list[float]]:
@@ -383,8 +406,10 @@ def _run(
     bg_mode: bool | str | Mapping[int, Collection[tuple[int, int]]] | None = None,
     contention: float = 1.0,
     margin: float | None = None,
+    trial: bool = False,
 ) -> SimulationResult:
-    """The simulation proper; ``marks`` collects lane clocks, ``record`` the events."""
+    """The simulation proper; ``marks`` collects lane clocks, ``record`` the events; ``trial`` (``bg_mode="auto"``):
+    note the host-heavy pairs the rule keeps inline (``SimulationResult.overlap_tried``)."""
     actions = schedule.actions
     place = schedule.stage_to_rank
     flow = Dataflow(place)
@@ -410,10 +435,12 @@ def _run(
     if bg_mode is not None and two_lane:
         # (here, not at the top: dispatch imports this module)
         from .dispatch import backward_overlap_pays as pays
+        from .dispatch import host_heavy as heavy
         from .dispatch import overlappable_backwards
 
         bg_pairs = overlappable_backwards(schedule)
     bg_decided: dict[tuple[int, int, int], bool] = {}
+    bg_tried: dict[int, list[tuple[int, int]]] = {}  # (trial) per rank, the host-heavy pairs the rule kept inline
     bg_count = dict.fromkeys(actions, 0)
 
     # value[kind * N + k]: when the value became available (None: not yet).
@@ -508,9 +535,12 @@ def _run(
                 return sum(f(Action(st, typ, mb)) for mb in range(M)) / max(M, 1)
 
             # the runtime's rule on its learned means: a stage's host launch and device times
-            got = bool(pays(not streams or b_stage == f_stage, mean(host, b_stage, _B), mean(dev_cost, b_stage, _B),
-                            mean(dev_cost, f_stage, _F), *(() if margin is None else (margin,))))
+            one = not streams or b_stage == f_stage
+            hb, db, df = mean(host, b_stage, _B), mean(dev_cost, b_stage, _B), mean(dev_cost, f_stage, _F)
+            got = bool(pays(one, hb, db, df, *(() if margin is None else (margin,))))
             bg_decided[(rank, b_stage, f_stage)] = got
+            if trial and one and not got and heavy(hb, mean(host, f_stage, _F), db, df):
+                bg_tried.setdefault(rank, []).append((b_stage, f_stage))
         return got
 
     def bg_advance(b: _Bg, t: float) -> None:
@@ -813,6 +843,8 @@ def _run(
         peak_live_activations=peak,
         events=all_events,
         overlapped_backwards=bg_count if bg_pairs is not None else {},
+        overlap_decided={r: {(b, f): on for (rr, b, f), on in bg_decided.items() if rr == r} for r in {k[0] for k in bg_decided}},
+        overlap_tried={r: tuple(v) for r, v in bg_tried.items()},
     )
 
 

@@ -207,3 +207,30 @@ def test_custom_lists_whose_forwards_wait_on_the_backward_finish(lists: tuple[st
     assert (1, 0) not in pairs[1] and res.overlapped_backwards[1] == 0
     assert res.overlapped_backwards[0] == len(pairs[0]) > 0
     assert res.makespan <= simulate(sched, Costs(), action_costs=host, device_costs=dev).makespan  # (rank 1 bounds it)
+
+
+def test_the_trial_of_host_heavy_pairs_is_simulated_as_the_runtime_runs_it() -> None:
+    """The GPT with a 128k head on 2 x H200 (session S, learned means, ms): rank 1's B launches in 3.7 against
+    2.6 + 1.7 of device time, so the rule keeps it inline, yet its host takes longer per microbatch (3.7 + 2.4)
+    than its device (4.3): a host-heavy pair, tried beside (``overlap_trial``), and kept where the simulated step
+    gets 3% shorter; with the trial off the rule alone decides (the runtime's ``host_overlap_trial=False``)."""
+    low = _lowered("1F1B", m=16)
+    host = {(0, "F", None): 2.4, (0, "B", None): 4.3, (1, "F", None): 2.4, (1, "B", None): 3.7}
+    dev = {(0, "F", None): 0.44, (0, "B", None): 1.27, (1, "F", None): 1.72, (1, "B", None): 2.63}
+    rule = _sim(low, host, dev, host_overlap_backward="auto", overlap_trial=False)
+    assert rule.overlapped_backwards[0] > 0 and rule.overlapped_backwards[1] == 0 and not rule.overlap_tried
+    trial = _sim(low, host, dev, host_overlap_backward="auto")
+    assert trial.overlap_tried == {1: ((1, 1),)}
+    assert trial.overlap_decided[1] == {(1, 1): True} and trial.overlapped_backwards[1] > 0
+    assert trial.makespan < 0.97 * rule.makespan
+    # a device-bound rank is never tried (session O's last rank of size l: host 3.65 + 2.10, device 5.03 + 2.50)
+    host[(1, "F", None)], host[(1, "B", None)], dev[(1, "F", None)], dev[(1, "B", None)] = 2.10, 3.65, 2.50, 5.03
+    bound = _sim(low, host, dev, host_overlap_backward="auto")
+    assert not bound.overlap_tried and bound.overlapped_backwards[1] == 0
+    # a host-heavy pair whose trial would not win 3% stays inline, as the runtime's trial drops it
+    host[(1, "F", None)], host[(1, "B", None)], dev[(1, "F", None)], dev[(1, "B", None)] = 2.0, 4.0, 1.72, 2.63
+    near = _sim(low, host, dev, host_overlap_backward="auto")
+    beside = _sim(low, host, dev, overlap_pairs={0: {(0, 0)}, 1: {(1, 1)}})
+    assert near.overlap_tried == {1: ((1, 1),)}
+    assert (near.overlapped_backwards[1] > 0) == (beside.makespan < 0.97 * _sim(
+        low, host, dev, host_overlap_backward="auto", overlap_trial=False).makespan)

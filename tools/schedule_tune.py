@@ -267,7 +267,8 @@ OVERLAP_BACKWARD = "auto"
 does by default (``RuntimeOptions.host_overlap_backward`` None, "auto"), on a second host lane beside the forwards
 after it where :func:`~pipeloom.schedules.dispatch.backward_overlap_pays` says so for the pair (always for two stages
 on two streams; on one stream where the B's host launch outlasts the B's and the F's device times by ``OVERLAP_MARGIN``), judged on the
-candidate's own host and device costs; each host lane :data:`~pipeloom.schedules.simulate.OVERLAP_CONTENTION` times
+candidate's own host and device costs, plus the host-heavy pairs the runtime's trial keeps beside (``host_overlap_trial``:
+``simulate(overlap_trial=True)`` tries them and keeps them where the step gets 3% shorter); each host lane :data:`~pipeloom.schedules.simulate.OVERLAP_CONTENTION` times
 slower while both launch (``simulate(host_overlap_backward=...)``).  Without it the model predicted the inline step
 on host-bound GPU configurations: ~25% too slow once the runtime overlapped (session J: 2 x H100, GPT size s, 1F1B
 x0.78, Interleaved1F1B x0.75 of the inline step; ``benchmarks/host_overlap_sim.py``)."""
