@@ -168,6 +168,13 @@ class MoE(nn.Module):
         self.w1 = mark_expert_parameter(nn.Parameter(w1[lo:hi].clone()))
         self.w2 = mark_expert_parameter(nn.Parameter(w2[lo:hi].clone()))
 
+    def replica_settings(self) -> dict[str, Any]:
+        """What every rank holding this layer (its ep peers, its data-parallel replicas) must build alike, beyond
+        its tensors' shapes: the Pipeline compares it at construction (``runtime.agreement.stage_tensors``).
+        Peers with another ``top_k`` or ``capacity_factor`` would exchange all-to-alls of other sizes."""
+        return {"dim": self.dim, "hidden": self.hidden, "num_experts": self.num_experts, "top_k": self.top_k,
+                "capacity_factor": self.capacity_factor, "ep_size": self.ep_size}
+
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, hidden={self.hidden}, experts={self.num_experts} ({self.local_experts} here, "
                 f"ep {self.ep_rank}/{self.ep_size}), top_k={self.top_k}, capacity_factor={self.capacity_factor}")

@@ -201,6 +201,13 @@ def stage_tensors(modules: Mapping[int, Any]) -> dict[str, Any]:
     for s, m in modules.items():
         ents = [[n, list(t.shape), str(t.dtype).removeprefix("torch.")]
                 for n, t in [*m.named_parameters(), *m.named_buffers()]]
+        # Submodules whose non-tensor settings must agree too (``pipeloom.moe.MoE``: the ep peers of a stage
+        # exchange all-to-alls sized by top_k and the capacity factor; peers that differ sent splits of other
+        # sizes, and gloo ended the receiving process from C++; replicas without ep ran another model silently)
+        for n, sub in m.named_modules():
+            settings = getattr(sub, "replica_settings", None)
+            if callable(settings):
+                ents.append([n or "(the stage)", settings(), type(sub).__name__])
         digest = hashlib.sha256(json.dumps(ents).encode()).hexdigest()[:16]
         out[str(s)] = {"digest": digest, "tensors": ents[:_MAX_LISTED]}
     return out
@@ -230,7 +237,8 @@ def check_stage_replicas(records: Sequence[Mapping[str, Any]]) -> list[str]:
                 diff = (f"rank {r0} has {len(a)} tensors, rank {r} has {len(b)}" if len(a) != len(b)
                         else f"digests {e0['digest']} and {e['digest']}")
             out.append(f"stage {s} differs between the ranks that hold it (data-parallel replicas start from "
-                       f"replica 0's parameters and buffers, which needs the same names, shapes and dtypes): {diff}")
+                       f"replica 0's parameters and buffers, which needs the same names, shapes and dtypes; "
+                       f"expert-parallel peers exchange tokens sized by their MoE settings): {diff}")
             break
     return out
 

@@ -328,6 +328,24 @@ def _make_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[_Bucke
     return buckets
 
 
+def _expert_scale(ep: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Expert parallelism: the hook that scales each gradient contribution of an expert parameter by ``1 / ep``
+    before autograd accumulates it into ``.grad``.
+
+    An expert's gradient from one backward is the sum over the ep columns' tokens (the all-to-all's backward
+    brought every column's here), while the unsplit model's is their mean (each column's loss is averaged over
+    its microbatches, the columns' over the columns).  Dividing ``.grad`` by the columns at REDUCE_GRAD, as
+    before, also divided what ``.grad`` held from earlier steps (accumulation without ``zero_grad``): they
+    came out halved, silently.  Scaled here, each contribution is scaled once; REDUCE_GRAD then only averages
+    over the dp replicas that hold the same experts, as DDP does (their earlier steps' part is the same on
+    every replica, so the average keeps it).
+    """
+    def scale(g: torch.Tensor) -> torch.Tensor:
+        return g / ep
+
+    return scale
+
+
 # ---------------------------------------------------------------- the events
 
 
@@ -348,6 +366,8 @@ class _Plan:
         #: per stage, the buckets of parameters it shares with another local stage that its REDUCE_GRAD reduces
         #: (filled in by StageCollectives)
         self.shared_buckets: dict[int, list[_Bucket]] = {}
+        #: the same for expert parameters several local stages share (reduced over the expert replicas)
+        self.shared_expert_buckets: dict[int, list[_Bucket]] = {}
         computes: dict[int, int] = {}
         reduced: set[int] = set()
         reshards: dict[int, int] = {}
@@ -419,11 +439,14 @@ class StageCollectives:
         #: per FSDP stage: reduce-scatter here, asynchronously (True) or through FSDP's post-backward (False)
         self._own_reduce: dict[int, bool] = {}
         self._group_index = dist.get_rank(group) if group is not None else 0
-        #: expert parallelism (runtime/expert_parallel.py): expert parameters are summed over
-        #: ``expert_group`` (None: not reduced) and divided by ``expert_divisor``, not averaged over ``group``
+        #: expert parallelism (runtime/expert_parallel.py): expert parameters are not averaged over ``group``
+        #: (every column); each backward's contribution is scaled as it is accumulated (see ``_expert_hooks``)
+        #: and REDUCE_GRAD averages them over ``expert_group`` (their dp replicas; None: not reduced)
         self.expert_group = expert_group
         self.expert_divisor = expert_divisor
         self._expert_buckets: dict[int, list[_Bucket]] = {}
+        self._expert_replicas = 1 if expert_group is None else dist.get_world_size(expert_group)
+        self._expert_hooks: list[Any] = []
         #: launch REDUCE_GRAD on the stage's own CUDA stream (set by the Pipeline with expert
         #: parallelism, where the stages keep their streams; see RankActor)
         self.on_stage_streams = False
@@ -440,6 +463,10 @@ class StageCollectives:
         shared = {i for i, ss in holders.items() if len(ss) > 1}
         #: (parameter, the local stages holding it) for every parameter several local stages share
         self._shared: list[tuple[torch.Tensor, list[int]]] = []
+        #: the same for expert parameters (reduced over the expert replicas, not the row)
+        self._shared_experts: list[tuple[torch.Tensor, list[int]]] = []
+        if expert_divisor is not None:
+            from pipeloom.moe import is_expert_parameter
         for s, module in stages.items():
             units = fsdp_modules(module)
             if units:
@@ -449,17 +476,22 @@ class StageCollectives:
             # Replicated parameters: every one under DDP, with FSDP those that no unit manages
             # (FSDP's are DTensors while resharded, which they are at construction).
             replicated = [p for p in module.parameters() if p.requires_grad and not _is_dtensor(p)]
+            experts = []
+            if expert_divisor is not None:
+                experts = [p for p in replicated if is_expert_parameter(p)]
+                replicated = [p for p in replicated if not is_expert_parameter(p)]
+                for p in experts:
+                    if holders[id(p)][0] == s:  # (once per parameter, also where several local stages hold it)
+                        self._expert_hooks.append(p.register_hook(_expert_scale(expert_divisor // self._expert_replicas)))
+                        if id(p) in shared:
+                            self._shared_experts.append((p, holders[id(p)]))
+                experts = [p for p in experts if id(p) not in shared]
+                if experts and expert_group is not None:
+                    self._expert_buckets[s] = _make_buckets(experts, bucket_bytes)
             for p in replicated:
                 if id(p) in shared and holders[id(p)][0] == s:
                     self._shared.append((p, holders[id(p)]))
             replicated = [p for p in replicated if id(p) not in shared]
-            if expert_divisor is not None:
-                from pipeloom.moe import is_expert_parameter
-
-                experts = [p for p in replicated if is_expert_parameter(p)]
-                replicated = [p for p in replicated if not is_expert_parameter(p)]
-                if experts:
-                    self._expert_buckets[s] = _make_buckets(experts, bucket_bytes)
             if replicated and self.size > 1:
                 self._buckets[s] = _make_buckets(replicated, bucket_bytes)
         self._actor: Any = None
@@ -483,6 +515,9 @@ class StageCollectives:
         self._actor = actor
 
     def close(self) -> None:
+        for h in self._expert_hooks:  # (the modules may outlive this Pipeline: their gradients unscaled again)
+            h.remove()
+        self._expert_hooks = []
         if self._waiter is not None:
             self._waiter.stop()
             self._waiter = None
@@ -516,14 +551,20 @@ class StageCollectives:
         plan = _Plan(actions)
         computed = {leaf.stage for a in actions if a.type not in COLLECTIVE_TYPES for leaf in a.leaves()}
         plan.ungated = sorted(s for s in self._units if s in computed and s not in plan.unshard_first)
-        if self._shared and self.size > 1:
-            order = [s for t, s in plan.collectives if t is _REDUCE]
+        order = [s for t, s in plan.collectives if t is _REDUCE]
+
+        def by_last_reduce(shared: list[tuple[torch.Tensor, list[int]]]) -> dict[int, list[_Bucket]]:
             by_stage: dict[int, list[torch.Tensor]] = {}
-            for p, holding in self._shared:
+            for p, holding in shared:
                 listed = [s for s in order if s in holding]
                 if listed:
                     by_stage.setdefault(listed[-1], []).append(p)
-            plan.shared_buckets = {s: _make_buckets(ps, self._bucket_bytes) for s, ps in by_stage.items()}
+            return {s: _make_buckets(ps, self._bucket_bytes) for s, ps in by_stage.items()}
+
+        if self._shared and self.size > 1:
+            plan.shared_buckets = by_last_reduce(self._shared)
+        if self._shared_experts and self.expert_group is not None:
+            plan.shared_expert_buckets = by_last_reduce(self._shared_experts)
         self._plans.append((actions, plan))
         return plan
 
@@ -624,14 +665,10 @@ class StageCollectives:
                 self._reduce_sharded(s, units)
             for bucket in [*self._buckets.get(s, ()), *self._plan.shared_buckets.get(s, ())]:
                 self._all_reduce(bucket, s, step)
-            for bucket in self._expert_buckets.get(s, ()):
-                if self.expert_group is None:
-                    # the all-to-all's backward already summed every ep column's contribution here
-                    for p in bucket.params:
-                        if p.grad is not None:
-                            p.grad.div_(self.expert_divisor)
-                else:
-                    self._all_reduce(bucket, s, step, group=self.expert_group, divisor=self.expert_divisor)
+            # expert parameters: each backward's contribution was scaled as it was accumulated (_expert_scale);
+            # what is left is the average over their dp replicas (none without data parallelism)
+            for bucket in [*self._expert_buckets.get(s, ()), *self._plan.shared_expert_buckets.get(s, ())]:
+                self._all_reduce(bucket, s, step, group=self.expert_group, divisor=self._expert_replicas)
         else:
             raise AssertionError(f"not a data-parallel action: {a}")
 

@@ -20,10 +20,21 @@ data-parallel machinery (:mod:`.data_parallel`) the columns are
   REDUCE_GRAD's all-reduce, as DDP replicas are;
 - expert parameters (:func:`pipeloom.moe.is_expert_parameter`): the
   all-to-all's backward already brought every ep column's contribution
-  to the rank holding the expert, so they are summed over the ``dp``
-  replicas holding the same experts (no collective when ``dp == 1``) and
-  divided by the number of columns, which gives the unsplit model's average
-  over the global batch.  They are not broadcast at construction either.
+  to the rank holding the expert, so each backward's contribution is scaled
+  by ``1 / ep`` as autograd accumulates it (a hook on the parameter, see
+  ``data_parallel._expert_scale``) and REDUCE_GRAD averages them over the
+  ``dp`` replicas holding the same experts (no collective when ``dp == 1``),
+  which gives the unsplit model's average over the global batch, also where
+  ``.grad`` already held earlier steps' gradients (accumulation: dividing
+  ``.grad`` at REDUCE_GRAD divided those again).  A parameter that several
+  local stages share (a V schedule's first and last stage) is scaled once and
+  reduced once.  They are not broadcast at construction either.
+
+Every column's microbatch ``j`` must hold as many tokens as its ep peers'
+(:mod:`pipeloom.moe` exchanges equal splits sized by the token count): a
+batch whose rows the columns cannot share evenly is refused at the step, and
+MoE layers whose settings differ between the ranks holding a stage
+(``MoE.replica_settings``: top_k, capacity factor, ...) at construction.
 
 Groups.  Created here with ``new_group``, by every rank in one global order
 (stage by stage), eagerly on NCCL:

@@ -1047,6 +1047,8 @@ class Pipeline:
                     "for its loss_fn: pass step(..., target=y) (eval() runs without one)"
                 )
         check_batch(args, kwargs, target, rank=self.rank, microbatches=self.num_microbatches)
+        if self._ep_groups is not None and self.layout is not None and self.layout.dp > 1:
+            self._check_ep_shares(args, kwargs, target)
         if train and len(set(self.schedule.stage_to_rank)) > 1:
             for name, v in kwargs.items():
                 vals = v if isinstance(v, Microbatches) else [v.value if isinstance(v, Replicate) else v]
@@ -1057,6 +1059,42 @@ class Pipeline:
                         "whole model). Compute it inside a stage (e.g. as a parameter of the stage that uses it), "
                         "pass it detached, or as a positional input of the first stage"
                     )
+
+    def _check_ep_shares(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], target: Any) -> None:
+        """Expert parallelism: every (dp, ep) column's microbatch ``j`` must have the same shape.
+
+        The ep peers of a stage exchange their microbatch's tokens with all-to-alls of equal, fixed-capacity
+        splits (``pipeloom.moe``: the capacity comes from the token count), so peers whose microbatches hold
+        different numbers of tokens issue all-to-alls of different sizes: gloo ends the receiving process from
+        C++ ("Received data size doesn't match expected size"), its peers see a process gone; on NCCL a wrong
+        result or a hang.  A batch of 17 rows over 2 columns (9 and 8) did that.  Every rank gets the same
+        global batch (the step's gather checks its rows), so every rank refuses it here, before any compute.
+        """
+        cols = self.layout.dp
+        n = self.num_microbatches
+        named = [*((f"positional input {i}", v) for i, v in enumerate(args)),
+                 *((f"keyword input {k!r}", v) for k, v in kwargs.items()), ("target", target)]
+        for what, v in named:
+            if isinstance(v, Microbatches):
+                if len(v) != n * cols:
+                    continue  # (replica_share says what is wrong with it)
+                for j in range(n):
+                    shapes = [tuple(v[c * n + j].shape) if isinstance(v[c * n + j], torch.Tensor) else None for c in range(cols)]
+                    if len(set(shapes)) > 1:
+                        raise PipelineConfigError(
+                            f"rank {self.rank}: {what}: microbatch {j} has shape {shapes[0]} in column 0 and "
+                            f"{next(s for s in shapes if s != shapes[0])} in column {next(c for c, s in enumerate(shapes) if s != shapes[0])}; "
+                            f"with expert parallelism every (dp, ep) column's microbatch {j} must have the same shape "
+                            "(the ep peers' all-to-alls exchange equal splits, sized by the token count)"
+                        )
+            elif isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] % cols:
+                parts = [t.shape[0] for t in torch.tensor_split(v, cols)]
+                raise PipelineConfigError(
+                    f"rank {self.rank}: {what} has {v.shape[0]} rows along dim 0, which the {cols} (dp, ep) columns of "
+                    f"expert parallelism cannot share evenly ({parts} rows): the ep peers' microbatches would hold "
+                    "different numbers of tokens, and their all-to-alls exchange equal splits sized by the token count; "
+                    f"pass a multiple of {cols} rows"
+                )
 
     def _stall_budget(self, train: bool) -> float:
         """Seconds an action of this step may run while peers wait: generous while torch.compile may compile.
