@@ -676,7 +676,8 @@ class RankActor:
         src = msg["src"]
         self.liveness.seen(src)
         if kind == "heartbeat":
-            self.liveness.heartbeat(src, msg["state"], msg["what"], msg["for_s"], stall_s=msg["stall_s"], step=msg["step"])
+            self.liveness.heartbeat(src, msg["state"], msg["what"], msg["for_s"], stall_s=msg["stall_s"], step=msg["step"],
+                                    train=msg["train"])
             return
         if kind == "bye":
             self.liveness.bye(src, msg["steps"], msg["cause"])
@@ -880,7 +881,7 @@ class RankActor:
         lost = self.liveness.check(self.step_index - 1, disconnected=self.control.disconnected,
                                    events_read_at=self.control.monitors_read_at, needed={peer})
         if lost is None:
-            stuck = self._all_waiting(self.step_index - 1)
+            stuck = self._other_kind(self.step_index - 1) or self._all_waiting(self.step_index - 1)
             if stuck is not None:
                 self._remote_error = stuck
                 self.broadcast_abort(stuck, None, self.step_index - 1)
@@ -1496,7 +1497,7 @@ class RankActor:
         if self._remote_error is not None:
             raise self._remote_error
         self._trial_step(train)
-        self.control.step = step
+        self.control.position = (step, train)
         self.liveness.start_step()
         self._liveness_interval = self.liveness.check_interval
         pending = self._pending = list(self.train_actions if train else self.eval_actions)
@@ -2054,7 +2055,7 @@ class RankActor:
         this rank waits for, as the error says it (default: what ``pending`` waits for)."""
         lost = self.liveness.check(step, disconnected=self.control.disconnected, events_read_at=self.control.monitors_read_at,
                                    needed=self._needed_peers(pending, step))
-        if lost is None and (stuck := self._all_waiting(step)) is not None:
+        if lost is None and (stuck := self._other_kind(step) or self._all_waiting(step)) is not None:
             self._remote_error = stuck
             self.broadcast_abort(stuck, None, step)
             raise stuck
@@ -2074,6 +2075,18 @@ class RankActor:
         st = self.state
         if st[0] != "waiting" or st[1] != what:
             self.state = ("waiting", what, time.monotonic())
+
+    def _other_kind(self, step: int) -> PipelineError | None:
+        """A peer running this step as the other kind of step (its heartbeat says so): the error every rank raises
+        for it (the per-step agreement's wording), or None."""
+        peers = self.liveness.other_kind(step, self._train_now)
+        if not peers:
+            return None
+        train, evals = ([self.rank], peers) if self._train_now else (peers, [self.rank])
+        return PipelineError(
+            f"rank {self.rank} step {step}: the ranks disagree on the kind of step: rank(s) {', '.join(map(str, train))} "
+            f"run a training step (Pipeline.step) and rank(s) {', '.join(map(str, evals))} an evaluation step "
+            "(Pipeline.eval) (seen in their heartbeats); every rank must make the same calls in the same order")
 
     def _all_waiting(self, step: int) -> PipelineError | None:
         """Every rank waiting in ``step``, none running an action, for longer than the stall budget in force (at

@@ -87,6 +87,7 @@ class PeerLiveness:
         self._stall_budget: dict[int, float] = {}
         #: peer -> the step its last heartbeat was sent in, and when (this clock) that heartbeat arrived
         self._hb_step: dict[int, int | None] = {}
+        self._hb_train: dict[int, bool | None] = {}
         self._hb_at: dict[int, float] = {}
         #: peers whose Pipeline closed, and how many steps each had completed
         self._bye_steps: dict[int, int] = {}
@@ -108,15 +109,16 @@ class PeerLiveness:
         self._last_seen[peer] = self.clock()
 
     def heartbeat(self, peer: int, state: str, what: str, for_s: float, *, stall_s: float | None = None,
-                  step: int | None = None) -> None:
+                  step: int | None = None, train: bool | None = None) -> None:
         """``peer`` reports it is ``state`` (idle/busy/waiting) in ``what`` for ``for_s`` seconds.
 
         ``stall_s``: how long the peer allows one action of its current step to run (longer in
         a cold step, while torch.compile compiles); None keeps this rank's ``stall_timeout``.
-        ``step``: the step the peer was in (for :meth:`all_waiting`).
+        ``step``: the step the peer was in (for :meth:`all_waiting`), ``train``: its kind (for :meth:`other_kind`).
         """
         self._state[peer] = (state, what, for_s)
         self._hb_step[peer] = step
+        self._hb_train[peer] = train
         self._hb_at[peer] = self.clock()
         if stall_s is not None:
             self._stall_budget[peer] = stall_s
@@ -141,6 +143,15 @@ class PeerLiveness:
     def last_heard(self, peer: int) -> float:
         """When (this clock) anything last arrived from ``peer``; 0.0 if nothing has."""
         return self._last_seen.get(peer, 0.0)
+
+    def other_kind(self, step: int, train: bool) -> list[int]:
+        """The peers whose last heartbeat says they run ``step`` (busy or waiting in it) as the other kind of step
+        (evaluation where this rank trains, or the other way round): the ranks' calls disagree.  A step's index
+        counts training and evaluation steps alike, so at one index every rank must run the same kind; only
+        ``static_shapes=True`` has no per-step agreement that compares them first."""
+        return [p for p, st in self._hb_step.items()
+                if st == step and self._hb_train.get(p) is not None and self._hb_train[p] != train
+                and self._state.get(p, ("idle", "", 0.0))[0] != "idle"]
 
     def all_waiting(self, step: int, what: str, waited: float, after: float) -> str | None:
         """Whether every rank has been waiting in ``step`` for at least ``after`` seconds with none running an

@@ -17,7 +17,7 @@ import zmq
 
 from pipeloom.transport.control import ControlPlane
 
-HB = dict(step=0, t=1.0, state="idle", what="", for_s=0.0, stall_s=30.0)
+HB = dict(step=0, train=True, t=1.0, state="idle", what="", for_s=0.0, stall_s=30.0)
 
 
 def _pair() -> tuple[ControlPlane, ControlPlane]:

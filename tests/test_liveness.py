@@ -147,3 +147,16 @@ def test_every_rank_waiting_in_the_same_step_is_stuck() -> None:
     assert live.all_waiting(5, "data-parallel collectives", 40.0, after=30.0) is None
     live.heartbeat(2, "waiting", "sends to complete", 40.0, step=5)
     assert live.all_waiting(5, "0B0", 40.0, after=30.0) is None
+
+
+def test_a_peer_running_the_same_step_as_the_other_kind() -> None:
+    live, _ = make(world=3)
+    assert live.other_kind(0, True) == []  # nothing heard yet
+    live.heartbeat(1, "idle", "", 0.0, step=0, train=True)  # (before its first step: idle, the default kind)
+    assert live.other_kind(0, False) == []
+    live.heartbeat(1, "waiting", "1F0", 0.2, step=3, train=False)
+    live.heartbeat(2, "busy", "2F0", 0.1, step=3, train=True)
+    assert live.other_kind(3, True) == [1] and live.other_kind(3, False) == [2]
+    assert live.other_kind(4, True) == []  # another step: not comparable
+    live.heartbeat(1, "waiting", "1F0", 0.2, step=3, train=None)  # (an older peer's heartbeat: no kind)
+    assert live.other_kind(3, True) == []

@@ -92,7 +92,7 @@ def test_fuzz_random_and_truncated_frames_never_escape_as_other_errors() -> None
 
 # -- the fast path (issue 12): one verdict with the reference schema walk, the same errors -------------
 
-HEARTBEAT = dict(step=4, t=1.7e9, state="busy", what="1F3", for_s=0.25, stall_s=30.0)
+HEARTBEAT = dict(step=4, train=True, t=1.7e9, state="busy", what="1F3", for_s=0.25, stall_s=30.0)
 ABORT = dict(step=2, stage=None, mb=-1, action=None, error="RuntimeError: x", traceback="tb")
 EXAMPLES = {"xfer": GOOD, "heartbeat": HEARTBEAT, "bye": dict(steps=7, cause=-1), "abort": ABORT}
 

@@ -157,7 +157,9 @@ class ControlPlane:
         self._endpoints: list[str] = []
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
-        self.step = 0  #: the step this rank is in, reported in heartbeats
+        #: the step this rank is in and its kind (training: True, evaluation: False), reported in heartbeats; one
+        #: tuple, set at once, so that the heartbeat thread never pairs one step with another's kind
+        self.position: tuple[int, bool] = (0, True)
         #: peer -> when (monotonic) its heartbeat connection closed and has not come back
         #: (written by the heartbeat thread, read by the actor's liveness check)
         self.disconnected: dict[int, float] = {}
@@ -243,8 +245,9 @@ class ControlPlane:
                 self._read_monitors(monitors)
                 self.rejections.flush()
                 state, what, since = self._hb_state()
+                step, train = self.position
                 data = self._codec.frame("heartbeat", dict(
-                    step=self.step, t=time.time(), state=state, what=what[:200],
+                    step=step, train=train, t=time.time(), state=state, what=what[:200],
                     for_s=max(0.0, time.monotonic() - since), stall_s=float(self.stall_budget),
                 ))
                 for s in socks:

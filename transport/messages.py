@@ -59,7 +59,7 @@ __all__ = [
 
 MAC_BYTES = 16  #: truncated HMAC-SHA256 in front of every frame
 
-PROTOCOL_VERSION = 5  # 2: xfer carries 'last'; 'bye'.  ('hello', never sent by any version, is gone.)  3: heartbeat carries 'stall_s'  4: gloo transfers carry their own header on the tensor plane (no xfer announcement)  5: bye carries 'cause'
+PROTOCOL_VERSION = 6  # 2: xfer carries 'last'; 'bye'.  ('hello', never sent by any version, is gone.)  3: heartbeat carries 'stall_s'  4: gloo transfers carry their own header on the tensor plane (no xfer announcement)  5: bye carries 'cause'  6: heartbeat carries 'train'
 MAX_MESSAGE_BYTES = 1 << 20  #: larger frames are rejected before decoding
 
 _MAX_TENSORS = 256
@@ -129,6 +129,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "what": _str,
         "for_s": lambda v: isinstance(v, float) and v >= 0,
         "stall_s": lambda v: isinstance(v, float) and v > 0,
+        "train": lambda v: isinstance(v, bool),  # the kind of ``step``: training (True) or evaluation
     },
     # the sender's Pipeline closed cleanly: its control connection closing next is no failure.  ``cause``: the rank
     # whose abort it heard before closing (-1: none), so that a rank missing that abort yet waits for it rather
@@ -310,14 +311,15 @@ def _ok_xfer(m: dict[str, Any]) -> bool:
 
 
 def _ok_heartbeat(m: dict[str, Any]) -> bool:
-    if len(m) != 9:
+    if len(m) != 10:
         return False
     try:
-        step, t, state, what, for_s, stall_s = m["step"], m["t"], m["state"], m["what"], m["for_s"], m["stall_s"]
+        step, t, state, what, for_s, stall_s, train = (m["step"], m["t"], m["state"], m["what"], m["for_s"], m["stall_s"],
+                                                       m["train"])
     except KeyError:
         return False
     return (
-        type(step) is int and step >= 0 and type(t) is float
+        type(step) is int and step >= 0 and type(t) is float and type(train) is bool
         and type(state) is str and state in _HB_STATES
         and type(what) is str and len(what) <= _MAX_STR
         and type(for_s) is float and for_s >= 0 and type(stall_s) is float and stall_s > 0
