@@ -317,7 +317,9 @@ def stage_fn_for_causal_lm(
     Raises:
         PipelineConfigError: a model without a head over a base model, no
             single ModuleList of layers, more stages than the layers can
-            fill, bad ``layer_splits``, tied embeddings across stages, or
+            fill, bad ``layer_splits``, tied embeddings across stages, a MoE
+            model with ``output_router_logits=True`` (its router loss spans the
+            stages; the returned loss would leave it out), or
             (``verify``) a model whose stages would not compute the whole
             model (a scale or soft cap on logits or embeddings in its
             forward, GPT-2's position embedding, dropout outside the layers).
@@ -332,6 +334,19 @@ def stage_fn_for_causal_lm(
                 "and they would sit on the first and the last stage, each training its own copy; build it with "
                 "tie_word_embeddings=False, or untie: model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())"
             )
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "output_router_logits", False) and getattr(cfg, "router_aux_loss_coef", 1.0):
+        # A MoE model (Mixtral, Qwen2-MoE...) trained by its own loss adds router_aux_loss_coef x a load-balancing
+        # loss over the router logits of *every* layer together (not a sum of per-layer terms, so no stage can
+        # compute its share); causal_lm_loss and the logits the stages hand on leave it out: another training
+        # objective, silently (the routers' gradients differed from model(..., labels=...).loss.backward()).
+        raise PipelineConfigError(
+            f"{type(model).__name__} has output_router_logits=True: its own loss adds router_aux_loss_coef="
+            f"{cfg.router_aux_loss_coef} x the load-balancing loss over every layer's router logits, which span the "
+            "stages, and stage_fn_for_causal_lm's loss (the causal-LM cross-entropy) cannot include it; build it with "
+            "output_router_logits=False (no load-balancing loss) or router_aux_loss_coef=0, or pipeline it with a "
+            "stage_fn and loss of your own"
+        )
     aligned = None
     if verify and len(names) > 1:
         layer_list = _layout(model)[1]

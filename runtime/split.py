@@ -494,9 +494,24 @@ class _OutputReducer:
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
         try:
-            return reduce_output(output, self.field)
+            out = reduce_output(output, self.field)
         except TypeError as exc:
             raise TypeError(f"stage {self.index}: {exc}") from None
+        if self.field is None and isinstance(out, torch.Tensor) and out.dim() == 0 and not isinstance(output, torch.Tensor):
+            # The first tensor field is a scalar: a loss the forward computed (``labels`` passed to every stage) or
+            # a MoE model's ``aux_loss`` (``output_router_logits=True``), listed before ``logits``.  Handed on, the
+            # next stage got a 0-d tensor as its hidden states and failed somewhere inside with an IndexError.
+            fields = output.items() if isinstance(output, Mapping) else (
+                [(f.name, getattr(output, f.name)) for f in dataclasses.fields(output)]
+                if dataclasses.is_dataclass(output) else [])
+            first = next((n for n, v in fields if v is out), "?")
+            other = next((n for n, v in fields if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+            if other is not None:
+                raise TypeError(
+                    f"stage {self.index} returned a {type(output).__name__} whose first tensor field, {first!r}, is a "
+                    f"scalar (a loss?), which would be handed to the next stage in place of {other!r}: pass "
+                    f"output_field={other!r} to split_by_fqn, or do not make the stages compute it")
+        return out
 
 
 class _FqnStageFn:
