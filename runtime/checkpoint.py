@@ -320,7 +320,9 @@ def _expert_meshes(pipe: Any, view: _View) -> dict[str, Any]:
 
     from pipeloom.moe import is_expert_parameter
 
-    params = dict(view.module.named_parameters())
+    # (every key: a parameter several local stages share, an MoE block of a V schedule's first and last stage,
+    # is under each stage's key, which named_parameters() lists once; the other key raised a KeyError here)
+    params = dict(view.module.named_parameters(remove_duplicate=False))
     meshes: dict[int, Any] = {}
     out: dict[str, Any] = {}
     for key, stage in view.param_stage.items():

@@ -13,7 +13,7 @@ OVERLAP_F_B pairs, with and without ``overlap_input_only``), global clipping by 
 microbatches whose token counts change between steps, eval between steps, checkpoints resumed under the same
 layout and under pp 4 without expert parallelism, data parallelism beside expert parallelism (pp 1 x dp 2 x
 ep 2), and refusals: a batch whose rows the columns cannot share evenly, ranks that disagree on the ep size or
-on an MoE's capacity.  One pool of 4 ranks runs every row (about 50 s on 2 cores).
+on an MoE's capacity.  One pool of 4 ranks runs every row (about 55 s on 2 cores).
 
 Bugs these rows found (regression tests now):
 - gradient accumulation over steps (no ``zero_grad`` between them; ``no_sync``'s last step too): REDUCE_GRAD
@@ -25,6 +25,9 @@ Bugs these rows found (regression tests now):
 - a batch whose rows the dp x ep columns cannot share evenly (17 rows, 2 columns): the ep peers' all-to-alls
   had other sizes and gloo ended a process from C++ ("Received data size doesn't match"), the others saw
   it gone; now refused at the step on every rank (uneven-columns);
+- ``save_checkpoint`` with an MoE block shared by two local stages: a KeyError on the ranks holding it
+  (the expert shards' mesh lookup listed a shared parameter under one of its keys), while the other ranks
+  went on into the save's next collective and waited there (ck-save-tie-moe-ZBV; resumed exactly now);
 - ep peers whose MoE layers differ in a non-tensor setting (capacity factor, top_k): the same C++ end; now
   refused at construction (disagree-capacity).
 """
@@ -86,6 +89,9 @@ CASES_ALL: list[dict[str, Any]] = [
     dict(id="ck-save-ZBV", schedule="ZBVZeroBubble", microbatches=4, script=CK, ckpt="a"),
     dict(id="ck-load-ZBV", schedule="ZBVZeroBubble", microbatches=4, **RESUME, load="a"),
     dict(id="ck-load-pp4-1F1B", schedule="1F1B", microbatches=4, ep=1, replay_cols=2, **RESUME, load="a"),
+    # ... with an MoE block shared by the first and the last stage (its expert shards under two names)
+    dict(id="ck-save-tie-moe-ZBV", schedule="ZBVZeroBubble", microbatches=4, tie="moe", script=CK, ckpt="t"),
+    dict(id="ck-load-tie-moe-ZBV", schedule="ZBVZeroBubble", microbatches=4, tie="moe", **RESUME, load="t"),
     # data parallelism beside expert parallelism: pp 1 x dp 2 x ep 2
     dict(id="dp2-ep2-1F1B", schedule="1F1B", microbatches=4, dp=2, dead_expert=True, script=DP_LOOP),
     # ... and a whole MoE block shared by the two local stages of a V schedule (pp 1: both on every rank)
