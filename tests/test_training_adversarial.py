@@ -51,7 +51,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "ranks"))
-from harness import RanksFailed, spawn_ranks  # noqa: E402
+from harness import run_job  # noqa: E402
 
 WORKER = Path(__file__).parent / "ranks" / "train_adv_worker.py"
 SPLIT = ["ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV"]
@@ -132,13 +132,7 @@ CASES2 = [c for c in CASES2_ALL if _ONLY == [""] or c["id"] in _ONLY]
 
 
 async def _run(world: int, cases: list[dict[str, Any]], out: Path, ckroot: Path, timeout: float) -> dict[str, list[dict[str, Any]]]:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "job.json").write_text(json.dumps({"cases": cases, "out": str(out), "ckroot": str(ckroot)}))
-    codes, _, errs = await spawn_ranks(world, [str(WORKER), str(out / "job.json")], timeout=timeout)
-    if any(c != 0 for c in codes):
-        tails = "\n".join(f"--- rank {r} (exit {c}) ---\n{e[-3000:]}" for r, (c, e) in enumerate(zip(codes, errs)))
-        raise RanksFailed(f"ranks failed: exit codes {codes}\n{tails}", codes, errs)
-    res = {c["id"]: [json.loads((out / f"{c['id']}-rank{r}.json").read_text()) for r in range(world)] for c in cases}
+    res = await run_job(world, WORKER, cases, out, ckroot, timeout)
     for c in cases:
         for r in range(world):
             rec = out / f"{c['id']}-rank{r}-records.pt"

@@ -305,6 +305,53 @@ def init_backend() -> str:
     return backend
 
 
+
+async def run_job(world: int, worker: Any, cases: list[dict[str, Any]], out: Any, ckroot: Any,
+                  timeout: float) -> dict[str, list[dict[str, Any]]]:
+    """Run ``worker`` on ``world`` ranks over ``cases`` (written to ``out/job.json`` with ``out`` and ``ckroot``);
+    each rank writes ``out/{case id}-rank{r}.json``: returned by case id, one dict per rank.  Any rank that does
+    not exit 0 fails the job with every rank's stderr tail (the adversarial sweeps' workers)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "job.json").write_text(json.dumps({"cases": cases, "out": str(out), "ckroot": str(ckroot)}))
+    codes, _, errs = await spawn_ranks(world, [str(worker), str(out / "job.json")], timeout=timeout)
+    if any(c != 0 for c in codes):
+        tails = "\n".join(f"--- rank {r} (exit {c}) ---\n{e[-3000:]}" for r, (c, e) in enumerate(zip(codes, errs)))
+        raise RanksFailed(f"ranks failed: exit codes {codes}\n{tails}", codes, errs)
+    return {c["id"]: [json.loads((out / f"{c['id']}-rank{r}.json").read_text()) for r in range(world)] for c in cases}
+
+
+
+def serve_job(run: Any) -> None:
+    """A sweep worker's main (the other side of :func:`run_job`): read the job named on the command line, join the
+    gloo group, and for each case write ``run(case, job, rank)``'s result dict (or the exception it raised, as
+    ``errors``) with its ``seconds`` to ``out/{case id}-rank{rank}.json``, the ranks in step between cases."""
+    import time
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    install_stack_dump()
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    for cfg in job["cases"]:
+        print(f"rank {rank}: case {cfg['id']}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        try:
+            result = run(cfg, job, rank)
+        except Exception as exc:  # noqa: BLE001 - recorded for the test to show
+            result = {"diffs": {}, "errors": [f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"]}
+        result["seconds"] = time.perf_counter() - t0
+        with open(os.path.join(job["out"], f"{cfg['id']}-rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def install_stack_dump() -> None:
     """In a rank process: print every thread's stack on SIGUSR1 (the harness sends it on a timeout)."""
     if os.environ.get("PIPELOOM_TEST_STACKS") == "1":

@@ -20,8 +20,6 @@ import json
 import math
 import os
 import sys
-import time
-import traceback
 from typing import Any
 
 import torch
@@ -29,9 +27,11 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import install_stack_dump  # noqa: E402
+from harness import serve_job  # noqa: E402
 
 D, F64 = 6, torch.float64
+from compare import TensorDiffs  # noqa: E402
+
 TOL = dict(rtol=1e-10, atol=1e-12)
 
 
@@ -167,22 +167,7 @@ class Ref:
         return outs, [v.detach() for v in losses]
 
 
-class Compare:
-    def __init__(self) -> None:
-        self.diffs: dict[str, Any] = {}
-
-    def tensors(self, what: str, got: Any, want: Any) -> None:
-        if (got is None) != (want is None):
-            self.diffs[what] = f"got {'None' if got is None else 'a tensor'}, the unsplit model has {'None' if want is None else 'a tensor'}"
-            return
-        if got is None:
-            return
-        got, want = got.detach().to(F64), want.detach().to(F64)
-        if got.shape != want.shape:
-            self.diffs[what] = f"shape {tuple(got.shape)} vs {tuple(want.shape)}"
-        elif not torch.allclose(got, want, **TOL):
-            self.diffs[what] = float((got - want).abs().max())
-
+class Compare(TensorDiffs):
     def model(self, what: str, pipe: Any, ref: Ref, ep_rank: int, *, grads: bool, params: bool) -> None:
         from pipeloom.moe import is_expert_parameter
 
@@ -303,23 +288,7 @@ def run_case(cfg: dict[str, Any], ckroot: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    install_stack_dump()
-    job = json.load(open(sys.argv[1]))
-    rank = int(os.environ["RANK"])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    for cfg in job["cases"]:
-        print(f"rank {rank}: case {cfg['id']}", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        try:
-            result = run_case(cfg, job["ckroot"])
-        except Exception as exc:  # noqa: BLE001 - recorded for the test to show
-            result = {"diffs": {}, "errors": [f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"]}
-        result["seconds"] = time.perf_counter() - t0
-        with open(os.path.join(job["out"], f"{cfg['id']}-rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-        dist.barrier()
-    dist.destroy_process_group()
+    serve_job(lambda cfg, job, rank: run_case(cfg, job["ckroot"]))
 
 
 if __name__ == "__main__":

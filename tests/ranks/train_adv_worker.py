@@ -18,7 +18,6 @@ import math
 import os
 import sys
 import time
-import traceback
 from typing import Any
 
 import torch
@@ -26,9 +25,11 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import install_stack_dump  # noqa: E402
+from harness import serve_job  # noqa: E402
 
 D, F64 = 4, torch.float64
+from compare import TensorDiffs  # noqa: E402
+
 TOL = dict(rtol=1e-10, atol=1e-12)
 
 
@@ -133,28 +134,7 @@ def make_opt(params: list[torch.Tensor], cfg: dict[str, Any]) -> torch.optim.Opt
     return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1, foreach=False)
 
 
-class Compare:
-    def __init__(self) -> None:
-        self.diffs: dict[str, Any] = {}
-
-    def tensors(self, what: str, got: Any, want: Any) -> None:
-        if (got is None) != (want is None):
-            self.diffs[what] = f"got {'None' if got is None else 'a tensor'}, the unsplit model has {'None' if want is None else 'a tensor'}"
-            return
-        if got is None:
-            return
-        got, want = got.detach().to(F64), want.detach().to(F64)
-        if got.shape != want.shape:
-            self.diffs[what] = f"shape {tuple(got.shape)} vs {tuple(want.shape)}"
-            return
-        both_nan = torch.isnan(got) & torch.isnan(want)
-        if not torch.equal(torch.isnan(got), torch.isnan(want)):
-            self.diffs[what] = "NaN in other places"
-            return
-        g, w = got.masked_fill(both_nan, 0), want.masked_fill(both_nan, 0)
-        if not torch.allclose(g, w, **TOL, equal_nan=True):
-            self.diffs[what] = float((g - w).abs().max())
-
+class Compare(TensorDiffs):
     def model(self, what: str, own: dict[int, nn.Module], ref: Ref, *, grads: bool, params: bool) -> None:
         for s, mod in own.items():
             rmod = ref.stages[s]
@@ -322,27 +302,15 @@ def _make_partial(complete: str, partial: str) -> None:
     shutil.copytree(complete, partial, ignore=shutil.ignore_patterns("COMPLETE", ".metadata"))
 
 
+def _one(cfg: dict[str, Any], job: dict[str, Any], rank: int) -> dict[str, Any]:
+    if cfg.get("make_partial") and rank == 0:
+        _make_partial(os.path.join(job["ckroot"], cfg["make_partial"][0]), os.path.join(job["ckroot"], cfg["make_partial"][1]))
+    dist.barrier()
+    return run_case(cfg, job["out"], job["ckroot"])
+
+
 def main() -> None:
-    install_stack_dump()
-    job = json.load(open(sys.argv[1]))
-    rank = int(os.environ["RANK"])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    for cfg in job["cases"]:
-        print(f"rank {rank}: case {cfg['id']}", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        try:
-            if cfg.get("make_partial") and rank == 0:
-                _make_partial(os.path.join(job["ckroot"], cfg["make_partial"][0]), os.path.join(job["ckroot"], cfg["make_partial"][1]))
-            dist.barrier()
-            result = run_case(cfg, job["out"], job["ckroot"])
-        except Exception as exc:  # noqa: BLE001 - recorded for the test to show
-            result = {"diffs": {}, "errors": [f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"]}
-        result["seconds"] = time.perf_counter() - t0
-        with open(os.path.join(job["out"], f"{cfg['id']}-rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-        dist.barrier()
-    dist.destroy_process_group()
+    serve_job(_one)
 
 
 if __name__ == "__main__":
