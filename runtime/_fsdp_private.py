@@ -34,7 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["check_supported", "all_gather_works", "reduce_grads", "fsdp_modules", "plain_reduction", "finish_backward"]
+__all__ = ["check_supported", "all_gather_works", "reduce_grads", "fsdp_modules", "plain_reduction", "finish_backward",
+           "fill_missing_grads"]
 
 _MIN_TORCH = (2, 11)
 
@@ -146,6 +147,35 @@ def reduce_grads(modules: Sequence[Any]) -> None:
         for m, _ in roots:
             m.set_requires_gradient_sync(False)
             m.set_is_last_backward(False)
+
+
+def fill_missing_grads(modules: Sequence[Any]) -> list[tuple[Any, bool, bool]]:
+    """Before :func:`reduce_grads`: a zero unsharded gradient for every trainable parameter that has none here.
+
+    FSDP2's post-backward reduce-scatters only the parameters that hold a gradient on *this* rank (and issues
+    nothing for a group where none does), so a parameter used on one replica only (a data-dependent branch,
+    a block some microbatches skip) made the replicas' reduce-scatters differ in size, or one replica issue
+    one the others did not: gloo ended the process from C++ ("Received data size doesn't match"), NCCL
+    pairs the next collective with it.  With every trainable parameter holding one, each replica reduces
+    the same tensors, and the zeros stand for "no gradient here" in the average (as DDP's zeros do).
+    Returns, per trainable parameter in a fixed order (the same on every replica): (its ``FSDPParam``,
+    whether it had a gradient on this rank, whether its sharded parameter had a gradient before), so the
+    caller can give ``grad = None`` back to those no replica had one for.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    out: list[tuple[Any, bool, bool]] = []
+    for m in modules:
+        for pg in _groups(fully_shard.state(m)):  # type: ignore[attr-defined]
+            for fp in pg.fsdp_params:
+                if not fp.sharded_param.requires_grad or not hasattr(fp, "_unsharded_param"):
+                    continue
+                unsharded = fp.unsharded_param
+                had = fp.unsharded_accumulated_grad is not None or unsharded.grad is not None
+                if not had:
+                    unsharded.grad = torch.zeros_like(unsharded)
+                out.append((fp, had, fp.sharded_param.grad is not None))
+    return out
 
 
 def plain_reduction(modules: Sequence[Any]) -> bool:

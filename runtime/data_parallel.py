@@ -720,7 +720,7 @@ class StageCollectives:
                 and fp.plain_reduction(units)
             )
         if not own:
-            fp.reduce_grads(units)
+            self._reduce_by_fsdp(s, units)
             return
         sharded = self._sharded[s]
         if not sharded:
@@ -728,7 +728,7 @@ class StageCollectives:
             return
         current = dict(self._modules[s].named_parameters())  # the unsharded parameters, registered now
         if any(_is_dtensor(current[name]) for name, _ in sharded):  # resharded before its REDUCE_GRAD
-            fp.reduce_grads(units)
+            self._reduce_by_fsdp(s, units)
             return
         ws, idx = self.size, self._group_index
         layout = []
@@ -788,6 +788,39 @@ class StageCollectives:
         inp_keep = [inp]  # alive until the collective is done
         self._submit([work], landed, f"{kind} of stage {s}'s sharded gradients ({total * ws} elements)",
                      (f"{s}REDUCE_GRAD", kind, s, inp.numel() * inp.element_size()))
+
+    def _reduce_by_fsdp(self, s: int, units: list[Any]) -> None:
+        """REDUCE_GRAD of an FSDP stage through FSDP2's own post-backward (mixed precision, offload,
+        ``fsdp_reduce="fsdp"``), with the replicas' reduce-scatters matched.
+
+        FSDP2 reduce-scatters only what has a gradient on this rank, so a parameter with a gradient on one
+        replica only (a data-dependent branch) made the replicas' collectives differ (see
+        ``_fsdp_private.fill_missing_grads``, which gives every trainable parameter one, zeros where it had
+        none).  Beside it, one small all-reduce counts the replicas that had a gradient for each parameter,
+        issued first on every replica; when it lands, a parameter none of them had one for gets ``grad``
+        None back (what the zeros made it), as in the unsplit model's backward and as ``_all_reduce`` does.
+        """
+        from . import _fsdp_private as fp
+
+        if self.size <= 1:
+            fp.reduce_grads(units)
+            return
+        filled = fp.fill_missing_grads(units)
+        if not filled:
+            fp.reduce_grads(units)
+            return
+        held = torch.tensor([1.0 if had else 0.0 for _, had, _ in filled], dtype=torch.float32, device=self.device)
+        work = dist.all_reduce(held, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        fp.reduce_grads(units)
+
+        def landed() -> None:
+            if not all(had for _, had, _ in filled):  # (else every count is at least 1; read on the host only here)
+                for (param, _, before), count in zip(filled, held.tolist()):
+                    if count == 0 and not before:
+                        param.sharded_param.grad = None  # no replica had a gradient: None, as in a full backward
+
+        self._submit([work], landed, f"all-reduce of which of stage {s}'s sharded parameters have gradients",
+                     (f"{s}REDUCE_GRAD", "all-reduce", s, held.numel() * held.element_size()))
 
     def _all_reduce(self, bucket: _Bucket, s: int, step: int, *, group: Any = None, divisor: int | None = None) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]

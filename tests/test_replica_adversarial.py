@@ -1,0 +1,73 @@
+"""What one replica or one rank does alone, on 4 real gloo ranks (``tests/ranks/replica_adv_worker.py``).
+
+- FSDP (pp 2 x FSDP 2) where a parameter gets a gradient on one replica only (a branch its microbatches take
+  and the other replica's do not; a whole FSDP unit under ``fsdp_wrap="blocks"``) and one never used, through
+  pipeloom's own reduce-scatter, FSDP2's (``fsdp_reduce="fsdp"``) and mixed precision (FSDP2's, float32):
+  gradients after every step (accumulated without ``zero_grad`` too), the clip norm and AdamW's parameters
+  equal the unsplit model's (float64; float32's tolerance with mixed precision); a parameter no replica used
+  keeps ``grad`` None.
+
+Bugs these rows found (regression tests now):
+- FSDP2's own reduce-scatter (``fsdp_reduce="fsdp"``, and every mixed-precision or offload policy) with a
+  parameter that had a gradient on one replica only: FSDP2 reduce-scatters only the parameters that hold a
+  gradient on its rank (and a unit where none does not at all), so the replicas' collectives differed in size
+  and gloo ended the processes from C++ ("Received data size doesn't match"; NCCL would pair them with the
+  next collective).  Now every trainable parameter gets a zero gradient where it has none before FSDP's
+  reduce-scatter, and one small all-reduce beside it gives ``grad`` None back to those no replica had one for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "ranks"))
+from harness import run_job  # noqa: E402
+
+WORKER = Path(__file__).parent / "ranks" / "replica_adv_worker.py"
+
+
+
+def script(n: int) -> list[list[Any]]:
+    """``odd`` rows: replica 0's first microbatch has 3 rows (odd: `odd` and `oddblk` used), its others and
+    replica 1's 2 (9 rows for 2 microbatches: 3, 2 | 2, 2); ``even`` rows: no replica uses them."""
+    odd, even = 4 * n + 1, 4 * n
+    return [["step", odd, 1], ["step", odd, 2], ["clip", 0.5], ["opt"], ["zero"],
+            ["step", even, 3], ["clip", 0.5], ["opt"], ["zero"], ["step", odd, 4], ["opt"]]
+
+
+def _fsdp(cid: str, schedule: str = "1F1B", n: int = 2, **kw: Any) -> dict[str, Any]:
+    return dict(id=cid, kind="fsdp", schedule=schedule, microbatches=n, script=script(n), **kw)
+
+
+def _ck(cid: str, fault: str, who: int, **kw: Any) -> dict[str, Any]:
+    return dict(id=cid, kind="ckpt", fault=fault, who=who, **kw)
+
+
+CASES_ALL = [
+    _fsdp("fsdp-own-blocks", wrap="blocks"),
+    _fsdp("fsdp-fsdp-stage", reduce="fsdp"),
+    _fsdp("fsdp-fsdp-blocks-ZBV", reduce="fsdp", wrap="blocks", schedule="ZBVZeroBubble", n=4),
+    _fsdp("fsdp-mp-blocks", mp=True, wrap="blocks"),
+]
+_ONLY = os.environ.get("RADV_ONLY", "").split(",")
+CASES = [c for c in CASES_ALL if _ONLY == [""] or c["id"] in _ONLY]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    base = tmp_path_factory.mktemp("radv")
+    return asyncio.run(run_job(4, WORKER, CASES, base / "out", base, timeout=float(os.environ.get("RADV_TIMEOUT", 240))))
+
+
+@pytest.mark.parametrize("case_id", [c["id"] for c in CASES if c["kind"] in ("fsdp", "ep")])
+def test_gradients_match_the_unsplit_model(results: dict[str, list[dict[str, Any]]], case_id: str) -> None:
+    for r, res in enumerate(results[case_id]):
+        assert not res["errors"], f"rank {r}: {res['errors'][0]}"
+        assert not res["diffs"], f"rank {r}: differs from the unsplit model: {json.dumps(dict(list(res['diffs'].items())[:12]), indent=1)}"
