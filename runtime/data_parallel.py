@@ -328,9 +328,9 @@ def _make_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[_Bucke
     return buckets
 
 
-def _expert_scale(ep: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def _expert_scale(ep: int, active: Callable[[], bool]) -> Callable[[torch.Tensor], torch.Tensor]:
     """Expert parallelism: the hook that scales each gradient contribution of an expert parameter by ``1 / ep``
-    before autograd accumulates it into ``.grad``.
+    before autograd accumulates it into ``.grad``, while ``active()`` (a step of the Pipeline runs).
 
     An expert's gradient from one backward is the sum over the ep columns' tokens (the all-to-all's backward
     brought every column's here), while the unsplit model's is their mean (each column's loss is averaged over
@@ -339,9 +339,13 @@ def _expert_scale(ep: int) -> Callable[[torch.Tensor], torch.Tensor]:
     came out halved, silently.  Scaled here, each contribution is scaled once; REDUCE_GRAD then only averages
     over the dp replicas that hold the same experts, as DDP does (their earlier steps' part is the same on
     every replica, so the average keeps it).
+
+    Only the Pipeline's own backwards are scaled: a backward the user runs over the stage modules between
+    steps (a regulariser, a probe) is one process's own gradient, which the all-to-all gathered from nobody;
+    scaled, it came out divided by ep, silently (the hooks stay registered from construction to ``close``).
     """
     def scale(g: torch.Tensor) -> torch.Tensor:
-        return g / ep
+        return g / ep if active() else g
 
     return scale
 
@@ -447,6 +451,8 @@ class StageCollectives:
         self._expert_buckets: dict[int, list[_Bucket]] = {}
         self._expert_replicas = 1 if expert_group is None else dist.get_world_size(expert_group)
         self._expert_hooks: list[Any] = []
+        #: between begin_step and end_step: the Pipeline's step runs (its backwards scale expert gradients)
+        self.in_step = False
         #: launch REDUCE_GRAD on the stage's own CUDA stream (set by the Pipeline with expert
         #: parallelism, where the stages keep their streams; see RankActor)
         self.on_stage_streams = False
@@ -482,7 +488,8 @@ class StageCollectives:
                 replicated = [p for p in replicated if not is_expert_parameter(p)]
                 for p in experts:
                     if holders[id(p)][0] == s:  # (once per parameter, also where several local stages hold it)
-                        self._expert_hooks.append(p.register_hook(_expert_scale(expert_divisor // self._expert_replicas)))
+                        self._expert_hooks.append(p.register_hook(
+                            _expert_scale(expert_divisor // self._expert_replicas, lambda: self.in_step)))
                         if id(p) in shared:
                             self._shared_experts.append((p, holders[id(p)]))
                 experts = [p for p in experts if id(p) not in shared]
@@ -543,6 +550,11 @@ class StageCollectives:
                 "in the schedule; lower it with fsdp=True (pipeloom.schedules.lower)"
             )
         self._new_step(plan)
+        self.in_step = True
+
+    def end_step(self) -> None:
+        """The step has ended (done or failed): backwards from here on are the user's (see ``_expert_scale``)."""
+        self.in_step = False
 
     def _plan_for(self, actions: Sequence[Action]) -> _Plan:
         for lst, plan in self._plans:

@@ -1172,6 +1172,8 @@ class Pipeline:
             try:
                 results, mb_losses = await self._actor.run_step(inputs, train=train, keep_outputs=return_outputs)
             finally:
+                if self._collectives is not None:
+                    self._collectives.end_step()
                 if self._trace_sink is not None and self._actor.trace is not None:
                     self._trace_sink.emit(self._actor.trace.drain())
             if graphs:

@@ -6,6 +6,8 @@
   gradients after every step (accumulated without ``zero_grad`` too), the clip norm and AdamW's parameters
   equal the unsplit model's (float64; float32's tolerance with mixed precision); a parameter no replica used
   keeps ``grad`` None.
+- expert parallelism: a backward the user runs outside the Pipeline (a regulariser over the stage modules,
+  between steps or after ``close()``) adds the plain gradient to expert parameters, not one scaled by 1/ep.
 
 Bugs these rows found (regression tests now):
 - FSDP2's own reduce-scatter (``fsdp_reduce="fsdp"``, and every mixed-precision or offload policy) with a
@@ -14,6 +16,10 @@ Bugs these rows found (regression tests now):
   and gloo ended the processes from C++ ("Received data size doesn't match"; NCCL would pair them with the
   next collective).  Now every trainable parameter gets a zero gradient where it has none before FSDP's
   reduce-scatter, and one small all-reduce beside it gives ``grad`` None back to those no replica had one for.
+- expert parallelism: the hooks that scale each backward's expert gradient by 1/ep (registered at
+  construction, removed at ``close``) scaled a backward the user ran over the stage modules between steps too:
+  a regulariser's gradient on expert parameters came out divided by ep, silently.  They now scale only while
+  a step of the Pipeline runs.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ CASES_ALL = [
     _fsdp("fsdp-fsdp-stage", reduce="fsdp"),
     _fsdp("fsdp-fsdp-blocks-ZBV", reduce="fsdp", wrap="blocks", schedule="ZBVZeroBubble", n=4),
     _fsdp("fsdp-mp-blocks", mp=True, wrap="blocks"),
+    dict(id="ep-outside-backward", kind="ep"),
 ]
 _ONLY = os.environ.get("RADV_ONLY", "").split(",")
 CASES = [c for c in CASES_ALL if _ONLY == [""] or c["id"] in _ONLY]
