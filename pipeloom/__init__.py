@@ -16,6 +16,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _RUNTIME_NAMES = (
+    "CheckpointError",
     "CheckpointInfo",
     "Microbatches",
     "PeerLostError",

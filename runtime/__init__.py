@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .actor import ActorStatistics, RankActor
 from .checkpoint import CheckpointInfo, PendingCheckpoint, latest_checkpoint, load_checkpoint, save_checkpoint, wait_checkpoints
-from .errors import PeerLostError, PipelineConfigError, PipelineError, RemoteRankError, StageError
+from .errors import CheckpointError, PeerLostError, PipelineConfigError, PipelineError, RemoteRankError, StageError
 from .checks import Replicate
 from .expert_parallel import StageContext
 from .options import RuntimeOptions
@@ -15,6 +15,7 @@ from .traced_split import split_by_tracing, stage_fn_from_pipe
 
 __all__ = [
     "ActorStatistics",
+    "CheckpointError",
     "CheckpointInfo",
     "PendingCheckpoint",
     "Microbatches",

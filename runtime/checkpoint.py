@@ -83,7 +83,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import PipelineConfigError
+from .errors import CheckpointError, PipelineConfigError
 
 __all__ = [
     "CheckpointInfo",
@@ -223,12 +223,61 @@ def _agree(group: Any, mine: Any) -> list[Any]:
     return everyone
 
 
-def _raise_any(errors: list[str | None], kind: type[Exception] = PipelineConfigError) -> None:
-    bad = [(r, e) for r, e in enumerate(errors) if e]
-    if bad:
-        first = bad[0][1]
-        more = f" (and {len(bad) - 1} other rank(s): ranks {[r for r, _ in bad[1:]]})" if len(bad) > 1 else ""
-        raise kind(f"{first}{more}")
+def _settle(group: Any, rank: int, what: str, exc: BaseException | None, payload: Any = None) -> list[Any]:
+    """After a part of a checkpoint call that each rank runs on its own: every rank's ``payload``, or, where any
+    rank raised there, the error on every rank (all ranks call this together).
+
+    A rank that raised alone (a directory it cannot create, a disk that is full, a state-dict hook, a file it
+    cannot read) left its peers in the call's next collective until the process group's timeout (30 minutes
+    on gloo).  Each rank's exception is caught here and agreed instead: a ``PipelineConfigError`` or
+    ``FileNotFoundError`` is raised as that type with the failing rank's message (as before), anything else
+    as :class:`CheckpointError` naming ``what`` and the failing rank; on the failing rank it is chained to
+    the original.
+    """
+    mine = None
+    if exc is not None:
+        kind = "config" if isinstance(exc, PipelineConfigError) else "missing" if isinstance(exc, FileNotFoundError) else "other"
+        text = str(exc)
+        if kind != "other" and not text.startswith(f"rank {rank}"):
+            text = f"rank {rank}: {text}"
+        elif kind == "other":
+            text = f"{type(exc).__name__}: {text}"
+        mine = (kind, text)
+    everyone = _agree(group, (mine, payload))
+    bad = [(r, e) for r, (e, _) in enumerate(everyone) if e is not None]
+    if not bad:
+        return [p for _, p in everyone]
+    first_rank, (kind, text) = bad[0]
+    more = f" (and {len(bad) - 1} other rank(s): ranks {[r for r, _ in bad[1:]]})" if len(bad) > 1 else ""
+    err: Exception
+    if kind == "config":
+        err = PipelineConfigError(f"{text}{more}")
+    elif kind == "missing":
+        err = FileNotFoundError(f"{text}{more}")
+    else:
+        this = " (this rank)" if first_rank == rank else ""
+        err = CheckpointError(f"rank {rank}: {what} failed on rank {first_rank}{this}{more}: {text}; every rank "
+                              "stopped the call", rank=rank, failed_ranks=[r for r, _ in bad])
+    raise err from exc
+
+
+def _dcp(fn: Any, group: Any, rank: int, what: str) -> Any:
+    """``fn()`` (a DCP save or load), with DCP's ``CheckpointException`` raised as :class:`CheckpointError`.
+
+    DCP gathers a failure of any rank's write or read and raises it on every rank, but as a
+    ``BaseException`` whose text is a list of tracebacks: a training loop's ``except Exception`` missed it.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return fn()
+    except CheckpointException as exc:
+        ranks = sorted(dist.get_global_rank(group, r) for r in exc.failures)
+        first = exc.failures[sorted(exc.failures)[0]][0] if exc.failures else exc
+        more = f" (and {len(ranks) - 1} other rank(s): ranks {ranks[1:]})" if len(ranks) > 1 else ""
+        where = f"rank {ranks[0]}" if ranks else "a rank"
+        raise CheckpointError(f"rank {rank}: {what} failed on {where}{more}: {type(first).__name__}: {first}; every "
+                              "rank stopped the call", rank=rank, failed_ranks=ranks) from exc
 
 
 # ---------------------------------------------------------------- groups, state
@@ -482,59 +531,66 @@ def save_checkpoint(
     group = _ckpt_group()
     rank = dist.get_rank()
     r = Path(root).resolve()
-    error = None
+    what = f"save_checkpoint(step {step})"
+    failed: Exception | None = None
     try:
         view = _build_view(pipe.stages, stage_prefix=stage_prefix, rank=rank)
-    except PipelineConfigError as exc:
-        error = str(exc)
-    everyone = _agree(group, (str(r), error))
-    _raise_any([e for _, e in everyone])
-    roots = {root_of for root_of, _ in everyone}
+    except Exception as exc:  # noqa: BLE001 - agreed below: every rank raises it
+        failed = exc
+    roots = set(_settle(group, rank, what, failed, str(r)))
     if len(roots) > 1:
         raise PipelineConfigError(
             f"rank {rank}: the ranks passed different checkpoint directories ({sorted(roots)}): every rank must "
             "pass the same directory, one they all see (a shared file system across nodes)"
         )
     _check_global_names(view, group, rank)
-    optims = _optims(optimizer)
-    # An optimizer that has not stepped yet has no state, and get_state_dict makes some: a step with zero
-    # gradients and lr 0, which leaves the parameters alone but counts a step (AdamW's bias correction
-    # then differed from a run that did not save at step 0).  Its state is cleared again after, and saved
-    # as none (load_checkpoint leaves a parameter without saved state stateless).
-    fresh = [o for o in optims if not o.state]
-    msd, osd = _state_dicts(view, optims)
-    if fresh:
-        mine = {id(p) for o in fresh for g in o.param_groups for p in g["params"]}
-        gone = tuple(f"state.{key}." for key, p in view.module.named_parameters() if id(p) in mine)
-        if osd is not None and gone:
-            osd = {k: v for k, v in osd.items() if not k.startswith(gone)}
-        for o in fresh:
-            o.state.clear()
-    meshes = _expert_meshes(pipe, view)
-    msd, osd = _shard_experts(msd, meshes, optim=False), _shard_experts(osd, meshes, optim=True)
-    # DCP keeps one copy of a value every rank has, from whichever rank it picks: make it rank 0's
-    shared = [dict(extra or {})]
-    dist.broadcast_object_list(shared, src=0, group=group)
+    partial, final = _partial_dir(r, step), _final_dir(r, step)
+    extra_bytes: bytes | None = None
+    try:
+        optims = _optims(optimizer)
+        # An optimizer that has not stepped yet has no state, and get_state_dict makes some: a step with zero
+        # gradients and lr 0, which leaves the parameters alone but counts a step (AdamW's bias correction
+        # then differed from a run that did not save at step 0).  Its state is cleared again after, and saved
+        # as none (load_checkpoint leaves a parameter without saved state stateless).
+        fresh = [o for o in optims if not o.state]
+        msd, osd = _state_dicts(view, optims)
+        if fresh:
+            mine = {id(p) for o in fresh for g in o.param_groups for p in g["params"]}
+            gone = tuple(f"state.{key}." for key, p in view.module.named_parameters() if id(p) in mine)
+            if osd is not None and gone:
+                osd = {k: v for k, v in osd.items() if not k.startswith(gone)}
+            for o in fresh:
+                o.state.clear()
+        meshes = _expert_meshes(pipe, view)
+        msd, osd = _shard_experts(msd, meshes, optim=False), _shard_experts(osd, meshes, optim=True)
+        if rank == 0:
+            # DCP keeps one copy of a value every rank has, from whichever rank it picks: rank 0's, sent below
+            extra_bytes = _pickled(dict(extra or {}))
+            r.mkdir(parents=True, exist_ok=True)
+            if partial.exists():  # left by a crash while this step was being saved
+                shutil.rmtree(partial)
+            partial.mkdir()
+        failed = None
+    except Exception as exc:  # noqa: BLE001 - agreed below: every rank raises it
+        failed = exc
+    extra_bytes = _settle(group, rank, what, failed, extra_bytes)[0]
     state: dict[str, Any] = {
         "model": msd,
-        "pipeloom": {"step": step, "extra": _pickled(shared[0])},
+        "pipeloom": {"step": step, "extra": extra_bytes},
         f"rng_rank{rank}": _pickled(_rng_state()),
     }
     if osd is not None:
         state["optim"] = osd
-    partial, final = _partial_dir(r, step), _final_dir(r, step)
-    if rank == 0:
-        r.mkdir(parents=True, exist_ok=True)
-        if partial.exists():  # left by a crash while this step was being saved
-            shutil.rmtree(partial)
-        partial.mkdir()
-    dist.barrier(group=group)
     meta = {"world_size": dist.get_world_size(), "optimizer": osd is not None, "stage_prefix": stage_prefix}
     if not async_save:
-        dcp.save(state, checkpoint_id=str(partial), process_group=group)
+        _dcp(lambda: dcp.save(state, checkpoint_id=str(partial), process_group=group), group, rank, what)
+        failed = None
         if rank == 0:
-            _finalize(partial, final, step, meta, keep_last)
-        dist.barrier(group=group)
+            try:
+                _finalize(partial, final, step, meta, keep_last)
+            except Exception as exc:  # noqa: BLE001 - agreed below (the others waited in a barrier for it)
+                failed = exc
+        _settle(group, rank, what, failed)
         return PendingCheckpoint(final, step, None)
     res = dcp.async_save(state, checkpoint_id=str(partial), process_group=group)
     upload: Future[Any] = getattr(res, "upload_completion", res)  # AsyncSaveResponse (torch >= 2.9) or a Future
@@ -600,32 +656,36 @@ def load_checkpoint(
     p = Path(path).resolve()
     # Which checkpoint: every rank looks, rank 0's answer counts, and a rank that sees another
     # (a directory not shared, a different path) stops every rank rather than loading something else.
+    what = f"load_checkpoint({str(p)!r})"
     seen: str | None = None
-    error = None
-    if _PARTIAL.match(p.name):
-        error = f"{p} is a partial checkpoint: a save that did not complete (cut by a crash, or still being written)"
-    elif _NAME.match(p.name) or (p / ".metadata").exists():
-        if is_complete(p):
-            seen = str(p)
+    failed: Exception | None = None
+    try:
+        if _PARTIAL.match(p.name):
+            raise FileNotFoundError(f"{p} is a partial checkpoint: a save that did not complete (cut by a crash, or still being written)")
+        elif _NAME.match(p.name) or (p / ".metadata").exists():
+            if is_complete(p):
+                seen = str(p)
+            else:
+                raise FileNotFoundError(f"{p} is not a complete checkpoint (no {MARKER} marker or no DCP metadata)")
         else:
-            error = f"{p} is not a complete checkpoint (no {MARKER} marker or no DCP metadata)"
-    else:
-        found = latest_checkpoint(p)
-        seen = None if found is None else str(found)
-    everyone = _agree(group, (seen, error))
-    _raise_any([e for _, e in everyone], FileNotFoundError)
-    chosen = everyone[0][0]
-    differ = [r for r, (theirs, _) in enumerate(everyone) if theirs != chosen]
+            found = latest_checkpoint(p)
+            seen = None if found is None else str(found)
+    except Exception as exc:  # noqa: BLE001 - agreed below: every rank raises it
+        failed = exc
+    everyone = _settle(group, rank, what, failed, seen)
+    chosen = everyone[0]
+    differ = [r for r, theirs in enumerate(everyone) if theirs != chosen]
     if differ:
         raise PipelineConfigError(
             f"rank {rank}: rank 0 would load {chosen or 'nothing'} but ranks {differ} see "
-            f"{[everyone[r][0] or 'nothing' for r in differ]}: every rank must pass the same directory, "
+            f"{[everyone[r] or 'nothing' for r in differ]}: every rank must pass the same directory, "
             "one they all see (a shared file system across nodes)"
         )
     if chosen is None:
         return None
     ckpt = Path(chosen)
-    error = None
+    what = f"load_checkpoint({chosen!r})"
+    failed = None
     meshes: dict[str, Any] = {}
     stateless: list[tuple[str, torch.Tensor]] = []
     fresh_state: dict[str, Any] = {}
@@ -664,14 +724,15 @@ def load_checkpoint(
                 f"rank {rank}: {ckpt} holds no {shown} ({len(missing)} of this rank's tensors); "
                 "was it saved from the same model (and the same stage_prefix)?"
             )
-    except PipelineConfigError as exc:
-        error = str(exc)
-    everyone = _agree(group, (error, None if error else sorted(msd)))
-    _raise_any([e for e, _ in everyone])
+        with open(ckpt / MARKER) as f:
+            same_world = json.load(f).get("world_size") == dist.get_world_size()
+    except Exception as exc:  # noqa: BLE001 - agreed below: every rank raises it
+        failed = exc
+    everyone = _settle(group, rank, what, failed, None if failed else sorted(msd))
     # Every tensor of the checkpoint's model must go somewhere, as load_state_dict(strict=True) wants: a
     # checkpoint of more stages (stage_prefix keys stage{S}.*) or of a larger model loaded its first part
     # into this pipeline without a word, which then trained another model.
-    loaded = {k for _, keys in everyone for k in keys}
+    loaded = {k for keys in everyone for k in keys}
     unloaded = sorted(k[len("model."):] for k in saved_keys if k.startswith("model.") and k[len("model."):] not in loaded)
     if unloaded:
         shown = ", ".join(unloaded[:6]) + ("..." if len(unloaded) > 6 else "")
@@ -683,27 +744,29 @@ def load_checkpoint(
     if osd is not None:
         state["optim"] = osd
     rng_key = f"rng_rank{rank}"
-    with open(ckpt / MARKER) as f:
-        same_world = json.load(f).get("world_size") == dist.get_world_size()
     want_rng = restore_rng and same_world and rng_key in saved_keys
     if want_rng:
         state[rng_key] = b""
-    dcp.load(state, checkpoint_id=str(ckpt), process_group=group)
-    # (expert shards: back to this rank's rows, which DCP filled in place)
-    if osd is not None:
-        set_state_dict(view.module, optims if len(optims) > 1 else optims[0],
-                       model_state_dict=_local(state["model"], meshes, optim=False),
-                       optim_state_dict={**fresh_state, **_local(state["optim"], meshes, optim=True)}, options=_options())
-        for _, param in stateless:
-            for o in optims:
-                o.state.pop(param, None)
-    else:
-        set_model_state_dict(view.module, _local(state["model"], meshes, optim=False), options=_options())
-    with torch.no_grad():
-        for kept, others in view.dup_buffers:
-            for b in others:
-                b.copy_(kept)
-    if want_rng:
-        _restore_rng(_unpickled(state[rng_key]))
-    dist.barrier(group=group)
+    _dcp(lambda: dcp.load(state, checkpoint_id=str(ckpt), process_group=group), group, rank, what)
+    failed = None
+    try:
+        # (expert shards: back to this rank's rows, which DCP filled in place)
+        if osd is not None:
+            set_state_dict(view.module, optims if len(optims) > 1 else optims[0],
+                           model_state_dict=_local(state["model"], meshes, optim=False),
+                           optim_state_dict={**fresh_state, **_local(state["optim"], meshes, optim=True)}, options=_options())
+            for _, param in stateless:
+                for o in optims:
+                    o.state.pop(param, None)
+        else:
+            set_model_state_dict(view.module, _local(state["model"], meshes, optim=False), options=_options())
+        with torch.no_grad():
+            for kept, others in view.dup_buffers:
+                for b in others:
+                    b.copy_(kept)
+        if want_rng:
+            _restore_rng(_unpickled(state[rng_key]))
+    except Exception as exc:  # noqa: BLE001 - agreed below (the others waited in a barrier for it)
+        failed = exc
+    _settle(group, rank, what, failed)
     return CheckpointInfo(ckpt, int(state["pipeloom"]["step"]), _unpickled(state["pipeloom"]["extra"]), want_rng)

@@ -15,6 +15,7 @@ __all__ = [
     "StageError",
     "RemoteRankError",
     "PeerLostError",
+    "CheckpointError",
 ]
 
 
@@ -86,3 +87,12 @@ class PeerLostError(PipelineError):
     def __init__(self, message: str, *, rank: int, peer: int) -> None:
         self.rank, self.peer = rank, peer
         super().__init__(f"rank {rank}: lost rank {peer}: {message}")
+
+
+class CheckpointError(PipelineError):
+    """A checkpoint call failed on some rank (its own error is carried in the message); every rank raises it,
+    so none is left waiting in the call's next collective.  ``failed_ranks``: the ranks that failed."""
+
+    def __init__(self, message: str, *, rank: int, failed_ranks: list[int]) -> None:
+        self.rank, self.failed_ranks = rank, list(failed_ranks)
+        super().__init__(message)

@@ -6,6 +6,9 @@
   gradients after every step (accumulated without ``zero_grad`` too), the clip norm and AdamW's parameters
   equal the unsplit model's (float64; float32's tolerance with mixed precision); a parameter no replica used
   keeps ``grad`` None.
+- ``save_checkpoint`` / ``load_checkpoint`` where one rank fails alone (its state cannot be gathered, rank 0's
+  ``extra`` cannot be pickled, rank 0 cannot create the directory or write the marker, a rank's DCP write or
+  read fails): every rank raises within seconds, naming the rank that failed, and the job goes on.
 - expert parallelism: a backward the user runs outside the Pipeline (a regulariser over the stage modules,
   between steps or after ``close()``) adds the plain gradient to expert parameters, not one scaled by 1/ep.
 
@@ -20,6 +23,13 @@ Bugs these rows found (regression tests now):
   construction, removed at ``close``) scaled a backward the user ran over the stage modules between steps too:
   a regulariser's gradient on expert parameters came out divided by ep, silently.  They now scale only while
   a step of the Pipeline runs.
+- ``save_checkpoint`` / ``load_checkpoint`` where one rank raised alone before a collective of the call (rank
+  0 could not create the directory, pickle ``extra`` or write the marker; a rank could not gather its state
+  or read the metadata): its peers waited in the call's next collective until the process group's timeout
+  (30 minutes on gloo).  Each rank-local part of the call is now agreed: every rank raises a
+  ``CheckpointError`` naming the rank that failed, at once, and the job can go on.  A DCP write or read that
+  failed on one rank reached every rank as DCP's ``CheckpointException``, a ``BaseException`` that a training
+  loop's ``except Exception`` missed: now a ``CheckpointError`` naming the rank too.
 """
 
 from __future__ import annotations
@@ -61,6 +71,13 @@ CASES_ALL = [
     _fsdp("fsdp-fsdp-stage", reduce="fsdp"),
     _fsdp("fsdp-fsdp-blocks-ZBV", reduce="fsdp", wrap="blocks", schedule="ZBVZeroBubble", n=4),
     _fsdp("fsdp-mp-blocks", mp=True, wrap="blocks"),
+    _ck("save-state", "state_dict", 1),
+    _ck("save-extra", "unpicklable_extra", 0),
+    _ck("save-mkdir", "mkdir", 0),
+    _ck("save-marker", "finalize", 0),
+    _ck("save-write", "write", 1),
+    _ck("load-metadata", "read_metadata", 1, load=True),
+    _ck("load-data", "read_data", 1, load=True),
     dict(id="ep-outside-backward", kind="ep"),
 ]
 _ONLY = os.environ.get("RADV_ONLY", "").split(",")
@@ -78,3 +95,15 @@ def test_gradients_match_the_unsplit_model(results: dict[str, list[dict[str, Any
     for r, res in enumerate(results[case_id]):
         assert not res["errors"], f"rank {r}: {res['errors'][0]}"
         assert not res["diffs"], f"rank {r}: differs from the unsplit model: {json.dumps(dict(list(res['diffs'].items())[:12]), indent=1)}"
+
+
+@pytest.mark.parametrize("case_id", [c["id"] for c in CASES if c["kind"] == "ckpt"])
+def test_a_checkpoint_one_rank_fails_stops_every_rank_naming_it(results: dict[str, list[dict[str, Any]]], case_id: str) -> None:
+    cfg = next(c for c in CASES if c["id"] == case_id)
+    for r, res in enumerate(results[case_id]):
+        assert res["errors"], f"rank {r}: no error (rank {cfg['who']} failed)"
+        first = res["errors"][0].splitlines()[0]
+        assert first.startswith("CheckpointError: "), f"rank {r}: {first}"
+        assert f"failed on rank {cfg['who']}" in first, f"rank {r}: the failing rank is not named: {first}"
+        assert res["took"] < 20, f"rank {r}: took {res['took']:.1f} s to raise"
+

@@ -185,7 +185,7 @@ def run_ckpt(cfg: dict[str, Any], ckroot: str) -> dict[str, Any]:
     rank = dist.get_rank()
     fault, who = cfg["fault"], cfg.get("who", 1)
     root = os.path.join(ckroot, cfg["id"])
-    pipe = pipeloom.Pipeline(lambda s: nn.Linear(D, D, dtype=F64), schedule="1F1B", num_microbatches=2,
+    pipe = pipeloom.Pipeline(lambda s: nn.Linear(D, D, dtype=F64), schedule="1F1B", num_microbatches=4,
                              loss_fn=nn.functional.mse_loss, options=opts())
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     x, y = rnd(4, D, seed=1), rnd(4, D, seed=2)
