@@ -97,6 +97,26 @@ from ..transport.tensor import WorkWaiter
 from .errors import PeerLostError, PipelineConfigError
 from .trace import clock_ns
 
+
+_SIDE: dict[Any, Any] = {}
+
+
+def _host_counts(t: torch.Tensor) -> list[float]:
+    """``t.tolist()`` of a finished collective's output, without waiting for the compute queued on the device.
+
+    On CUDA a plain ``tolist()`` copies on the current stream, which waits for every kernel the host has
+    queued ahead (a whole step's backwards, on a rank whose host runs ahead): a sync of the pipeline at each
+    reduction.  The collective has completed (its Work said so), so the copy runs on a stream of its own
+    and waits for nothing else.  ``t`` must not be written by work queued after the collective.
+    """
+    if not t.is_cuda:
+        return t.tolist()
+    s = _SIDE.get(t.device)
+    if s is None:
+        s = _SIDE[t.device] = torch.cuda.Stream(device=t.device)
+    with torch.cuda.stream(s):
+        return t.to("cpu").tolist()
+
 __all__ = [
     "COLLECTIVE_TYPES",
     "StageCollectives",
@@ -784,9 +804,10 @@ class StageCollectives:
 
         def landed() -> None:
             del inp_keep[:]
+            # (read on the host only where this rank lacked a gradient; before the division, which is queued
+            # on the compute stream: see _host_counts)
+            anywhere = _host_counts(out[total:]) if local_none else [1.0] * len(layout)
             out.div_(ws)
-            # (read on the host only where this rank lacked a gradient: a sync on GPUs)
-            anywhere = out[total:].tolist() if local_none else [1.0] * len(layout)
             for (name, sp, full, rows, rest, chunk_rows, cn, off), used in zip(layout, anywhere):
                 local_rows = max(0, min(chunk_rows, rows - idx * chunk_rows))
                 local = out[off : off + cn].view(chunk_rows, *rest)[:local_rows]
@@ -827,7 +848,7 @@ class StageCollectives:
 
         def landed() -> None:
             if not all(had for _, had, _ in filled):  # (else every count is at least 1; read on the host only here)
-                for (param, _, before), count in zip(filled, held.tolist()):
+                for (param, _, before), count in zip(filled, _host_counts(held)):
                     if count == 0 and not before:
                         param.sharded_param.grad = None  # no replica had a gradient: None, as in a full backward
 
@@ -851,9 +872,10 @@ class StageCollectives:
         size = self.size if divisor is None else divisor
 
         def landed() -> None:
-            flat.div_(size)
             local_none = any(p.grad is None for p in bucket.params)
-            anywhere = flat[bucket.numel :].tolist() if local_none else [1.0] * len(bucket.params)
+            # (the replicas' counts, read before the division is queued: see _host_counts)
+            anywhere = _host_counts(flat[bucket.numel :]) if local_none else [1.0] * len(bucket.params)
+            flat.div_(size)
             offset = 0
             for p, used in zip(bucket.params, anywhere):
                 n = p.numel()
