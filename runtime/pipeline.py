@@ -613,6 +613,8 @@ class Pipeline:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._bound_loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        #: (step, error) of this Pipeline's first failed step: it runs no step after it (see ``_arun``)
+        self._failed: tuple[int, BaseException] | None = None
         #: the last step's losses on this rank, by microbatch (empty off the last stage)
         self._last_losses: dict[int, torch.Tensor] = {}
         # A script that dies with an exception never calls close(); tearing
@@ -1149,6 +1151,19 @@ class Pipeline:
                     return_outputs: bool = True) -> Any:
         if self._closed:
             raise RuntimeError("this Pipeline is closed")
+        if self._failed is not None:
+            # A failed step is the Pipeline's last, on every rank: it left gradients accumulated for some
+            # microbatches and not others, transfers and data-parallel collectives cut mid-step on some ranks
+            # (one replica's all-reduce issued, its peer's not: the next step's would pair with it), and its
+            # peers hold the abort.  A step after it waited forever for a peer that raised at once (the
+            # failing rank, while its peers re-raised the old error), or ran on torn state: refused at once.
+            step, exc = self._failed
+            raise PipelineError(
+                f"rank {self.rank}: this Pipeline's step {step} failed ({type(exc).__name__}: {exc}); a Pipeline "
+                "runs no step after a failed one (that step left gradients partly accumulated and transfers and "
+                "collectives cut mid-step): close it, and to go on restart the job from a checkpoint "
+                "(pipeloom launch --max-restarts N starts the ranks again)"
+            ) from exc
         loop = asyncio.get_running_loop()
         if self._bound_loop is not loop:
             # Sockets and events belong to one loop; re-attach if the caller switched loops.
@@ -1190,6 +1205,7 @@ class Pipeline:
             precut = any(isinstance(v, Microbatches) for v in (*args, *kwargs.values()))
             return _merge([results[m] for m in range(self.num_microbatches)], precut=precut)
         except (RemoteRankError, PeerLostError) as exc:
+            self._failed = (step, exc)
             if isinstance(exc, PeerLostError):
                 # Ranks that never talk to the lost peer (another replica, another stage)
                 # hear the root cause now instead of finding this rank silent later.
@@ -1200,6 +1216,7 @@ class Pipeline:
         except BaseException as exc:
             # Whatever failed here (an action, input splitting, merging), the
             # other ranks must hear of it now rather than wait for data.
+            self._failed = (step, exc)
             self._actor.broadcast_abort(exc, None, step)
             _report_root_cause(exc, remote=False)
             self._abort_nccl()

@@ -11,6 +11,7 @@
   read fails): every rank raises within seconds, naming the rank that failed, and the job goes on.
 - expert parallelism: a backward the user runs outside the Pipeline (a regulariser over the stage modules,
   between steps or after ``close()``) adds the plain gradient to expert parameters, not one scaled by 1/ep.
+- ``pipeloom launch`` (2 ranks), a script that catches a failed step's ``StageError`` and steps again.
 
 Bugs these rows found (regression tests now):
 - FSDP2's own reduce-scatter (``fsdp_reduce="fsdp"``, and every mixed-precision or offload policy) with a
@@ -30,6 +31,12 @@ Bugs these rows found (regression tests now):
   ``CheckpointError`` naming the rank that failed, at once, and the job can go on.  A DCP write or read that
   failed on one rank reached every rank as DCP's ``CheckpointException``, a ``BaseException`` that a training
   loop's ``except Exception`` missed: now a ``CheckpointError`` naming the rank too.
+- a script that caught a failed step's error and stepped again (under ``pipeloom launch``): the failing
+  rank's next step waited for its peer, which had re-raised its stored error at once, until that peer closed
+  (``PeerLostError``) or forever; the launcher's summary then blamed whichever rank was still exiting when
+  the grace ran out, or, had every rank exited within it, the job exited 0.  A failed step is now the
+  Pipeline's last on every rank: the next ``step``/``eval`` raises a ``PipelineError`` naming it, at once; the
+  launcher names the rank that reported the failure as the root cause (exit 1) also where it exited 0.
 """
 
 from __future__ import annotations
@@ -38,13 +45,14 @@ import asyncio
 import json
 import os
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "ranks"))
-from harness import run_job  # noqa: E402
+from harness import launch_script, run_job  # noqa: E402
 
 WORKER = Path(__file__).parent / "ranks" / "replica_adv_worker.py"
 
@@ -107,3 +115,51 @@ def test_a_checkpoint_one_rank_fails_stops_every_rank_naming_it(results: dict[st
         assert f"failed on rank {cfg['who']}" in first, f"rank {r}: the failing rank is not named: {first}"
         assert res["took"] < 20, f"rank {r}: took {res['took']:.1f} s to raise"
 
+
+CAUGHT = textwrap.dedent("""\
+    import os, sys, time, torch, pipeloom
+    from torch import nn
+    rank = int(os.environ["RANK"])
+    class M(nn.Module):
+        def __init__(self, s):
+            super().__init__(); self.s = s; self.lin = nn.Linear(4, 4); self.boom = False
+        def forward(self, x):
+            if self.boom and self.s == 1 and x.shape[0] == 3:
+                raise ValueError("shape error in user code")
+            return self.lin(x)
+    torch.manual_seed(0)
+    pipe = pipeloom.Pipeline(lambda s: M(s), schedule="1F1B", num_microbatches=2, loss_fn=nn.functional.mse_loss)
+    x, y = torch.randn(5, 4), torch.randn(5, 4)
+    pipe.step(x, target=y)
+    for m in pipe.stages.values():
+        m.boom = True
+    for attempt in (1, 2):  # the user catches the failed step and runs the next one
+        t0 = time.perf_counter()
+        try:
+            pipe.step(x, target=y)
+            print(f"RESULT {rank} {attempt} ran", flush=True)
+        except pipeloom.PipelineError as exc:
+            print(f"RESULT {rank} {attempt} {time.perf_counter() - t0:.2f} {type(exc).__name__}: {exc}".splitlines()[0], flush=True)
+        for m in pipe.stages.values():
+            m.boom = False
+    pipe.close()
+""")
+
+
+def test_a_step_after_a_caught_failure_is_refused_at_once_and_the_launcher_names_the_cause(tmp_path: Path) -> None:
+    """A failed step is the Pipeline's last: a script that catches its error and steps again gets, on every rank
+    and at once, a PipelineError that names the failed step (the failing rank's next step waited for a peer
+    that had re-raised its old error at once, until that peer closed: PeerLostError, or forever while it did
+    other things); under ``pipeloom launch`` the job ends naming the failing rank as the root cause and exits 1
+    also where the script caught the error and exited 0 (with every rank out within --grace it exited 0)."""
+    proc = launch_script(tmp_path, CAUGHT, launch_args=("--grace", "20"), timeout=120)
+    results = {tuple(line.split()[2:4]): line for line in proc.stdout.splitlines() if line.split()[1:2] == ["RESULT"]}
+    for r in (0, 1):
+        first, second = results.get((str(r), "1"), ""), results.get((str(r), "2"), "")
+        assert ("StageError" if r == 1 else "RemoteRankError") in first, (first, proc.stderr[-3000:])
+        assert "PipelineError: " in second and "runs no step after a failed one" in second, (second, proc.stderr[-3000:])
+        assert "step 1 failed" in second and "shape error in user code" in second, second
+        assert float(second.split()[4]) < 1.0, second
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "job failed: rank 1 failed (its script caught the error and exited 0" in proc.stderr, proc.stderr[-3000:]
+    assert "root cause: rank 1, stage 1, microbatch 0, action 1F0" in proc.stderr, proc.stderr[-3000:]

@@ -116,7 +116,9 @@ report is not ``remote``, so a rank that reacts to an abort faster than the
 failing rank can exit is not blamed; if every report is ``remote`` and names
 a rank of this node (one that stalled or was stopped, which the launcher then
 terminated), that rank, with the report that blames it; without reports,
-simply the first rank to exit unsuccessfully.  Every other rank that ended
+simply the first rank to exit unsuccessfully.  A rank that reported its own failure and exited 0 (its script
+caught the failed step's error) is the root cause all the same, and the job exits 1: the report ended it.
+Every other rank that ended
 unsuccessfully (including those the launcher had to terminate) is listed once
 as a consequence.
 
@@ -1064,6 +1066,13 @@ class _Job:
     def _report(self) -> int:
         failures = [r for r in self.exit_order if r.returncode != 0]
         failures += [r for r in self.ranks if r.returncode is None and r.pid is not None]  # gave up on these
+        if self.interrupt is None:
+            # A rank that reported its own failure and then exited 0: its script caught the step's error and
+            # went on.  The failure ended the job all the same (the grace counts from the report), so it is the
+            # root cause, not whichever peer was still exiting when the grace ran out (or, had every rank
+            # exited in time, nobody: exit 0 for a failed step, by timing).
+            caught = [r for r in self.exit_order if r.returncode == 0 and r.root_cause is not None and not r.root_cause.remote]
+            failures = caught + failures
         code = EXIT_OK
         own = [r for r in failures if not (r.signalled and self.interrupt is not None)]
         cfg = self.config
@@ -1087,6 +1096,9 @@ class _Job:
             if root.signalled and cause is not None and not cause.remote:
                 # It reported its failure but had not exited when the grace (counted from the report) ran out.
                 outcome = f"rank {root.rank} failed (still exiting after --grace: {root.outcome()[len(f'rank {root.rank} '):]} by the launcher)"
+            elif root.returncode == 0:
+                outcome = (f"rank {root.rank} failed (its script caught the error and exited 0; a failed step ends the "
+                           "job: the ranks get --grace seconds from the report)")
             else:
                 outcome = root.outcome() + (" (stopped by the launcher)" if root.signalled else "")
             lines = [f"{what}: {outcome}"]
