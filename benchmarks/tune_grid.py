@@ -767,6 +767,12 @@ def format_grid(doc: dict[str, Any]) -> str:
                  f"({','.join(map(str, _blocks(tuple(best['split']))))}): {best['measured_ns'] / 1e6:.2f} ms; "
                  f"pick is {pick['measured_ns'] / best['measured_ns'] - 1:+.1%} from the best (goal: within 3%)"
                  + (f"; 95% interval of that difference over the steps measured: {ci[0]:+.1%}..{ci[1]:+.1%}" if ci else ""))
+    # the workflow pipeloom.measure_candidates serves: the model prunes to its top 3, a measurement decides
+    top = rows[:3]
+    conf = min(top, key=lambda r: r["measured_ns"])
+    lines.append(f"the tuner's top {len(top)} measured (pipeloom.measure_candidates): fastest {conf['schedule']} "
+                 f"m={conf['microbatches']} ({','.join(map(str, _blocks(tuple(conf['split']))))}), "
+                 f"{conf['measured_ns'] / best['measured_ns'] - 1:+.1%} from the best (from the grid's own measurements)")
     duel = doc.get("head_to_head")
     if duel:
         a, b = rows[duel["pick"]], rows[duel["other"]]

@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 _RUNTIME_NAMES = (
     "CheckpointError",
     "CheckpointInfo",
+    "MeasuredCandidate",
     "Microbatches",
     "PeerLostError",
     "Pipeline",
@@ -28,8 +29,10 @@ _RUNTIME_NAMES = (
     "RuntimeOptions",
     "StageContext",
     "StageError",
+    "TuneCandidate",
     "latest_checkpoint",
     "load_checkpoint",
+    "measure_candidates",
     "save_checkpoint",
     "split_by_fqn",
     "split_by_tracing",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .actor import ActorStatistics, RankActor
+from .autotune import MeasuredCandidate, TuneCandidate, measure_candidates
 from .checkpoint import CheckpointInfo, PendingCheckpoint, latest_checkpoint, load_checkpoint, save_checkpoint, wait_checkpoints
 from .errors import CheckpointError, PeerLostError, PipelineConfigError, PipelineError, RemoteRankError, StageError
 from .checks import Replicate
@@ -18,6 +19,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "PendingCheckpoint",
+    "MeasuredCandidate",
     "Microbatches",
     "PeerLostError",
     "Pipeline",
@@ -29,8 +31,10 @@ __all__ = [
     "RuntimeOptions",
     "StageContext",
     "StageError",
+    "TuneCandidate",
     "latest_checkpoint",
     "load_checkpoint",
+    "measure_candidates",
     "save_checkpoint",
     "split_microbatches",
     "split_by_fqn",

@@ -269,10 +269,28 @@ def _dead_peers(procs: Sequence[tuple[str, int]], me: int) -> list[int]:
     return dead
 
 
+_HANDLED = [0]
+"""Depth of :func:`handled_failures` blocks on this process."""
+
+
+@contextlib.contextmanager
+def handled_failures() -> Iterator[None]:
+    """Inside: a Pipeline's construction or step errors are the caller's to handle (``measure_candidates``
+    skips a candidate that fails on every rank), so they are not reported to ``pipeloom launch`` as the job's
+    root cause (which starts its teardown).  A lost peer (:class:`PeerLostError`) is reported all the same."""
+    _HANDLED[0] += 1
+    try:
+        yield
+    finally:
+        _HANDLED[0] -= 1
+
+
 def _report_root_cause(exc: BaseException, *, remote: bool, traceback_text: str | None = None, error: str | None = None,
                        phase: str | None = None) -> None:
     """Under ``pipeloom launch``, write one root-cause line for the launcher's summary."""
     if os.environ.get("PIPELOOM_LAUNCHER") != "1" or getattr(exc, "_pipeloom_reported", False):
+        return
+    if _HANDLED[0] and not isinstance(exc, PeerLostError):
         return
     try:
         exc._pipeloom_reported = True  # type: ignore[attr-defined]
