@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import textwrap
 
@@ -17,7 +18,7 @@ JOB = textwrap.dedent("""\
     from torch import nn
     from pipeloom import TuneCandidate, PipelineConfigError
 
-    dist.init_process_group("gloo")
+    dist.init_process_group(os.environ.get("PIPELOOM_TEST_BACKEND", "gloo"))
     rank = dist.get_rank()
     out = sys.argv[1]
 
@@ -62,7 +63,9 @@ JOB = textwrap.dedent("""\
 
 
 def test_measure_candidates_orders_by_measured_step_and_agrees_on_every_rank(tmp_path):
-    proc = launch_script(tmp_path, JOB, str(tmp_path), nproc=2, timeout=240)
+    # (PIPELOOM_TEST_BACKEND=nccl: the same job on 2 GPUs)
+    proc = launch_script(tmp_path, JOB, str(tmp_path), nproc=2, timeout=240,
+                         env={"PIPELOOM_TEST_BACKEND": os.environ.get("PIPELOOM_TEST_BACKEND", "gloo")})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["got"] == ranks[1]["got"], "every rank must return the same measurements"
