@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 import pipeloom
 from pipeloom.runtime.autotune import TuneCandidate
-from tests.ranks.harness import launch_script
+sys.path.insert(0, str(Path(__file__).parent / "ranks"))
+from harness import launch_script  # noqa: E402
 
 JOB = textwrap.dedent("""\
     import json, os, sys, time, torch, torch.distributed as dist, pipeloom
