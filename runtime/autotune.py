@@ -199,7 +199,10 @@ def measure_candidates(
             err = None
             try:
                 for k in range(warmup + steps):
-                    dist.barrier()
+                    if backend == "nccl" and device is not None and device.type == "cuda":
+                        dist.barrier(device_ids=[device.index])
+                    else:
+                        dist.barrier()
                     _sync(device)
                     t0 = clock()
                     with handled_failures():

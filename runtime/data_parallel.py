@@ -114,8 +114,13 @@ def _host_counts(t: torch.Tensor) -> list[float]:
     s = _SIDE.get(t.device)
     if s is None:
         s = _SIDE[t.device] = torch.cuda.Stream(device=t.device)
+    # (into pinned memory: a copy into pageable memory waited for the device's other streams too, measured on
+    # an H200 behind 1.5 s of queued work; this one waits only for its own stream)
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     with torch.cuda.stream(s):
-        return t.to("cpu").tolist()
+        host.copy_(t, non_blocking=True)
+    s.synchronize()
+    return host.tolist()
 
 __all__ = [
     "COLLECTIVE_TYPES",

@@ -21,7 +21,10 @@ JOB = textwrap.dedent("""\
     from torch import nn
     from pipeloom import TuneCandidate, PipelineConfigError
 
-    dist.init_process_group(os.environ.get("PIPELOOM_TEST_BACKEND", "gloo"))
+    backend = os.environ.get("PIPELOOM_TEST_BACKEND", "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend)
     rank = dist.get_rank()
     out = sys.argv[1]
 
