@@ -3,9 +3,10 @@
 Starting Python and importing torch costs about 2.5 s of CPU per process on the CI machine (2 cores), and the
 suite starts hundreds of rank processes: most of its CPU time went there.  The harness
 (:func:`harness.spawn_ranks`) asks this server for a rank instead: the server, which imported torch,
-``torch.distributed`` and the runtime once, forks; the child takes the rank's argv, environment, working
-directory and stdin/stdout/stderr (passed over the Unix socket), starts a session of its own (so that a
-test's ``os.killpg`` reaches it and nothing else) and runs the rank script as ``__main__``.  Each rank is
+``torch.distributed``, the runtime and what ranks import lazily (:data:`PRELOAD`) once, forks; the child takes
+the rank's argv, environment, working directory and stdin/stdout/stderr (passed over the Unix socket), starts a
+session of its own (so that a test's ``os.killpg`` reaches it and nothing else) and runs the rank script as
+``__main__``.  Each rank is
 still a real process of its own, with its own process group, sockets and gloo pairs: only the imports
 are shared (copy-on-write), and nothing is initialised before the fork (no thread, no event loop, no
 process group, no CUDA: the harness uses the server on gloo only).
@@ -90,12 +91,31 @@ def _child(req: dict, fds: list[int], listener: socket.socket, conns: list[socke
             os._exit(code & 0xFF if code >= 0 else 1)
 
 
+#: Imported after torch, where installed: what rank processes import lazily, seconds of CPU each on the CI
+#: machine.  ``torch._dynamo`` (with DTensor and FSDP, which it pulls in) comes with any ``torch.optim.Adam(W)``,
+#: ``torch.compile``, FSDP or a DCP checkpoint; ``transformers.modeling_utils`` with the Hugging Face workers.
+#: Importing defines classes and functions only: no thread, no process group, no device context.
+PRELOAD = (
+    "uvloop", "zmq", "torch.optim", "torch._dynamo", "torch._functorch.aot_autograd", "torch._dynamo.backends.debugging",
+    "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch.distributed.pipelining",
+    "transformers", "transformers.modeling_utils",
+)
+
+
 def serve(path: str) -> None:
+    import importlib
+
     import torch  # noqa: F401  (the point: imported once, before any fork)
     import torch.distributed  # noqa: F401
     import torch.nn  # noqa: F401
 
     import pipeloom.runtime  # noqa: F401
+
+    for name in PRELOAD if os.environ.get("PIPELOOM_TEST_PRELOAD", "1") != "0" else ():  # (=0: the bare imports)
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - an optimisation only (transformers: the `hf` extra is optional)
+            pass
 
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
