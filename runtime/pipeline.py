@@ -215,12 +215,20 @@ def _merge(outputs: list[Any], *, precut: bool) -> Any:
     """Join the last stage's per-microbatch outputs as torch does (cat on dim 0).
 
     Microbatches passed pre-cut (``Microbatches``) may have different shapes,
-    so their outputs come back as ``Microbatches`` too.
+    so their outputs come back as ``Microbatches`` too, and so do outputs whose
+    shapes beyond dim 0 differ between microbatches (``torch.cat`` cannot join them).
     """
     if precut:
         return Microbatches(outputs)
     if all(isinstance(o, torch.Tensor) for o in outputs):
-        return torch.cat(outputs, dim=0) if outputs and outputs[0].dim() > 0 else torch.stack(outputs)
+        if outputs and all(o.dim() == 0 for o in outputs):
+            return torch.stack(outputs)
+        if outputs and any(o.dim() == 0 or o.shape[1:] != outputs[0].shape[1:] for o in outputs):
+            # shapes beyond dim 0 that differ between microbatches (a data-dependent slice): torch.cat cannot
+            # join them (its error, raised on the last stage's rank after the step, failed the step there while
+            # its peers had ended it); they come back per microbatch, as for pre-cut inputs
+            return Microbatches(outputs)
+        return torch.cat(outputs, dim=0)
     if all(isinstance(o, (tuple, list)) for o in outputs):
         return type(outputs[0])(_merge(list(parts), precut=False) for parts in zip(*outputs))
     return outputs
