@@ -76,6 +76,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import enum
 import functools
 import hashlib
 import logging
@@ -266,8 +267,13 @@ def _expire(f: asyncio.Future[bool]) -> None:
 _AUTO_RULES: dict[tuple[Any, ...], str] = {}
 
 
-#: static shapes, auto: input layouts remembered per kind (their transfer tables), the oldest evicted
+#: static shapes, auto: input layouts remembered (their transfer tables; both kinds of step together), the oldest evicted
 _KNOWN_LAYOUTS = 16
+
+
+#: non-tensor values that are keyed by their value (a stable repr, like plain scalars'), not their type alone: a
+#: ``dtype=torch.float32`` keyword input, an Enum mode, a slice may decide the stages' output shapes or dtypes
+_VALUE_TYPES = (torch.dtype, torch.device, torch.layout, torch.memory_format, enum.Enum, slice, range, complex, bytes)
 
 
 def _layout(v: Any) -> Any:
@@ -275,6 +281,8 @@ def _layout(v: Any) -> Any:
         return ("T", tuple(v.shape), str(v.dtype), v.requires_grad)
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
+    if isinstance(v, _VALUE_TYPES):
+        return (type(v).__qualname__, repr(v))
     if isinstance(v, (list, tuple)):
         return tuple(_layout(x) for x in v)
     if isinstance(v, dict):

@@ -23,6 +23,10 @@ Bugs these rows found (regression tests now):
   ``slice-*``): merging them with ``torch.cat`` raised torch's "Sizes of tensors must match" on the last stage's
   rank after the step had ended everywhere, failing the step there alone (its peer went on into ``last_loss()``
   and waited 15 s for "lost rank -1"); they come back per microbatch (``Microbatches``), as for pre-cut inputs.
+- ``static_shapes`` auto (the default) keyed a non-tensor keyword input other than a plain scalar by its type alone
+  (rows ``cast-*``: ``dtype=torch.float32`` then ``torch.float64``, which the stages cast their outputs to): the
+  second step was served the first one's learned transfers and failed as if the model's shapes were
+  data-dependent ("needs static_shapes=False"); a dtype, device, Enum, slice... is keyed by its value now.
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ MANY = [step(4 + r % 5, 2 + r // 5) for r in range(20)] + [step(4, 2), step(5, 2
 
 # the batch's requires_grad toggled, alone (static_shapes=True: the transfers stay the same)
 RG = [step(8), step(8, rg=True), step(8), ev(8, rg=True), step(8, rg=True), ev(8)]
+# a keyword input that is not a tensor (a dtype the stages cast their outputs to)
+CAST = [step(8, cast="f64"), step(8, cast="f32"), step(8, cast="f64"), step(8, cast="f32")]
 
 
 def _cases() -> list[dict[str, Any]]:
@@ -124,6 +130,8 @@ def _cases() -> list[dict[str, Any]]:
     add("ident", "ZBVZeroBubble", "auto", DTYPE, ident=[1, 2])
     add("ident", "DualPipeV", "headers", DTYPE, ident=[0, 2])
     add("nontensor", "1F1B", "auto", [step(8)], model="nontensor", refuse="to cross a stage boundary")
+    add("cast", "1F1B", "auto", CAST)
+    add("cast", "ZBVZeroBubble", "auto", CAST)
     add("many", "1F1B", "auto", MANY)
     return out
 
