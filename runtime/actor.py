@@ -196,6 +196,9 @@ class StepInputs:
     #: what the ranks' calls must agree on (batch rows, keyword names: ``pipeline.call_check``), checked
     #: with the step's input layouts where those are gathered
     call_check: int = 0
+    #: a digest of this rank's stages' trainable set, parameter shapes and train/eval modes
+    #: (``pipeline._stall_budget``), part of the layout that static shapes learn transfers by
+    model_key: int = 0
 
 
 @dataclass(frozen=True)
@@ -1867,7 +1870,10 @@ class RankActor:
         with each side named (otherwise the end-of-step header catches it on one rank only,
         after the step's headerless transfers).
         """
-        sig = (input_signature(inputs) >> 1 << 1) | int(train)
+        # (the model's digest too: a stage frozen whole for some steps hands on an activation that needs no gradient
+        # from the same inputs; keyed by the inputs alone, such a step was served the learned table and failed as
+        # if its shapes were data-dependent)
+        sig = ((input_signature(inputs) ^ inputs.model_key) >> 1 << 1) | int(train)
         if self.agree is None:  # (an actor built without a Pipeline: its own inputs only)
             return (sig,)
         try:

@@ -1134,6 +1134,9 @@ class Pipeline:
         if self._fingerprint is None:
             self._fingerprint = ModelFingerprint(self.stages.values())
         fingerprint = (train, self._fingerprint.key())  # (cheap: runtime/fingerprint.py says what it can miss)
+        #: (StepInputs.model_key: static shapes learn the transfers per model state too; a frozen stage's
+        #: outputs need no gradient)
+        self._model_key = hash(fingerprint[1]) & 0x7FFFFFFFFFFFFFFF
         if fingerprint in self._seen_fingerprints:
             return self.options.stall_timeout
         if len(self._seen_fingerprints) > 64:
@@ -1207,6 +1210,7 @@ class Pipeline:
                 args, kwargs, target = replica_share(args, kwargs, target, dp=self.layout.dp, index=self.dp_rank, n=self.num_microbatches)
             inputs = split_microbatches(args, kwargs, target, self.num_microbatches, self.device)
             inputs.call_check = check
+            inputs.model_key = self._model_key
             graphs = [ex.graphs for ex in self._executors.values() if ex.graphs is not None]
             for g in graphs:
                 g.start_step()

@@ -27,6 +27,10 @@ Bugs these rows found (regression tests now):
   (rows ``cast-*``: ``dtype=torch.float32`` then ``torch.float64``, which the stages cast their outputs to): the
   second step was served the first one's learned transfers and failed as if the model's shapes were
   data-dependent ("needs static_shapes=False"); a dtype, device, Enum, slice... is keyed by its value now.
+- ``static_shapes`` auto keyed the learned transfers by the inputs alone (rows ``freeze-*``): a stage frozen whole
+  for some steps (a warm-up that trains the later stages only) hands on an activation that needs no gradient from
+  the same inputs, and that step failed the same way; the layout now holds a digest of each rank's trainable set,
+  parameter shapes and train/eval modes (the fingerprint that already decides a cold step).
 """
 
 from __future__ import annotations
@@ -85,8 +89,9 @@ MANY = [step(4 + r % 5, 2 + r // 5) for r in range(20)] + [step(4, 2), step(5, 2
 
 # the batch's requires_grad toggled, alone (static_shapes=True: the transfers stay the same)
 RG = [step(8), step(8, rg=True), step(8), ev(8, rg=True), step(8, rg=True), ev(8)]
-# a keyword input that is not a tensor (a dtype the stages cast their outputs to)
+# a keyword input that is not a tensor (a dtype the stages cast their outputs to), then stage 0 frozen for a step
 CAST = [step(8, cast="f64"), step(8, cast="f32"), step(8, cast="f64"), step(8, cast="f32")]
+FREEZE = [step(8), step(8, freeze=[0]), step(8), step(8, freeze=[0])]
 
 
 def _cases() -> list[dict[str, Any]]:
@@ -132,6 +137,9 @@ def _cases() -> list[dict[str, Any]]:
     add("nontensor", "1F1B", "auto", [step(8)], model="nontensor", refuse="to cross a stage boundary")
     add("cast", "1F1B", "auto", CAST)
     add("cast", "ZBVZeroBubble", "auto", CAST)
+    add("freeze", "1F1B", "auto", FREEZE)
+    add("freeze", "ZBVZeroBubble", "auto", FREEZE)
+    add("freeze", "ZBVZeroBubble", "static", FREEZE)
     add("many", "1F1B", "auto", MANY)
     return out
 
