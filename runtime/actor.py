@@ -768,6 +768,17 @@ class RankActor:
             self._announced.add(key)
             self._wake.set()
 
+    def error_between_steps(self) -> PipelineError | None:
+        """Outside a step (a collective of the training loop's: ``last_loss``, ``clip_grad_norm_``): read the
+        control plane now and return the failure a peer reported (its abort), if any.  A rank whose step failed
+        after this one had finished its own reports it only there; a collective waiting for that rank would
+        otherwise wait out its whole bound and name nobody."""
+        try:
+            self.control.drain()
+        except Exception:  # noqa: BLE001 - a closed control plane: the collective's own error says it
+            pass
+        return self._remote_error
+
     def _fail_remote(self, err: PipelineError) -> None:
         if self._remote_error is None:
             self._remote_error = err

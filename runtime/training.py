@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import PeerLostError, PipelineConfigError
+from .errors import PeerLostError, PipelineConfigError, PipelineError
 
 __all__ = ["clip_grad_norm_", "reduce_step_loss"]
 
@@ -64,19 +64,40 @@ def _sharded(g: Any) -> bool:
 
 
 def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: str) -> None:
-    """An all-reduce (or reduce to ``dst``) over every rank, bounded in time instead of hanging on a dead peer."""
-    work = dist.reduce(t, dst=dst, op=op, async_op=True) if dst is not None else dist.all_reduce(t, op=op, async_op=True)
+    """An all-reduce (or reduce to ``dst``) over every rank, bounded in time instead of hanging on a dead peer.
+
+    Refused at once after a failed step of this Pipeline (its gradients and losses are partial, and a peer may
+    not call it); while it waits, a failure a peer reported (its step failed after this rank's had ended) is
+    raised as that peer's error instead of waiting out the bound.
+    """
+    failed = getattr(pipe, "_failed", None)
+    if failed is not None:
+        step, exc0 = failed
+        raise PipelineError(f"rank {dist.get_rank()}: {what}: this Pipeline's step {step} failed "
+                            f"({type(exc0).__name__}: {exc0}); its gradients and losses are partial") from exc0
     actor = getattr(pipe, "_actor", None)
+    between = getattr(actor, "error_between_steps", None)
+    if between is not None and (err := between()) is not None:
+        raise err
+    work = dist.reduce(t, dst=dst, op=op, async_op=True) if dst is not None else dist.all_reduce(t, op=op, async_op=True)
     limit = float(getattr(actor, "stall_timeout", 30.0)) + float(getattr(actor, "heartbeat_timeout", 10.0))
     deadline = time.monotonic() + limit
     delay = 1e-5
+    check_at = time.monotonic() + 0.05
     try:
         while not work.is_completed():
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TimeoutError(f"not completed after {limit:g} s")
+            if between is not None and now > check_at:
+                check_at = now + 0.05
+                if (err := between()) is not None:
+                    raise err
             time.sleep(delay)
             delay = min(2 * delay, 1e-3)
         work.wait()
+    except PipelineError:
+        raise
     except Exception as exc:  # gloo raises RuntimeError on a closed connection
         rank = dist.get_rank()
         raise PeerLostError(f"{what} over all {dist.get_world_size()} ranks failed: {exc}", rank=rank, peer=-1) from exc

@@ -1,0 +1,95 @@
+"""The training loop's collectives after a step that failed on one rank only (2 real gloo ranks).
+
+In 1F1B the last stage's rank ends its step before the first stage's last backward; when that backward raises,
+only rank 0's step fails.  Rank 1, done, calls ``last_loss()`` / ``clip_grad_norm_`` (collectives) and used to
+wait out their whole bound (stall + heartbeat timeout), then name "lost rank -1"; rank 0's own call waited too,
+on partial losses.  Now rank 0 refuses at once (its step failed) and rank 1 raises rank 0's reported error as
+soon as its abort arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "ranks"))
+from harness import spawn_ranks  # noqa: E402
+
+SCRIPT = textwrap.dedent("""\
+    import json, os, sys, time, torch, pipeloom
+    from torch import nn
+    rank = int(os.environ["RANK"])
+    which = sys.argv[1]
+
+    class Boom(torch.autograd.Function):
+        calls = 0
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            Boom.calls += 1
+            if Boom.calls == 4:  # the first stage's last backward of the first step
+                raise RuntimeError("boom in stage 0's last backward")
+            return g
+
+    class Stage(nn.Module):
+        def __init__(self, s):
+            super().__init__()
+            self.lin, self.s = nn.Linear(4, 4), s
+
+        def forward(self, x):
+            y = self.lin(x)
+            return Boom.apply(y) if self.s == 0 else y
+
+    torch.manual_seed(0)
+    pipe = pipeloom.Pipeline(lambda s: Stage(s), schedule="1F1B", num_microbatches=4,
+                             loss_fn=nn.functional.mse_loss, heartbeat_timeout=10.0, stall_timeout=30.0)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    out = {"rank": rank}
+    try:
+        pipe.step(x, target=y, return_outputs=False)
+        out["step"] = "ok"
+    except pipeloom.PipelineError as exc:
+        out["step"] = type(exc).__name__
+    t0 = time.monotonic()
+    try:
+        if which == "loss":
+            pipe.last_loss()
+        else:
+            pipe.clip_grad_norm_(1.0)
+        out["call"] = "ok"
+    except pipeloom.PipelineError as exc:
+        out["call"] = type(exc).__name__
+        out["message"] = str(exc)
+    out["seconds"] = time.monotonic() - t0
+    print(json.dumps(out), flush=True)
+    if rank == 0:
+        time.sleep(4.0)  # alive (not a dead peer): rank 1 must learn of the failure from its abort
+    os._exit(0)
+""")
+
+
+@pytest.mark.parametrize("which", ["loss", "clip"])
+def test_a_collective_after_a_step_that_failed_on_one_rank_names_it_at_once(tmp_path: Path, which: str) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    codes, outs, errs = asyncio.run(spawn_ranks(2, [str(script), which], timeout=60))
+    assert codes == [0, 0], errs
+    got = {d["rank"]: d for d in (json.loads(o.strip().splitlines()[-1]) for o in outs)}
+    assert got[0]["step"] == "StageError", got
+    assert got[1]["step"] == "ok", got  # its step had ended when rank 0's last backward raised
+    # rank 0: refused at once, naming its failed step
+    assert got[0]["call"] == "PipelineError" and "step 0 failed" in got[0]["message"], got[0]
+    assert got[0]["seconds"] < 1.0, got[0]
+    # rank 1: rank 0's own error, from its abort, long before the collective's 40 s bound
+    assert got[1]["call"] == "RemoteRankError", got[1]
+    assert "rank 0" in got[1]["message"] and "boom in stage 0's last backward" in got[1]["message"], got[1]
+    assert got[1]["seconds"] < 5.0, got[1]
