@@ -322,10 +322,13 @@ async def run_job(world: int, worker: Any, cases: list[dict[str, Any]], out: Any
 
 
 
-def serve_job(run: Any) -> None:
+def serve_job(run: Any, *, empty: dict[str, Any] | None = None, hard_exit: bool = False) -> None:
     """A sweep worker's main (the other side of :func:`run_job`): read the job named on the command line, join the
     gloo group, and for each case write ``run(case, job, rank)``'s result dict (or the exception it raised, as
-    ``errors``) with its ``seconds`` to ``out/{case id}-rank{rank}.json``, the ranks in step between cases."""
+    ``errors``, with ``empty``'s other fields) with its ``seconds`` to ``out/{case id}-rank{rank}.json``, the ranks
+    in step between cases.  ``hard_exit``: end with ``os._exit(0)`` once every result is written, not by
+    destroying the group (a case that failed on purpose may leave gloo receives posted in its Pipeline's groups,
+    and finalizing them at exit would end the process from C++)."""
     import time
     import traceback
 
@@ -344,11 +347,16 @@ def serve_job(run: Any) -> None:
         try:
             result = run(cfg, job, rank)
         except Exception as exc:  # noqa: BLE001 - recorded for the test to show
-            result = {"diffs": {}, "errors": [f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"]}
+            result = {"diffs": {}, "errors": [f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"],
+                      **(empty or {})}
         result["seconds"] = time.perf_counter() - t0
         with open(os.path.join(job["out"], f"{cfg['id']}-rank{rank}.json"), "w") as f:
             json.dump(result, f)
         dist.barrier()
+    if hard_exit:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     dist.destroy_process_group()
 
 

@@ -19,7 +19,6 @@ boundary signature.  Results go to ``{out}/{case}-rank{R}.json``.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -33,7 +32,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare import TensorDiffs  # noqa: E402
-from harness import install_stack_dump  # noqa: E402
+from harness import serve_job  # noqa: E402
 
 D, V, F64 = 4, 11, torch.float64
 DTYPES = {"f32": torch.float32, "f64": torch.float64, "bf16": torch.bfloat16}
@@ -414,28 +413,8 @@ def run_case(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    install_stack_dump()
-    with open(sys.argv[1]) as f:
-        job = json.load(f)
-    rank = int(os.environ["RANK"])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    for cfg in job["cases"]:
-        print(f"rank {rank}: case {cfg['id']}", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        try:
-            result = run_case(cfg, rank)
-        except Exception as exc:  # noqa: BLE001 - recorded for the test to show
-            result = {"diffs": {}, "errors": [f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"], "ops": []}
-        result["seconds"] = time.perf_counter() - t0
-        with open(os.path.join(job["out"], f"{cfg['id']}-rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-        dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # (a step that failed on purpose may leave gloo receives posted in its Pipeline's groups: finalizing them at
-    # exit would end the process from C++; every result is written)
-    os._exit(0)
+    # (hard_exit: a step that failed on purpose may leave gloo receives posted in its Pipeline's groups)
+    serve_job(lambda cfg, job, rank: run_case(cfg, rank), empty={"ops": []}, hard_exit=True)
 
 
 if __name__ == "__main__":
