@@ -103,44 +103,32 @@ def _cases() -> list[dict[str, Any]]:
 
     # (rows of one pool of 2 ranks, about 40 s on 2 cores: every schedule and mode for rows and batch sizes, the
     # others spread over the schedules; a static_shapes=True row ends at its first change, refused)
-    for s in ALL:
-        add("rows", s, "auto", ROWS)
-    for s in ["1F1B", "ZBVZeroBubble", "DualPipeV"]:
-        add("rows", s, "headers", ROWS)
-    for s in ["1F1B", "Interleaved1F1B", "DualPipeV"]:
-        add("rows", s, "static", ROWS)
-    add("dtype", "1F1B", "auto", DTYPE)
-    add("dtype", "ZBVZeroBubble", "headers", DTYPE)
-    add("dtype", "ZBVZeroBubble", "static", DTYPE)
-    add("rg", "ZBVZeroBubble", "static", RG)
-    add("kwargs", "ZBVZeroBubble", "auto", KWARGS)
-    add("kwargs", "1F1B", "headers", KWARGS)
-    add("kwargs", "1F1B", "static", KWARGS)
-    add("outs", "GPipe", "auto", OUTS)
-    add("evals", "DualPipeV", "auto", EVALS, forward_only=True)
-    add("evals", "1F1B", "static", EVALS, forward_only=True)
-    add("dict", "ZBVZeroBubble", "auto", VARY, model="tuple", last_out="dict")
-    add("dict", "DualPipeV", "headers", VARY, model="tuple", last_out="dict")
-    add("tuple", "Interleaved1F1B", "auto", VARY, model="tuple", last_out="tuple")
-    add("str", "1F1B", "auto", VARY, model="tuple", last_out="str")
-    add("ids", "1F1B", "auto", VARY, model="ids")
-    add("ids", "ZBVZeroBubble", "headers", VARY, model="ids")
-    add("slice", "1F1B", "auto", MARKED, model="slice")
-    add("slice", "ZBVZeroBubble", "headers", MARKED, model="slice")
-    add("slice", "DualPipeV", "static", MARKED, model="slice")
-    add("detach", "1F1B", "static", MARKED, model="detach")
-    add("detach", "ZBVZeroBubble", "auto", MARKED, model="detach")
-    add("detach", "DualPipeV", "headers", MARKED, model="detach")
-    add("ident", "1F1B", "auto", DTYPE, ident=[0])
-    add("ident", "ZBVZeroBubble", "auto", DTYPE, ident=[1, 2])
-    add("ident", "DualPipeV", "headers", DTYPE, ident=[0, 2])
-    add("nontensor", "1F1B", "auto", [step(8)], model="nontensor", refuse="to cross a stage boundary")
-    add("cast", "1F1B", "auto", CAST)
-    add("cast", "ZBVZeroBubble", "auto", CAST)
-    add("freeze", "1F1B", "auto", FREEZE)
-    add("freeze", "ZBVZeroBubble", "auto", FREEZE)
-    add("freeze", "ZBVZeroBubble", "static", FREEZE)
-    add("many", "1F1B", "auto", MANY)
+    # (name, script, extra config, the (schedule, mode) pairs it runs under)
+    table: list[tuple[str, list[dict[str, Any]], dict[str, Any], list[tuple[str, str]]]] = [
+        ("rows", ROWS, {}, [(s, "auto") for s in ALL] + [(s, "headers") for s in ("1F1B", "ZBVZeroBubble", "DualPipeV")]
+         + [(s, "static") for s in ("1F1B", "Interleaved1F1B", "DualPipeV")]),
+        ("dtype", DTYPE, {}, [("1F1B", "auto"), ("ZBVZeroBubble", "headers"), ("ZBVZeroBubble", "static")]),
+        ("rg", RG, {}, [("ZBVZeroBubble", "static")]),
+        ("kwargs", KWARGS, {}, [("ZBVZeroBubble", "auto"), ("1F1B", "headers"), ("1F1B", "static")]),
+        ("outs", OUTS, {}, [("GPipe", "auto")]),
+        ("evals", EVALS, {"forward_only": True}, [("DualPipeV", "auto"), ("1F1B", "static")]),
+        ("dict", VARY, {"model": "tuple", "last_out": "dict"}, [("ZBVZeroBubble", "auto"), ("DualPipeV", "headers")]),
+        ("tuple", VARY, {"model": "tuple", "last_out": "tuple"}, [("Interleaved1F1B", "auto")]),
+        ("str", VARY, {"model": "tuple", "last_out": "str"}, [("1F1B", "auto")]),
+        ("ids", VARY, {"model": "ids"}, [("1F1B", "auto"), ("ZBVZeroBubble", "headers")]),
+        ("slice", MARKED, {"model": "slice"}, [("1F1B", "auto"), ("ZBVZeroBubble", "headers"), ("DualPipeV", "static")]),
+        ("detach", MARKED, {"model": "detach"}, [("1F1B", "static"), ("ZBVZeroBubble", "auto"), ("DualPipeV", "headers")]),
+        ("nontensor", [step(8)], {"model": "nontensor", "refuse": "to cross a stage boundary"}, [("1F1B", "auto")]),
+        ("cast", CAST, {}, [("1F1B", "auto"), ("ZBVZeroBubble", "auto")]),
+        ("freeze", FREEZE, {}, [("1F1B", "auto"), ("ZBVZeroBubble", "auto"), ("ZBVZeroBubble", "static")]),
+        ("many", MANY, {}, [("1F1B", "auto")]),
+    ]
+    for name, script, extra, where in table:
+        for sched, mode in where:
+            add(name, sched, mode, script, **extra)
+    # identity stages: which stages are the identity differs by schedule
+    for sched, mode, ident in (("1F1B", "auto", [0]), ("ZBVZeroBubble", "auto", [1, 2]), ("DualPipeV", "headers", [0, 2])):
+        add("ident", sched, mode, DTYPE, ident=ident)
     return out
 
 
