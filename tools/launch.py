@@ -194,6 +194,7 @@ import socket
 import sys
 import tempfile
 import threading
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -1276,36 +1277,36 @@ def add_parser(subparsers: Any) -> None:
         allow_abbrev=False,
     )
     add = p.add_argument
-    add("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default="1", metavar="N",
+    add("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default=None, metavar="N",
         help="ranks on this node: an integer, or 'auto' (CUDA devices if any, else CPU cores) (default 1)")
-    add("--nnodes", default="1", metavar="N|MIN:MAX",
+    add("--nnodes", default=None, metavar="N|MIN:MAX",
         help="nodes in the job (default 1); MIN:MAX with a rendezvous backend other than static")
     add("--node-rank", "--node_rank", dest="node_rank", type=_int_arg, default=None, metavar="I",
         help="this node's index (default 0; static rendezvous only)")
-    add("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default="static", metavar="NAME",
+    add("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default=None, metavar="NAME",
         help="static (--node-rank, --master-addr; default) or c10d (torch's rendezvous, node ranks assigned)")
-    add("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default="", metavar="HOST:PORT",
+    add("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default=None, metavar="HOST:PORT",
         help="where the launchers meet (c10d: a TCP store hosted by the first launcher on that host)")
-    add("--rdzv-id", "--rdzv_id", dest="rdzv_id", default="none", metavar="ID",
+    add("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=None, metavar="ID",
         help="job id shared by the launchers of one job (TORCHELASTIC_RUN_ID; default none)")
-    add("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", default="", metavar="K=V,...",
+    add("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", default=None, metavar="K=V,...",
         help="rendezvous settings, as torchrun's (join_timeout, last_call_timeout, is_host, ...)")
     add("--local-addr", "--local_addr", dest="local_addr", default=None, metavar="HOST",
         help="this node's address as the others reach it (rendezvous; default: the one routing to the endpoint)")
-    add("--monitor-interval", "--monitor_interval", dest="monitor_interval", type=_positive_float, default=0.5,
+    add("--monitor-interval", "--monitor_interval", dest="monitor_interval", type=_positive_float, default=None,
         metavar="SECONDS", help="how often the other nodes' state is read from the rendezvous (default 0.5); "
         "ranks' exits and output are events, not polled")
-    add("--master-addr", "--master_addr", dest="master_addr", default="127.0.0.1", metavar="HOST",
+    add("--master-addr", "--master_addr", dest="master_addr", default=None, metavar="HOST",
         help="host of global rank 0, where the torch.distributed store listens (default 127.0.0.1)")
     add("--master-port", "--master_port", dest="master_port", type=_int_arg, default=None, metavar="PORT",
         help=f"port of the store (default: a free port on one node, {_DEFAULT_MULTINODE_PORT} on several)")
-    add("--standalone", action="store_true", help="single-node job on a free local port (implies --nnodes 1)")
+    add("--standalone", action="store_true", default=None, help="single-node job on a free local port (implies --nnodes 1)")
     add("--log-dir", "--log_dir", dest="log_dir", type=Path, default=None, metavar="DIR",
         help="also write each rank's raw stdout+stderr to DIR/rank{R}.log")
-    add("-r", "--redirects", dest="redirects", default="0", metavar="SPEC",
+    add("-r", "--redirects", dest="redirects", default=None, metavar="SPEC",
         help="torchrun's: streams to send to the log files only, not the console: 1 stdout, 2 stderr, 3 both, "
              "for every local rank (-r 3) or per local rank (-r 0:1,1:2)")
-    add("-t", "--tee", dest="tee", default="0", metavar="SPEC",
+    add("-t", "--tee", dest="tee", default=None, metavar="SPEC",
         help="torchrun's: streams to write to the log files and the console (same SPEC as -r)")
     add("--local-ranks-filter", "--local_ranks_filter", dest="ranks_filter", type=_ranks_filter, default=None,
         metavar="R,R", help="echo only these local ranks' output to the console (log files get all)")
@@ -1326,7 +1327,7 @@ def add_parser(subparsers: Any) -> None:
              "RuntimeOptions.cuda_graphs: for host-bound stages; the stage must be a function of its inputs and parameters)")
     add("--grace", type=_nonneg_float, default=2.0, metavar="SECONDS",
         help="after a failure, wait this long for the other ranks before SIGTERM (default 2)")
-    add("--max-restarts", "--max_restarts", dest="max_restarts", type=_int_arg, default=0, metavar="N",
+    add("--max-restarts", "--max_restarts", dest="max_restarts", type=_int_arg, default=None, metavar="N",
         help="after a failure, stop every rank and restart them all, at most N times; ranks see "
              "TORCHELASTIC_RESTART_COUNT (default 0)")
     add("--cpu-bind", dest="cpu_bind", choices=("none", "slice", "node", "socket"), default=None,
@@ -1336,10 +1337,10 @@ def add_parser(subparsers: Any) -> None:
              "slow mode 25-35%% behind that slice removed (benchmarks/RESULTS.md)")
     add("--numa-binding", "--numa_binding", dest="numa_binding", choices=("node", "socket", "exclusive", "core-complex"),
         default=None, help="torchrun's: node and socket as --cpu-bind; exclusive and core-complex bind as --cpu-bind slice")
-    add("--role", default="default", help="ROLE_NAME of the ranks (default 'default')")
-    add("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
-    add("--no-python", "--no_python", dest="no_python", action="store_true", help="run SCRIPT as an executable, not with python")
-    add("--run-path", "--run_path", dest="run_path", action="store_true",
+    add("--role", default=None, help="ROLE_NAME of the ranks (default 'default')")
+    add("-m", "--module", action="store_true", default=None, help="run SCRIPT as a module, like python -m")
+    add("--no-python", "--no_python", dest="no_python", action="store_true", default=None, help="run SCRIPT as an executable, not with python")
+    add("--run-path", "--run_path", dest="run_path", action="store_true", default=None,
         help="run SCRIPT through runpy.run_path, as torchrun does (takes precedence over --no-python)")
     # torchrun's flags that do not apply here: accepted, with a one-line note, so command lines carry over
     for names, kw in _IGNORED_FLAGS:
@@ -1377,10 +1378,85 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+def _check_script(script: str) -> None:
+    """What python can run as a script: a file (a zip too) or a directory with ``__main__.py``; else a usage error."""
+    path = Path(script)
+    if path.is_dir():
+        if not (path / "__main__.py").is_file():
+            raise _UsageError(f"{script} is a directory without __main__.py: python cannot run it")
+    elif not path.exists():
+        raise _UsageError(f"script not found: {script}")
+
+
+def _env_flag(text: str) -> bool:
+    return bool(int(text))  # torchrun's check_env: "0" or "1" (anything else is an error there too)
+
+
+# torchrun's flags that take their default from ``PET_{DEST}`` (torch.distributed.argparse_util.env/check_env):
+# pipeloom's dest -> (torchrun's dest, flag, the default without the variable, how to read the variable).
+# Kubeflow's PyTorchJob, for one, starts ``torchrun train.py`` with PET_NNODES, PET_NPROC_PER_NODE,
+# PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT and no flags at all.
+_TORCHRUN_ENV: dict[str, tuple[str, str, Any, Callable[[str], Any]]] = {
+    "nnodes": ("NNODES", "--nnodes", "1", str),
+    "nproc_per_node": ("NPROC_PER_NODE", "--nproc-per-node", "1", str),
+    "rdzv_backend": ("RDZV_BACKEND", "--rdzv-backend", "static", str),
+    "rdzv_endpoint": ("RDZV_ENDPOINT", "--rdzv-endpoint", "", str),
+    "rdzv_id": ("RDZV_ID", "--rdzv-id", "none", str),
+    "rdzv_conf": ("RDZV_CONF", "--rdzv-conf", "", str),
+    "standalone": ("STANDALONE", "--standalone", False, _env_flag),
+    "max_restarts": ("MAX_RESTARTS", "--max-restarts", 0, _int_arg),
+    "monitor_interval": ("MONITOR_INTERVAL", "--monitor-interval", 0.5, _positive_float),
+    "role": ("ROLE", "--role", "default", str),
+    "module": ("MODULE", "-m", False, _env_flag),
+    "no_python": ("NO_PYTHON", "--no-python", False, _env_flag),
+    "run_path": ("RUN_PATH", "--run-path", False, _env_flag),
+    "log_dir": ("LOG_DIR", "--log-dir", None, Path),
+    "redirects": ("REDIRECTS", "--redirects", "0", str),
+    "tee": ("TEE", "--tee", "0", str),
+    "ranks_filter": ("LOCAL_RANKS_FILTER", "--local-ranks-filter", None, _ranks_filter),
+    "node_rank": ("NODE_RANK", "--node-rank", None, _int_arg),
+    "master_addr": ("MASTER_ADDR", "--master-addr", "127.0.0.1", str),
+    "master_port": ("MASTER_PORT", "--master-port", None, _int_arg),
+    "local_addr": ("LOCAL_ADDR", "--local-addr", None, str),
+}
+
+
+def _apply_torchrun_env(args: argparse.Namespace, env: Mapping[str, str]) -> list[str]:
+    """Fill the torchrun flags not given on the command line from ``PET_*`` (as torchrun does), else their
+    defaults; returns a note naming the variables that were used (a launcher's settings should not come from
+    nowhere).  Raises _UsageError for a value that the flag would refuse."""
+    used = []
+    for dest, (name, flag, default, read) in _TORCHRUN_ENV.items():
+        if getattr(args, dest, None) is not None:
+            continue  # the command line wins
+        value = default
+        text = env.get(f"PET_{name}")
+        if text is not None and text != "" and not (read is _env_flag and text.strip() == "0"):
+            try:
+                value = read(text)
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                raise _UsageError(f"PET_{name}={text!r} (torchrun's default for {flag}): {exc}") from None
+            used.append(f"PET_{name}={text}")
+        setattr(args, dest, value)
+    if used:
+        return [f"note: torchrun's environment defaults in effect: {', '.join(used)}"]
+    return []
+
+
 def config_from_args(args: argparse.Namespace, *, environ: Mapping[str, str] | None = None) -> tuple[LaunchConfig, list[str]]:
     """Validate parsed arguments into a config; also returns warnings to print.  Raises _UsageError."""
     env = os.environ if environ is None else environ
-    warnings: list[str] = []
+    warnings: list[str] = _apply_torchrun_env(args, env)
+    run_id = args.rdzv_id
+    if args.standalone:
+        # torchrun's --standalone: a c10d rendezvous on localhost:0 with a fresh id, whatever --rdzv-* said
+        given = [flag for flag, value, default in (("--rdzv-backend", args.rdzv_backend, "static"),
+                                                   ("--rdzv-endpoint", args.rdzv_endpoint, ""),
+                                                   ("--rdzv-id", args.rdzv_id, "none")) if value != default]
+        if given:
+            warnings.append(f"note: --standalone overrides {', '.join(given)} (as torchrun's does): one node, a free local port")
+        args.rdzv_backend, args.rdzv_endpoint = "static", ""
+        run_id = str(uuid.uuid4())
     nproc = _nproc(args.nproc_per_node)
     try:
         min_nodes, max_nodes = parse_nnodes(args.nnodes)
@@ -1468,21 +1544,21 @@ def config_from_args(args: argparse.Namespace, *, environ: Mapping[str, str] | N
             raise _UsageError(f"--cpu-bind {cpu_bind}: {exc}") from None
     if args.module and args.no_python:
         raise _UsageError("-m and --no-python exclude each other")
+    python = env.get("PYTHON_EXEC") or sys.executable  # torchrun's: the interpreter of the ranks
     if args.run_path:
         if args.module:
             raise _UsageError("--run-path and -m exclude each other")
-        if not Path(args.script).is_file():
-            raise _UsageError(f"script not found: {args.script}")
+        _check_script(args.script)
+        # (torchrun runs the script in its own spawned interpreter: sys.executable, not PYTHON_EXEC)
         runner = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-        command = (sys.executable, "-u", "-c", runner, os.path.abspath(args.script), *args.script_args)
+        command = (sys.executable, "-u", "-c", runner, args.script, *args.script_args)
     elif args.no_python:
         command = (args.script, *args.script_args)
     elif args.module:
-        command = (sys.executable, "-u", "-m", args.script, *args.script_args)
+        command = (python, "-u", "-m", args.script, *args.script_args)
     else:
-        if not Path(args.script).is_file():
-            raise _UsageError(f"script not found: {args.script}")
-        command = (sys.executable, "-u", args.script, *args.script_args)
+        _check_script(args.script)
+        command = (python, "-u", args.script, *args.script_args)
 
     secret = env.get("PIPELOOM_JOB_SECRET") or None
     if secret is None and nnodes == 1 and rdzv is None:
@@ -1516,7 +1592,7 @@ def config_from_args(args: argparse.Namespace, *, environ: Mapping[str, str] | N
         max_restarts=args.max_restarts,
         fresh_port_per_restart=rdzv is None and args.master_port is None and (args.standalone or nnodes == 1),
         rdzv=rdzv,
-        run_id=args.rdzv_id,
+        run_id=run_id,
         role=args.role,
         quiet_streams=quiet,
         monitor_interval=args.monitor_interval,
