@@ -340,6 +340,7 @@ def test_root_cause_is_summarised_once(tmp_path: Path, reaper: Reaper) -> None:
 SLEEP_SCRIPT = """\
 if RANK == 1:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL after the grace stops this one
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C reaches the ranks as SIGINT, as under torchrun)
 child = subprocess.Popen(["sleep", "60"])
 note(f"child{RANK}", child.pid)
 time.sleep(60)

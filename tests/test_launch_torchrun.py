@@ -25,6 +25,11 @@ Rows marked with a finding failed before the fix named there:
 * ``--standalone`` overrides ``--rdzv-*`` flags (as torchrun's does) instead of
   refusing the command line, and gives the ranks a fresh ``TORCHELASTIC_RUN_ID``;
 * ``--run-path`` hands the script its path as given;
+* SIGINT to the launcher (Ctrl-C) reaches the ranks as SIGINT, so a script's
+  ``except KeyboardInterrupt`` / ``finally`` runs, as under torchrun (they got
+  SIGTERM and died without running it);
+* SIGQUIT (Ctrl-\\) is handled like SIGTERM: every rank's process group ends,
+  grandchildren included (the launcher died of it and left them running).
 """
 
 from __future__ import annotations
@@ -253,3 +258,70 @@ def test_torchrun_command_line(work: Path, row: Row) -> None:
                 assert got == _expect(want, rank, work), (rank, key, got, err)
     for text in row.stderr:
         assert text in err, err
+
+
+# ---------------------------------------------------------------- signals to the launcher
+
+KBI_SCRIPT = textwrap.dedent(
+    """\
+    import os, subprocess, sys, time
+    d, r = os.environ["PROBE_OUT"], os.environ["RANK"]
+    child = subprocess.Popen(["sleep", "60"])
+    open(os.path.join(d, f"child{r}"), "w").write(str(child.pid))
+    open(os.path.join(d, f"pid{r}"), "w").write(str(os.getpid()))
+    try:
+        time.sleep(60)
+    except KeyboardInterrupt:
+        open(os.path.join(d, f"interrupted{r}"), "w").write("1")  # e.g. save a checkpoint on Ctrl-C
+        sys.exit(5)
+    finally:
+        open(os.path.join(d, f"finally{r}"), "w").write("1")
+    """
+)
+
+
+def _start_and_signal(work: Path, sig: int) -> tuple[int, str, float, list[int]]:
+    (work / "kbi.py").write_text(KBI_SCRIPT)
+    proc = subprocess.Popen([*LAUNCH, "--nproc-per-node=2", "--grace", "3", "kbi.py"], cwd=work, env=_env(work, {}),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = work / "out"
+    pids: list[int] = []
+    try:
+        end = time.monotonic() + 20
+        while len(list(out.glob("pid*"))) < 2:
+            assert time.monotonic() < end and proc.poll() is None, "ranks did not start"
+            time.sleep(0.02)
+        time.sleep(0.2)  # inside the try
+        pids = [int(p.read_text()) for p in out.iterdir() if p.name.startswith(("pid", "child"))]
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=15)
+        return proc.returncode, err, time.monotonic() - t0, pids
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_ctrl_c_reaches_the_ranks_as_sigint(work: Path) -> None:
+    """torchrun forwards the SIGINT it got: the script's KeyboardInterrupt handler and finally run."""
+    code, err, elapsed, pids = _start_and_signal(work, signal.SIGINT)
+    assert code == 130, err
+    names = sorted(p.name for p in (work / "out").iterdir())
+    assert {"interrupted0", "interrupted1", "finally0", "finally1"} <= set(names), (names, err)
+    assert elapsed < 3.0, f"the ranks acted on SIGINT at once, yet the launcher took {elapsed:.2f} s"
+    assert "pipeloom launch: stopped by SIGINT; terminated ranks 0, 1" in err
+    assert not _wait_dead(pids, timeout=1.0), "orphans left behind"
+
+
+def test_sigquit_stops_every_rank_and_its_children(work: Path) -> None:
+    """torchrun handles SIGQUIT as a death signal; so does pipeloom (exit 131), and nothing is left running."""
+    code, err, elapsed, pids = _start_and_signal(work, signal.SIGQUIT)
+    assert code == 128 + signal.SIGQUIT, err
+    assert "pipeloom launch: stopped by SIGQUIT; terminated ranks 0, 1" in err
+    assert not _wait_dead(pids, timeout=1.0), "orphans left behind"

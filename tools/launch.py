@@ -130,9 +130,12 @@ Exit status
   rank that could not be started;
 * 3 -- infrastructure: the root-cause rank was killed by a signal the launcher
   did not send (SIGKILL from the OOM killer, SIGSEGV, ...);
-* 130 / 143 (/ 129) -- the launcher received SIGINT / SIGTERM (/ SIGHUP): it
-  sent SIGTERM to every rank's process group, SIGKILL after ``--grace``
-  seconds (at once on a second signal), and exits with 128 + the signal.
+* 130 / 143 (/ 129 / 131) -- the launcher received SIGINT / SIGTERM (/ SIGHUP /
+  SIGQUIT): it sent every rank's process group SIGINT for a SIGINT (as torchrun
+  forwards the signal it got: a script's ``except KeyboardInterrupt`` and
+  ``finally`` run, as on Ctrl-C under torchrun or plain python) and SIGTERM
+  for the others, SIGKILL after ``--grace`` seconds (at once on a second
+  signal), and exits with 128 + the signal.
 
 Restarts
 --------
@@ -237,7 +240,7 @@ _GIVE_UP_AFTER_KILL = 5.0  # a process in uninterruptible sleep: stop waiting
 _PIPE_DRAIN = 0.5  # seconds to wait for a dead rank's pipes to close
 _DEFAULT_MULTINODE_PORT = 29500
 _PR_SET_PDEATHSIG = 1
-_EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # torchrun's --signals-to-handle
 
 
 # ---------------------------------------------------------------- configuration
@@ -968,7 +971,10 @@ class _Job:
             if self.interrupt_count > 1 and kill_at is not None:
                 kill_at = min(kill_at, now)  # asked twice: no more patience
             if term_at is not None and now >= term_at and not term_sent:
-                self._signal_all(signal.SIGTERM)
+                # Ctrl-C reaches the ranks as SIGINT, as under torchrun (which forwards the signal it got) and
+                # plain python: a script's `except KeyboardInterrupt` / `finally` runs.  Otherwise SIGTERM.
+                interrupted = self.interrupt == signal.SIGINT
+                self._signal_all(signal.SIGINT if interrupted else signal.SIGTERM)
                 term_sent = True
             if kill_at is not None and now >= kill_at and killed_at is None:
                 self._signal_all(signal.SIGKILL)
@@ -991,8 +997,8 @@ class _Job:
         for r in self.ranks:
             if r.alive and r.pid is not None:
                 r.signalled = True
-                # A stopped process does not act on SIGTERM until resumed: it gets SIGKILL at once.
-                now = signal.SIGKILL if sig == signal.SIGTERM and _stopped(r.pid) else sig
+                # A stopped process does not act on SIGTERM (SIGINT) until resumed: it gets SIGKILL at once.
+                now = signal.SIGKILL if sig != signal.SIGKILL and _stopped(r.pid) else sig
                 try:
                     os.killpg(r.pid, now)
                 except (ProcessLookupError, PermissionError):
@@ -1162,9 +1168,9 @@ exit status:
   2    launcher or usage error (bad arguments, script not found, spawn failure)
   3    infrastructure failure: the root-cause rank was killed by a signal the
        launcher did not send (e.g. SIGKILL from the OOM killer, SIGSEGV)
-  130  the launcher got SIGINT (Ctrl-C); 143: SIGTERM; 129: SIGHUP. Ranks get
-       SIGTERM at once and SIGKILL after --grace seconds (at once on a second
-       signal)
+  130  the launcher got SIGINT (Ctrl-C); 143: SIGTERM; 129: SIGHUP; 131: SIGQUIT.
+       Ranks get SIGINT (for a SIGINT, as under torchrun) or SIGTERM at once and
+       SIGKILL after --grace seconds (at once on a second signal)
 
 after a rank fails (exits unsuccessfully, or reports a root cause), every rank
 gets --grace seconds to exit, then SIGTERM (SIGKILL if it is stopped), then
@@ -1239,7 +1245,7 @@ _IGNORED_WHY = {
     "duplicate_stdout_filters": "use --log-dir (every rank's whole output)",
     "duplicate_stderr_filters": "use --log-dir (every rank's whole output)",
     "logs_specs": "log files are DIR/rank{R}.log under --log-dir",
-    "signals_to_handle": "SIGINT, SIGTERM and SIGHUP are handled; ranks get SIGTERM then SIGKILL",
+    "signals_to_handle": "SIGINT, SIGTERM, SIGHUP and SIGQUIT are handled; ranks get SIGINT (for SIGINT) or SIGTERM, then SIGKILL",
     "shutdown_timeout": "--grace is the time ranks get before SIGTERM (SIGKILL 1 s later)",
     "virtual_local_rank": "LOCAL_RANK is the real local rank; set CUDA_VISIBLE_DEVICES yourself",
 }
