@@ -52,14 +52,20 @@ marker and renames the directory to ``ROOT/step-00000012`` (``os.replace``, a
 single atomic rename on one file system).  :func:`latest_checkpoint` and
 :func:`load_checkpoint` only ever consider ``step-N`` directories with the
 marker, so a checkpoint that was being written when a crash hit is invisible
-(it is removed when the same step is saved again).
+(it is removed when the same step is saved again).  Deleting is the same in
+reverse: a checkpoint replaced by a new save of its step, or pruned by
+``keep_last``, is first renamed out of the ``step-N`` names, then deleted, so a
+crash midway never leaves a ``step-N`` that has its marker but lacks a rank's
+data (what it leaves is swept at a later save).
 
 Asynchronous save.  ``save_checkpoint(..., async_save=True)`` copies the
 state to CPU memory (DCP's stager) and returns; the files are written by a
 background thread (``dcp.async_save``), over a separate gloo group so its
 collectives never interleave with the training step's.  The returned
-:class:`PendingCheckpoint` says when it is complete; a later save waits for
-the previous one first, and :func:`wait_checkpoints` (or
+:class:`PendingCheckpoint` says when this rank's part is written (rank 0's:
+when the checkpoint is in place); a later save or load waits for the previous
+save on every rank and agrees on its outcome first (rank 0 finishes it last,
+and a failure on one rank is raised on all), and :func:`wait_checkpoints` (or
 ``PendingCheckpoint.wait()``) must be called before the process group is
 destroyed (before ``pipe.close()``).
 """
@@ -109,6 +115,29 @@ def _final_dir(root: Path, step: int) -> Path:
 
 def _partial_dir(root: Path, step: int) -> Path:
     return root / f".step-{step:08d}.partial"
+
+
+_DELETING = re.compile(r"^\.step-(\d{8,})\.deleting(-\d+)?$")
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint directory so that a crash midway never leaves a ``step-N`` that looks complete.
+
+    ``shutil.rmtree`` removes the files one by one in directory order: cut by a crash, it could leave the
+    marker and DCP's metadata beside a missing rank's data file, a checkpoint :func:`latest_checkpoint` took
+    and every restart then failed to load.  The directory is first renamed out of the ``step-N`` names
+    (atomic); what a crash leaves of it is deleted at a later save (:func:`_sweep`).
+    """
+    gone = path.parent / f".{path.name}.deleting-{os.getpid()}"
+    os.replace(path, gone)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def _sweep(root: Path) -> None:
+    """Rank 0, before a save: delete what a crash left of earlier deletions."""
+    for p in root.iterdir():
+        if _DELETING.match(p.name):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def is_complete(path: str | os.PathLike[str]) -> bool:
@@ -272,12 +301,18 @@ def _dcp(fn: Any, group: Any, rank: int, what: str) -> Any:
     try:
         return fn()
     except CheckpointException as exc:
-        ranks = sorted(dist.get_global_rank(group, r) for r in exc.failures)
-        first = exc.failures[sorted(exc.failures)[0]][0] if exc.failures else exc
-        more = f" (and {len(ranks) - 1} other rank(s): ranks {ranks[1:]})" if len(ranks) > 1 else ""
-        where = f"rank {ranks[0]}" if ranks else "a rank"
-        raise CheckpointError(f"rank {rank}: {what} failed on {where}{more}: {type(first).__name__}: {first}; every "
-                              "rank stopped the call", rank=rank, failed_ranks=ranks) from exc
+        raise _from_dcp(exc, group, rank, what) from exc
+
+
+def _from_dcp(exc: Any, group: Any, rank: int, what: str) -> CheckpointError:
+    """DCP's ``CheckpointException`` (its ``failures``: group rank -> the error) as a :class:`CheckpointError`
+    naming the global ranks that failed and the first one's error."""
+    ranks = sorted(dist.get_global_rank(group, r) for r in exc.failures)
+    first = exc.failures[sorted(exc.failures)[0]][0] if exc.failures else exc
+    more = f" (and {len(ranks) - 1} other rank(s): ranks {ranks[1:]})" if len(ranks) > 1 else ""
+    where = f"rank {ranks[0]}" if ranks else "a rank"
+    return CheckpointError(f"rank {rank}: {what} failed on {where}{more}: {type(first).__name__}: {first}; every "
+                           "rank stopped the call", rank=rank, failed_ranks=ranks)
 
 
 # ---------------------------------------------------------------- groups, state
@@ -435,17 +470,25 @@ class PendingCheckpoint:
     (it re-raises a failure of the background writer).
     """
 
-    def __init__(self, path: Path, step: int, future: Future[Any] | None) -> None:
+    def __init__(self, path: Path, step: int, future: Future[Any] | None, group: Any = None) -> None:
         self.path = path
         self.step = step
         self._future = future
+        self._group = group
 
     def done(self) -> bool:
         return self._future is None or self._future.done()
 
     def wait(self, timeout: float | None = None) -> Path:
+        """This rank's part written (rank 0: the checkpoint in place); a failure of the background writer is
+        raised, a write that failed on any rank (DCP's ``CheckpointException``) as :class:`CheckpointError`."""
         if self._future is not None:
-            self._future.result(timeout)
+            from torch.distributed.checkpoint.api import CheckpointException
+
+            try:
+                self._future.result(timeout)
+            except CheckpointException as exc:
+                raise _from_dcp(exc, self._group, dist.get_rank(), f"the asynchronous save of step {self.step}") from exc
         return self.path
 
 
@@ -453,9 +496,49 @@ _PENDING: list[PendingCheckpoint] = []
 
 
 def wait_checkpoints() -> None:
-    """Wait for every asynchronous save of this process (call before destroying the process group)."""
+    """Wait for every asynchronous save of this process (call before destroying the process group).
+
+    This rank's own part: on a rank other than 0 it returns once its files are written, maybe before rank 0
+    has put the checkpoint in place (the next ``save_checkpoint``/``load_checkpoint`` agree on it first)."""
     while _PENDING:
         _PENDING.pop(0).wait()
+
+
+def _settle_pending(group: Any, rank: int, what: str) -> None:
+    """The asynchronous saves still in flight, waited for on every rank and agreed (all ranks call this together).
+
+    ``wait_checkpoints`` alone is each rank's own: rank 0 finishes a save (marker, rename) after the others'
+    parts are written, so another rank went on at once and, in ``load_checkpoint``, looked for the latest
+    checkpoint before it was in place (every rank then refused "rank 0 would load step-N but ranks [1] see
+    step-M"); and a save that failed on rank 0 alone (its marker or rename) raised there only, while its peers
+    went into the call's next collective and waited for it until the process group's timeout.
+    """
+    failed: Exception | None = None
+    steps: list[int] = []
+    while _PENDING:
+        pending = _PENDING.pop(0)
+        try:
+            pending.wait()
+        except Exception as exc:  # noqa: BLE001 - agreed below: every rank raises it
+            if failed is None:
+                failed, steps = exc, [pending.step]
+    mine = None
+    if failed is not None:
+        ranks = list(getattr(failed, "failed_ranks", None) or [rank])
+        cause = failed.__cause__ if isinstance(failed, CheckpointError) else None
+        if cause is not None and getattr(cause, "failures", None):  # DCP's: the first failing rank's own error
+            first = cause.failures[sorted(cause.failures)[0]][0]
+            mine = (ranks, f"{type(first).__name__}: {first}", steps)
+        else:
+            mine = (ranks, f"{type(failed).__name__}: {failed}", steps)
+    everyone = _agree(group, mine)
+    bad = [e for e in everyone if e is not None]
+    if bad:
+        failing = sorted({r for ranks, _, _ in bad for r in ranks})
+        _, text, (step, *_) = bad[0]
+        raise CheckpointError(
+            f"rank {rank}: {what}: the asynchronous save of step {step} did not complete (it failed on rank(s) "
+            f"{failing}: {text}); every rank stopped the call", rank=rank, failed_ranks=failing) from failed
 
 
 def warn_pending() -> None:
@@ -479,8 +562,12 @@ def _finalize(partial: Path, final: Path, step: int, meta: dict[str, Any], keep_
         f.flush()
         os.fsync(f.fileno())
     if final.exists():  # the same step saved again (after a resume): the new one wins
-        shutil.rmtree(final)
-    os.replace(partial, final)
+        old = final.parent / f".{final.name}.deleting-{os.getpid()}"
+        os.replace(final, old)  # out of the step-N names first: a crash from here on leaves no torn step-N
+        os.replace(partial, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(partial, final)
     try:
         fd = os.open(final.parent, os.O_RDONLY)
         try:
@@ -490,8 +577,11 @@ def _finalize(partial: Path, final: Path, step: int, meta: dict[str, Any], keep_
     except OSError:  # pragma: no cover - a file system without directory fsync
         pass
     if keep_last is not None:
-        for _, old in list_checkpoints(final.parent)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        for _, stale in list_checkpoints(final.parent)[:-keep_last]:
+            try:
+                _remove(stale)
+            except OSError:  # pragma: no cover - removed meanwhile: nothing to prune
+                pass
 
 
 def save_checkpoint(
@@ -527,11 +617,11 @@ def save_checkpoint(
         raise PipelineConfigError(f"step must be a non-negative int, got {step!r}")
     if keep_last is not None and keep_last < 1:
         raise PipelineConfigError(f"keep_last must be at least 1, got {keep_last}")
-    wait_checkpoints()  # one save in flight at a time, in order
     group = _ckpt_group()
     rank = dist.get_rank()
     r = Path(root).resolve()
     what = f"save_checkpoint(step {step})"
+    _settle_pending(group, rank, what)  # one save in flight at a time, in order
     failed: Exception | None = None
     try:
         view = _build_view(pipe.stages, stage_prefix=stage_prefix, rank=rank)
@@ -567,6 +657,7 @@ def save_checkpoint(
             # DCP keeps one copy of a value every rank has, from whichever rank it picks: rank 0's, sent below
             extra_bytes = _pickled(dict(extra or {}))
             r.mkdir(parents=True, exist_ok=True)
+            _sweep(r)
             if partial.exists():  # left by a crash while this step was being saved
                 shutil.rmtree(partial)
             partial.mkdir()
@@ -608,7 +699,7 @@ def save_checkpoint(
                 done.set_result(final)
 
         upload.add_done_callback(finish)
-    pending = PendingCheckpoint(final, step, done)
+    pending = PendingCheckpoint(final, step, done, group)
     _PENDING.append(pending)
     return pending
 
@@ -650,13 +741,13 @@ def load_checkpoint(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    wait_checkpoints()  # an asynchronous save still writing uses the same group
     group = _ckpt_group()
     rank = dist.get_rank()
     p = Path(path).resolve()
     # Which checkpoint: every rank looks, rank 0's answer counts, and a rank that sees another
     # (a directory not shared, a different path) stops every rank rather than loading something else.
     what = f"load_checkpoint({str(p)!r})"
+    _settle_pending(group, rank, what)  # an asynchronous save in flight: in place before anyone looks
     seen: str | None = None
     failed: Exception | None = None
     try:
