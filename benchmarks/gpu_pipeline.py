@@ -824,8 +824,11 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         peaks: dict[str, int] = {e: 0 for e in engines}
         per = max(1, args.steps // args.alternate)
         rounds: dict[str, list[float]] = {e: [] for e in engines}
-        for _ in range(args.alternate):
-            for e in engines:
+        for r in range(args.alternate):
+            # each round starts with the next engine (rotated), so that no engine always runs first: a block
+            # right after another engine's pays for what that one left behind (allocator pools, caches), and
+            # with a fixed order that cost fell on the first engine every round
+            for e in engines[r % len(engines):] + engines[:r % len(engines)]:
                 t, pk = _timed(built[e][0], per, 0)
                 times[e] += t
                 rounds[e].append(statistics.median(t))
@@ -847,7 +850,7 @@ def run(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
                           + ", ".join(f"{k} {v:.2f}" for k, v in u["threads"]), flush=True)
             # each round's median step (slowest rank): the spread of the per-round ratios tells noise from a difference
             round_ms = [_reduce_max(r) * 1e3 for r in rounds[e]]
-            record(e, times[e], peaks[e], {"order": args.engines, "alternate": args.alternate, "floor_ms_start": floor_start * 1e3,
+            record(e, times[e], peaks[e], {"order": args.engines, "rotated": True, "alternate": args.alternate, "floor_ms_start": floor_start * 1e3,
                                            "round_ms": round_ms,
                                            **extra(), **(prof or {}), **ht})
             if close is not None:
