@@ -71,6 +71,7 @@ PROBE = textwrap.dedent(
         dist.destroy_process_group()
     with open(os.path.join(os.environ["PROBE_OUT"], f"rank{rec['RANK']}.json"), "w") as f:
         json.dump(rec, f)
+    print("probe of rank", rec["RANK"], flush=True)
     fail = os.environ.get("PROBE_FAIL", "")
     if fail.split(":")[0] == rec["RANK"]:
         how = fail.split(":")[1]
@@ -134,11 +135,11 @@ def _env(work: Path, extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _launch(work: Path, args: list[str], extra: dict[str, str], timeout: float = 30.0) -> tuple[int, str, dict[int, dict[str, Any]]]:
+def _launch(work: Path, args: list[str], extra: dict[str, str], timeout: float = 30.0) -> tuple[int, str, str, dict[int, dict[str, Any]]]:
     args = [a.replace("{PORT}", str(_free_port())).replace("{DIR}", str(work)) for a in args]
     proc = subprocess.run([*LAUNCH, *args], cwd=work, env=_env(work, extra), capture_output=True, text=True, timeout=timeout)
     ranks = {int(Path(f).stem[4:]): json.loads(Path(f).read_text()) for f in glob.glob(str(work / "out" / "rank*.json"))}
-    return proc.returncode, proc.stderr, ranks
+    return proc.returncode, proc.stdout, proc.stderr, ranks
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,8 @@ class Row:
     env: dict[str, str] = field(default_factory=dict)
     stderr: tuple[str, ...] = ()
     """Substrings of the launcher's stderr."""
+    shown: tuple[int, ...] | None = None
+    """The ranks whose output reaches the console (None: every rank)."""
 
 
 # The facts a rank sees under torchrun for a plain 2-rank, one-node job.
@@ -189,7 +192,9 @@ ROWS = [
     Row("static-endpoint", ["--nproc-per-node=2", "--rdzv-backend=static", "--rdzv-endpoint=localhost:{PORT}", "probe.py"],
         facts={**ONE_NODE, "MASTER_ADDR": "localhost"}),
     Row("redirect-tee-short", ["-r3", "-t3", "--log-dir", "{DIR}/logs", "--local-ranks-filter", "0", "--nproc-per-node=2", "probe.py"],
-        facts=ONE_NODE),
+        facts=ONE_NODE, shown=(0,)),
+    Row("local-ranks-filter", ["--nproc-per-node=2", "--local_ranks_filter=1", "probe.py"], shown=(1,)),
+    Row("redirect-stdout-of-rank-0", ["--nproc-per-node=2", "-r", "0:1", "--log-dir", "{DIR}/logs", "probe.py"], shown=(1,)),
     Row("ignored-logs-specs", ["--nproc-per-node=2", "--logs-specs", "default", "probe.py"], facts=ONE_NODE,
         stderr=("note: --logs-specs does not apply to pipeloom launch and is ignored",)),
     Row("rank-exits-7", ["--nproc-per-node=2", "--grace", "0.5", "probe.py"], env={"PROBE_FAIL": "1:7"}, code=1,
@@ -226,8 +231,16 @@ ROWS = [
         facts={**ONE_NODE, "TORCHELASTIC_RUN_ID": "<uuid>"}, stderr=("--standalone",)),
     Row("run-path", ["--nproc-per-node=2", "--run-path", "probe.py", "rp"], facts={**ONE_NODE, "argv": ["probe.py", "rp"]}),
     # -- through torch.distributed (a rendezvous in the launcher, gloo in the ranks): torchtitan's command line
+    # a filter naming local ranks another node has (one command line for nodes of 8 and of 2 GPUs): torchrun
+    # ignores them; pipeloom refused the command line (exit 2), now it notes them
+    Row("local-ranks-filter-names-absent-ranks", ["--nproc-per-node=2", "--local-ranks-filter", "0,5", "probe.py"], shown=(0,),
+        stderr=("note: --local-ranks-filter: local rank 5 not on this node (0..1): ignored",)),
+    Row("redirects-name-absent-ranks", ["--nproc-per-node=2", "-r", "0:3,4:3,7:3", "--log-dir", "{DIR}/logs", "probe.py"],
+        shown=(1,), stderr=("note: --redirects: local ranks 4, 7 not on this node (0..1): ignored",)),
+    # torchrun: an empty filter shows every rank (pipeloom showed none)
+    Row("local-ranks-filter-empty", ["--nproc-per-node=2", "--local-ranks-filter", "", "probe.py"]),
     Row("c10d-endpoint-port-0", ["--nnodes=1", "--nproc_per_node=2", "--rdzv_backend", "c10d", "--rdzv_endpoint=localhost:0",
-                                 "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "probe.py", "--job.config_file", "x.toml"],
+                                 "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "probe.py", "--job.config_file", "x.toml"], shown=(0,),
         env={"PROBE_DIST": "1"},
         facts={**ONE_NODE, "ROLE_NAME": "rank", "argv": ["probe.py", "--job.config_file", "x.toml"], "dist": ["{R}", 2, 2.0]}),
 ]
@@ -244,7 +257,7 @@ def _expect(value: Any, rank: int, work: Path) -> Any:
 @pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
 def test_torchrun_command_line(work: Path, row: Row) -> None:
     extra = {k: v.replace("{DIR}", str(work)) for k, v in row.env.items()}
-    code, err, ranks = _launch(work, row.args, extra)
+    code, out, err, ranks = _launch(work, row.args, extra)
     assert code == row.code, err
     assert sorted(ranks) == list(range(row.nproc)), err
     for rank, record in ranks.items():
@@ -258,6 +271,9 @@ def test_torchrun_command_line(work: Path, row: Row) -> None:
                 assert got == _expect(want, rank, work), (rank, key, got, err)
     for text in row.stderr:
         assert text in err, err
+    shown = range(row.nproc) if row.shown is None else row.shown
+    for rank in range(row.nproc):
+        assert (f"[rank{rank}]: probe of rank {rank}\n" in out) == (rank in shown), (rank, out)
 
 
 # ---------------------------------------------------------------- signals to the launcher

@@ -1222,11 +1222,16 @@ def _int_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
-def _ranks_filter(text: str) -> frozenset[int]:
+def _ranks_filter(text: str) -> frozenset[int] | None:
+    if not text.strip():
+        return None  # torchrun's: an empty filter shows every rank
     try:
-        return frozenset(int(t) for t in text.split(",") if t.strip())
+        ranks = frozenset(int(t) for t in text.split(",") if t.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated local ranks, got {text!r}") from None
+    if any(r < 0 for r in ranks):
+        raise argparse.ArgumentTypeError(f"expected local ranks >= 0, got {text!r}")
+    return ranks
 
 
 _IGNORED_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
@@ -1251,7 +1256,14 @@ _IGNORED_WHY = {
 }
 
 
-def _stream_spec(text: str, nproc: int, flag: str) -> dict[int, int]:
+def _absent_local_ranks(flag: str, ranks: Sequence[int], nproc: int) -> str:
+    """The note for local ranks named in ``flag`` that this node does not run (torchrun ignores them silently:
+    one command line serves nodes with different numbers of GPUs)."""
+    listed = ", ".join(map(str, sorted(ranks)))
+    return f"note: {flag}: local rank{'s' if len(ranks) > 1 else ''} {listed} not on this node (0..{nproc - 1}): ignored"
+
+
+def _stream_spec(text: str, nproc: int, flag: str, notes: list[str]) -> dict[int, int]:
     """torchrun's ``-r``/``-t`` value: ``3`` (every local rank) or ``0:1,1:2`` -> {local rank: streams}."""
     try:
         if ":" not in text:
@@ -1262,13 +1274,15 @@ def _stream_spec(text: str, nproc: int, flag: str) -> dict[int, int]:
         out = {}
         for item in text.split(","):
             lr, _, value = item.partition(":")
-            if not 0 <= int(value) <= 3 or not 0 <= int(lr) < nproc:
+            if not 0 <= int(value) <= 3 or int(lr) < 0:
                 raise ValueError
             out[int(lr)] = int(value)
-        return out
     except ValueError:
         raise _UsageError(f"{flag}: expected 0-3 (1 stdout, 2 stderr, 3 both) or LOCAL_RANK:0-3,..., "
                           f"local ranks 0..{nproc - 1}; got {text!r}") from None
+    if absent := [lr for lr in out if lr >= nproc]:
+        notes.append(_absent_local_ranks(flag, absent, nproc))
+    return {lr: v for lr, v in out.items() if lr < nproc}
 
 
 def add_parser(subparsers: Any) -> None:
@@ -1518,8 +1532,8 @@ def config_from_args(args: argparse.Namespace, *, environ: Mapping[str, str] | N
         if getattr(args, dest, None) is not None:
             flag = "--" + dest.replace("_", "-")
             warnings.append(f"note: {flag} does not apply to pipeloom launch and is ignored: {why}")
-    redirects = _stream_spec(args.redirects, nproc, "--redirects")
-    tee = _stream_spec(args.tee, nproc, "--tee")
+    redirects = _stream_spec(args.redirects, nproc, "--redirects", warnings)
+    tee = _stream_spec(args.tee, nproc, "--tee", warnings)
     quiet = {lr: v & ~tee.get(lr, 0) for lr, v in redirects.items() if v & ~tee.get(lr, 0)}
     log_dir = args.log_dir
     if (redirects or tee) and log_dir is None:
@@ -1574,8 +1588,8 @@ def config_from_args(args: argparse.Namespace, *, environ: Mapping[str, str] | N
             "warning: multi-node job without PIPELOOM_JOB_SECRET: the ranks get no job secret; "
             "export the same value on every node (e.g. $(openssl rand -hex 16))"
         )
-    if args.ranks_filter is not None and not all(0 <= r < nproc for r in args.ranks_filter):
-        raise _UsageError(f"--local-ranks-filter: local ranks are 0..{nproc - 1}")
+    if args.ranks_filter is not None and (absent := [r for r in args.ranks_filter if r >= nproc]):
+        warnings.append(_absent_local_ranks("--local-ranks-filter", absent, nproc))
 
     config = LaunchConfig(
         command=command,
