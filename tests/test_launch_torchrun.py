@@ -239,6 +239,10 @@ ROWS = [
         shown=(1,), stderr=("note: --redirects: local ranks 4, 7 not on this node (0..1): ignored",)),
     # torchrun: an empty filter shows every rank (pipeloom showed none)
     Row("local-ranks-filter-empty", ["--nproc-per-node=2", "--local-ranks-filter", "", "probe.py"]),
+    # a node that never comes: torch's RendezvousTimeoutError has no message; the launcher says what timed out
+    Row("c10d-join-timeout", ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:{PORT}",
+                              "--rdzv-conf", "join_timeout=2", "probe.py"], code=2, nproc=0,
+        stderr=("error: rendezvous failed: RendezvousTimeoutError: fewer than 2 node(s) joined within join_timeout (2 s",)),
     Row("c10d-endpoint-port-0", ["--nnodes=1", "--nproc_per_node=2", "--rdzv_backend", "c10d", "--rdzv_endpoint=localhost:0",
                                  "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "probe.py", "--job.config_file", "x.toml"], shown=(0,),
         env={"PROBE_DIST": "1"},

@@ -808,7 +808,13 @@ class _Job:
             self.err.say(f"stopped by {_signal_name(self.interrupt or signal.SIGINT)} while waiting at the rendezvous")
             return False
         except Exception as exc:  # noqa: BLE001 - torch's rendezvous errors (timeout, closed...)
-            self.err.say(f"error: rendezvous failed: {type(exc).__name__}: {exc}")
+            why = str(exc)
+            if not why and type(exc).__name__ == "RendezvousTimeoutError":  # torch raises it without a message
+                rdzv = cfg.rdzv
+                assert rdzv is not None
+                why = (f"fewer than {rdzv.min_nodes} node(s) joined within join_timeout "
+                       f"({rdzv.conf.get('join_timeout', '600')} s; --rdzv-conf join_timeout=SECONDS)")
+            self.err.say(f"error: rendezvous failed: {type(exc).__name__}: {why}")
             return False
         self.config = replace(
             cfg, node_rank=got.node_rank, nnodes=got.nnodes, rank_offset=got.rank_offset, total_world_size=got.world_size,
