@@ -29,7 +29,9 @@ Rows marked with a finding failed before the fix named there:
   ``except KeyboardInterrupt`` / ``finally`` runs, as under torchrun (they got
   SIGTERM and died without running it);
 * SIGQUIT (Ctrl-\\) is handled like SIGTERM: every rank's process group ends,
-  grandchildren included (the launcher died of it and left them running).
+  grandchildren included (the launcher died of it and left them running);
+* a SIGKILL of the launcher leaves no rank's child running (PDEATHSIG ended the
+  ranks; their children ran on).
 """
 
 from __future__ import annotations
@@ -118,11 +120,11 @@ def work(tmp_path: Path) -> Iterator[Path]:
     wrapper = tmp_path / "pyexec.sh"  # a PYTHON_EXEC that marks the ranks it starts
     wrapper.write_text(f"#!/bin/sh\nPROBE_VIA=python-exec exec {sys.executable} \"$@\"\n")
     wrapper.chmod(0o755)
-    pids: list[int] = []
     yield tmp_path
-    for f in (tmp_path / "out").glob("rank*.json"):
-        pids.append(json.loads(f.read_text())["pid"])
-    for pid in pids:
+    out = tmp_path / "out"
+    pids = [json.loads(f.read_text())["pid"] for f in out.glob("rank*.json")]
+    pids += [int(f.read_text()) for f in out.iterdir() if f.name.startswith(("pid", "child"))]
+    for pid in pids:  # whatever a failed test left behind
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -321,11 +323,6 @@ def _start_and_signal(work: Path, sig: int) -> tuple[int, str, float, list[int]]
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def test_ctrl_c_reaches_the_ranks_as_sigint(work: Path) -> None:
@@ -345,3 +342,14 @@ def test_sigquit_stops_every_rank_and_its_children(work: Path) -> None:
     assert code == 128 + signal.SIGQUIT, err
     assert "pipeloom launch: stopped by SIGQUIT; terminated ranks 0, 1" in err
     assert not _wait_dead(pids, timeout=1.0), "orphans left behind"
+
+
+def test_sigkill_of_the_launcher_leaves_nothing_running(work: Path) -> None:
+    """Not even the ranks' children: PDEATHSIG ends the ranks, the launcher's watchdog their process groups.
+
+    (torchrun leaves its ranks running after a SIGKILL.)  Before the watchdog, the ranks' ``sleep 60``
+    children ran on."""
+    code, err, _, pids = _start_and_signal(work, signal.SIGKILL)
+    assert code == -signal.SIGKILL, err
+    assert len(pids) == 4
+    assert not _wait_dead(pids, timeout=2.0), "orphans left behind"

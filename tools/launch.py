@@ -28,7 +28,9 @@ launcher's job is to make that visible and bounded:
   because of it are listed in one line, not with their own tracebacks;
 * the exit status says what kind of failure it was (below);
 * on Linux every rank also gets ``PR_SET_PDEATHSIG=SIGKILL``, so not even a
-  SIGKILL of the launcher leaves a rank running.
+  SIGKILL of the launcher leaves a rank running, and a watchdog process
+  (:class:`_Watchdog`) then kills the ranks' process groups, so nothing a
+  rank started runs on either.
 
 Alternatives considered: torch's elastic agent (imports torch at start-up,
 its failure summary is per-rank, and its teardown waits 30 s for a rank that
@@ -653,6 +655,78 @@ def _pdeathsig_hook(cpus: Sequence[int] | None = None) -> Callable[[], None] | N
     return hook if prctl is not None or cpus is not None else None
 
 
+_WATCHDOG = """\
+import os, signal, sys
+groups = set()
+for line in sys.stdin:
+    if line == "done\\n":
+        sys.exit(0)
+    if line[:1] in "+-" and line[1:].strip().isdigit():
+        (groups.add if line[0] == "+" else groups.discard)(int(line[1:]))
+for g in groups:  # the launcher is gone (SIGKILL, the OOM killer) without saying "done"
+    try:
+        os.killpg(g, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+class _Watchdog:
+    """A tiny process that outlives a launcher killed by SIGKILL and kills the ranks' process groups then.
+
+    PR_SET_PDEATHSIG kills each rank when the launcher dies, but not what the rank started (a
+    subprocess, a worker pool): those would run on.  The watchdog holds the groups of the live ranks
+    (``+PGID`` / ``-PGID`` lines on its stdin); when its stdin closes without a ``done`` line (the
+    launcher died), it SIGKILLs them.  Its own session keeps it out of signals sent to the launcher's
+    group.  Best effort: if it cannot start or dies, the ranks still have PDEATHSIG.
+    """
+
+    def __init__(self) -> None:
+        self._proc: Any = None
+        if not sys.platform.startswith("linux"):
+            return
+        import subprocess
+
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _WATCHDOG], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True,
+            )
+        except OSError:
+            self._proc = None
+
+    def _send(self, line: str) -> None:
+        if self._proc is None or self._proc.stdin is None:
+            return
+        try:
+            self._proc.stdin.write(line.encode())
+            self._proc.stdin.flush()
+        except (OSError, ValueError):
+            self._proc = None
+
+    def add(self, pgid: int) -> None:
+        self._send(f"+{pgid}\n")
+
+    def discard(self, pgid: int) -> None:
+        self._send(f"-{pgid}\n")
+
+    def close(self) -> None:
+        """The launcher ends normally: the watchdog exits without killing anything."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            proc.stdin.write(b"done\n")
+            proc.stdin.close()
+        except (OSError, ValueError):
+            pass
+        try:
+            proc.wait(timeout=2.0)
+        except Exception:  # noqa: BLE001 - never block the launcher's exit on it
+            proc.kill()
+            proc.wait()
+
+
 # ---------------------------------------------------------------- the job
 
 
@@ -676,6 +750,7 @@ class _Job:
         self._spawning = 0
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._watchdog: _Watchdog | None = None
 
     # -- callbacks (loop thread)
 
@@ -762,6 +837,8 @@ class _Job:
             for sig in installed:
                 self._loop.remove_signal_handler(sig)
             self._close_attempt()
+            if self._watchdog is not None:
+                self._watchdog.close()
             if temp_errors is not None:
                 shutil.rmtree(temp_errors, ignore_errors=True)
 
@@ -925,6 +1002,8 @@ class _Job:
                 raise OSError(f"--cpu-bind {cfg.cpu_bind}: {exc}") from None
         if cfg.log_dir is not None:
             cfg.log_dir.mkdir(parents=True, exist_ok=True)
+        if self._watchdog is None:
+            self._watchdog = _Watchdog()
         for r in self.ranks:
             if self.interrupt is not None:
                 return
@@ -957,6 +1036,7 @@ class _Job:
             )
             r.transport = transport
             r.pid = transport.get_pid()
+            self._watchdog.add(r.pid)
 
     async def _supervise(self) -> None:
         """Wait for every rank; enforce the grace -> SIGTERM -> SIGKILL timeline after a failure or a signal."""
@@ -1033,6 +1113,8 @@ class _Job:
                     os.killpg(r.pid, signal.SIGKILL)  # type: ignore[arg-type]
                 except (ProcessLookupError, PermissionError):
                     pass
+                if self._watchdog is not None:
+                    self._watchdog.discard(r.pid)  # type: ignore[arg-type]
         await self._wait_until(lambda: all(r.pipes_closed for r in spawned), _PIPE_DRAIN)
 
     # -- the summary
