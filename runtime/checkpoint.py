@@ -290,6 +290,43 @@ def _settle(group: Any, rank: int, what: str, exc: BaseException | None, payload
     raise err from exc
 
 
+class _Any:
+    """An argument that may differ from the other ranks' (``_ANY``)."""
+
+    def __repr__(self) -> str:
+        return "any"
+
+    def __reduce__(self) -> str:  # (one object after pickling: compared by identity)
+        return "_ANY"
+
+
+_ANY = _Any()
+
+
+def _optimizer_count(optimizer: Any, view: _View) -> Any:
+    """How many optimizers this rank passed, or ``_ANY`` where its stages have nothing to train (a rank whose stages
+    are frozen whole cannot build an optimizer: it passes None beside the others' optimizers)."""
+    count = len(_optims(optimizer))
+    return count if count or any(p.requires_grad for p in view.module.parameters()) else _ANY
+
+
+def _same_arguments(rank: int, what: str, everyone: list[dict[str, Any]]) -> None:
+    """Refuse, on every rank, a checkpoint call whose ranks passed different arguments.
+
+    Each rank writes and reads its own part by what it was passed: ranks that passed different steps wrote
+    their parts into different directories, and rank 0 marked its own complete without the others' data (every
+    load of it then failed); an optimizer given on some ranks only made a checkpoint without the others'
+    optimizer state (or loaded it on some ranks only); ``async_save`` on some ranks only left the others
+    waiting in a collective the background thread runs.
+    """
+    for name in everyone[0]:
+        values = [a[name] for a in everyone]
+        if len({repr(v) for v in values if v is not _ANY}) > 1:
+            shown = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values) if v is not _ANY)
+            raise PipelineConfigError(f"rank {rank}: {what}: the ranks passed different {name} ({shown}): it is a "
+                                      "collective call, every rank must pass the same")
+
+
 def _dcp(fn: Any, group: Any, rank: int, what: str) -> Any:
     """``fn()`` (a DCP save or load), with DCP's ``CheckpointException`` raised as :class:`CheckpointError`.
 
@@ -613,26 +650,31 @@ def save_checkpoint(
     """
     import torch.distributed.checkpoint as dcp
 
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise PipelineConfigError(f"step must be a non-negative int, got {step!r}")
-    if keep_last is not None and keep_last < 1:
-        raise PipelineConfigError(f"keep_last must be at least 1, got {keep_last}")
     group = _ckpt_group()
     rank = dist.get_rank()
     r = Path(root).resolve()
     what = f"save_checkpoint(step {step})"
     _settle_pending(group, rank, what)  # one save in flight at a time, in order
     failed: Exception | None = None
+    args: dict[str, Any] = {}
     try:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise PipelineConfigError(f"step must be a non-negative int, got {step!r}")
+        if keep_last is not None and keep_last < 1:
+            raise PipelineConfigError(f"keep_last must be at least 1, got {keep_last}")
         view = _build_view(pipe.stages, stage_prefix=stage_prefix, rank=rank)
+        args = {"step": step, "async_save": bool(async_save), "keep_last": keep_last, "stage_prefix": bool(stage_prefix),
+                "optimizers": _optimizer_count(optimizer, view)}
     except Exception as exc:  # noqa: BLE001 - agreed below: every rank raises it
         failed = exc
-    roots = set(_settle(group, rank, what, failed, str(r)))
+    everyone = _settle(group, rank, what, failed, (str(r), args))
+    roots = {root for root, _ in everyone}
     if len(roots) > 1:
         raise PipelineConfigError(
             f"rank {rank}: the ranks passed different checkpoint directories ({sorted(roots)}): every rank must "
             "pass the same directory, one they all see (a shared file system across nodes)"
         )
+    _same_arguments(rank, what, [a for _, a in everyone])
     _check_global_names(view, group, rank)
     partial, final = _partial_dir(r, step), _final_dir(r, step)
     extra_bytes: bytes | None = None
@@ -750,7 +792,10 @@ def load_checkpoint(
     _settle_pending(group, rank, what)  # an asynchronous save in flight: in place before anyone looks
     seen: str | None = None
     failed: Exception | None = None
+    args: dict[str, Any] = {}
     try:
+        args = {"optimizers": _optimizer_count(optimizer, _build_view(pipe.stages, stage_prefix=stage_prefix, rank=rank)),
+                "restore_rng": bool(restore_rng), "stage_prefix": bool(stage_prefix)}
         if _PARTIAL.match(p.name):
             raise FileNotFoundError(f"{p} is a partial checkpoint: a save that did not complete (cut by a crash, or still being written)")
         elif _NAME.match(p.name) or (p / ".metadata").exists():
@@ -763,7 +808,9 @@ def load_checkpoint(
             seen = None if found is None else str(found)
     except Exception as exc:  # noqa: BLE001 - agreed below: every rank raises it
         failed = exc
-    everyone = _settle(group, rank, what, failed, seen)
+    agreed = _settle(group, rank, what, failed, (seen, args))
+    _same_arguments(rank, what, [a for _, a in agreed])
+    everyone = [theirs for theirs, _ in agreed]
     chosen = everyone[0]
     differ = [r for r, theirs in enumerate(everyone) if theirs != chosen]
     if differ:

@@ -10,10 +10,11 @@ Rows of one table (``tests/ranks/ckpt_adv_worker.py``), in three kinds:
   processes) from the latest complete checkpoint: it must start where the row says, every checkpoint it lists
   must hold every rank's data, and every later loss, norm, parameter and optimizer state (AdamW's step counts
   and moments, SGD's momentum, the scheduled learning rate) must equal the uninterrupted job's bit for bit.
-* ``async`` / ``refuse``: an asynchronous save meeting a slow rank 0, a full disk on rank 0 as it finishes, a
+* ``async`` / ``refuse`` / ``args``: an asynchronous save meeting a slow rank 0, a full disk on rank 0 as it finishes, a
   full disk on rank 1 as it writes; checkpoints loaded by another model or optimizer, or spoiled on disk
-  (a rank's data file truncated or missing, the marker or DCP's metadata garbled): every rank raises a clear
-  error within seconds, or loads exactly.
+  (a rank's data file truncated or missing, the marker or DCP's metadata garbled); ranks that pass a save or load
+  different arguments (step, ``async_save``, ``keep_last``, an optimizer): every rank raises a clear error within
+  seconds, or loads exactly (a rank whose stages are frozen whole passes no optimizer).
 * ``clip``: ``clip_grad_norm_`` with norm types 1, 3.5, 2 and inf, an inf / -inf / NaN gradient on either
   rank, ``error_if_nonfinite``, a frozen layer and a rank whose stage is frozen whole, against
   ``torch.nn.utils.clip_grad_norm_`` on the unsplit model.
@@ -95,6 +96,20 @@ REFUSE: list[tuple[str, str | None, dict[str, Any], str | None]] = [
     ("metadata-truncated", "metadata-truncated", {}, "UnpicklingError"),
 ]
 
+# argument rows: (name, what the ranks pass differently, what every rank's error holds; None: saved and loaded)
+ARGS: list[tuple[str, str, str | None]] = [
+    ("step", "step", "the ranks passed different step (rank 0: 4, rank 1: 5)"),
+    ("async", "async", "the ranks passed different async_save (rank 0: True, rank 1: False)"),
+    ("optimizer", "optimizer", "the ranks passed different optimizers (rank 0: 1, rank 1: 0)"),
+    ("keep-last", "keep_last", "the ranks passed different keep_last (rank 0: 1, rank 1: None)"),
+    ("load-optimizer", "load-optimizer", "load_checkpoint("),
+    # rank 1's stages frozen whole: it has no optimizer to pass, rank 0 has one
+    ("frozen-rank1", "frozen-rank1", None),
+]
+
+# (rows run in a pool of their own: without their fix the ranks hung)
+ISOLATED = {"async"}
+
 # clip rows: (name, norm type, max_norm, poked gradient (name, value) or None, error_if_nonfinite, frozen modules)
 CLIPS: list[tuple[str, Any, float, list[Any] | None, bool, list[str]]] = [
     ("l1", 1, 0.05, None, False, []),
@@ -120,6 +135,9 @@ def _cases(base: Path) -> list[dict[str, Any]]:
         out.append(dict(_clean(name, job, base), id=f"crash-{name}", ckpt=str(base / f"crash-{name}")))
     for name, spoil, load_cfg, _ in REFUSE:
         out.append(dict(id=f"refuse-{name}", kind="refuse", spoil=spoil, load_cfg=load_cfg, ckpt=str(base / f"refuse-{name}")))
+    for name, how, _ in ARGS:
+        if name not in ISOLATED:
+            out.append(dict(id=f"args-{name}", kind="args", how=how, ckpt=str(base / f"args-{name}")))
     for name, norm, max_norm, poke, strict, frozen in CLIPS:
         out.append(dict(id=f"clip-{name}", kind="clip", norm_type=norm, max_norm=max_norm, poke=poke, strict=strict,
                         frozen=frozen))
@@ -140,17 +158,19 @@ async def _all(base: Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any
     for name, job, crash, _ in CRASHES:
         crashes[name] = await _crash(base, name, job, crash)
     pool = await run_job(2, WORKER, _cases(base), base / "out", base, timeout=180)
-    # each asynchronous row in a pool of its own (together), bounded: a rank that waits for a failed peer (the
-    # bug of async-finalize-enospc) or dies of a BaseException fails its row only
+    # the rows that hung without their fix each in a pool of its own (together), bounded: a rank that waits for
+    # a failed peer (async-finalize-enospc, args-async) or dies of a BaseException fails its row only
 
-    async def one(name: str, fault: str, then: str) -> dict[str, list[dict[str, Any]]]:
-        case = dict(id=name, kind="async", fault=fault, then=then, ckpt=str(base / name))
+    async def one(case: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
         try:
-            return await run_job(2, WORKER, [case], base / f"out-{name}", base, timeout=45)
+            return await run_job(2, WORKER, [case], base / f"out-{case['id']}", base, timeout=45)
         except RanksFailed as exc:
-            return {name: [{"errors": [f"the pool failed: {exc}"[:6000]]}] * 2}
+            return {case["id"]: [{"errors": [f"the pool failed: {exc}"[:6000]]}] * 2}
 
-    for got in await asyncio.gather(*(one(name, fault, then) for name, fault, then, _ in ASYNC)):
+    alone = [dict(id=name, kind="async", fault=fault, then=then, ckpt=str(base / name)) for name, fault, then, _ in ASYNC]
+    alone += [dict(id=f"args-{name}", kind="args", how=how, ckpt=str(base / f"args-{name}"))
+              for name, how, _ in ARGS if name in ISOLATED]
+    for got in await asyncio.gather(*(one(case) for case in alone)):
         pool.update(got)
     return crashes, pool
 
@@ -236,6 +256,24 @@ def test_a_checkpoint_that_does_not_fit_is_refused_on_every_rank(results: Any, n
         if res["error"].startswith("CheckpointError"):
             assert res["error"].split(":", 2)[1] == f" rank {r}", (r, res["error"])
         assert res["seconds_to_fail"] < 10, (r, res)
+
+
+@pytest.mark.parametrize("name,how,want", ARGS, ids=[a[0] for a in ARGS])
+def test_ranks_that_pass_different_arguments_are_refused_together(results: Any, name: str, how: str,
+                                                                  want: str | None) -> None:
+    ranks = results[1][f"args-{name}"]
+    _no_errors(name, ranks)
+    for r, res in enumerate(ranks):
+        if want is None:
+            assert res["error"] is None and res["loaded"] == 4 and res["equal"], (r, res)
+            assert res["listed"] == [4]
+            continue
+        assert res["error"] and res["error"].startswith(f"PipelineConfigError: rank {r}: ") and want in res["error"], (r, res)
+        if how == "load-optimizer":
+            assert "the ranks passed different optimizers (rank 0: 1, rank 1: 0)" in res["error"], (r, res)
+        assert res["seconds"] < 10, (r, res)
+        # nothing half-written is listed (the load row's save was complete)
+        assert res["listed"] == ([4] if how == "load-optimizer" else []), (r, res["listed"])
 
 
 # ---------------------------------------------------------------- clipping against the unsplit model

@@ -278,6 +278,55 @@ def run_refuse(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
     return out
 
 
+# ---------------------------------------------------------------- ranks that pass different arguments
+
+
+def run_args(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
+    """A save (then a load) whose ranks pass different arguments: refused on every rank, nothing written; or,
+    where a rank's stages are frozen whole (it has no optimizer to pass), saved and loaded."""
+    import pipeloom
+    from pipeloom.runtime import checkpoint as ck
+
+    root, how = cfg["ckpt"], cfg["how"]
+    frozen = ["layers.2", "layers.3"] if how == "frozen-rank1" else []
+    pipe, opt, _ = _build({"frozen": frozen}, dropout=0.0)
+    x, y = batch(NET, 0)
+    pipe.step(x, target=y)
+    if opt is not None:
+        opt.step()
+    saved = _named_params(pipe)
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    try:
+        if how == "step":
+            pipeloom.save_checkpoint(root, pipe, opt, step=4 + rank)
+        elif how == "async":
+            pipeloom.save_checkpoint(root, pipe, opt, step=4, async_save=rank == 0)
+        elif how == "optimizer":
+            pipeloom.save_checkpoint(root, pipe, opt if rank == 0 else None, step=4)
+        elif how == "keep_last":
+            pipeloom.save_checkpoint(root, pipe, opt, step=4, keep_last=1 if rank == 0 else None)
+        elif how == "load-optimizer":
+            pipeloom.save_checkpoint(root, pipe, opt, step=4)
+            pipeloom.load_checkpoint(root, pipe, opt if rank == 0 else None)
+        else:  # frozen-rank1
+            pipeloom.save_checkpoint(root, pipe, opt, step=4)
+            pipe.close()
+            pipe, opt, _ = _build({"frozen": frozen}, dropout=0.0)
+            info = pipeloom.load_checkpoint(root, pipe, opt)
+            out["loaded"] = info.step if info else None
+            out["equal"] = _named_params(pipe) == saved
+        out["error"] = None
+    except Exception as exc:  # noqa: BLE001 - recorded: the test checks it
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["seconds"] = time.perf_counter() - t0
+    pipeloom.wait_checkpoints()
+    dist.barrier()
+    out["listed"] = [s for s, _ in ck.list_checkpoints(root)]
+    pipe.close()
+    return out
+
+
 # ---------------------------------------------------------------- clipping against the unsplit model
 
 
@@ -331,7 +380,8 @@ def run_clip(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
 
 def run(cfg: dict[str, Any], job: dict[str, Any], rank: int) -> dict[str, Any]:
     kind = cfg.get("kind", "job")
-    res = {"job": run_training, "async": run_async, "refuse": run_refuse, "clip": run_clip}[kind](cfg, rank)
+    res = {"job": run_training, "async": run_async, "refuse": run_refuse, "args": run_args,
+           "clip": run_clip}[kind](cfg, rank)
     res.setdefault("errors", [])
     return res
 
