@@ -353,3 +353,43 @@ def test_sigkill_of_the_launcher_leaves_nothing_running(work: Path) -> None:
     assert code == -signal.SIGKILL, err
     assert len(pids) == 4
     assert not _wait_dead(pids, timeout=2.0), "orphans left behind"
+
+
+# ---------------------------------------------------------------- two launchers on this host
+
+
+@pytest.mark.parametrize("style", ["static", "c10d"])
+def test_two_launchers_as_two_nodes(work: Path, style: str) -> None:
+    """torchtitan / Megatron style multi-node command lines, two launchers on this host: every rank sees the
+    world torchrun gives it (global ranks contiguous per node), and gloo through env:// gets that world."""
+    port = _free_port()
+    common = ["--nnodes=2", "--nproc-per-node=2"]
+    if style == "static":
+        per_node = [[*common, f"--node-rank={i}", "--master-addr=127.0.0.1", f"--master-port={port}"] for i in (0, 1)]
+    else:  # --node-rank is given, as scripts do, and ignored with a note (the rendezvous assigns it, as torchrun's)
+        per_node = [[*common, f"--node_rank={i}", "--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{port}",
+                     "--rdzv_id=job", "--max_restarts=0"] for i in (0, 1)]
+    # gloo in the ranks for the static pair only: test_launch.py's c10d test runs gloo through the rendezvous
+    env = _env(work, {"PROBE_DIST": "1" if style == "static" else "0", "PIPELOOM_JOB_SECRET": "ab" * 16})
+    procs = [subprocess.Popen([*LAUNCH, *args, "probe.py", "--steps", "1"], cwd=work, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for args in per_node]
+    try:
+        results = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    errs = [err for _, err in results]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    if style == "c10d":
+        assert all("note: --node-rank is ignored with --rdzv-backend c10d" in err for err in errs), errs
+    ranks = {int(Path(f).stem[4:]): json.loads(Path(f).read_text()) for f in glob.glob(str(work / "out" / "rank*.json"))}
+    assert sorted(ranks) == [0, 1, 2, 3], errs
+    for rank, rec in ranks.items():
+        node, local = divmod(rank, 2)
+        assert (rec["GROUP_RANK"], rec["LOCAL_RANK"], rec["ROLE_RANK"]) == (str(node), str(local), str(rank)), rec
+        assert (rec["WORLD_SIZE"], rec["LOCAL_WORLD_SIZE"], rec["GROUP_WORLD_SIZE"], rec["ROLE_WORLD_SIZE"]) == ("4", "2", "2", "4")
+        assert rec["TORCHELASTIC_RUN_ID"] == ("job" if style == "c10d" else "none")
+        assert rec.get("dist", [rank, 4, 4.0]) == [rank, 4, 4.0] and rec["argv"] == ["probe.py", "--steps", "1"], rec
+    assert len({rec["MASTER_PORT"] for rec in ranks.values()}) == 1
