@@ -187,6 +187,8 @@ class _View:
     dup_buffers: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
     #: key -> stage, for every parameter
     param_stage: dict[str, int] = field(default_factory=dict)
+    #: key -> (stage, tensor) of every local stage's copy, for every persistent buffer
+    buffer_copies: dict[str, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
 
 
 def _build_view(stages: Mapping[int, nn.Module], *, stage_prefix: bool, rank: int) -> _View:
@@ -214,6 +216,7 @@ def _build_view(stages: Mapping[int, nn.Module], *, stage_prefix: bool, rank: in
             if name not in persistent:
                 continue
             key = pre + name
+            view.buffer_copies.setdefault(key, []).append((s, b))
             if key in buffers:  # a buffer every stage keeps (state on a split module): save it once
                 buffers[key][1].append(b)
                 continue
@@ -224,13 +227,40 @@ def _build_view(stages: Mapping[int, nn.Module], *, stage_prefix: bool, rank: in
     return view
 
 
+def _digest(t: torch.Tensor) -> str:
+    import hashlib
+
+    data = t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    return f"{t.dtype}{tuple(t.shape)}:" + hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
 def _check_global_names(view: _View, group: Any, rank: int) -> None:
-    """No parameter name may be held by two different stages anywhere (DCP would keep one of them)."""
-    mine = view.param_stage
+    """No parameter name may be held by two different stages anywhere (DCP would keep one of them), and the
+    copies of a buffer several stages keep must be equal.
+
+    Every stage of ``split_by_fqn`` keeps the buffers of the modules no stage owns (the root's): one key, one
+    value in the checkpoint, as the unsplit model has one.  DCP saves one copy of a key several ranks hold (rank
+    0's) and ``load_checkpoint`` gives it to every stage, so where a stage had changed its own copy (a buffer its
+    forward updates, set on the last stage only) that value was dropped without a word, and a resumed run went
+    on from another.  Such a save is refused, naming the buffer and the stages that differ.
+    """
+    digests = {key: [(s, _digest(b)) for s, b in copies] for key, copies in view.buffer_copies.items()}
     everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    dist.all_gather_object(everyone, (view.param_stage, digests), group=group)
+    first: dict[str, tuple[int, int, str]] = {}
+    for r, (_, theirs) in enumerate(everyone):
+        for key, copies in theirs.items():
+            for s, d in copies:
+                r0, s0, d0 = first.setdefault(key, (r, s, d))
+                if d != d0:
+                    raise PipelineConfigError(
+                        f"rank {rank}: the buffer {key!r} that stage {s0} (rank {r0}) and stage {s} (rank {r}) both keep "
+                        "differs between them: a checkpoint holds one copy of it, as the unsplit model has one; keep "
+                        "the copies equal (update it on every stage that keeps it), make it non-persistent "
+                        "(register_buffer(..., persistent=False)), or pass stage_prefix=True (each stage's own)"
+                    )
     seen: dict[str, tuple[int, int]] = {}
-    for r, names in enumerate(everyone):
+    for r, (names, _) in enumerate(everyone):
         for key, s in names.items():
             if key in seen and seen[key][0] != s:
                 raise PipelineConfigError(

@@ -306,6 +306,19 @@ def run_args(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
             pipeloom.save_checkpoint(root, pipe, opt if rank == 0 else None, step=4)
         elif how == "keep_last":
             pipeloom.save_checkpoint(root, pipe, opt, step=4, keep_last=1 if rank == 0 else None)
+        elif how in ("buffer-rank1", "buffer-every-stage"):
+            # the buffer every stage of split_by_fqn keeps (Net's root `offset`), changed on rank 1's stage only
+            # (a stage whose forward updates it) or on every stage
+            if how == "buffer-every-stage" or rank == 1:
+                with torch.no_grad():
+                    for m in pipe.stages.values():
+                        m.offset.add_(1.0)
+            out["offset_saved"] = [m.offset.tolist() for m in pipe.stages.values()]
+            pipeloom.save_checkpoint(root, pipe, opt, step=4)
+            pipe.close()
+            pipe, opt, _ = _build({}, dropout=0.0)
+            pipeloom.load_checkpoint(root, pipe, opt)
+            out["offset"] = [m.offset.tolist() for m in pipe.stages.values()]
         elif how == "load-optimizer":
             pipeloom.save_checkpoint(root, pipe, opt, step=4)
             pipeloom.load_checkpoint(root, pipe, opt if rank == 0 else None)
