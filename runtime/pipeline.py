@@ -217,6 +217,9 @@ def _merge(outputs: list[Any], *, precut: bool) -> Any:
     Microbatches passed pre-cut (``Microbatches``) may have different shapes,
     so their outputs come back as ``Microbatches`` too, and so do outputs whose
     shapes beyond dim 0 differ between microbatches (``torch.cat`` cannot join them).
+    Tuples and lists are merged position by position, dicts key by key (when every
+    microbatch gave the same positions or keys), ``None`` everywhere stays ``None``;
+    other values come back as the list of the microbatches' values.
     """
     if precut:
         return Microbatches(outputs)
@@ -229,8 +232,22 @@ def _merge(outputs: list[Any], *, precut: bool) -> Any:
             # its peers had ended it); they come back per microbatch, as for pre-cut inputs
             return Microbatches(outputs)
         return torch.cat(outputs, dim=0)
-    if all(isinstance(o, (tuple, list)) for o in outputs):
+    if outputs and all(o is None for o in outputs):
+        return None  # (a field no microbatch filled, e.g. a model's optional ``loss`` or ``past_key_values``)
+    if outputs and all(isinstance(o, (tuple, list)) for o in outputs) and len({len(o) for o in outputs}) == 1:
         return type(outputs[0])(_merge(list(parts), precut=False) for parts in zip(*outputs))
+    if outputs and all(isinstance(o, Mapping) for o in outputs) and all(o.keys() == outputs[0].keys() for o in outputs):
+        # dicts with the same keys (a Hugging Face ``ModelOutput`` too), merged key by key as torch's
+        # ``merge_chunks`` does through pytree; of another type than dict, rebuilt as that type where it takes the
+        # fields as keywords, else a plain dict
+        merged = {k: _merge([o[k] for o in outputs], precut=False) for k in outputs[0]}
+        kind = type(outputs[0])
+        if kind is dict:
+            return merged
+        try:
+            return kind(**merged)
+        except Exception:  # noqa: BLE001 (a mapping type that cannot be rebuilt from its fields)
+            return merged
     return outputs
 
 

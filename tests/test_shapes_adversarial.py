@@ -31,6 +31,10 @@ Bugs these rows found (regression tests now):
   for some steps (a warm-up that trains the later stages only) hands on an activation that needs no gradient from
   the same inputs, and that step failed the same way; the layout now holds a digest of each rank's trainable set,
   parameter shapes and train/eval modes (the fingerprint that already decides a cold step).
+- dict outputs of the last stage came back as a list of dicts, one per microbatch (rows ``dict-*``), where torch's
+  ``merge_chunks`` joins them key by key; and tuples whose length differed between microbatches were cut to the
+  shortest by ``zip``, silently: dicts are merged now, structures that differ come back per microbatch
+  (``test_merge_outputs_by_structure``).
 """
 
 from __future__ import annotations
@@ -183,3 +187,32 @@ def test_changing_inputs(results: dict[str, list[dict[str, Any]]], case_id: str)
         else:
             assert sent == [0, 0], f"op {i} ({script[i]}): new, yet sent without headers: {sent}"
         assert all(res["ops"][i]["known"] <= 16 for res in ranks), [res["ops"][i]["known"] for res in ranks]
+
+
+def test_merge_outputs_by_structure() -> None:
+    """The last stage's per-microbatch outputs joined as torch's ``merge_chunks`` joins them: dicts key by key (a
+    ``ModelOutput``-like mapping rebuilt as its own type), ``None`` fields kept ``None``; structures that differ
+    between microbatches (other keys, tuples of other lengths: ``zip`` used to drop the extra items) come back as
+    the list of the microbatches' outputs."""
+    from collections import OrderedDict
+
+    import torch
+
+    from pipeloom.runtime.pipeline import _merge
+
+    class Out(OrderedDict):  # (a Hugging Face ModelOutput takes its fields as keywords)
+        def __init__(self, **kw: Any) -> None:
+            super().__init__(**{k: v for k, v in kw.items() if v is not None})
+
+    a, b = torch.arange(6.0).view(2, 3), torch.arange(6.0, 9.0).view(1, 3)
+    got = _merge([{"y": a, "n": None, "tag": "x"}, {"y": b, "n": None, "tag": "x"}], precut=False)
+    assert list(got) == ["y", "n", "tag"] and torch.equal(got["y"], torch.cat([a, b])) and got["n"] is None and got["tag"] == ["x", "x"]
+    got = _merge([Out(logits=a, loss=None), Out(logits=b, loss=None)], precut=False)
+    assert type(got) is Out and list(got) == ["logits"] and torch.equal(got["logits"], torch.cat([a, b]))
+    nested = _merge([{"h": (a, {"z": a})}, {"h": (b, {"z": b})}], precut=False)
+    assert torch.equal(nested["h"][1]["z"], torch.cat([a, b]))
+    other_keys = [{"y": a}, {"y": b, "extra": b}]
+    assert _merge(other_keys, precut=False) == other_keys
+    other_lengths = [(a, a), (b,)]
+    assert _merge(other_lengths, precut=False) == other_lengths
+    assert _merge([None, None], precut=False) is None

@@ -243,9 +243,9 @@ def input_layout(inp: dict[str, Any], n: int, train: bool) -> Any:
 class Compare(TensorDiffs):
     def output(self, what: str, got: Any, want: list[Any], precut: bool) -> None:
         """``got``: what the Pipeline returned; ``want``: the unsplit model's outputs by microbatch.  Microbatches
-        in: Microbatches out; dicts: a list of them (one per microbatch); else merged as torch does (cat on dim 0,
-        tuples position by position, non-tensors listed)."""
-        if precut or isinstance(want[0], dict):
+        in: Microbatches out; else merged as torch does (cat on dim 0, tuples position by position, dicts key by
+        key, non-tensors listed)."""
+        if precut:
             if not isinstance(got, list) or len(got) != len(want):
                 self.diffs[what] = f"got {type(got).__name__}, want a list of {len(want)} microbatches' outputs"
                 return
@@ -269,6 +269,12 @@ class Compare(TensorDiffs):
                 return
             for j in range(len(got)):
                 self.merged(f"{what}[{j}]", got[j], [w[j] for w in want])
+        elif isinstance(want[0], dict):
+            if not isinstance(got, dict) or list(got) != list(want[0]):
+                self.diffs[what] = f"got {got!r:.80}, want a dict of {list(want[0])}"
+                return
+            for k in got:
+                self.merged(f"{what}.{k}", got[k], [w[k] for w in want])
         elif got != want:
             self.diffs[what] = f"got {got!r:.80}, want {want!r:.80}"
 
