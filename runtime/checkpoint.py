@@ -645,6 +645,8 @@ def _finalize(partial: Path, final: Path, step: int, meta: dict[str, Any], keep_
         pass
     if keep_last is not None:
         for _, stale in list_checkpoints(final.parent)[:-keep_last]:
+            if stale == final:  # a step below the latest (saved after going back to an older checkpoint): kept
+                continue
             try:
                 _remove(stale)
             except OSError:  # pragma: no cover - removed meanwhile: nothing to prune

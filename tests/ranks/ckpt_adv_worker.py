@@ -319,6 +319,13 @@ def run_args(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
             pipe, opt, _ = _build({}, dropout=0.0)
             pipeloom.load_checkpoint(root, pipe, opt)
             out["offset"] = [m.offset.tolist() for m in pipe.stages.values()]
+        elif how == "keep-last-older-step":
+            # steps 2 and 4 saved, then step 3 (a job that went back to step 2) with keep_last=1
+            pipeloom.save_checkpoint(root, pipe, opt, step=2)
+            pipeloom.save_checkpoint(root, pipe, opt, step=4)
+            done = pipeloom.save_checkpoint(root, pipe, opt, step=3, keep_last=1)
+            dist.barrier()
+            out["returned_exists"] = done.path.is_dir()
         elif how == "load-optimizer":
             pipeloom.save_checkpoint(root, pipe, opt, step=4)
             pipeloom.load_checkpoint(root, pipe, opt if rank == 0 else None)
