@@ -171,6 +171,10 @@ ROWS = [
     # -- already matched torchrun in the sweep (kept as regressions)
     Row("standalone", ["--standalone", "--nproc-per-node=2", "probe.py", "--lr", "1e-3"],
         facts={**ONE_NODE, "argv": ["probe.py", "--lr", "1e-3"]}),
+    # torchrun runs a one-node job without --master-port or an endpoint as --standalone: a fresh run id each time
+    # (pipeloom said 'none'); with --master-port it is static ('none', below); an explicit --rdzv-id is kept
+    Row("one-node-run-id", ["--nproc-per-node=2", "probe.py"], facts={"TORCHELASTIC_RUN_ID": "<uuid>"}),
+    Row("one-node-explicit-run-id", ["--nproc-per-node=2", "--rdzv-id=myjob", "probe.py"], facts={"TORCHELASTIC_RUN_ID": "myjob"}),
     Row("underscores", ["--nproc_per_node", "2", "--max_restarts=0", "--monitor_interval", "0.2", "probe.py"],
         facts=ONE_NODE),
     Row("nnodes-1", ["--nnodes=1", "--nproc-per-node=2", "probe.py"], facts=ONE_NODE),

@@ -1571,6 +1571,11 @@ def config_from_args(args: argparse.Namespace, *, environ: Mapping[str, str] | N
     except ValueError as exc:
         raise _UsageError(f"--nnodes: {exc}") from None
     nnodes = max_nodes
+    if run_id == "none" and args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None \
+            and max_nodes == 1:
+        # torchrun (2.13) runs such a job as --standalone: a fresh run id (an explicit --rdzv-id is kept here;
+        # torchrun would replace it too)
+        run_id = str(uuid.uuid4())
     backend = args.rdzv_backend
     rdzv: RendezvousConfig | None = None
     if backend != "static":
