@@ -397,3 +397,20 @@ def test_two_launchers_as_two_nodes(work: Path, style: str) -> None:
         assert rec["TORCHELASTIC_RUN_ID"] == ("job" if style == "c10d" else "none")
         assert rec.get("dist", [rank, 4, 4.0]) == [rank, 4, 4.0] and rec["argv"] == ["probe.py", "--steps", "1"], rec
     assert len({rec["MASTER_PORT"] for rec in ranks.values()}) == 1
+
+
+# ---------------------------------------------------------------- ports
+
+
+def test_free_port_is_outside_the_ephemeral_range() -> None:
+    """The master port the launcher picks (one node; node 0 of a rendezvous) is handed to rank 0, which binds it
+    seconds later: from the ephemeral range, an outgoing connection of any process could take it meanwhile
+    (rank 0's TCPStore failed with EADDRINUSE once in test_launch.py's c10d test beside other jobs)."""
+    from pipeloom.tools.rendezvous import _ephemeral_ports, free_port
+
+    lo, hi = _ephemeral_ports()
+    for _ in range(100):
+        port = free_port()
+        assert not lo <= port <= hi and not 29400 <= port < 29600 and 1024 < port < 65536, port
+        with socket.socket() as s:
+            s.bind(("", port))

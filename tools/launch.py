@@ -205,7 +205,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
-from .rendezvous import RendezvousConfig, parse_nnodes, parse_rdzv_conf
+from .rendezvous import RendezvousConfig, free_port, parse_nnodes, parse_rdzv_conf
 
 __all__ = [
     "EXIT_OK",
@@ -1481,9 +1481,7 @@ def _nproc(text: str) -> int:
 
 
 def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("" if host not in ("127.0.0.1", "localhost") else "127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port("127.0.0.1" if host in ("127.0.0.1", "localhost") else "")
 
 
 def _check_script(script: str) -> None:

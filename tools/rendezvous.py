@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import secrets
 import socket
 import time
@@ -38,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RendezvousConfig", "Assignment", "NodeRendezvous", "parse_nnodes", "parse_rdzv_conf"]
+__all__ = ["RendezvousConfig", "Assignment", "NodeRendezvous", "free_port", "parse_nnodes", "parse_rdzv_conf"]
 
 _FAILED = "pipeloom/failed"
 
@@ -110,7 +111,38 @@ def _route_addr(host: str) -> str:
         return socket.getfqdn()
 
 
-def _free_port(addr: str) -> int:
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for bind(0) and outgoing connections (Linux; else the usual one)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = map(int, f.read().split())
+            return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(addr: str = "") -> int:
+    """A TCP port free on this host now, for a store that a rank will listen on seconds later.
+
+    Chosen outside the kernel's ephemeral range when it can be: a port taken with bind(0) and
+    released is ephemeral, and until the rank binds it any outgoing connection or bind(0) on the
+    host may be given it (seen once in a test run beside other jobs: rank 0's TCPStore failed
+    with EADDRINUSE).  Ports outside that range are only ever taken by an explicit bind.
+    """
+    lo, hi = _ephemeral_ports()
+    outside = [(p, q) for p, q in ((20000, min(lo, 32768)), (max(hi + 1, 20000), 65536)) if q - p >= 1000]
+    rng = random.Random()
+    for _ in range(64 if outside else 0):
+        start, stop = rng.choice(outside)
+        port = rng.randrange(start, stop)
+        if 29400 <= port < 29600:
+            continue  # torchrun's default rendezvous and master ports: another job may be about to use them
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))  # every address: the store listens on all of them
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((addr if addr.startswith("127.") else "", 0))
         return int(s.getsockname()[1])
@@ -156,7 +188,7 @@ class NodeRendezvous:
         if node_rank == 0:
             host = self.config.endpoint.rsplit(":", 1)[0].strip("[]")
             addr = self.config.local_addr or _route_addr(host)
-            store.set("pipeloom/master", f"{addr}:{_free_port(addr)}")
+            store.set("pipeloom/master", f"{addr}:{free_port(addr)}")
             store.set("pipeloom/secret", job_secret or secrets.token_hex(16))
         master = store.get("pipeloom/master").decode()
         secret = job_secret or store.get("pipeloom/secret").decode()
