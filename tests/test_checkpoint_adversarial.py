@@ -72,6 +72,11 @@ CRASHES: list[tuple[str, dict[str, Any], dict[str, Any], int]] = [
     # synchronous saves (GPipe, SGD, layer 1 frozen): rank 1 dies once its data of step 4 is written
     ("after-write-gpipe", dict(schedule="GPipe", optim="sgd", frozen=["layers.1"], saves=[2, 4, 6]),
      dict(rank=1, at=[4, 1], how="after-write"), 2),
+    # 4 ranks: pp 2 x FSDP 2 (asynchronous saves, SGD) and pp 2 x DDP 2 (Interleaved1F1B, step 4 saved twice)
+    ("fsdp-after-write", dict(world=4, dp=2, fsdp=True, optim="sgd", saves=[2, 4, 6], **{"async": True}),
+     dict(rank=3, at=[4, 1], how="after-write"), 2),
+    ("ddp-resave-interleaved", dict(world=4, dp=2, schedule="Interleaved1F1B", spr=2, saves=[2, 4, 4, 6]),
+     dict(rank=0, at=[4, 2], how="rmtree"), 4),
 ]
 
 # async rows: (name, fault, what follows the asynchronous save of step 1, what every rank's events must say)
@@ -133,11 +138,15 @@ def _clean(name: str, job: dict[str, Any], base: Path) -> dict[str, Any]:
     return dict(job, id=f"clean-{name}", ckpt=str(base / f"clean-{name}"), steps=6)
 
 
-def _cases(base: Path) -> list[dict[str, Any]]:
+def _cases(base: Path, world: int = 2) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for name, job, _, _ in CRASHES:
+        if job.get("world", 2) != world:
+            continue
         out.append(_clean(name, job, base))
         out.append(dict(_clean(name, job, base), id=f"crash-{name}", ckpt=str(base / f"crash-{name}")))
+    if world != 2:
+        return out
     for name, spoil, load_cfg, _ in REFUSE:
         out.append(dict(id=f"refuse-{name}", kind="refuse", spoil=spoil, load_cfg=load_cfg, ckpt=str(base / f"refuse-{name}")))
     for name, how, _ in ARGS:
@@ -154,7 +163,7 @@ async def _crash(base: Path, name: str, job: dict[str, Any], crash: dict[str, An
     cfg = dict(_clean(name, job, base), ckpt=str(base / f"crash-{name}"), crash=crash)
     path = base / f"crash-{name}.json"
     path.write_text(json.dumps(cfg))
-    codes, outs, errs = await spawn_ranks(2, [str(WORKER), "crash", str(path)], timeout=90)
+    codes, outs, errs = await spawn_ranks(job.get("world", 2), [str(WORKER), "crash", str(path)], timeout=90)
     return {"codes": codes, "survived": ["survived" in o for o in outs], "errs": [e[-2000:] for e in errs]}
 
 
@@ -163,6 +172,7 @@ async def _all(base: Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any
     for name, job, crash, _ in CRASHES:
         crashes[name] = await _crash(base, name, job, crash)
     pool = await run_job(2, WORKER, _cases(base), base / "out", base, timeout=180)
+    pool.update(await run_job(4, WORKER, _cases(base, 4), base / "out4", base, timeout=180))
     # the rows that hung without their fix each in a pool of its own (together), bounded: a rank that waits for
     # a failed peer (async-finalize-enospc, args-async) or dies of a BaseException fails its row only
 
@@ -204,13 +214,15 @@ def test_a_job_killed_in_a_save_resumes_exactly(results: Any, name: str, job: di
     _no_errors(f"clean-{name}", clean)
     _no_errors(f"crash-{name}", resumed)
     k = job.get("accumulate", 1)
-    for r in range(2):
+    world = job.get("world", 2)
+    for r in range(world):
         a, b = clean[r], resumed[r]
         assert a["start"] == 0 and b["start"] == start, (r, b["start"])
         # what the restart found: every step-N it could take holds every rank's data
         for entry, files in b["root_at_start"].items():
             if entry.startswith("step-"):
-                assert {"COMPLETE", ".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(files), (entry, files)
+                want = {"COMPLETE", ".metadata", *(f"__{q}_0.distcp" for q in range(world))}
+                assert want <= set(files), (entry, files)
         assert b["losses"] == a["losses"][start * k:], r
         assert b["norms"] == a["norms"][start:], r
         assert b["params"] == a["params"], r

@@ -51,7 +51,8 @@ def _build(cfg: dict[str, Any], *, dropout: float | None = None) -> tuple[Any, A
         model.get_submodule(name).requires_grad_(False)
     split = pipeloom.split_by_fqn(model, fqns(cfg.get("layers", 4), 2 * spr))
     pipe = pipeloom.Pipeline(split, schedule=cfg.get("schedule", "1F1B"), num_microbatches=4, loss_fn=loss_fn,
-                             stages_per_rank=spr, deterministic=True)
+                             stages_per_rank=spr, deterministic=True, data_parallel=cfg.get("dp", 1),
+                             fsdp=cfg.get("fsdp", False))
     params = [p for p in pipe.parameters() if p.requires_grad]
     if not params:  # (a rank whose stages are frozen whole: clipping rows only)
         return pipe, None, None
@@ -64,8 +65,13 @@ def _build(cfg: dict[str, Any], *, dropout: float | None = None) -> tuple[Any, A
     return pipe, opt, sched
 
 
+def _flat(t: torch.Tensor) -> list[float]:
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t  # (FSDP's shards: the whole tensor)
+    return t.detach().reshape(-1).tolist()
+
+
 def _named_params(pipe: Any) -> dict[str, Any]:
-    return {n: p.detach().reshape(-1).tolist() for m in pipe.stages.values() for n, p in m.named_parameters()}
+    return {n: _flat(p) for m in pipe.stages.values() for n, p in m.named_parameters()}
 
 
 def _optim_state(pipe: Any, opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -73,7 +79,7 @@ def _optim_state(pipe: Any, opt: torch.optim.Optimizer) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for p, st in opt.state.items():
         for k, v in st.items():
-            out[f"{names[id(p)]}.{k}"] = v.reshape(-1).tolist() if isinstance(v, torch.Tensor) else v
+            out[f"{names[id(p)]}.{k}"] = _flat(v) if isinstance(v, torch.Tensor) else v
     out["lr"] = [g["lr"] for g in opt.param_groups]
     return out
 
