@@ -190,3 +190,29 @@ def test_empty_wakes_and_forged_frames_leave_the_reader_armed() -> None:
         b.stop()
         a.close()
         b.close()
+
+
+def test_close_after_the_peer_closed_does_not_wait_out_the_linger() -> None:
+    """The last rank to close used to send its ``bye`` to a peer already closed, and ``term`` waited the whole
+    LINGER (200 ms) for a message nobody would read: on every job's last rank and every Pipeline a test closes.
+    The peer's ``bye`` (read by the reader, or still queued at ``close``) marks it closed; a peer that did not
+    say bye still gets this rank's."""
+    a, b = _pair()
+    b.close()  # b says bye to a, which has not read it yet (no reader running)
+    t = time.perf_counter()
+    a.close()
+    took = time.perf_counter() - t
+    assert a.peers_closed == {1}
+    assert took < 0.1, f"close took {took * 1e3:.0f} ms"
+    # a peer still open gets the bye (and the closing rank does not wait on it either)
+    c, d = _pair()
+    got: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        d.start(got.append)
+        c.close()
+        await _until(lambda: any(m["type"] == "bye" for m in got))
+
+    asyncio.run(main())
+    assert [m["src"] for m in got if m["type"] == "bye"] == [0] and d.peers_closed == {0}
+    d.close()

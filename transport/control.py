@@ -167,6 +167,9 @@ class ControlPlane:
         #: disconnect counts only once a later read still shows no reconnect
         self.monitors_read_at = 0.0
         self.steps_done = 0  #: steps this rank completed (set by the actor), said in ``bye``
+        #: peers whose ``bye`` this rank read: their control planes are closed, so ``close`` sends them nothing
+        #: (a message to a closed peer waits out the whole ``LINGER`` in ``term``: 200 ms on every job's last rank)
+        self.peers_closed: set[int] = set()
         #: the rank whose abort this rank heard (set by the actor; -1: none), said in ``bye``
         self.bye_cause = -1
         #: seconds one action of this rank's current step may run while peers wait for it
@@ -330,6 +333,8 @@ class ControlPlane:
                 self.rejected += 1
                 self.rejections.rejected(exc)
             else:
+                if msg["type"] == "bye":
+                    self.peers_closed.add(msg["src"])
                 try:
                     handler(msg)
                 except Exception:  # a handler bug must not kill the reader: the rank would go deaf
@@ -350,13 +355,34 @@ class ControlPlane:
         if loop is not None and not loop.is_closed():
             loop.remove_reader(self._fd)
 
+    def _read_byes(self) -> None:
+        """At ``close``: the ``bye`` among the messages still queued (unread since ``stop``), noted in
+        ``peers_closed``; every other message is dropped, as closing would drop it."""
+        while True:
+            try:
+                data = self._pull.recv(_NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = self._codec.read(data)  # type: ignore[arg-type]
+            except MessageError:
+                continue
+            if msg["type"] == "bye":
+                self.peers_closed.add(msg["src"])
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self.stop()
         if self._push:
-            self.broadcast("bye", steps=self.steps_done, cause=self.bye_cause)  # (LINGER gives it time to leave)
+            self._read_byes()
+            data = self._codec.frame("bye", dict(steps=self.steps_done, cause=self.bye_cause))
+            for dst, sock in self._push.items():
+                if dst in self.peers_closed:
+                    sock.setsockopt(zmq.LINGER, 0)  # (nobody reads it: closing must not wait for it)
+                else:
+                    self._send(dst, data, "bye")  # (LINGER gives it time to leave)
         self._hb_stop.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=2)
