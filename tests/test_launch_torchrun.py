@@ -25,6 +25,8 @@ Rows marked with a finding failed before the fix named there:
 * ``--standalone`` overrides ``--rdzv-*`` flags (as torchrun's does) instead of
   refusing the command line, and gives the ranks a fresh ``TORCHELASTIC_RUN_ID``;
 * ``--run-path`` hands the script its path as given;
+* ``--virtual-local-rank`` gives every rank ``LOCAL_RANK=0`` and its own GPU
+  as ``CUDA_VISIBLE_DEVICES`` (it was accepted and ignored);
 * SIGINT to the launcher (Ctrl-C) reaches the ranks as SIGINT, so a script's
   ``except KeyboardInterrupt`` / ``finally`` runs, as under torchrun (they got
   SIGTERM and died without running it);
@@ -59,7 +61,7 @@ PROBE = textwrap.dedent(
     import json, os, sys
     KEYS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
             "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-            "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS", "PROBE_VIA"]
+            "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS", "PROBE_VIA", "CUDA_VISIBLE_DEVICES"]
     rec = {k: os.environ.get(k) for k in KEYS}
     rec.update(argv=sys.argv, cwd=os.getcwd(), name=__name__, file=globals().get("__file__"),
                spec=getattr(globals().get("__spec__"), "name", None), pid=os.getpid())
@@ -132,7 +134,7 @@ def work(tmp_path: Path) -> Iterator[Path]:
 
 
 def _env(work: Path, extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PET_") and k != "OMP_NUM_THREADS"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PET_") and k not in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")}
     env.update(PROBE_OUT=str(work / "out"), **extra)
     return env
 
@@ -235,6 +237,16 @@ ROWS = [
     Row("standalone-overrides-rdzv", ["--standalone", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:{PORT}",
                                       "--rdzv-id=job", "--nproc-per-node=2", "probe.py"],
         facts={**ONE_NODE, "TORCHELASTIC_RUN_ID": "<uuid>"}, stderr=("--standalone",)),
+    # --virtual-local-rank was accepted and ignored (LOCAL_RANK the real one, every GPU visible); torchrun's agent
+    # gives each rank LOCAL_RANK=0 and its own device as CUDA_VISIBLE_DEVICES (the launcher's list, by local rank)
+    Row("virtual-local-rank", ["--nproc-per-node=2", "--virtual-local-rank", "probe.py"],
+        facts={"LOCAL_RANK": "0", "RANK": "{R}", "CUDA_VISIBLE_DEVICES": "{R}"}),
+    Row("virtual-local-rank-maps-visible-devices", ["--nproc-per-node=2", "--virtual_local_rank", "probe.py"],
+        env={"CUDA_VISIBLE_DEVICES": "3, 5"}, facts={"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": ("3", "5")}),
+    Row("virtual-local-rank-too-few-devices", ["--nproc-per-node=2", "--virtual-local-rank", "probe.py"],
+        env={"CUDA_VISIBLE_DEVICES": "3"}, code=2, nproc=0, stderr=("--virtual-local-rank: 2 ranks but CUDA_VISIBLE_DEVICES='3'",)),
+    Row("no-virtual-local-rank-keeps-devices", ["--nproc-per-node=2", "probe.py"], env={"CUDA_VISIBLE_DEVICES": "3,5"},
+        facts={"LOCAL_RANK": "{R}", "CUDA_VISIBLE_DEVICES": "3,5"}),
     Row("run-path", ["--nproc-per-node=2", "--run-path", "probe.py", "rp"], facts={**ONE_NODE, "argv": ["probe.py", "rp"]}),
     # -- through torch.distributed (a rendezvous in the launcher, gloo in the ranks): torchtitan's command line
     # a filter naming local ranks another node has (one command line for nodes of 8 and of 2 GPUs): torchrun
@@ -273,6 +285,8 @@ def test_torchrun_command_line(work: Path, row: Row) -> None:
     for rank, record in ranks.items():
         for key, want in row.facts.items():
             got = record[key]
+            if isinstance(want, tuple):  # one value per rank
+                want = want[rank]
             if want == "<uuid>":
                 assert got and got != "none" and len(got) == 36, (rank, key, got)
             elif key == "file" and got is not None:

@@ -304,6 +304,9 @@ class LaunchConfig:
     """Ranks in the job, when a rendezvous assigned it (None: ``nnodes * nproc_per_node``)."""
     role: str = "default"
     """``ROLE_NAME`` of the ranks (torchrun's ``--role``)."""
+    virtual_local_rank: bool = False
+    """torchrun's ``--virtual-local-rank``: every rank sees ``LOCAL_RANK=0`` and only its own GPU, as
+    ``CUDA_VISIBLE_DEVICES`` (the launcher's list, indexed by local rank; else the local rank)."""
     quiet_streams: Mapping[int, int] = field(default_factory=dict)
     """Local rank -> streams (1 stdout, 2 stderr, 3 both) not echoed to the console (``--redirects``)."""
     error_dir: Path | None = None
@@ -353,6 +356,10 @@ def rank_environment(config: LaunchConfig, local_rank: int, base: Mapping[str, s
         TORCHELASTIC_RUN_ID=config.run_id,
         PIPELOOM_LAUNCHER="1",
     )
+    if config.virtual_local_rank:  # as torchrun's agent does it
+        env["LOCAL_RANK"] = "0"
+        parent = env.get("CUDA_VISIBLE_DEVICES")
+        env["CUDA_VISIBLE_DEVICES"] = parent.split(",")[local_rank].strip() if parent is not None else str(local_rank)
     error_file = config.error_file(local_rank)
     if error_file is not None:
         env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
@@ -1330,7 +1337,6 @@ _IGNORED_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--logs-specs", "--logs_specs"), {}),
     (("--signals-to-handle", "--signals_to_handle"), {}),
     (("--shutdown-timeout", "--shutdown_timeout"), {}),
-    (("--virtual-local-rank", "--virtual_local_rank"), {"action": "store_const", "const": True}),
 ]
 _IGNORED_WHY = {
     "start_method": "ranks are always fresh processes (exec), as with 'spawn'",
@@ -1340,7 +1346,6 @@ _IGNORED_WHY = {
     "logs_specs": "log files are DIR/rank{R}.log under --log-dir",
     "signals_to_handle": "SIGINT, SIGTERM, SIGHUP and SIGQUIT are handled; ranks get SIGINT (for SIGINT) or SIGTERM, then SIGKILL",
     "shutdown_timeout": "--grace is the time ranks get before SIGTERM (SIGKILL 1 s later)",
-    "virtual_local_rank": "LOCAL_RANK is the real local rank; set CUDA_VISIBLE_DEVICES yourself",
 }
 
 
@@ -1446,6 +1451,8 @@ def add_parser(subparsers: Any) -> None:
     add("--numa-binding", "--numa_binding", dest="numa_binding", choices=("node", "socket", "exclusive", "core-complex"),
         default=None, help="torchrun's: node and socket as --cpu-bind; exclusive and core-complex bind as --cpu-bind slice")
     add("--role", default=None, help="ROLE_NAME of the ranks (default 'default')")
+    add("--virtual-local-rank", "--virtual_local_rank", dest="virtual_local_rank", action="store_true", default=None,
+        help="torchrun's: every rank sees LOCAL_RANK=0 and only its own GPU (CUDA_VISIBLE_DEVICES)")
     add("-m", "--module", action="store_true", default=None, help="run SCRIPT as a module, like python -m")
     add("--no-python", "--no_python", dest="no_python", action="store_true", default=None, help="run SCRIPT as an executable, not with python")
     add("--run-path", "--run_path", dest="run_path", action="store_true", default=None,
@@ -1513,6 +1520,7 @@ _TORCHRUN_ENV: dict[str, tuple[str, str, Any, Callable[[str], Any]]] = {
     "max_restarts": ("MAX_RESTARTS", "--max-restarts", 0, _int_arg),
     "monitor_interval": ("MONITOR_INTERVAL", "--monitor-interval", 0.5, _positive_float),
     "role": ("ROLE", "--role", "default", str),
+    "virtual_local_rank": ("VIRTUAL_LOCAL_RANK", "--virtual-local-rank", False, _env_flag),
     "module": ("MODULE", "-m", False, _env_flag),
     "no_python": ("NO_PYTHON", "--no-python", False, _env_flag),
     "run_path": ("RUN_PATH", "--run-path", False, _env_flag),
@@ -1655,6 +1663,10 @@ def config_from_args(args: argparse.Namespace, *, environ: Mapping[str, str] | N
             raise _UsageError(f"--cpu-bind {cpu_bind}: {exc}") from None
     if args.module and args.no_python:
         raise _UsageError("-m and --no-python exclude each other")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if args.virtual_local_rank and visible is not None and nproc > len(visible.split(",")):
+        raise _UsageError(f"--virtual-local-rank: {nproc} ranks but CUDA_VISIBLE_DEVICES={visible!r} names "
+                          f"{len(visible.split(','))} device(s)")
     python = env.get("PYTHON_EXEC") or sys.executable  # torchrun's: the interpreter of the ranks
     if args.run_path:
         if args.module:
@@ -1705,6 +1717,7 @@ def config_from_args(args: argparse.Namespace, *, environ: Mapping[str, str] | N
         rdzv=rdzv,
         run_id=run_id,
         role=args.role,
+        virtual_local_rank=args.virtual_local_rank,
         quiet_streams=quiet,
         monitor_interval=args.monitor_interval,
         cpu_bind=cpu_bind,
