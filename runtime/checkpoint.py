@@ -425,7 +425,19 @@ def _state_dicts(view: _View, optims: list[torch.optim.Optimizer]) -> tuple[dict
 
     if not optims:
         return get_model_state_dict(view.module, options=_options()), None
-    msd, osd = get_state_dict(view.module, optims if len(optims) > 1 else optims[0], options=_options())
+    # torch gives an optimizer without state (not stepped yet) its state entries by a step with zero gradients
+    # and lr 0, but only where no parameter has a gradient: a load after a backward, before the optimizer's
+    # first step (a warm-up step, a step to build lazy modules), found no entries to read, and the optimizer
+    # went on with none of the checkpoint's state (AdamW's moments and step counts), without a word.  The
+    # gradients are set aside for it and put back.
+    aside = [(q, q.grad) for o in optims if not o.state for g in o.param_groups for q in g["params"] if q.grad is not None]
+    for q, _ in aside:
+        q.grad = None
+    try:
+        msd, osd = get_state_dict(view.module, optims if len(optims) > 1 else optims[0], options=_options())
+    finally:
+        for q, grad in aside:
+            q.grad = grad
     return msd, osd
 
 

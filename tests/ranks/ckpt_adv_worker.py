@@ -332,6 +332,17 @@ def run_args(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
             done = pipeloom.save_checkpoint(root, pipe, opt, step=3, keep_last=1)
             dist.barrier()
             out["returned_exists"] = done.path.is_dir()
+        elif how == "load-with-grads":
+            # loaded after a backward, before the new optimizer's first step: its state must be the checkpoint's
+            pipeloom.save_checkpoint(root, pipe, opt, step=4)
+            want = _optim_state(pipe, opt)
+            pipe.close()
+            pipe, opt, _ = _build({}, dropout=0.0)
+            pipe.step(*batch(NET, 9)[:1], target=batch(NET, 9)[1])
+            grads = {n: _flat(q.grad) for m in pipe.stages.values() for n, q in m.named_parameters()}
+            pipeloom.load_checkpoint(root, pipe, opt)
+            out["optim_equal"] = _optim_state(pipe, opt) == want and len(want) > 1
+            out["grads_kept"] = grads == {n: _flat(q.grad) for m in pipe.stages.values() for n, q in m.named_parameters()}
         elif how == "load-optimizer":
             pipeloom.save_checkpoint(root, pipe, opt, step=4)
             pipeloom.load_checkpoint(root, pipe, opt if rank == 0 else None)
