@@ -563,11 +563,11 @@ def test_max_restarts_exhausted_fails_the_job(tmp_path: Path, reaper: Reaper) ->
 def test_torchrun_flags_that_do_not_apply_are_accepted_with_a_note(tmp_path: Path, reaper: Reaper) -> None:
     script = _script(tmp_path, "env.py", 'print("ROLE", os.environ["ROLE_NAME"], os.environ["TORCHELASTIC_RUN_ID"], os.environ.get("TORCHELASTIC_ERROR_FILE", "")[-11:])\n')
     code, out, err, _ = reaper.run(
-        "--nproc-per-node", "2", "--start-method", "spawn", "--shutdown-timeout", "30",
+        "--nproc-per-node", "2", "--start-method", "spawn", "--event-log-handler", "null",
         "--role", "trainer", "--run-path", "--monitor-interval", "0.2", "--rdzv-id", "myjob", script, tmp_path,
     )
     assert code == 0, err
-    for flag in ("--start-method", "--shutdown-timeout"):
+    for flag in ("--start-method", "--event-log-handler"):
         assert err.count(f"pipeloom launch: note: {flag} does not apply to pipeloom launch and is ignored: ") == 1, err
     lines = _by_rank(out)
     for rank in (0, 1):

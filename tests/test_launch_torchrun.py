@@ -25,6 +25,7 @@ Rows marked with a finding failed before the fix named there:
 * ``--standalone`` overrides ``--rdzv-*`` flags (as torchrun's does) instead of
   refusing the command line, and gives the ranks a fresh ``TORCHELASTIC_RUN_ID``;
 * ``--run-path`` hands the script its path as given;
+* ``--shutdown-timeout`` is the time from SIGTERM to SIGKILL (it was ignored);
 * ``--virtual-local-rank`` gives every rank ``LOCAL_RANK=0`` and its own GPU
   as ``CUDA_VISIBLE_DEVICES`` (it was accepted and ignored);
 * SIGINT to the launcher (Ctrl-C) reaches the ranks as SIGINT, so a script's
@@ -320,9 +321,10 @@ KBI_SCRIPT = textwrap.dedent(
 )
 
 
-def _start_and_signal(work: Path, sig: int) -> tuple[int, str, float, list[int]]:
-    (work / "kbi.py").write_text(KBI_SCRIPT)
-    proc = subprocess.Popen([*LAUNCH, "--nproc-per-node=2", "--grace", "3", "kbi.py"], cwd=work, env=_env(work, {}),
+def _start_and_signal(work: Path, sig: int, script: str = KBI_SCRIPT, flags: tuple[str, ...] = ("--grace", "3")
+                      ) -> tuple[int, str, float, list[int]]:
+    (work / "kbi.py").write_text(script)
+    proc = subprocess.Popen([*LAUNCH, "--nproc-per-node=2", *flags, "kbi.py"], cwd=work, env=_env(work, {}),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out = work / "out"
     pids: list[int] = []
@@ -360,6 +362,34 @@ def test_sigquit_stops_every_rank_and_its_children(work: Path) -> None:
     assert code == 128 + signal.SIGQUIT, err
     assert "pipeloom launch: stopped by SIGQUIT; terminated ranks 0, 1" in err
     assert not _wait_dead(pids, timeout=1.0), "orphans left behind"
+
+
+SAVE_ON_SIGTERM = textwrap.dedent(
+    """\
+    import os, signal, sys, time
+    d, r = os.environ["PROBE_OUT"], os.environ["RANK"]
+
+    def save(signum, frame):  # e.g. a checkpoint on preemption: it takes a while
+        time.sleep(1.5)
+        open(os.path.join(d, f"saved{r}"), "w").write("1")
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, save)
+    open(os.path.join(d, f"pid{r}"), "w").write(str(os.getpid()))
+    time.sleep(60)
+    """
+)
+
+
+def test_shutdown_timeout_gives_the_ranks_time_to_save(work: Path) -> None:
+    """torchrun's --shutdown-timeout: SIGTERM, then this long before SIGKILL (was accepted and ignored: SIGKILL
+    came after --grace, and a rank saving on SIGTERM was cut off)."""
+    code, err, elapsed, pids = _start_and_signal(work, signal.SIGTERM, SAVE_ON_SIGTERM,
+                                                 ("--grace", "0.3", "--shutdown-timeout", "10"))
+    assert code == 143, err
+    assert (work / "out" / "saved0").exists() and (work / "out" / "saved1").exists(), err
+    assert 1.4 < elapsed < 8, elapsed
+    assert not _wait_dead(pids, timeout=1.0)
 
 
 def test_sigkill_of_the_launcher_leaves_nothing_running(work: Path) -> None:

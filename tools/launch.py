@@ -282,6 +282,9 @@ class LaunchConfig:
     """``PIPELOOM_CUDA_GRAPHS=1``: the ranks' Pipelines replay their stages from CUDA graphs (``RuntimeOptions.cuda_graphs``)."""
     grace: float = 2.0
     """Seconds the other ranks get to exit by themselves after the first failure (or a signal)."""
+    shutdown_timeout: float | None = None
+    """torchrun's ``--shutdown-timeout``: seconds from the launcher's SIGTERM (SIGINT) to SIGKILL, for ranks
+    that save something on the way out; None: 1 s after a failure, ``grace`` after a signal."""
     log_dir: Path | None = None
     """If set, each rank's raw output also goes to ``log_dir/rank{R}.log``."""
     prefix: bool = True
@@ -1057,10 +1060,10 @@ class _Job:
             now = loop.time()
             if self.interrupt is not None and not term_sent:
                 term_at = now  # a signal to the launcher: SIGTERM now, SIGKILL after the grace
-                kill_at = now + self.config.grace
+                kill_at = now + (self.config.grace if self.config.shutdown_timeout is None else self.config.shutdown_timeout)
             elif self.failure_at is not None and term_at is None:
                 term_at = self.failure_at + self.config.grace
-                kill_at = term_at + _KILL_AFTER_TERM
+                kill_at = term_at + (_KILL_AFTER_TERM if self.config.shutdown_timeout is None else self.config.shutdown_timeout)
             if self.interrupt_count > 1 and kill_at is not None:
                 kill_at = min(kill_at, now)  # asked twice: no more patience
             if term_at is not None and now >= term_at and not term_sent:
@@ -1336,7 +1339,6 @@ _IGNORED_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--duplicate-stderr-filters", "--duplicate_stderr_filters"), {}),
     (("--logs-specs", "--logs_specs"), {}),
     (("--signals-to-handle", "--signals_to_handle"), {}),
-    (("--shutdown-timeout", "--shutdown_timeout"), {}),
 ]
 _IGNORED_WHY = {
     "start_method": "ranks are always fresh processes (exec), as with 'spawn'",
@@ -1345,7 +1347,6 @@ _IGNORED_WHY = {
     "duplicate_stderr_filters": "use --log-dir (every rank's whole output)",
     "logs_specs": "log files are DIR/rank{R}.log under --log-dir",
     "signals_to_handle": "SIGINT, SIGTERM, SIGHUP and SIGQUIT are handled; ranks get SIGINT (for SIGINT) or SIGTERM, then SIGKILL",
-    "shutdown_timeout": "--grace is the time ranks get before SIGTERM (SIGKILL 1 s later)",
 }
 
 
@@ -1440,6 +1441,9 @@ def add_parser(subparsers: Any) -> None:
              "RuntimeOptions.cuda_graphs: for host-bound stages; the stage must be a function of its inputs and parameters)")
     add("--grace", type=_nonneg_float, default=2.0, metavar="SECONDS",
         help="after a failure, wait this long for the other ranks before SIGTERM (default 2)")
+    add("--shutdown-timeout", "--shutdown_timeout", dest="shutdown_timeout", type=_nonneg_float, default=None,
+        metavar="SECONDS", help="torchrun's: seconds from SIGTERM (SIGINT) to SIGKILL, for ranks that save something "
+        "on the way out (default: 1 after a failure, --grace after a signal to the launcher; torchrun's is 30)")
     add("--max-restarts", "--max_restarts", dest="max_restarts", type=_int_arg, default=None, metavar="N",
         help="after a failure, stop every rank and restart them all, at most N times; ranks see "
              "TORCHELASTIC_RESTART_COUNT (default 0)")
@@ -1520,6 +1524,7 @@ _TORCHRUN_ENV: dict[str, tuple[str, str, Any, Callable[[str], Any]]] = {
     "max_restarts": ("MAX_RESTARTS", "--max-restarts", 0, _int_arg),
     "monitor_interval": ("MONITOR_INTERVAL", "--monitor-interval", 0.5, _positive_float),
     "role": ("ROLE", "--role", "default", str),
+    "shutdown_timeout": ("SHUTDOWN_TIMEOUT", "--shutdown-timeout", None, _nonneg_float),
     "virtual_local_rank": ("VIRTUAL_LOCAL_RANK", "--virtual-local-rank", False, _env_flag),
     "module": ("MODULE", "-m", False, _env_flag),
     "no_python": ("NO_PYTHON", "--no-python", False, _env_flag),
@@ -1709,6 +1714,7 @@ def config_from_args(args: argparse.Namespace, *, environ: Mapping[str, str] | N
         first_step_stall_timeout=args.first_step_stall_timeout,
         cuda_graphs=args.cuda_graphs,
         grace=args.grace,
+        shutdown_timeout=args.shutdown_timeout,
         log_dir=log_dir,
         prefix=args.prefix,
         console_local_ranks=args.ranks_filter,
