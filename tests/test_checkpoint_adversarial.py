@@ -2,9 +2,10 @@
 
 Rows of one table (``tests/ranks/ckpt_adv_worker.py``), in three kinds:
 
-* ``crash``: a 2-rank training job (dropout with ``deterministic=True``, AdamW or SGD with Nesterov momentum, a
+* ``crash``: a training job (dropout with ``deterministic=True``, AdamW or SGD with Nesterov momentum, a
   LambdaLR schedule and the data position in ``extra``, clipping, gradient accumulation, a frozen layer; 1F1B,
-  GPipe, Interleaved1F1B, ZBVZeroBubble) in which a rank is SIGKILLed inside a save: while a replaced checkpoint
+  GPipe, Interleaved1F1B, ZBVZeroBubble; 2 ranks, and 4: pp 2 x FSDP 2, pp 2 x DDP 2, pp 2 x ep 2 with MoE
+  stages) in which a rank is SIGKILLed inside a save: while a replaced checkpoint
   of the same step or a pruned old one (``keep_last``) is being deleted, before rank 0's marker of an
   asynchronous save, after rank 1 wrote its data of a synchronous one.  The job then restarts (fresh rank
   processes) from the latest complete checkpoint: it must start where the row says, every checkpoint it lists
@@ -77,6 +78,8 @@ CRASHES: list[tuple[str, dict[str, Any], dict[str, Any], int]] = [
      dict(rank=3, at=[4, 1], how="after-write"), 2),
     ("ddp-resave-interleaved", dict(world=4, dp=2, schedule="Interleaved1F1B", spr=2, saves=[2, 4, 4, 6]),
      dict(rank=0, at=[4, 2], how="rmtree"), 4),
+    # pp 2 x ep 2 (MoE stages, each rank half of its stage's experts): rank 2 killed once its data is written
+    ("ep-after-write", dict(world=4, model="moe", ep=2, saves=[2, 4, 6]), dict(rank=2, at=[4, 1], how="after-write"), 2),
 ]
 
 # async rows: (name, fault, what follows the asynchronous save of step 1, what every rank's events must say)
@@ -220,6 +223,7 @@ def test_a_job_killed_in_a_save_resumes_exactly(results: Any, name: str, job: di
     for r in range(world):
         a, b = clean[r], resumed[r]
         assert a["start"] == 0 and b["start"] == start, (r, b["start"])
+        assert len(a["losses"]) == 6 * k and len(a["norms"]) == 6 and a["params"] and len(a["optim"]) > 1, r
         # what the restart found: every step-N it could take holds every rank's data
         for entry, files in b["root_at_start"].items():
             if entry.startswith("step-"):

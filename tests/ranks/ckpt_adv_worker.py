@@ -45,6 +45,17 @@ def _build(cfg: dict[str, Any], *, dropout: float | None = None) -> tuple[Any, A
     import pipeloom
 
     spr = cfg.get("spr", 1)
+    if cfg.get("model") == "moe":  # pp 2 x ep 2: each rank holds half of its stage's experts (tests/ranks/moe_model.py)
+        from moe_model import MoEStage
+        from moe_model import loss_fn as moe_loss
+
+        def stage_fn(s: int, ctx: Any) -> torch.nn.Module:
+            return MoEStage(s, group=ctx.ep_group, ep_rank=ctx.ep_rank, ep_size=ctx.ep_size)
+
+        pipe = pipeloom.Pipeline(stage_fn, schedule=cfg.get("schedule", "1F1B"), num_microbatches=4, loss_fn=moe_loss,
+                                 expert_parallel=cfg["ep"], deterministic=True)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=0.02, weight_decay=0.1, foreach=False)
+        return pipe, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.5 * s))
     model = build_net(dict(NET, dim=cfg.get("dim", 8), layers=cfg.get("layers", 4),
                            dropout=cfg.get("dropout", 0.1) if dropout is None else dropout))
     for name in cfg.get("frozen", ()):
@@ -133,7 +144,8 @@ def run_training(cfg: dict[str, Any], rank: int, crash: dict[str, Any] | None = 
     root = cfg["ckpt"]
     pipe, opt, sched = _build(cfg)
     torch.manual_seed(100 + rank)  # the dropout masks: each rank's own, continued by the saved RNG state
-    info = pipeloom.load_checkpoint(root, pipe, opt)
+    prefix = cfg.get("model") == "moe"  # (every MoE stage names its parameters alike: keyed stage{S}.name)
+    info = pipeloom.load_checkpoint(root, pipe, opt, stage_prefix=prefix)
     start, pos = 0, 0
     if info is not None:
         start, pos = info.step, info.extra["data"]
@@ -145,7 +157,12 @@ def run_training(cfg: dict[str, Any], rank: int, crash: dict[str, Any] | None = 
     for step in range(start, cfg["steps"]):
         opt.zero_grad(set_to_none=True)
         for _ in range(k):
-            x, y = batch(NET, pos)
+            if prefix:
+                from moe_model import make_batch
+
+                x, y = make_batch(pos, rows=8, seq=3)
+            else:
+                x, y = batch(NET, pos)
             pos += 1
             pipe.step(x, target=y)
             res["losses"].append(pipe.last_loss())
@@ -159,7 +176,8 @@ def run_training(cfg: dict[str, Any], rank: int, crash: dict[str, Any] | None = 
                     pipeloom.wait_checkpoints()  # (the patch is process-wide: an earlier save must not meet it)
                 _arm(crash)
             pipeloom.save_checkpoint(root, pipe, opt, step=step + 1, extra={"sched": sched.state_dict(), "data": pos},
-                                     async_save=cfg.get("async", False), keep_last=cfg.get("keep_last"))
+                                     async_save=cfg.get("async", False), keep_last=cfg.get("keep_last"),
+                                     stage_prefix=prefix)
     pipeloom.wait_checkpoints()
     dist.barrier()  # (rank 0 puts the last save in place after the others' wait returned)
     res.update(params=_named_params(pipe), optim=_optim_state(pipe, opt), root_at_end=_root_listing(root))
