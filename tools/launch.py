@@ -772,6 +772,13 @@ class _Job:
         assert self._loop is not None
         rank.returncode = returncode if returncode is not None else -signal.SIGKILL
         self.exit_order.append(rank)
+        if self._watchdog is not None and rank.pid is not None:
+            try:
+                os.killpg(rank.pid, 0)
+            except ProcessLookupError:  # its group is empty: its number may be reused, the watchdog must forget it
+                self._watchdog.discard(rank.pid)
+            except PermissionError:
+                pass
         if rank.returncode != 0 and self.failure_at is None and self.interrupt is None:
             self.failure_at = self._loop.time()
         self.wake()
