@@ -233,6 +233,8 @@ ROWS = [
         facts={**ONE_NODE, "ROLE_NAME": "pet"}, stderr=("PET_NPROC_PER_NODE=2",)),
     Row("pet-environment-command-line-wins", ["--nproc-per-node", "1", "probe.py"], env={"PET_NPROC_PER_NODE": "2"},
         nproc=1, facts={"WORLD_SIZE": "1"}),
+    Row("pet-environment-bad-value-is-named", ["probe.py"], env={"PET_NPROC_PER_NODE": "x"}, code=2, nproc=0,
+        stderr=("expected an integer or 'auto', got 'x' (torchrun's environment defaults in effect: PET_NPROC_PER_NODE=x)",)),
     Row("pet-standalone-flag", ["--nproc-per-node=2", "probe.py"], env={"PET_STANDALONE": "1", "PET_RDZV_BACKEND": "c10d"},
         facts={**ONE_NODE, "TORCHELASTIC_RUN_ID": "<uuid>"}),
     Row("standalone-overrides-rdzv", ["--standalone", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:{PORT}",

@@ -1572,7 +1572,16 @@ def _apply_torchrun_env(args: argparse.Namespace, env: Mapping[str, str]) -> lis
 def config_from_args(args: argparse.Namespace, *, environ: Mapping[str, str] | None = None) -> tuple[LaunchConfig, list[str]]:
     """Validate parsed arguments into a config; also returns warnings to print.  Raises _UsageError."""
     env = os.environ if environ is None else environ
-    warnings: list[str] = _apply_torchrun_env(args, env)
+    pet = _apply_torchrun_env(args, env)
+    try:
+        return _config_from_args(args, env, list(pet))
+    except _UsageError as exc:
+        if pet:  # the bad value may have come from the environment, not the command line: say so
+            raise _UsageError(f"{exc} ({pet[0].removeprefix('note: ')})") from None
+        raise
+
+
+def _config_from_args(args: argparse.Namespace, env: Mapping[str, str], warnings: list[str]) -> tuple[LaunchConfig, list[str]]:
     run_id = args.rdzv_id
     if args.standalone:
         # torchrun's --standalone: a c10d rendezvous on localhost:0 with a fresh id, whatever --rdzv-* said
