@@ -227,10 +227,15 @@ def _build_view(stages: Mapping[int, nn.Module], *, stage_prefix: bool, rank: in
     return view
 
 
-def _digest(t: torch.Tensor) -> str:
+def _digest(t: torch.Tensor) -> str | None:
+    """The bytes of ``t`` hashed; None for a tensor that has no plain bytes here (a DTensor, a sparse or
+    quantized one): not compared, and never an error on one rank alone before the collective that follows."""
     import hashlib
 
-    data = t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    try:
+        data = t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    except Exception:  # noqa: BLE001 - see above
+        return None
     return f"{t.dtype}{tuple(t.shape)}:" + hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
@@ -251,6 +256,8 @@ def _check_global_names(view: _View, group: Any, rank: int) -> None:
     for r, (_, theirs) in enumerate(everyone):
         for key, copies in theirs.items():
             for s, d in copies:
+                if d is None:
+                    continue
                 r0, s0, d0 = first.setdefault(key, (r, s, d))
                 if d != d0:
                     raise PipelineConfigError(
