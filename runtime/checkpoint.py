@@ -776,8 +776,13 @@ def save_checkpoint(
                 failed = exc
         _settle(group, rank, what, failed)
         return PendingCheckpoint(final, step, None)
-    res = dcp.async_save(state, checkpoint_id=str(partial), process_group=group)
-    upload: Future[Any] = getattr(res, "upload_completion", res)  # AsyncSaveResponse (torch >= 2.9) or a Future
+    upload: Future[Any]
+    try:
+        res = dcp.async_save(state, checkpoint_id=str(partial), process_group=group)
+        upload = getattr(res, "upload_completion", res)  # AsyncSaveResponse (torch >= 2.9) or a Future
+    except Exception as exc:  # noqa: BLE001 - this rank's copy to CPU memory failed: see _join_failed
+        upload = Future()
+        upload.set_exception(_join_failed(exc, partial, group))
     done: Future[Any] = upload
     if rank == 0:
         done = Future()
@@ -795,6 +800,32 @@ def save_checkpoint(
     pending = PendingCheckpoint(final, step, done, group)
     _PENDING.append(pending)
     return pending
+
+
+def _join_failed(exc: Exception, partial: Path, group: Any) -> BaseException:
+    """This rank's asynchronous save failed before its writer started (copying the state to CPU memory: out of
+    memory); the other ranks' writers are already waiting in DCP's first collective for it.
+
+    Left there they waited until the process group's timeout, and so did every later checkpoint call (their
+    wait for the pending save first): a hang on every rank.  This rank joins that collective with a save that
+    fails in its planning, so every rank's writer fails with this rank's error, and, as for any asynchronous
+    save, every rank raises it at its next checkpoint call.  Returns the error to hand to whoever waits.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class _Failing(DefaultSavePlanner):
+        def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+            raise exc
+
+    try:
+        dcp.save({}, checkpoint_id=str(partial), process_group=group, planner=_Failing())
+    except CheckpointException as failed:
+        return failed
+    except Exception as failed:  # noqa: BLE001 - handed to whoever waits
+        return failed
+    return exc  # pragma: no cover - the failing planner always fails the save
 
 
 # ---------------------------------------------------------------- load

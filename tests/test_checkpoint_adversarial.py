@@ -11,11 +11,13 @@ Rows of one table (``tests/ranks/ckpt_adv_worker.py``), in three kinds:
   processes) from the latest complete checkpoint: it must start where the row says, every checkpoint it lists
   must hold every rank's data, and every later loss, norm, parameter and optimizer state (AdamW's step counts
   and moments, SGD's momentum, the scheduled learning rate) must equal the uninterrupted job's bit for bit.
-* ``async`` / ``refuse`` / ``args``: an asynchronous save meeting a slow rank 0, a full disk on rank 0 as it finishes, a
-  full disk on rank 1 as it writes; checkpoints loaded by another model or optimizer, or spoiled on disk
-  (a rank's data file truncated or missing, the marker or DCP's metadata garbled); ranks that pass a save or load
-  different arguments (step, ``async_save``, ``keep_last``, an optimizer): every rank raises a clear error within
-  seconds, or loads exactly (a rank whose stages are frozen whole passes no optimizer).
+* ``async`` / ``refuse`` / ``args``: an asynchronous save meeting a slow rank 0, a full disk on rank 0 as it
+  finishes, a full disk on rank 1 as it writes, rank 1 out of memory copying the state to CPU; checkpoints loaded
+  by another model or optimizer, or spoiled on disk (a rank's data file truncated or missing, the marker or DCP's
+  metadata garbled); ranks that pass a save or load different arguments (step, ``async_save``, ``keep_last``, an
+  optimizer); a buffer every stage keeps, changed on one stage; a load after a backward; ``keep_last`` on a step
+  below the latest: every rank raises a clear error within seconds, or saves and loads exactly (a rank whose
+  stages are frozen whole passes no optimizer).
 * ``clip``: ``clip_grad_norm_`` with norm types 1, 3.5, 2 and inf, an inf / -inf / NaN gradient on either
   rank, ``error_if_nonfinite``, a frozen layer and a rank whose stage is frozen whole, against
   ``torch.nn.utils.clip_grad_norm_`` on the unsplit model.
@@ -33,11 +35,27 @@ Bugs these rows found (regression tests now):
 - an asynchronous save whose write failed on a rank (row ``async-write-enospc``) raised DCP's
   ``CheckpointException`` (a ``BaseException``: a loop's ``except Exception`` missed it) from the next
   checkpoint call; now ``CheckpointError`` naming the rank whose write failed.
+- an asynchronous save that failed on one rank before its writer started (out of memory copying the state to
+  CPU memory; row ``async-stage-oom``) raised there at once, while the other ranks' writers waited in DCP's first
+  collective for it, and every later checkpoint call with them: a hang on every rank (a script that caught the
+  error).  That rank now joins the collective with a save that fails in its planning: every rank's save fails
+  with its error, raised on every rank at the next checkpoint call, as for any asynchronous save.
 - a checkpoint deleted midway by a crash (rows ``crash-resave-*``, ``crash-prune-*``): saving a step again
   (``shutil.rmtree`` of the old ``step-N``, then the rename) or pruning by ``keep_last`` removed files one by
   one, so a crash left a ``step-N`` with its marker and metadata but not every rank's data: listed as
   complete, and, when it was the latest, loaded by every restart, each failing in DCP.  Now a checkpoint is
   renamed out of the ``step-N`` names before it is deleted, and what a crash leaves is swept at a later save.
+- ranks that passed a save different arguments (rows ``args-*``): different steps wrote into different
+  directories and rank 0 marked its own complete without rank 1's data (the latest, unloadable); an optimizer on
+  some ranks only wrote a complete checkpoint without the others' optimizer state; ``async_save`` on some ranks
+  only hung both.  The arguments are agreed first now, a difference refused on every rank naming each value.
+- a buffer every stage keeps (the root's, with ``split_by_fqn``) changed on rank 1's stage only
+  (``args-buffer-rank1``): DCP saved rank 0's copy and the load gave it to every stage, silently; now refused.
+- ``load_checkpoint`` after a backward, before the optimizer's first step (``args-load-with-grads``): torch's
+  ``get_state_dict`` made no state entries while gradients existed, so AdamW's state was not read at all and
+  the optimizer went on with empty state; the gradients are set aside while the state dicts are taken now.
+- ``keep_last=1`` on a save of a step below the latest (``args-keep-last-older-step``) deleted the checkpoint
+  it had just written.
 """
 
 from __future__ import annotations
@@ -90,6 +108,9 @@ ASYNC: list[tuple[str, str, str, list[str]]] = [
       "(it failed on rank(s) [0]: OSError: [Errno 28] No space left on device", "saved 3"]),
     ("async-write-enospc", "write-enospc", "load",
      ["saved 1", "CheckpointError: rank {r}: load_checkpoint(", "saved 3"]),
+    ("async-stage-oom", "stage-oom", "save",
+     ["saved 1", "CheckpointError: rank {r}: save_checkpoint(step 2): the asynchronous save of step 1 did not complete "
+      "(it failed on rank(s) [1]: MemoryError: out of memory copying the state to CPU", "saved 3"]),
 ]
 
 # refuse rows: (name, how the checkpoint is spoiled, the loading model, what every rank's error holds; None: loads)
@@ -257,6 +278,8 @@ def test_an_async_save_in_trouble_is_known_to_every_rank(results: Any, name: str
             assert "failed on rank(s) [1]: OSError: [Errno 28]" in events[1][0] and "failed_ranks=[1]" in events[1][0]
         if fault == "finalize-enospc":
             assert "failed_ranks=[0]" in events[1][0]
+        if fault == "stage-oom":
+            assert "failed_ranks=[1]" in events[1][0]
         # the failed save is never listed; the later one is
         assert res["listed"] == ([1, 3] if fault == "slow-finalize" else [3]), (r, res["listed"])
 

@@ -223,6 +223,19 @@ def run_async(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
             return real_write(self, plan, planner)
 
         _FileSystemWriter.write_data = write  # type: ignore[method-assign]
+    elif fault == "stage-oom" and rank == 1:  # rank 1 runs out of memory copying the state to CPU memory
+        from torch.distributed.checkpoint.staging import DefaultStager
+
+        real_stage = DefaultStager.stage
+        stages = [0]
+
+        def stage(self: Any, *a: Any, **kw: Any) -> Any:
+            stages[0] += 1
+            if stages[0] == 1:
+                raise MemoryError("out of memory copying the state to CPU (simulated)")
+            return real_stage(self, *a, **kw)
+
+        DefaultStager.stage = stage  # type: ignore[method-assign]
     out: dict[str, Any] = {"events": []}
     try:
         for step in range(3):
@@ -250,6 +263,8 @@ def run_async(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
         dist.barrier()
         out["listed"] = [s for s, _ in ck.list_checkpoints(root)]
     finally:
+        if fault == "stage-oom" and rank == 1:
+            DefaultStager.stage = real_stage  # type: ignore[method-assign]
         ck._finalize = real_finalize  # type: ignore[assignment]
         _FileSystemWriter.write_data = real_write  # type: ignore[method-assign]
         pipe.close()
