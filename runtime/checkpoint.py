@@ -719,7 +719,7 @@ def save_checkpoint(
     except Exception as exc:  # noqa: BLE001 - agreed below: every rank raises it
         failed = exc
     everyone = _settle(group, rank, what, failed, (str(r), args))
-    roots = {root for root, _ in everyone}
+    roots = {directory for directory, _ in everyone}
     if len(roots) > 1:
         raise PipelineConfigError(
             f"rank {rank}: the ranks passed different checkpoint directories ({sorted(roots)}): every rank must "
