@@ -251,8 +251,23 @@ def _merge(outputs: list[Any], *, precut: bool) -> Any:
     return outputs
 
 
+#: (MASTER_ADDR, MASTER_PORT) -> [the TCP store made from the environment by the first Pipeline that initialised
+#: torch.distributed over it in this process, how many process groups have been made over it]
+#: (see ``_init_process_group``)
+_STORES: dict[tuple[str, str], list[Any]] = {}
+
+
 def _init_process_group(backend: str | None) -> bool:
-    """Initialise torch.distributed from the environment if needed; True if we did."""
+    """Initialise torch.distributed from the environment if needed; True if we did.
+
+    The store is made here (as ``env://`` would make it: rank 0 serves it unless the launcher's agent
+    does) and kept for the life of the process; the first process group made over it has ``env://``'s key
+    prefix, each later one its own.  A second Pipeline built after the first one's ``close`` (which destroys
+    the group it made) used to initialise ``env://`` again: the store on that port (multi-tenant: the same
+    server) still held the first group's keys (its gloo addresses), and every rank hung in
+    ``init_process_group``.  The ranks build their Pipelines in the same order, so the prefixes agree.
+    A new ``MASTER_PORT`` (or address) gets a new store.
+    """
     if dist.is_initialized():
         return False
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -261,13 +276,30 @@ def _init_process_group(backend: str | None) -> bool:
             f"torch.distributed is not initialised and {', '.join(missing)} are not set; "
             "start the script with `pipeloom launch` or `torchrun`, or call init_process_group first"
         )
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    where = (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    if where not in _STORES:
+        from datetime import timedelta
+
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"  # (torchrun's agent serves it)
+        store = dist.TCPStore(where[0], int(where[1]), world,
+                              is_master=rank == 0 and not agent, timeout=timedelta(minutes=30), multi_tenant=True)
+        if agent:  # the prefix torchrun's env:// rendezvous uses for this attempt's workers
+            store = dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        _STORES.clear()  # (a script that moved MASTER_PORT is done with the old store: rank 0 stops serving it)
+        _STORES[where] = [store, 0]
+    store, made = _STORES[where]
+    _STORES[where][1] = made + 1
+    # the first group under env://'s own prefix (a rank that joins with init_process_group itself meets it there);
+    # each later one under its own
+    store = dist.PrefixStore("default_pg" if made == 0 else f"pipeloom/{made}", store)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=torch.device("cuda", local))
     else:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     return True
 
 
