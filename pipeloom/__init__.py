@@ -24,6 +24,7 @@ _RUNTIME_NAMES = (
     "Pipeline",
     "PipelineConfigError",
     "PipelineError",
+    "PipelineGradScaler",
     "RemoteRankError",
     "Replicate",
     "RuntimeOptions",

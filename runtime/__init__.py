@@ -8,6 +8,7 @@ from .checkpoint import CheckpointInfo, PendingCheckpoint, latest_checkpoint, lo
 from .errors import CheckpointError, PeerLostError, PipelineConfigError, PipelineError, RemoteRankError, StageError
 from .checks import Replicate
 from .expert_parallel import StageContext
+from .grad_scaler import PipelineGradScaler
 from .options import RuntimeOptions
 from .pipeline import Microbatches, Pipeline, split_microbatches
 from .split import split_by_fqn
@@ -25,6 +26,7 @@ __all__ = [
     "Pipeline",
     "PipelineConfigError",
     "PipelineError",
+    "PipelineGradScaler",
     "RankActor",
     "RemoteRankError",
     "Replicate",

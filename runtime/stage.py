@@ -272,6 +272,9 @@ class StageExecutor:
         #: RuntimeOptions.defer_graph_teardown: where a full backward leaves its graph's nodes for the runtime to
         #: free later (the actor's list, shared by its stages; None: freed when the backward returns)
         self.graves: list[Any] | None = None
+        #: the last stage, float16 loss scaling (runtime/grad_scaler.py): multiplies each microbatch's loss by the
+        #: current scale where its backward is seeded; None: unscaled
+        self.loss_scaler: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._warned_unsplittable = False
         #: the module modifies its inputs in place (see _call); None: not known yet
         self._copy_inputs: bool | None = None
@@ -393,7 +396,8 @@ class StageExecutor:
     def _roots(self, saved: _Saved, grad_outputs: Sequence[torch.Tensor | None] | None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         if self.is_last:
             assert saved.loss is not None
-            return [saved.loss * self.grad_scale], None
+            seed = saved.loss * self.grad_scale
+            return [seed if self.loss_scaler is None else self.loss_scaler(seed)], None
         if grad_outputs is None or len(grad_outputs) != len(saved.outputs):
             raise ValueError(
                 f"stage {self.index} has {len(saved.outputs)} outputs but received "
