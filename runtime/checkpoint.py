@@ -77,6 +77,7 @@ import json
 import os
 import random
 import re
+import functools
 import shutil
 import time
 from collections.abc import Iterable, Mapping
@@ -89,7 +90,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import CheckpointError, PipelineConfigError
+from .errors import CheckpointError, PeerLostError, PipelineConfigError, PipelineError
 
 __all__ = [
     "CheckpointInfo",
@@ -672,6 +673,52 @@ def _finalize(partial: Path, final: Path, step: int, meta: dict[str, Any], keep_
                 pass
 
 
+def _lost_peer(pipe: Any, exc: BaseException, what: str, wait: float = 2.0) -> PeerLostError | None:
+    """A collective of a checkpoint call that failed because a peer died (gloo: "Connection reset/closed by
+    peer", a raw ``RuntimeError`` naming no rank): the lost rank, once this host's process table or the
+    control plane shows it (within ``wait`` seconds), as a :class:`PeerLostError`; None if no peer is found lost
+    (the error is then not a peer's death, and is raised as it is)."""
+    from .pipeline import _dead_peers
+
+    procs = getattr(pipe, "_procs", None)
+    control = getattr(getattr(pipe, "_actor", None), "control", None)
+    rank = dist.get_rank()
+    after = ("this checkpoint is not complete: a restart resumes from the last complete one" if what.startswith("save")
+             else "the load did not complete")
+    deadline = time.monotonic() + wait
+    while True:
+        dead = _dead_peers(procs, rank) if procs else []
+        dead += [p for p in sorted(getattr(control, "disconnected", {}) or {}) if p not in dead]
+        if dead:
+            more = f" (also ranks {dead[1:]})" if len(dead) > 1 else ""
+            return PeerLostError(f"{what}: its process ended during the call{more} ({type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0][:300]}); {after}", rank=rank, peer=dead[0])
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+
+
+def _names_a_lost_peer(what: str) -> Any:
+    """Decorator: a checkpoint call whose collective broke on a dead peer raises :class:`PeerLostError` naming
+    it, instead of gloo's raw ``RuntimeError`` (survivors fail about 0.1 s after the death either way)."""
+    def wrap(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except PipelineError:
+                raise
+            except RuntimeError as exc:
+                pipe = args[1] if len(args) > 1 else kwargs.get("pipe")
+                lost = _lost_peer(pipe, exc, what)
+                if lost is None:
+                    raise
+                raise lost from exc
+        return call
+    return wrap
+
+
+@_names_a_lost_peer("save_checkpoint")
 def save_checkpoint(
     root: str | os.PathLike[str],
     pipe: Any,
@@ -845,6 +892,7 @@ class CheckpointInfo:
     rng_restored: bool
 
 
+@_names_a_lost_peer("load_checkpoint")
 def load_checkpoint(
     path: str | os.PathLike[str],
     pipe: Any,

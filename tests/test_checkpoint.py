@@ -281,3 +281,50 @@ def test_killed_mid_save_resumes_from_the_last_complete_checkpoint_bit_exactly(p
     from pipeloom.runtime.checkpoint import list_checkpoints
 
     assert [s for s, _ in list_checkpoints(out / "ckpt")] == [2, 4, 6]
+
+
+PEER_DIES = """\
+import json, os, sys, time, torch, pipeloom
+from torch import nn
+rank = int(os.environ["RANK"])
+mode, out = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+pipe = pipeloom.Pipeline(lambda s: nn.Linear(4, 4), schedule="1F1B", num_microbatches=2, loss_fn=nn.functional.mse_loss)
+opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+pipe.step(torch.randn(4, 4), target=torch.randn(4, 4))
+opt.step()
+pipeloom.save_checkpoint(out, pipe, opt, step=1, stage_prefix=True)
+if rank == 1:  # dies inside the next call: in its state-dict hook (save), in DCP's read (load)
+    if mode == "save":
+        for m in pipe.stages.values():
+            m.register_state_dict_post_hook(lambda *a, **k: os._exit(7))
+    else:
+        import torch.distributed.checkpoint as dcp
+        dcp.load = lambda *a, **k: os._exit(7)
+t = time.monotonic()
+try:
+    if mode == "save":
+        pipeloom.save_checkpoint(out, pipe, opt, step=2, stage_prefix=True)
+    else:
+        pipeloom.load_checkpoint(out, pipe, opt, stage_prefix=True)
+    rec = {"type": None}
+except Exception as exc:
+    rec = {"type": type(exc).__name__, "message": str(exc), "peer": getattr(exc, "peer", None)}
+rec["seconds"] = time.monotonic() - t
+print(json.dumps(rec), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("mode", ["save", "load"])
+def test_a_peer_dying_inside_a_checkpoint_call_is_named(tmp_path: Path, mode: str) -> None:
+    """A rank that dies inside save/load: its peers failed within 0.1 s but with gloo's raw ``RuntimeError``
+    ("Connection reset by peer"), naming no rank; now a ``PeerLostError`` naming the lost rank and the call."""
+    script = tmp_path / "job.py"
+    script.write_text(PEER_DIES)
+    codes, outs, errs = asyncio.run(spawn_ranks(2, [str(script), mode, str(tmp_path / "ckpt")], timeout=90))
+    assert codes == [0, 7], errs
+    rec = json.loads(outs[0].strip().splitlines()[-1])
+    assert rec["type"] == "PeerLostError" and rec["peer"] == 1, rec
+    assert rec["message"].startswith(f"rank 0: lost rank 1: {mode}_checkpoint: its process ended during the call"), rec
+    assert rec["seconds"] < 10, rec
