@@ -40,6 +40,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.nn.modules.module import (
     register_module_module_registration_hook,
     register_module_parameter_registration_hook,
@@ -104,5 +105,8 @@ class ModelFingerprint:
             self._rebuild()
             self._gen = gen
         params = self._params
-        return (self._ids, tuple([p.requires_grad for p in params]), tuple([p.shape for p in params]),
-                tuple([m.training for m in self._mods]))
+        try:
+            shapes = tuple([p.shape for p in params])
+        except RuntimeError:  # a lazy module's parameter not materialised yet (its first forward gives it a shape)
+            shapes = tuple([None if is_lazy(p) else p.shape for p in params])
+        return (self._ids, tuple([p.requires_grad for p in params]), shapes, tuple([m.training for m in self._mods]))
