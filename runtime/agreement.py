@@ -197,8 +197,11 @@ _MAX_LISTED = 2000
 def stage_tensors(modules: Mapping[int, Any]) -> dict[str, Any]:
     """Per stage held here: its parameters' and buffers' names, shapes and dtypes, in the order a replica's
     broadcast at construction pairs them (``data_parallel.sync_module_states``), and a digest of the list."""
+    from .data_parallel import refuse_lazy
+
     out: dict[str, Any] = {}
     for s, m in modules.items():
+        refuse_lazy(m, f"stage {s}", "data parallelism (its parameters are broadcast or sharded over the replicas)")
         ents = [[n, list(t.shape), str(t.dtype).removeprefix("torch.")]
                 for n, t in [*m.named_parameters(), *m.named_buffers()]]
         # Submodules whose non-tensor settings must agree too (``pipeloom.moe.MoE``: the ep peers of a stage

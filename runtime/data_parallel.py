@@ -256,8 +256,26 @@ def replica_share(
 
 
 @torch.no_grad()
+def refuse_lazy(module: nn.Module, where: str, why: str) -> None:
+    """A stage of lazy modules (``nn.LazyLinear``) whose parameters have no shape yet cannot be broadcast or
+    sharded when the Pipeline is built (torch's own error, "Can't access the shape of an uninitialized parameter",
+    said nothing of why): refused, naming them."""
+    from torch.nn.parameter import is_lazy
+
+    lazy = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if is_lazy(t)]
+    if lazy:
+        more = f" and {len(lazy) - 3} more" if len(lazy) > 3 else ""
+        rank = f"rank {dist.get_rank()}: " if dist.is_initialized() else ""
+        raise PipelineConfigError(
+            f"{rank}{where} holds lazy parameters not materialised yet ({', '.join(lazy[:3])}{more}); {why} needs their "
+            "shapes when the Pipeline is built: run the stage's forward once on an example input (or give its layers "
+            "their sizes) before building the Pipeline"
+        )
+
+
 def sync_module_states(module: nn.Module, group: Any, src: int) -> None:
     """Broadcast parameters and buffers from global rank ``src`` over ``group`` (as DDP does at construction)."""
+    refuse_lazy(module, "a stage", "data parallelism (its parameters are broadcast over the replicas)")
     for t in [*module.parameters(), *module.buffers()]:
         dist.broadcast(t.data, src=src, group=group)
 
@@ -281,6 +299,7 @@ def wrap_fsdp(module: nn.Module, mesh: Any, policy: Any, fsdp_kwargs: Mapping[st
     from ._fsdp_private import check_supported
 
     check_supported()
+    refuse_lazy(module, "a stage", "FSDP (its parameters are sharded over the replicas)")
     if any(isinstance(m, FSDPModule) for m in module.modules()):
         return module
     kw = {"reshard_after_forward": False, **(fsdp_kwargs or {})}

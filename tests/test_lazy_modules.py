@@ -60,3 +60,32 @@ def test_lazy_stages_materialise_at_the_first_step_and_match_the_unsplit_model(t
             assert run["stages"], (rank, schedule)
             assert run["diff"] < 1e-12, (rank, schedule, run)
             assert run["loss"] > 0, (rank, schedule, run)
+
+
+DP_SCRIPT = textwrap.dedent("""\
+    import json, os, sys, torch, pipeloom
+    from torch import nn
+    rank = int(os.environ["RANK"])
+    try:
+        pipeloom.Pipeline(lambda s: nn.Sequential(nn.LazyLinear(4), nn.Tanh()), schedule="1F1B", num_microbatches=4,
+                          loss_fn=nn.functional.mse_loss, data_parallel=2, fsdp=sys.argv[1] == "fsdp")
+        rec = {"type": None}
+    except Exception as exc:
+        rec = {"type": type(exc).__name__, "message": str(exc)}
+    print(json.dumps(rec), flush=True)
+""")
+
+
+def test_lazy_stages_with_data_parallelism_are_refused_naming_them(tmp_path: Path) -> None:
+    """Replicas broadcast (DDP) or shard (FSDP) their parameters when the Pipeline is built: a lazy parameter has no
+    shape then, and every rank failed with torch's "Can't access the shape of an uninitialized parameter", which
+    says nothing of why or what to do."""
+    script = tmp_path / "job.py"
+    script.write_text(DP_SCRIPT)
+    codes, outs, errs = asyncio.run(spawn_ranks(4, [str(script), "ddp"], timeout=90))
+    assert codes == [0, 0, 0, 0], errs
+    for rank, o in enumerate(outs):
+        rec = json.loads(o.strip().splitlines()[-1])
+        assert rec["type"] == "PipelineConfigError", rec
+        assert rec["message"].startswith(f"rank {rank}: stage {rank // 2} holds lazy parameters not materialised yet "
+                                         "(0.weight, 0.bias); data parallelism"), rec
