@@ -812,7 +812,9 @@ def save_checkpoint(
     }
     if osd is not None:
         state["optim"] = osd
-    meta = {"world_size": dist.get_world_size(), "optimizer": osd is not None, "stage_prefix": stage_prefix}
+    meta = {"world_size": dist.get_world_size(), "optimizer": osd is not None, "stage_prefix": stage_prefix,
+            # (rank 0's optimizer classes: a load into another class is refused by name, not by DCP's "Missing key")
+            "optimizer_types": [type(o).__name__ for o in _optims(optimizer)]}
     if not async_save:
         _dcp(lambda: dcp.save(state, checkpoint_id=str(partial), process_group=group), group, rank, what)
         failed = None
@@ -964,6 +966,14 @@ def load_checkpoint(
         saved_keys = reader.read_metadata().state_dict_metadata
         if optims and not any(k.startswith("optim.") for k in saved_keys):
             raise PipelineConfigError(f"{ckpt} holds no optimizer state (it was saved with optimizer=None)")
+        with open(ckpt / MARKER) as f:
+            saved_types = json.load(f).get("optimizer_types")  # (None: a checkpoint from before it was recorded)
+        mine = [type(o).__name__ for o in optims]
+        if optims and saved_types is not None and mine != saved_types:
+            raise PipelineConfigError(
+                f"rank {rank}: {ckpt} holds the state of {', '.join(saved_types)} but this rank loads it into "
+                f"{', '.join(mine)}: pass optimizer=None to load the model alone (the new optimizer starts fresh)"
+            )
         msd, osd = _state_dicts(view, optims)
         if osd is not None:
             # A parameter that never had a gradient before the save (unused, or not used yet) has no

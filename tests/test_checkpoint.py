@@ -328,3 +328,35 @@ def test_a_peer_dying_inside_a_checkpoint_call_is_named(tmp_path: Path, mode: st
     assert rec["type"] == "PeerLostError" and rec["peer"] == 1, rec
     assert rec["message"].startswith(f"rank 0: lost rank 1: {mode}_checkpoint: its process ended during the call"), rec
     assert rec["seconds"] < 10, rec
+
+
+OTHER_OPTIMIZER = """\
+import json, os, sys, torch, pipeloom
+from torch import nn
+torch.manual_seed(0)
+pipe = pipeloom.Pipeline(lambda s: nn.Linear(4, 4), schedule="1F1B", num_microbatches=2, loss_fn=nn.functional.mse_loss)
+opt = torch.optim.AdamW(pipe.parameters(), lr=0.1)
+pipe.step(torch.randn(4, 4), target=torch.randn(4, 4))
+opt.step()
+pipeloom.save_checkpoint(sys.argv[1], pipe, opt, step=1, stage_prefix=True)
+rec = {}
+try:
+    pipeloom.load_checkpoint(sys.argv[1], pipe, torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9), stage_prefix=True)
+except pipeloom.PipelineConfigError as exc:
+    rec["error"] = str(exc)
+rec["alone"] = pipeloom.load_checkpoint(sys.argv[1], pipe, None, stage_prefix=True).step
+print(json.dumps(rec), flush=True)
+"""
+
+
+def test_loading_into_another_optimizer_class_is_refused_by_name(tmp_path: Path) -> None:
+    """An AdamW checkpoint loaded into SGD failed with DCP's "Missing key ... momentum_buffer"; now refused on every
+    rank naming both classes and the way out (optimizer=None loads the model alone, which then works)."""
+    script = tmp_path / "job.py"
+    script.write_text(OTHER_OPTIMIZER)
+    codes, outs, errs = asyncio.run(spawn_ranks(2, [str(script), str(tmp_path / "ckpt")], timeout=90))
+    assert codes == [0, 0], errs
+    for o in outs:
+        rec = json.loads(o.strip().splitlines()[-1])
+        assert "holds the state of AdamW but this rank loads it into SGD: pass optimizer=None" in rec["error"], rec
+        assert rec["alone"] == 1, rec
