@@ -806,6 +806,9 @@ class Pipeline:
             if not isinstance(module, nn.Module):
                 raise PipelineConfigError(f"rank {self.rank}: stage_fn({s}) returned {type(module).__name__}, not an nn.Module")
             modules[s] = module.to(self.device)
+        from .ties import refuse_ties_across_ranks
+
+        refuse_ties_across_ranks(modules, self.rank)
         if self._fsdp and len(modules) > 1:
             # FSDP shards each stage on its own: a parameter two local stages share (a weight tied between the
             # first and last stage of a V schedule) would be sharded twice, its gradients silently wrong
