@@ -261,12 +261,14 @@ def _init_process_group(backend: str | None) -> bool:
     """Initialise torch.distributed from the environment if needed; True if we did.
 
     The store is made here (as ``env://`` would make it: rank 0 serves it unless the launcher's agent
-    does) and kept for the life of the process; the first process group made over it has ``env://``'s key
-    prefix, each later one its own.  A second Pipeline built after the first one's ``close`` (which destroys
+    does) and kept for the life of the process; each process group made over it has its own key prefix
+    (``pipeloom/0``, ``pipeloom/1``...).  A second Pipeline built after the first one's ``close`` (which destroys
     the group it made) used to initialise ``env://`` again: the store on that port (multi-tenant: the same
     server) still held the first group's keys (its gloo addresses), and every rank hung in
     ``init_process_group``.  The ranks build their Pipelines in the same order, so the prefixes agree.
-    A new ``MASTER_PORT`` (or address) gets a new store.
+    A new ``MASTER_PORT`` (or address) gets a new store.  No group of ours uses ``env://``'s own prefix
+    (``default_pg``): a script's own ``init_process_group()`` on the same port (multi-tenant: the same server)
+    before or after ours found that group's keys there, and hung in ``new_group``.
     """
     if dist.is_initialized():
         return False
@@ -290,9 +292,7 @@ def _init_process_group(backend: str | None) -> bool:
         _STORES[where] = [store, 0]
     store, made = _STORES[where]
     _STORES[where][1] = made + 1
-    # the first group under env://'s own prefix (a rank that joins with init_process_group itself meets it there);
-    # each later one under its own
-    store = dist.PrefixStore("default_pg" if made == 0 else f"pipeloom/{made}", store)
+    store = dist.PrefixStore(f"pipeloom/{made}", store)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -300,6 +300,33 @@ def _init_process_group(backend: str | None) -> bool:
         dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=torch.device("cuda", local))
     else:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    return True
+
+
+#: the default process group a Pipeline made (``_init_process_group``) and the Pipelines alive on it (by id):
+#: the last of them to close destroys it.  The one that made it used to destroy it at its own close, under a
+#: Pipeline built beside it (an evaluation Pipeline), whose next step failed with torch's "Default process group
+#: has not been initialized".
+_OWNED: dict[str, Any] = {"group": None, "users": set()}
+
+
+def _join_owned_group(pipe: Any, made: bool) -> bool:
+    """After ``_init_process_group``: True if the default group is one a Pipeline made (``pipe`` now shares it)."""
+    world = dist.group.WORLD
+    if made:
+        _OWNED.update(group=world, users=set())
+    if world is None or world is not _OWNED["group"]:
+        return False
+    _OWNED["users"].add(id(pipe))
+    return True
+
+
+def _leave_owned_group(pipe: Any) -> bool:
+    """``pipe`` closes: True if it was the last Pipeline alive on the group a Pipeline made (destroy it now)."""
+    _OWNED["users"].discard(id(pipe))
+    if _OWNED["users"] or _OWNED["group"] is None or dist.group.WORLD is not _OWNED["group"]:
+        return False
+    _OWNED["group"] = None
     return True
 
 
@@ -487,7 +514,8 @@ class Pipeline:
             raise PipelineConfigError(str(exc)) from None
         #: the runtime's settings, as resolved (keyword arguments over ``options`` over the environment)
         self.options = opts
-        self._owns_group = _init_process_group(opts.backend)
+        # shared by every Pipeline alive on the group a Pipeline made: the last to close destroys it
+        self._owns_group = _join_owned_group(self, _init_process_group(opts.backend))
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.num_microbatches = num_microbatches
@@ -550,7 +578,7 @@ class Pipeline:
             remote = isinstance(exc, (RemoteRankError, PeerLostError))
             _report_root_cause(exc, remote=remote, error=str(exc) if remote else f"{type(exc).__name__}: {text}",
                                traceback_text=short_traceback(exc, frames_only=True), phase="construction")
-            if self._owns_group and backend != "nccl":  # (every peer has read why: the checkpoints wait for that)
+            if self._owns_group and _leave_owned_group(self) and backend != "nccl":  # (every peer has read why)
                 try:
                     dist.destroy_process_group()
                 except Exception:  # noqa: BLE001 - the construction error is what matters
@@ -1079,7 +1107,7 @@ class Pipeline:
             self._collectives.close()
         if self._loop is not None and not self._loop.is_running():
             self._loop.close()
-        if self._owns_group and dist.is_initialized() and not self._aborted:
+        if self._owns_group and _leave_owned_group(self) and dist.is_initialized() and not self._aborted:
             dist.destroy_process_group()
 
     def _abort_nccl(self) -> None:
