@@ -29,6 +29,11 @@ Use::
         scaler.update()
         opt.zero_grad()
 
+A rank with no optimizer (its stages are all frozen) runs the same loop with ``opt = None``: ``unscale_(None)`` and
+``step(None)`` join the agreement where its peers' calls do, so its scale follows theirs (it seeds the backward if it
+holds the last stage).  An optimizer that unscales in its own kernel (``fused=True``; torch's ``step`` then checks it
+with ``_check_inf_per_device`` instead of ``unscale_``) is agreed on the same way.
+
 Alternative considered: FSDP1's ``ShardedGradScaler(process_group=...)`` agrees on
 the flag too, but issues one all-reduce per device a rank's gradients live on (none
 on a rank without gradients: its peers then hang) and unbounded; here every rank
@@ -41,9 +46,14 @@ from typing import Any
 
 import torch
 
+from torch.amp.grad_scaler import OptState
+
 from .errors import PipelineConfigError
 
 __all__ = ["PipelineGradScaler"]
+
+#: the key of the state of ``step(None)`` / ``unscale_(None)`` (a rank with no optimizer) among torch's per-optimizer states
+_NO_OPTIMIZER = -1
 
 
 class PipelineGradScaler(torch.amp.GradScaler):
@@ -110,16 +120,72 @@ class PipelineGradScaler(torch.amp.GradScaler):
                 found_inf.add_(bad.to(found_inf.device, found_inf.dtype))
         return {found_inf.device: found_inf}
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+    def unscale_(self, optimizer: torch.optim.Optimizer | None) -> None:
         """torch's ``unscale_``, then this rank's found-inf flag combined with every other rank's (one
-        all-reduce over the job; a dead peer raises ``PeerLostError`` instead of hanging)."""
+        all-reduce over the job; a dead peer raises ``PeerLostError`` instead of hanging).
+
+        ``None``: a rank with no optimizer (its stages are all frozen) joins the agreement where its peers
+        unscale theirs, with a clean flag."""
         if not self.is_enabled():
             return
+        if optimizer is None:
+            state = self._per_optimizer_states[_NO_OPTIMIZER]
+            if state["stage"] is OptState.UNSCALED:
+                raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+            if state["stage"] is OptState.STEPPED:
+                raise RuntimeError("unscale_() is being called after step().")
+            state["found_inf_per_device"] = {self._scale.device: torch.zeros((), dtype=torch.float32, device=self._scale.device)}
+            self._agree(state)
+            state["stage"] = OptState.UNSCALED
+            return
         super().unscale_(optimizer)
+        self._agree(self._per_optimizer_states[id(optimizer)])
+
+    def step(self, optimizer: torch.optim.Optimizer | None, *args: Any, **kwargs: Any) -> float | None:
+        """torch's ``step``.  ``None``: a rank with no optimizer (its stages are all frozen) steps nothing but joins
+        the found-inf agreement its peers' ``step`` runs (unless ``unscale_(None)`` did), so that every rank,
+        this one too, updates the scale alike."""
+        if optimizer is not None or not self.is_enabled():
+            return super().step(optimizer, *args, **kwargs) if optimizer is not None else None
+        state = self._per_optimizer_states[_NO_OPTIMIZER]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if state["stage"] is OptState.READY:
+            self.unscale_(None)
+        state["stage"] = OptState.STEPPED
+        return None
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """torch's ``update``; a rank that stepped no optimizer (not even ``step(None)``) is told what to call."""
+        if self.is_enabled() and new_scale is None and not self._per_optimizer_states:
+            raise PipelineConfigError(
+                f"rank {self._pipe.rank}: PipelineGradScaler.update() without a step() since the last update(): a rank "
+                "with no optimizer (its stages are all frozen) calls scaler.step(None) where its peers step theirs "
+                "(and unscale_(None) where they unscale), so that it joins their inf check and updates the scale alike"
+            )
+        super().update(new_scale)
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
+        """The found-inf check of an optimizer that unscales in its own kernel (``fused=True``: torch's ``step``
+        calls this instead of ``unscale_``), agreed over every rank as ``unscale_``'s is.  Without the agreement
+        the rank whose stage overflowed skipped the step and the others took it, silently."""
+        super()._check_inf_per_device(optimizer)
+        state = self._per_optimizer_states[id(optimizer)]
+        self._agree(state)
+        return state["found_inf_per_device"]
+
+    def _agree(self, state: dict[str, Any]) -> None:
+        """This rank's found-inf flag in an optimizer's ``state``, combined with every other rank's (one all-reduce)."""
         from .training import _collective
 
-        state = self._per_optimizer_states[id(optimizer)]
         (dev, flag), = state["found_inf_per_device"].items()
         total = flag.to(torch.float64)
-        _collective(self._pipe, total, torch.distributed.ReduceOp.SUM, dst=None, what="the loss scaler's inf check")
+        try:
+            _collective(self._pipe, total, torch.distributed.ReduceOp.SUM, dst=None, what="the loss scaler's inf check")
+        except BaseException:
+            # not agreed: a later step(optimizer) must not apply these gradients on the strength of this rank's
+            # flag alone (the peers may have found an inf, and after a failed step the gradients are partial):
+            # counted as found, so it skips
+            state["found_inf_per_device"] = {dev: torch.ones_like(flag)}
+            raise
         state["found_inf_per_device"] = {dev: (total > 0).to(flag.dtype)}
