@@ -33,27 +33,14 @@ import zmq
 
 from pipeloom.transport.messages import PROTOCOL_VERSION, sign
 
+sys.path.insert(0, str(Path(__file__).parent / "ranks"))
+from harness import pid_alive as _alive, wait_dead as _wait_dead  # noqa: E402
+
 WORKER = str(Path(__file__).parent / "ranks" / "launch_worker.py")
 _EXE = shutil.which("pipeloom")
 LAUNCH = [_EXE, "launch"] if _EXE else [sys.executable, "-m", "pipeloom.tools.cli", "launch"]
 WORLD = 2
 HB_TIMEOUT, STALL_TIMEOUT = 2.0, 3.0
-
-
-def _alive(pid: int) -> bool:
-    """True if ``pid`` runs (a zombie waiting for a reaper counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_dead(pids: list[int], timeout: float) -> list[int]:
-    end = time.monotonic() + timeout
-    while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < end:
-        time.sleep(0.02)
-    return alive
 
 
 def _wait_file(path: Path, proc: subprocess.Popen[str], timeout: float = 30.0) -> None:

@@ -32,6 +32,9 @@ import pytest
 from pipeloom.tools import launch as launch_mod
 from pipeloom.tools.cli import build_parser, main
 
+sys.path.insert(0, str(Path(__file__).parent / "ranks"))
+from harness import pid_alive as _alive, wait_dead as _wait_dead  # noqa: E402
+
 LAUNCH = [sys.executable, "-m", "pipeloom.tools.cli", "launch"]
 
 # Every rank script starts with this: where to leave pid files, and how.
@@ -63,28 +66,6 @@ def _script(tmp_path: Path, name: str, body: str) -> Path:
     path = tmp_path / name
     path.write_text(HEADER + textwrap.dedent(body))
     return path
-
-
-def _alive(pid: int) -> bool:
-    """True if ``pid`` runs (a zombie waiting for a reaper counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-
-def _wait_dead(pids: list[int], timeout: float = 2.0) -> list[int]:
-    end = time.monotonic() + timeout
-    while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < end:
-        time.sleep(0.02)
-    return alive
 
 
 def _wait_files(d: Path, names: list[str], timeout: float = 15.0) -> None:

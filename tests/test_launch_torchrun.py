@@ -55,6 +55,9 @@ from typing import Any
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent / "ranks"))
+from harness import pid_alive as _alive, wait_dead as _wait_dead  # noqa: E402
+
 LAUNCH = [sys.executable, "-m", "pipeloom.tools.cli", "launch"]
 
 PROBE = textwrap.dedent(
@@ -92,21 +95,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
-def _wait_dead(pids: list[int], timeout: float) -> list[int]:
-    end = time.monotonic() + timeout
-    while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < end:
-        time.sleep(0.02)
-    return alive
 
 
 @pytest.fixture

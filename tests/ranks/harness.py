@@ -15,12 +15,36 @@ import signal
 import socket
 import subprocess
 import textwrap
+import time
 import sys
 from pathlib import Path
 from typing import Any
 
 WORKER = Path(__file__).with_name("worker.py")
 REPO = Path(__file__).resolve().parents[2]
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` runs (a zombie waiting for a reaper counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def wait_dead(pids: list[int], timeout: float = 2.0) -> list[int]:
+    """Wait up to ``timeout`` seconds for every pid to end; the ones still alive."""
+    end = time.monotonic() + timeout
+    while (alive := [p for p in pids if pid_alive(p)]) and time.monotonic() < end:
+        time.sleep(0.02)
+    return alive
 
 
 def launch_script(directory: Path, script: str, *args: str, nproc: int = 2, launch_args: tuple[str, ...] = (),
