@@ -53,6 +53,7 @@ SCALER_ROWS: list[tuple[str, int, dict[str, Any]]] = [
     ("ddp", 4, dict(schedule="1F1B", stages=2, dp=2, mb=2, steps=5, overflow=[[0, 0, 1], [3, 1, 0]], clip=True)),
     ("fsdp_fused", 4, dict(schedule="Interleaved1F1B", stages=4, dp=2, fsdp=True, mb=2, steps=5,
                            overflow=[[0, 0, 1], [3, 0, 0]], clip=True, optim="fused")),
+    ("ep_dualpipev", 4, dict(ep=2, schedule="DualPipeV", stages=4, mb=4, steps=5, overflow=[[0, 0, 1], [3, 2, 0]])),
     ("ddp_no_sync", 4, dict(schedule="1F1B", stages=2, dp=2, mb=2, steps=3, acc=3, overflow=[[1, 0, 1], [6, 1, 0]], clip=True)),
 ]
 
@@ -151,6 +152,28 @@ LIFECYCLE = textwrap.dedent("""\
     rows["after_failure"] = [err, train(pipe)]
     pipe.close()
 
+    # a construction that fails on one rank (its stage_fn raises), then a new Pipeline; and one that fails beside a
+    # live Pipeline, which goes on
+    log("construction_failure")
+    def bad(s):
+        if rank == 2:
+            raise ValueError("bad stage")
+        return stage(s)
+    errs = []
+    try:
+        mk("1F1B", fn=bad)
+    except Exception as exc:
+        errs.append(type(exc).__name__)
+    pipe = mk("GPipe")
+    l1 = train(pipe)
+    try:
+        mk("1F1B", fn=bad)
+    except Exception as exc:
+        errs.append(type(exc).__name__)
+    rows["construction_failure"] = [errs, l1, train(pipe), dist.is_initialized()]
+    pipe.close()
+    rows["construction_failure"].append(dist.is_initialized())
+
     # two alive: a training Pipeline (it made the group) and an evaluation one beside it; the first closes first
     log("two_alive")
     a = mk("1F1B")
@@ -227,6 +250,13 @@ def test_lifecycle_after_a_failed_step(lifecycle: dict[int, dict[str, Any]]) -> 
         err, loss = rows["after_failure"]
         assert err == ("StageError" if rank == 1 else "RemoteRankError"), (rank, rows["after_failure"])
         assert loss == lifecycle[0]["after_failure"][1] and loss > 0, (rank, rows["after_failure"])
+
+
+def test_lifecycle_after_a_failed_construction(lifecycle: dict[int, dict[str, Any]]) -> None:
+    for rank, rows in lifecycle.items():
+        errs, l1, l2, alive, after = rows["construction_failure"]
+        assert errs == (["ValueError"] * 2 if rank == 2 else ["RemoteRankError"] * 2), (rank, errs)
+        assert l1 > 0 and l2 == l1 and alive and not after, (rank, rows["construction_failure"])
 
 
 def test_lifecycle_evaluation_pipeline_outlives_the_one_that_made_the_group(lifecycle: dict[int, dict[str, Any]]) -> None:

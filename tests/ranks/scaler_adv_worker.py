@@ -15,7 +15,8 @@ optimizer for the weights, one for the biases)), ``clip`` (unscale_ + clip_grad_
 eval between steps, compared unscaled), ``ckpt_at`` (save after that step with the scaler's state in ``extra``,
 close, build a new Pipeline and scaler from other weights, load, go on), ``enabled``, ``frozen`` (a stage whose
 parameters are frozen: its rank has no optimizer and calls ``scaler.update()`` alone), ``fail_at`` (stage 1 raises in
-that step: the scaler must then refuse on every rank, promptly, and not step).
+that step: the scaler must then refuse on every rank, promptly, and not step), ``ep`` (expert parallelism, pp x ep
+with ``pipeloom.moe`` stages: ``run_ep``; the overflow's replica is then the ep column).
 
 Result: ``{"scales": [...], "ref_scales": [...], "diff": max parameter difference, "loss_diff", "eval_diff",
 "errors": [...], "fail": ...}``.
@@ -191,5 +192,82 @@ def run(cfg: dict[str, Any], job: dict[str, Any], rank: int) -> dict[str, Any]:
     return res
 
 
+class Wrapped(nn.Module):
+    """An MoE stage (``moe_model.MoEStage``, float32) followed by ``Gain`` keyed by this stage and ep column."""
+
+    def __init__(self, s: int, column: int, **kw: Any) -> None:
+        super().__init__()
+        from moe_model import MoEStage
+
+        self.inner, self.s, self.column = MoEStage(s, dtype=torch.float32, **kw), s, column
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Gain.apply(self.inner(x), self.s, self.column)
+
+
+def run_ep(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
+    """pp x ep with ``pipeloom.moe`` stages; the unsplit reference holds every expert and routes each column's
+    microbatches on their own (as tests/test_moe.py's), with torch's scaler."""
+    from moe_model import loss_fn, make_batch
+
+    ep, n, n_stages = cfg["ep"], cfg["mb"], cfg["stages"]
+    ctxs: dict[int, Any] = {}
+    stages: dict[int, nn.Module] = {}
+
+    def stage_fn(s: int, ctx: Any) -> nn.Module:
+        ctxs[s] = ctx
+        m = stages[s] = Wrapped(s, ctx.ep_rank, group=ctx.ep_group, ep_rank=ctx.ep_rank, ep_size=ctx.ep_size)
+        return m
+
+    pipe = pipeloom.Pipeline(stage_fn, schedule=cfg["schedule"], num_microbatches=n, loss_fn=loss_fn, expert_parallel=ep,
+                             options=pipeloom.RuntimeOptions(stall_timeout=10.0))
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    scaler = pipeloom.PipelineGradScaler(pipe, init_scale=2.0 ** 100, growth_interval=2)
+    ref = [Wrapped(s, 0) for s in range(n_stages)]
+    ref_opt = torch.optim.SGD([q for m in ref for q in m.parameters()], lr=0.1, momentum=0.9)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 100, growth_interval=2)
+    res: dict[str, Any] = {"scales": [], "ref_scales": [], "diff": 0.0, "loss_diff": 0.0, "eval_diff": 0.0, "errors": []}
+    for step in range(cfg["steps"]):
+        x, y = (t.float() for t in make_batch(step, rows=8, seq=3))
+        Gain.on = {(s, c) for st, s, c in cfg["overflow"] if st == step}
+        pipe.step(x, target=y, return_outputs=False)
+        for c, (xc, yc) in enumerate(zip(torch.tensor_split(x, ep), torch.tensor_split(y, ep))):
+            for m in ref:
+                m.column = c
+            for xm, ym in zip(torch.tensor_split(xc, n), torch.tensor_split(yc, n)):
+                h = xm
+                for m in ref:
+                    h = m(h)
+                ref_scaler.scale(loss_fn(h, ym) / (n * ep)).backward()
+        Gain.on = set()
+        if step % 2:
+            scaler.unscale_(opt)
+            pipe.clip_grad_norm_(10.0)
+            ref_scaler.unscale_(ref_opt)
+            torch.nn.utils.clip_grad_norm_([q for m in ref for q in m.parameters()], 10.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad()
+        res["scales"].append(scaler.get_scale())
+        res["ref_scales"].append(ref_scaler.get_scale())
+    for s, m in stages.items():
+        want = dict(ref[s].named_parameters())
+        for name, a in m.named_parameters():
+            b = want[name]
+            if name.endswith(("moe.w1", "moe.w2")):
+                k = m.inner.moe.local_experts
+                b = b[ctxs[s].ep_rank * k:(ctxs[s].ep_rank + 1) * k]
+            res["diff"] = max(res["diff"], (a - b).abs().max().item())
+    pipe.close()
+    return res
+
+
+def _one(cfg: dict[str, Any], job: dict[str, Any], rank: int) -> dict[str, Any]:
+    return run_ep(cfg, rank) if cfg.get("ep") else run(cfg, job, rank)
+
+
 if __name__ == "__main__":
-    serve_job(run, empty={"scales": [], "ref_scales": [], "diff": None}, hard_exit=True)
+    serve_job(_one, empty={"scales": [], "ref_scales": [], "diff": None}, hard_exit=True)
