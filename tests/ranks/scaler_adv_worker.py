@@ -11,7 +11,8 @@ whole batch) and halves its scale; every rank of the pipeline must do the same.
 Case fields: ``schedule``, ``stages`` (how many in all), ``dp``, ``fsdp``, ``mb``, ``steps``, ``overflow`` ([[step,
 stage, replica], ...]; a step is one optimizer step), ``acc`` (pipeline steps per optimizer step: the first ``acc - 1``
 inside ``no_sync()``), ``optim`` (``sgd``, ``fused`` (AdamW, fused=True: unscales in its own kernel), ``two`` (one
-optimizer for the weights, one for the biases)), ``clip`` (unscale_ + clip_grad_norm_ on odd steps), ``eval`` (an
+optimizer for the weights, one for the biases)), ``weights_only`` (the gain on the weight's gradient alone: with
+``two`` the weights' optimizer skips and the biases' steps, as torch's per-optimizer flags do), ``clip`` (unscale_ + clip_grad_norm_ on odd steps), ``eval`` (an
 eval between steps, compared unscaled), ``ckpt_at`` (save after that step with the scaler's state in ``extra``,
 close, build a new Pipeline and scaler from other weights, load, go on), ``enabled``, ``frozen`` (a stage whose
 parameters are frozen: its rank has no optimizer and calls ``scaler.update()`` alone), ``fail_at`` (stage 1 raises in
@@ -41,6 +42,7 @@ import pipeloom  # noqa: E402
 
 class Gain(torch.autograd.Function):
     on: set[tuple[int, int]] = set()  # (stage, replica) whose column-0 gradient is multiplied by 2^40 this step
+    weights: bool = False  # (this case's gain is on the stage's weight gradient alone, not on its output's)
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, stage: int, replica: int) -> torch.Tensor:
@@ -48,9 +50,13 @@ class Gain(torch.autograd.Function):
         return x.clone()
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
+    def hit(key: tuple[int, int]) -> bool:
         # (the unsplit model, replica -1, runs every replica's rows: it overflows where any replica does)
-        if ctx.key in Gain.on or (ctx.key[1] == -1 and any(s == ctx.key[0] for s, _ in Gain.on)):
+        return key in Gain.on or (key[1] == -1 and any(s == key[0] for s, _ in Gain.on))
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        if not Gain.weights and Gain.hit(ctx.key):
             g = g.clone()
             g[:, 0] *= 2.0 ** 40
         return g, None, None
@@ -61,6 +67,8 @@ class Stage(nn.Module):
         super().__init__()
         torch.manual_seed(seed + s)
         self.lin, self.s, self.replica, self.fail = nn.Linear(4, 4), s, replica, fail
+        # Gain.weights: the weight's gradient alone overflows (its bias and the input gradient stay finite)
+        self.lin.weight.register_hook(lambda g: g * 2.0 ** 40 if Gain.weights and Gain.hit((self.s, self.replica)) else g)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fail is not None and self.fail[0]:
@@ -116,6 +124,7 @@ def run(cfg: dict[str, Any], job: dict[str, Any], rank: int) -> dict[str, Any]:
     ref_opts = _optims(list(ref.parameters()), cfg.get("optim", "sgd"))
     ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 100, growth_interval=2, enabled=enabled)
     overflow = cfg.get("overflow", [])
+    Gain.weights = bool(cfg.get("weights_only"))
     gen = torch.Generator().manual_seed(7)
     for step in range(cfg["steps"]):
         for i in range(acc):
