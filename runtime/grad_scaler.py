@@ -52,7 +52,8 @@ from .errors import PipelineConfigError
 
 __all__ = ["PipelineGradScaler"]
 
-#: the key of the state of ``step(None)`` / ``unscale_(None)`` (a rank with no optimizer) among torch's per-optimizer states
+#: the key of the state of the first ``step(None)`` / ``unscale_(None)`` of an iteration (a rank without an optimizer
+#: its peers step) among torch's per-optimizer states; the k-th's is ``_NO_OPTIMIZER - k``
 _NO_OPTIMIZER = -1
 
 
@@ -72,6 +73,8 @@ class PipelineGradScaler(torch.amp.GradScaler):
         super().__init__(device.type, init_scale=init_scale, growth_factor=growth_factor,
                          backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled)
         self._pipe = pipe
+        #: this iteration's unscale_(None) and step(None) calls (each None stands for one optimizer the peers step)
+        self._none_calls = [0, 0]
         if not self.is_enabled():
             return
         if getattr(pipe.options, "check_finite", False):
@@ -129,12 +132,12 @@ class PipelineGradScaler(torch.amp.GradScaler):
         if not self.is_enabled():
             return
         if optimizer is None:
-            state = self._per_optimizer_states[_NO_OPTIMIZER]
-            if state["stage"] is OptState.UNSCALED:
-                raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-            if state["stage"] is OptState.STEPPED:
-                raise RuntimeError("unscale_() is being called after step().")
+            k = self._none_calls[0]  # (the k-th None of this iteration stands for the peers' k-th optimizer it lacks)
+            if k < self._none_calls[1]:
+                raise RuntimeError("unscale_(None) is being called after step(None) in the same iteration.")
+            state = self._per_optimizer_states[_NO_OPTIMIZER - k]
             state["found_inf_per_device"] = {self._scale.device: torch.zeros((), dtype=torch.float32, device=self._scale.device)}
+            self._none_calls[0] += 1
             self._agree(state)
             state["stage"] = OptState.UNSCALED
             return
@@ -142,17 +145,18 @@ class PipelineGradScaler(torch.amp.GradScaler):
         self._agree(self._per_optimizer_states[id(optimizer)])
 
     def step(self, optimizer: torch.optim.Optimizer | None, *args: Any, **kwargs: Any) -> float | None:
-        """torch's ``step``.  ``None``: a rank with no optimizer (its stages are all frozen) steps nothing but joins
-        the found-inf agreement its peers' ``step`` runs (unless ``unscale_(None)`` did), so that every rank,
-        this one too, updates the scale alike."""
+        """torch's ``step``.  ``None``: a rank with no optimizer (its stages are all frozen), or without one that its
+        peers step (an optimizer of stage 0's embedding alone), steps nothing in its place but joins the found-inf
+        agreement the peers' ``step`` runs (unless an ``unscale_(None)`` did), so that the ranks' agreements pair
+        and every rank updates the scale alike.  Pass it where the peers pass the optimizer it lacks, once per
+        such optimizer."""
         if optimizer is not None or not self.is_enabled():
             return super().step(optimizer, *args, **kwargs) if optimizer is not None else None
-        state = self._per_optimizer_states[_NO_OPTIMIZER]
-        if state["stage"] is OptState.STEPPED:
-            raise RuntimeError("step() has already been called since the last update().")
-        if state["stage"] is OptState.READY:
+        k = self._none_calls[1]
+        if k >= self._none_calls[0]:  # (not unscaled by an unscale_(None) of its own)
             self.unscale_(None)
-        state["stage"] = OptState.STEPPED
+        self._none_calls[1] += 1
+        self._per_optimizer_states[_NO_OPTIMIZER - k]["stage"] = OptState.STEPPED
         return None
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -164,6 +168,7 @@ class PipelineGradScaler(torch.amp.GradScaler):
                 "(and unscale_(None) where they unscale), so that it joins their inf check and updates the scale alike"
             )
         super().update(new_scale)
+        self._none_calls = [0, 0]
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
         """The found-inf check of an optimizer that unscales in its own kernel (``fused=True``: torch's ``step``

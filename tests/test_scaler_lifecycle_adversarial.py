@@ -10,7 +10,9 @@ Every row compares the scale after every step, and the parameters at the end, on
   the step and grew its scale, silently (parameters 0.3 apart after 5 steps);
 - ``frozen1``/``frozen0``: a rank whose stages are all frozen has no optimizer: torch's ``update`` raised "No inf
   checks were recorded" there and its peers waited out the agreement's bound ("lost rank -1"); it now calls
-  ``scaler.unscale_(None)``/``step(None)`` where its peers unscale/step theirs;
+  ``scaler.unscale_(None)``/``step(None)`` where its peers unscale/step theirs; likewise a rank that lacks one of
+  its peers' optimizers (``optimizer_on_one_rank``: the agreements no longer pair, every rank waited 40 s and
+  named a "lost rank -1");
 - ``fail``: after a failed step the agreement raises at once, and a second ``step(opt)`` used to apply the partial
   gradients on the strength of this rank's own flag (torch had recorded it as unscaled): now it skips.
 
@@ -51,6 +53,11 @@ SCALER_ROWS: list[tuple[str, int, dict[str, Any]]] = [
                                         optim="two", weights_only=True)),
     ("zbv_two_optims_weights_only", 2, dict(schedule="ZBVZeroBubble", stages=4, mb=4, steps=5, overflow=[[0, 0, 0], [3, 3, 0]],
                                             optim="two", weights_only=True)),
+    # an optimizer only some ranks have (stage 0's biases alone train): the others pass None in its place
+    ("optimizer_on_one_rank", 2, dict(schedule="1F1B", stages=2, mb=2, steps=5, overflow=[[0, 0, 0], [3, 1, 0]],
+                                      optim="bias0", clip=True)),
+    ("optimizer_on_one_rank_interleaved", 2, dict(schedule="Interleaved1F1B", stages=4, mb=4, steps=5,
+                                                  overflow=[[0, 0, 0], [3, 3, 0]], optim="bias0", weights_only=True)),
     ("fused", 2, dict(schedule="1F1B", stages=2, mb=2, steps=5, overflow=[[0, 0, 0], [3, 0, 0]], optim="fused")),
     ("ckpt_resume", 2, dict(schedule="1F1B", stages=2, mb=2, steps=6, overflow=[[0, 0, 0], [4, 0, 0]], ckpt_at=2, clip=True)),
     ("disabled", 2, dict(schedule="1F1B", stages=2, mb=2, steps=3, enabled=False, overflow=[])),

@@ -11,7 +11,8 @@ whole batch) and halves its scale; every rank of the pipeline must do the same.
 Case fields: ``schedule``, ``stages`` (how many in all), ``dp``, ``fsdp``, ``mb``, ``steps``, ``overflow`` ([[step,
 stage, replica], ...]; a step is one optimizer step), ``acc`` (pipeline steps per optimizer step: the first ``acc - 1``
 inside ``no_sync()``), ``optim`` (``sgd``, ``fused`` (AdamW, fused=True: unscales in its own kernel), ``two`` (one
-optimizer for the weights, one for the biases)), ``weights_only`` (the gain on the weight's gradient alone: with
+optimizer for the weights, one for the biases), ``bias0`` (the same, but only stage 0's biases train: the
+other ranks pass None for the biases' optimizer)), ``weights_only`` (the gain on the weight's gradient alone: with
 ``two`` the weights' optimizer skips and the biases' steps, as torch's per-optimizer flags do), ``clip`` (unscale_ + clip_grad_norm_ on odd steps), ``eval`` (an
 eval between steps, compared unscaled), ``ckpt_at`` (save after that step with the scaler's state in ``extra``,
 close, build a new Pipeline and scaler from other weights, load, go on), ``enabled``, ``frozen`` (a stage whose
@@ -80,8 +81,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _optims(params: list[nn.Parameter], kind: str) -> list[torch.optim.Optimizer]:
+def _optims(params: list[nn.Parameter], kind: str) -> list[torch.optim.Optimizer | None]:
     params = [p for p in params if p.requires_grad]
+    if kind == "bias0":  # the weights' optimizer everywhere; the biases' (stage 0's alone train) where there are some
+        w = [p for p in params if p.dim() == 2]
+        b = [p for p in params if p.dim() == 1]
+        return [torch.optim.SGD(w, lr=0.1, momentum=0.9) if w else None, torch.optim.Adam(b, lr=0.05) if b else None]
     if not params:
         return []
     if kind == "fused":
@@ -109,6 +114,8 @@ def run(cfg: dict[str, Any], job: dict[str, Any], rank: int) -> dict[str, Any]:
         def stage_fn(s: int) -> nn.Module:
             m = stages[s] = Stage(s, replica, seed, fail if s == 1 else None)
             m.requires_grad_(s != frozen)
+            if cfg.get("optim") == "bias0" and s != 0:
+                m.lin.bias.requires_grad_(False)
             return m
 
         pipe = pipeloom.Pipeline(stage_fn, **kw)
@@ -121,6 +128,8 @@ def run(cfg: dict[str, Any], job: dict[str, Any], rank: int) -> dict[str, Any]:
     ref = nn.Sequential(*[Stage(s, -1) for s in range(n_stages)])
     for s in range(n_stages):
         ref[s].requires_grad_(s != frozen)
+        if cfg.get("optim") == "bias0" and s != 0:
+            ref[s].lin.bias.requires_grad_(False)
     ref_opts = _optims(list(ref.parameters()), cfg.get("optim", "sgd"))
     ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 100, growth_interval=2, enabled=enabled)
     overflow = cfg.get("overflow", [])
@@ -170,7 +179,8 @@ def run(cfg: dict[str, Any], job: dict[str, Any], rank: int) -> dict[str, Any]:
             scaler.step(o)
         scaler.update()
         for o in opts:
-            o.zero_grad()
+            if o is not None:
+                o.zero_grad()
         loss = pipe.last_loss()
         for o in ref_opts:
             ref_scaler.step(o)
