@@ -131,6 +131,7 @@ class PipelineGradScaler(torch.amp.GradScaler):
         unscale theirs, with a clean flag."""
         if not self.is_enabled():
             return
+        self._check_open()
         if optimizer is None:
             k = self._none_calls[0]  # (the k-th None of this iteration stands for the peers' k-th optimizer it lacks)
             if k < self._none_calls[1]:
@@ -174,10 +175,20 @@ class PipelineGradScaler(torch.amp.GradScaler):
         """The found-inf check of an optimizer that unscales in its own kernel (``fused=True``: torch's ``step``
         calls this instead of ``unscale_``), agreed over every rank as ``unscale_``'s is.  Without the agreement
         the rank whose stage overflowed skipped the step and the others took it, silently."""
+        self._check_open()
         super()._check_inf_per_device(optimizer)
         state = self._per_optimizer_states[id(optimizer)]
         self._agree(state)
         return state["found_inf_per_device"]
+
+    def _check_open(self) -> None:
+        """Refuse to work for a closed Pipeline: a Pipeline built after it does not scale its losses by this
+        scaler, so this scaler's unscale_ divided its gradients by the scale (2^16 by default), silently."""
+        if getattr(self._pipe, "_closed", False):
+            raise PipelineConfigError(
+                f"rank {self._pipe.rank}: this PipelineGradScaler's Pipeline is closed: build one for the new Pipeline "
+                "(new.load_state_dict(old.state_dict()) carries the scale over)"
+            )
 
     def _agree(self, state: dict[str, Any]) -> None:
         """This rank's found-inf flag in an optimizer's ``state``, combined with every other rank's (one all-reduce)."""

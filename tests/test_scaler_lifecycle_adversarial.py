@@ -13,6 +13,8 @@ Every row compares the scale after every step, and the parameters at the end, on
   ``scaler.unscale_(None)``/``step(None)`` where its peers unscale/step theirs; likewise a rank that lacks one of
   its peers' optimizers (``optimizer_on_one_rank``: the agreements no longer pair, every rank waited 40 s and
   named a "lost rank -1");
+- a scaler kept after its Pipeline's close (lifecycle row ``scaler_after_close``): the next Pipeline does not scale
+  its losses by it, and its ``unscale_`` divided that Pipeline's gradients by the scale, silently: refused now;
 - ``fail``: after a failed step the agreement raises at once, and a second ``step(opt)`` used to apply the partial
   gradients on the strength of this rank's own flag (torch had recorded it as unscaled): now it skips.
 
@@ -188,6 +190,30 @@ LIFECYCLE = textwrap.dedent("""\
     pipe.close()
     rows["construction_failure"].append(dist.is_initialized())
 
+    # a PipelineGradScaler outlives its Pipeline: refused for the next one (it would unscale gradients it never
+    # scaled); a new scaler takes its state
+    log("scaler_after_close")
+    pipe = mk("1F1B")
+    scaler = pipeloom.PipelineGradScaler(pipe, init_scale=2.0 ** 20)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    train(pipe); scaler.step(opt); scaler.update()
+    pipe.close()
+    pipe = mk("1F1B")
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    before = [q.detach().clone() for q in pipe.parameters()]
+    train(pipe)
+    try:
+        scaler.step(opt)
+        refused = None
+    except pipeloom.PipelineConfigError as exc:
+        refused = str(exc)
+    moved = any(not torch.equal(a, q) for a, q in zip(before, pipe.parameters()))
+    fresh = pipeloom.PipelineGradScaler(pipe)
+    fresh.load_state_dict(scaler.state_dict())
+    fresh.step(opt); fresh.update()
+    rows["scaler_after_close"] = [refused, moved, fresh.get_scale()]
+    pipe.close()
+
     # two alive: a training Pipeline (it made the group) and an evaluation one beside it; the first closes first
     log("two_alive")
     a = mk("1F1B")
@@ -271,6 +297,13 @@ def test_lifecycle_after_a_failed_construction(lifecycle: dict[int, dict[str, An
         errs, l1, l2, alive, after = rows["construction_failure"]
         assert errs == (["ValueError"] * 2 if rank == 2 else ["RemoteRankError"] * 2), (rank, errs)
         assert l1 > 0 and l2 == l1 and alive and not after, (rank, rows["construction_failure"])
+
+
+def test_lifecycle_scaler_of_a_closed_pipeline_is_refused(lifecycle: dict[int, dict[str, Any]]) -> None:
+    for rank, rows in lifecycle.items():
+        refused, moved, scale = rows["scaler_after_close"]
+        assert refused is not None and "Pipeline is closed" in refused and not moved, (rank, rows["scaler_after_close"])
+        assert scale == 2.0 ** 20, (rank, rows["scaler_after_close"])  # the state carried over (no overflow: kept)
 
 
 def test_lifecycle_evaluation_pipeline_outlives_the_one_that_made_the_group(lifecycle: dict[int, dict[str, Any]]) -> None:
