@@ -69,6 +69,9 @@ SCALER_ROWS: list[tuple[str, int, dict[str, Any]]] = [
     ("ddp", 4, dict(schedule="1F1B", stages=2, dp=2, mb=2, steps=5, overflow=[[0, 0, 1], [3, 1, 0]], clip=True)),
     ("fsdp_fused", 4, dict(schedule="Interleaved1F1B", stages=4, dp=2, fsdp=True, mb=2, steps=5,
                            overflow=[[0, 0, 1], [3, 0, 0]], clip=True, optim="fused")),
+    ("fsdp_no_sync_two_optims", 4, dict(schedule="1F1B", stages=2, dp=2, fsdp=True, mb=2, steps=3, acc=2,
+                                        overflow=[[1, 0, 1], [4, 0, 0]], clip=True, optim="two")),
+    ("ddp_frozen", 4, dict(schedule="1F1B", stages=2, dp=2, mb=2, steps=4, overflow=[[0, 0, 1], [2, 0, 0]], frozen=1, clip=True)),
     ("ep_dualpipev", 4, dict(ep=2, schedule="DualPipeV", stages=4, mb=4, steps=5, overflow=[[0, 0, 1], [3, 2, 0]])),
     ("ddp_no_sync", 4, dict(schedule="1F1B", stages=2, dp=2, mb=2, steps=3, acc=3, overflow=[[1, 0, 1], [6, 1, 0]], clip=True)),
 ]
