@@ -203,6 +203,7 @@ def test_close_after_the_peer_closed_does_not_wait_out_the_linger(monkeypatch: p
     monkeypatch.setattr(control, "_LINGER_MS", 3000)
     a, b = _pair()
     b.close()  # b says bye to a, which has not read it yet (no reader running)
+    assert a._pull.poll(5000), "b's bye never reached a's socket"  # (queued, unread: close must find it there)
     t = time.perf_counter()
     a.close()
     took = time.perf_counter() - t
