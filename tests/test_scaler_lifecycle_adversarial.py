@@ -193,6 +193,19 @@ LIFECYCLE = textwrap.dedent("""\
     pipe.close()
     rows["construction_failure"].append(dist.is_initialized())
 
+    # two training Pipelines alive at once, each with data parallelism (its own mesh groups), steps interleaved;
+    # the second one's losses equal those of the same Pipeline built alone (the sequence row's Interleaved1F1B)
+    log("two_meshes")
+    a = mk("1F1B", data_parallel=2)
+    b = mk("Interleaved1F1B", data_parallel=2, fsdp=True)
+    r = []
+    for _ in range(2):
+        r += [train(a), train(b)]
+    a.close()
+    r.append(train(b))
+    b.close()
+    rows["two_meshes"] = [r, dist.is_initialized()]
+
     # a PipelineGradScaler outlives its Pipeline: refused for the next one (it would unscale gradients it never
     # scaled); a new scaler takes its state
     log("scaler_after_close")
@@ -300,6 +313,15 @@ def test_lifecycle_after_a_failed_construction(lifecycle: dict[int, dict[str, An
         errs, l1, l2, alive, after = rows["construction_failure"]
         assert errs == (["ValueError"] * 2 if rank == 2 else ["RemoteRankError"] * 2), (rank, errs)
         assert l1 > 0 and l2 == l1 and alive and not after, (rank, rows["construction_failure"])
+
+
+def test_lifecycle_two_training_pipelines_with_meshes_alive_at_once(lifecycle: dict[int, dict[str, Any]]) -> None:
+    alone = lifecycle[0]["sequence"][1][2]  # Interleaved1F1B at pp 2 x dp 2, built alone
+    for rank, rows in lifecycle.items():
+        r, after = rows["two_meshes"]
+        assert r == lifecycle[0]["two_meshes"][0] and not after, (rank, rows["two_meshes"])
+        # (no optimizer step: each Pipeline's loss stays; FSDP's equals the replicated one's to rounding)
+        assert all(abs(v - alone) < 2e-6 for v in (r[1], r[3], r[4])) and r[0] == r[2] > 0, (rank, r, alone)
 
 
 def test_lifecycle_scaler_of_a_closed_pipeline_is_refused(lifecycle: dict[int, dict[str, Any]]) -> None:
