@@ -403,9 +403,12 @@ def _ckpt_group() -> Any:
     there, never on the group the pipeline's transfers use.
     """
     key = "gloo"
-    if key not in _GROUP:
-        _GROUP[key] = dist.new_group(backend="gloo")
-    return _GROUP[key]
+    # (made anew under a new default group: a Pipeline's close destroys the group it made, and the next
+    # Pipeline's checkpoint calls ran DCP on a group destroyed with it: "is not initialized in the world group map")
+    world = dist.group.WORLD
+    if key not in _GROUP or _GROUP[key][0] is not world:
+        _GROUP[key] = (world, dist.new_group(backend="gloo"))
+    return _GROUP[key][1]
 
 
 def _options() -> Any:

@@ -338,9 +338,6 @@ def test_lifecycle_evaluation_pipeline_outlives_the_one_that_made_the_group(life
         assert shape == ([8, 4] if rank == 3 else None), (rank, rows["two_alive"])
 
 
-@pytest.mark.xfail(strict=True, reason="runtime/checkpoint.py _ckpt_group caches its gloo group for the life of the process: "
-                   "after the first Pipeline's close destroyed the process group it made, the next load_checkpoint ran "
-                   "DCP on the destroyed group ('is not initialized in the world group map'); reported to the lead, whose file it is")
 def test_lifecycle_checkpoint_from_one_pipeline_into_the_next(lifecycle: dict[int, dict[str, Any]]) -> None:
     for rank, rows in lifecycle.items():
         assert len(rows["checkpoint"]) == 3, (rank, rows["checkpoint"])

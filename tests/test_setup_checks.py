@@ -60,8 +60,9 @@ SCRIPT = textwrap.dedent("""
         elif mode == "no_loss":
             kw["loss_fn"] = None
         elif mode == "late":                        # joins the job, but builds no Pipeline in time
-            import torch.distributed as dist
-            dist.init_process_group("gloo")
+            # (joins as a Pipeline would: through the store and key prefix its construction uses)
+            from pipeloom.runtime.pipeline import _init_process_group
+            _init_process_group("gloo")
             time.sleep(6)
             sys.exit(0)
     t0 = time.time()
