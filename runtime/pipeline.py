@@ -1107,7 +1107,9 @@ class Pipeline:
             self._collectives.close()
         if self._loop is not None and not self._loop.is_running():
             self._loop.close()
-        if self._owns_group and _leave_owned_group(self) and dist.is_initialized() and not self._aborted:
+        # (not after a training collective timed out: destroying a group with its Work pending waits for it forever)
+        if (self._owns_group and _leave_owned_group(self) and dist.is_initialized() and not self._aborted
+                and not getattr(self, "_collective_timed_out", False)):
             dist.destroy_process_group()
 
     def _abort_nccl(self) -> None:

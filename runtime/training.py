@@ -100,6 +100,25 @@ def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: s
         raise
     except Exception as exc:  # gloo raises RuntimeError on a closed connection
         rank = dist.get_rank()
+        if not work.is_completed():  # (never to complete: it must not hold up the process's exit)
+            from ..transport.tensor import guard_exit_works
+
+            guard_exit_works([work])
+            pipe._collective_timed_out = True
+        from .checkpoint import _lost_peer
+
+        lost = _lost_peer(pipe, exc, what, wait=0.5)
+        if lost is not None:
+            raise lost from exc
+        if isinstance(exc, TimeoutError):
+            # every peer alive: one of them is in another collective, or in none (the ranks called last_loss,
+            # clip_grad_norm_ or a PipelineGradScaler's unscale_/step in different orders or numbers)
+            raise PipelineError(
+                f"rank {rank}: {what} over all {dist.get_world_size()} ranks did not complete in {limit:g} s and no peer "
+                "is known lost: every rank must call last_loss(), clip_grad_norm_() and a PipelineGradScaler's "
+                "unscale_()/step() in the same order (a rank that called another of them, or none, leaves its "
+                "peers waiting here)"
+            ) from exc
         raise PeerLostError(f"{what} over all {dist.get_world_size()} ranks failed: {exc}", rank=rank, peer=-1) from exc
 
 

@@ -93,3 +93,39 @@ def test_a_collective_after_a_step_that_failed_on_one_rank_names_it_at_once(tmp_
     assert got[1]["call"] == "RemoteRankError", got[1]
     assert "rank 0" in got[1]["message"] and "boom in stage 0's last backward" in got[1]["message"], got[1]
     assert got[1]["seconds"] < 5.0, got[1]
+
+
+MISMATCH = textwrap.dedent("""\
+    import json, os, time, torch, pipeloom
+    from torch import nn
+    rank = int(os.environ["RANK"])
+    pipe = pipeloom.Pipeline(lambda s: nn.Linear(4, 4), schedule="1F1B", num_microbatches=2,
+                             loss_fn=nn.functional.mse_loss, stall_timeout=2.0, heartbeat_timeout=2.0)
+    pipe.step(torch.randn(4, 4), target=torch.randn(4, 4))
+    out = {"rank": rank}
+    t0 = time.monotonic()
+    try:
+        pipe.last_loss() if rank == 0 else pipe.clip_grad_norm_(1.0)  # the ranks disagree on the collective
+        out["call"] = "ok"
+    except pipeloom.PipelineError as exc:
+        out["call"], out["message"] = type(exc).__name__, str(exc)
+    out["seconds"] = time.monotonic() - t0
+    print(json.dumps(out), flush=True)
+""")
+
+
+def test_ranks_calling_different_collectives_are_told_so_and_the_job_exits(tmp_path: Path) -> None:
+    """Rank 0 calls ``last_loss()`` while rank 1 calls ``clip_grad_norm_``: each waited out the bound and was told
+    "lost rank -1" (no rank was lost), and then neither process could exit (destroying the group waited for the
+    pending collective forever).  Now each names the likely cause, and both processes end."""
+    script = tmp_path / "job.py"
+    script.write_text(MISMATCH)
+    codes, outs, errs = asyncio.run(spawn_ranks(2, [str(script)], timeout=60))
+    assert codes == [0, 0], errs
+    got = {d["rank"]: d for d in (json.loads(o.strip().splitlines()[-1]) for o in outs)}
+    for rank, what in ((0, "the step loss's reduction"), (1, "the gradient norm's all-reduce")):
+        rec = got[rank]
+        assert rec["call"] == "PipelineError", rec
+        assert rec["message"].startswith(f"rank {rank}: {what} over all 2 ranks did not complete in 4 s and no peer is "
+                                         "known lost: every rank must call last_loss(), clip_grad_norm_()"), rec
+        assert rec["seconds"] < 15, rec
