@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "ranks"))
-from harness import spawn_ranks  # noqa: E402
+from harness import run_json_script, spawn_ranks  # noqa: E402
 
 SCRIPT = textwrap.dedent("""\
     import json, os, sys, time, torch, pipeloom
@@ -118,11 +118,7 @@ def test_ranks_calling_different_collectives_are_told_so_and_the_job_exits(tmp_p
     """Rank 0 calls ``last_loss()`` while rank 1 calls ``clip_grad_norm_``: each waited out the bound and was told
     "lost rank -1" (no rank was lost), and then neither process could exit (destroying the group waited for the
     pending collective forever).  Now each names the likely cause, and both processes end."""
-    script = tmp_path / "job.py"
-    script.write_text(MISMATCH)
-    codes, outs, errs = asyncio.run(spawn_ranks(2, [str(script)], timeout=60))
-    assert codes == [0, 0], errs
-    got = {d["rank"]: d for d in (json.loads(o.strip().splitlines()[-1]) for o in outs)}
+    got = {d["rank"]: d for d in run_json_script(tmp_path, MISMATCH, 2, timeout=60)}
     for rank, what in ((0, "the step loss's reduction"), (1, "the gradient norm's all-reduce")):
         rec = got[rank]
         assert rec["call"] == "PipelineError", rec

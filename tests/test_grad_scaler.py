@@ -9,14 +9,12 @@ and step on rank 1 (its own gradients are finite): the stages would drift apart,
 
 from __future__ import annotations
 
-import asyncio
-import json
 import sys
 import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent / "ranks"))
-from harness import spawn_ranks  # noqa: E402
+from harness import run_json_script  # noqa: E402
 
 SCRIPT = textwrap.dedent("""\
     import json, os, torch, pipeloom
@@ -99,11 +97,7 @@ SCRIPT = textwrap.dedent("""\
 
 
 def test_overflow_on_one_rank_skips_the_step_on_every_rank_as_the_unsplit_model_does(tmp_path: Path) -> None:
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
-    codes, outs, errs = asyncio.run(spawn_ranks(2, [str(script)], timeout=120))
-    assert codes == [0, 0], errs
-    got = {d["rank"]: d for d in (json.loads(o.strip().splitlines()[-1]) for o in outs)}
+    got = {d["rank"]: d for d in run_json_script(tmp_path, SCRIPT, 2, timeout=120)}
     for rank, res in got.items():
         for schedule, run in res["runs"].items():
             where = f"rank {rank}, {schedule}"

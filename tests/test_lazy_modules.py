@@ -7,14 +7,12 @@ forward does, and from the second step on the gradients equal the unsplit model'
 
 from __future__ import annotations
 
-import asyncio
-import json
 import sys
 import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent / "ranks"))
-from harness import spawn_ranks  # noqa: E402
+from harness import run_json_script  # noqa: E402
 
 SCRIPT = textwrap.dedent("""\
     import copy, json, os, torch, torch.distributed as dist, pipeloom
@@ -50,11 +48,7 @@ SCRIPT = textwrap.dedent("""\
 
 
 def test_lazy_stages_materialise_at_the_first_step_and_match_the_unsplit_model(tmp_path: Path) -> None:
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
-    codes, outs, errs = asyncio.run(spawn_ranks(2, [str(script)], timeout=90))
-    assert codes == [0, 0], errs
-    got = {d["rank"]: d for d in (json.loads(o.strip().splitlines()[-1]) for o in outs)}
+    got = {d["rank"]: d for d in run_json_script(tmp_path, SCRIPT, 2, timeout=90)}
     for rank, res in got.items():
         for schedule, run in res["runs"].items():
             assert run["stages"], (rank, schedule)
@@ -80,12 +74,7 @@ def test_lazy_stages_with_data_parallelism_are_refused_naming_them(tmp_path: Pat
     """Replicas broadcast (DDP) or shard (FSDP) their parameters when the Pipeline is built: a lazy parameter has no
     shape then, and every rank failed with torch's "Can't access the shape of an uninitialized parameter", which
     says nothing of why or what to do."""
-    script = tmp_path / "job.py"
-    script.write_text(DP_SCRIPT)
-    codes, outs, errs = asyncio.run(spawn_ranks(4, [str(script), "ddp"], timeout=90))
-    assert codes == [0, 0, 0, 0], errs
-    for rank, o in enumerate(outs):
-        rec = json.loads(o.strip().splitlines()[-1])
+    for rank, rec in enumerate(run_json_script(tmp_path, DP_SCRIPT, 4, "ddp", timeout=90)):
         assert rec["type"] == "PipelineConfigError", rec
         assert rec["message"].startswith(f"rank {rank}: stage {rank // 2} holds lazy parameters not materialised yet "
                                          "(0.weight, 0.bias); data parallelism"), rec

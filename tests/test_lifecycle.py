@@ -9,14 +9,12 @@ each group under its own key prefix.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import sys
 import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent / "ranks"))
-from harness import spawn_ranks  # noqa: E402
+from harness import run_json_script  # noqa: E402
 
 SCRIPT = textwrap.dedent("""\
     import json, os, torch, torch.distributed as dist, pipeloom
@@ -36,11 +34,7 @@ SCRIPT = textwrap.dedent("""\
 
 
 def test_pipelines_built_one_after_another_in_one_process(tmp_path: Path) -> None:
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
-    codes, outs, errs = asyncio.run(spawn_ranks(2, [str(script)], timeout=60))
-    assert codes == [0, 0], errs
-    got = {d["rank"]: d["seen"] for d in (json.loads(o.strip().splitlines()[-1]) for o in outs)}
+    got = {d["rank"]: d["seen"] for d in run_json_script(tmp_path, SCRIPT, 2, timeout=60)}
     assert [s[0] for s in got[0]] == ["1F1B", "ZBVZeroBubble", "GPipe"], got
     assert got[0] == got[1], got  # the same losses on both ranks (last_loss is reduced over the job)
     for _, loss, during, after in got[0]:

@@ -4,8 +4,6 @@ before, silently.  The same model untied, or with the tied stages on one rank (a
 
 from __future__ import annotations
 
-import asyncio
-import json
 import sys
 import textwrap
 from pathlib import Path
@@ -13,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "ranks"))
-from harness import spawn_ranks  # noqa: E402
+from harness import run_json_script  # noqa: E402
 
 SCRIPT = textwrap.dedent("""\
     import json, os, sys, torch, pipeloom
@@ -52,11 +50,7 @@ SCRIPT = textwrap.dedent("""\
 
 @pytest.mark.parametrize("case", ["tied", "untied", "v"])
 def test_weights_tied_across_ranks_are_refused(tmp_path: Path, case: str) -> None:
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
-    codes, outs, errs = asyncio.run(spawn_ranks(2, [str(script), case], timeout=90))
-    assert codes == [0, 0], errs
-    recs = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    recs = run_json_script(tmp_path, SCRIPT, 2, case, timeout=90)
     if case != "tied":
         assert all(r["built"] for r in recs), recs
         return

@@ -47,6 +47,17 @@ def wait_dead(pids: list[int], timeout: float = 2.0) -> list[int]:
     return alive
 
 
+def run_json_script(directory: Path, script: str, world: int, *args: str, timeout: float,
+                    env: dict[str, str] | None = None) -> list[Any]:
+    """Write ``script`` to ``directory/job.py``, run it as ``world`` rank processes (:func:`spawn_ranks`), require
+    every rank to exit 0, and return each rank's last line of stdout parsed as JSON, by rank."""
+    job = directory / "job.py"
+    job.write_text(script)
+    codes, outs, errs = asyncio.run(spawn_ranks(world, [str(job), *args], timeout=timeout, env=env))
+    assert codes == [0] * world, errs
+    return [json.loads(o.strip().splitlines()[-1]) for o in outs]
+
+
 def launch_script(directory: Path, script: str, *args: str, nproc: int = 2, launch_args: tuple[str, ...] = (),
                   env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     """Write ``script`` to ``directory/job.py`` and run it under ``pipeloom launch --nproc-per-node nproc``
