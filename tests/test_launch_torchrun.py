@@ -35,6 +35,23 @@ Rows marked with a finding failed before the fix named there:
   grandchildren included (the launcher died of it and left them running);
 * a SIGKILL of the launcher leaves no rank's child running (PDEATHSIG ended the
   ranks; their children ran on).
+
+The tests at the end run real torchrun beside ``pipeloom launch`` on the same
+command line (about two seconds a torchrun run) and assert the same observable
+behaviour; each failed before its fix:
+
+* a rank's whole environment is torchrun's but for the documented few
+  (``TORCHELASTIC_SIGNALS_TO_HANDLE`` was missing);
+* ``--standalone --nnodes 1:2`` runs one node (was refused), and
+  ``--standalone`` overrides ``--master-port``/``--master-addr``/``--node-rank``
+  (a given busy port was used; ``--node-rank`` was refused);
+* flags may be abbreviated as torchrun's parser allows (``--redirect 3``);
+* ``--nproc-per-node cpu`` counts the CPUs the launcher may run on (affinity);
+* a launcher's own ``TORCHELASTIC_ERROR_FILE`` gets the root-cause rank's error
+  file, with ``errorCode``, as torchrun's ``@record`` writes it;
+* ``--signals-to-handle ...,SIGUSR1`` forwards SIGUSR1 to the ranks (it was
+  ignored: the launcher died of the signal, the ranks with it);
+* ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` is the default ``--shutdown-timeout``.
 """
 
 from __future__ import annotations
@@ -68,7 +85,7 @@ PROBE = textwrap.dedent(
             "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS", "PROBE_VIA", "CUDA_VISIBLE_DEVICES"]
     rec = {k: os.environ.get(k) for k in KEYS}
     rec.update(argv=sys.argv, cwd=os.getcwd(), name=__name__, file=globals().get("__file__"),
-               spec=getattr(globals().get("__spec__"), "name", None), pid=os.getpid())
+               spec=getattr(globals().get("__spec__"), "name", None), pid=os.getpid(), environ=dict(os.environ))
     if os.environ.get("PROBE_DIST") == "1":
         from datetime import timedelta
         import torch, torch.distributed as dist
@@ -182,7 +199,8 @@ ROWS = [
         facts={"argv": ["probe.py", "npx"]}),
     Row("omp-set-by-user", ["--nproc-per-node=2", "probe.py"], env={"OMP_NUM_THREADS": "4"}, facts={"OMP_NUM_THREADS": "4"}),
     Row("one-rank-no-omp", ["--nproc-per-node=1", "probe.py"], nproc=1, facts={"OMP_NUM_THREADS": None, "WORLD_SIZE": "1"}),
-    Row("nproc-cpu", ["--nproc-per-node", "cpu", "probe.py"], nproc=os.cpu_count() or 1),
+    Row("nproc-cpu", ["--nproc-per-node", "cpu", "probe.py"],
+        nproc=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1),
     Row("role", ["--nproc-per-node=2", "--role", "trainer", "probe.py"], facts={"ROLE_NAME": "trainer"}),
     Row("static-master", ["--nproc-per-node=2", "--master-addr", "127.0.0.1", "--master-port", "{PORT}", "probe.py"],
         facts={**ONE_NODE, "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_RUN_ID": "none"}),
@@ -448,3 +466,223 @@ def test_free_port_is_outside_the_ephemeral_range() -> None:
         assert not lo <= port <= hi and not 29400 <= port < 29600 and 1024 < port < 65536, port
         with socket.socket() as s:
             s.bind(("", port))
+
+
+# ---------------------------------------------------------------- side by side with real torchrun
+#
+# Each test below runs real torchrun (``python -m torch.distributed.run``, about two seconds) and ``pipeloom
+# launch`` on the same command line and asserts what both do.  Each failed before the fix it names.
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+BOTH = {"torchrun": TORCHRUN, "pipeloom": LAUNCH}
+
+
+@dataclass
+class Ran:
+    code: int
+    err: str
+    ranks: dict[int, dict[str, Any]]
+    out: Path
+
+
+def _run_both(work: Path, args: list[str], extra: dict[str, str] | None = None, timeout: float = 60.0,
+              preexec: Any = None) -> dict[str, Ran]:
+    """Run the command line under both launchers, each with its own PROBE_OUT; {launcher: what it did}."""
+    port = str(_free_port())
+    args = [a.replace("{PORT}", port).replace("{DIR}", str(work)) for a in args]
+    got = {}
+    for name, cmd in BOTH.items():
+        out = work / "out" / name
+        out.mkdir()
+        env = _env(work, {k: v.replace("{DIR}", str(work)).replace("{L}", name) for k, v in (extra or {}).items()})
+        env["PROBE_OUT"] = str(out)
+        proc = subprocess.run([*cmd, *args], cwd=work, env=env, capture_output=True, text=True, timeout=timeout,
+                              preexec_fn=preexec)
+        ranks = {int(f.stem[4:]): json.loads(f.read_text()) for f in out.glob("rank*.json")}
+        got[name] = Ran(proc.returncode, proc.stderr, ranks, out)
+    return got
+
+
+# What may differ in a rank's environment between the two, and why (README, "What still differs from torchrun").
+ENV_LEGITIMATELY_DIFFERENT = {
+    "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "PROBE_OUT",  # per run
+    "MASTER_ADDR",  # 127.0.0.1 here, localhost under torchrun's c10d (documented)
+    "TORCHELASTIC_USE_AGENT_STORE",  # no agent store: rank 0 creates it, as with env:// (documented)
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",  # torch's default left in place: the runtime aborts its communicators (documented)
+}
+
+
+def test_worker_environment_matches_torchrun(work: Path) -> None:
+    """Every variable a rank sees under torchrun it sees here with the same value, but for the documented few
+    (``TORCHELASTIC_SIGNALS_TO_HANDLE``, which torchrun's agent exports, was missing), plus pipeloom's own."""
+    got = _run_both(work, ["--nproc-per-node=2", "--max-restarts=1", "--role", "trainer", "probe.py"])
+    for name, ran in got.items():
+        assert ran.code == 0 and sorted(ran.ranks) == [0, 1], (name, ran.err)
+    for rank in (0, 1):
+        tr, pl = got["torchrun"].ranks[rank]["environ"], got["pipeloom"].ranks[rank]["environ"]
+        missing = {k: tr[k] for k in tr if k not in pl and k not in ENV_LEGITIMATELY_DIFFERENT}
+        assert not missing, f"rank {rank}: torchrun sets these, pipeloom does not: {missing}"
+        wrong = {k: (tr[k], pl[k]) for k in tr if k in pl and tr[k] != pl[k] and k not in ENV_LEGITIMATELY_DIFFERENT}
+        assert not wrong, f"rank {rank}: (torchrun, pipeloom): {wrong}"
+        extra = {k for k in pl if k not in tr and not k.startswith("PIPELOOM_")}
+        assert not extra, f"rank {rank}: pipeloom sets these, torchrun does not: {extra}"
+    assert got["pipeloom"].ranks[0]["environ"]["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+@pytest.mark.parametrize("case", ["nnodes-range", "master-port-and-node-rank"])
+def test_standalone_overrides_like_torchrun(work: Path, case: str) -> None:
+    """``--standalone --nnodes 1:2`` ran under torchrun (one node, after last_call_timeout) and was refused here
+    (exit 2); ``--standalone`` with ``--node-rank 1`` was refused, and its ``--master-port`` was used (torchrun
+    takes a free port: a busy port, two jobs on one host copying a script's 29500, failed here only)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        flags = (["--nnodes", "1:2", "--rdzv-conf", "last_call_timeout=1"] if case == "nnodes-range" else
+                 ["--node-rank", "1", "--master-port", str(port)])
+        # gloo through env:// where the store's port matters (the busy one)
+        dist = {"PROBE_DIST": "1"} if case == "master-port-and-node-rank" else {}
+        got = _run_both(work, ["--standalone", *flags, "--nproc-per-node=2", "probe.py"], dist)
+    for name, ran in got.items():
+        assert ran.code == 0, (name, ran.err)
+        assert sorted(ran.ranks) == [0, 1], (name, ran.err)
+        for rank, rec in ran.ranks.items():
+            assert (rec["GROUP_RANK"], rec["GROUP_WORLD_SIZE"], rec["WORLD_SIZE"]) == ("0", "1", "2"), (name, rec)
+            assert rec.get("dist", [rank, 2, 2.0]) == [rank, 2, 2.0] and rec["MASTER_PORT"] != str(port), (name, rec)
+    assert "note: --standalone" in got["pipeloom"].err
+
+
+def test_standalone_needing_several_nodes_is_refused(work: Path) -> None:
+    """Deliberate: ``--standalone --nnodes 2`` waits under torchrun for a node that cannot find its localhost:0
+    rendezvous until join_timeout (600 s), then fails; pipeloom refuses it at once (exit 2)."""
+    code, _, err, ranks = _launch(work, ["--standalone", "--nnodes", "2", "--nproc-per-node=2", "probe.py"], {})
+    assert code == 2 and not ranks and "--standalone is a single-node job, but --nnodes 2 needs 2 nodes" in err, err
+
+
+def test_abbreviated_flags_as_torchrun(work: Path) -> None:
+    """torchrun's parser takes unambiguous prefixes (``--redirect 3``, as its own help text writes it); pipeloom
+    said 'unrecognized arguments' (exit 2)."""
+    got = _run_both(work, ["--redirect", "3", "--log_dir", "{DIR}/logs-{L}", "--nproc_per", "2", "probe.py"], {})
+    for name, ran in got.items():
+        assert ran.code == 0 and sorted(ran.ranks) == [0, 1], (name, ran.err)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_nproc_cpu_counts_the_cpus_the_launcher_may_use(work: Path) -> None:
+    """``--nproc-per-node cpu`` under ``taskset -c 0`` (a cgroup, a SLURM step's CPUs): torchrun starts one rank
+    per CPU it may use (torch._utils.cpu_count); pipeloom started one per CPU of the machine."""
+    cpu = min(os.sched_getaffinity(0))
+    got = _run_both(work, ["--nproc-per-node", "cpu", "probe.py"], preexec=lambda: os.sched_setaffinity(0, {cpu}))
+    for name, ran in got.items():
+        assert ran.code == 0 and sorted(ran.ranks) == [0], (name, ran.err)
+
+
+RECORD_SCRIPT = textwrap.dedent(
+    """\
+    import os
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    @record
+    def main():
+        if os.environ.get("RECORD_RAISE") == "1":
+            raise ValueError("boom in rank " + os.environ["RANK"])
+
+    main()
+    """
+)
+
+
+@pytest.mark.parametrize("recorded", [True, False])
+def test_launchers_error_file_gets_the_root_cause(work: Path, recorded: bool) -> None:
+    """A launcher started with ``TORCHELASTIC_ERROR_FILE`` (TorchX does, to learn why a job failed): torchrun's
+    ``@record`` copies the root-cause rank's error file there with its exit code as ``errorCode``; pipeloom wrote
+    nothing.  A rank without ``@record`` writes no error file, and neither launcher writes one then."""
+    (work / "rec.py").write_text(RECORD_SCRIPT if recorded else 'raise ValueError("boom, no @record")\n')
+    got = _run_both(work, ["--nproc-per-node=1", "rec.py"],
+                    {"RECORD_RAISE": "1", "TORCHELASTIC_ERROR_FILE": "{DIR}/launcher-error-{L}.json"})
+    files = {name: work / f"launcher-error-{name}.json" for name in BOTH}
+    for name, ran in got.items():
+        assert ran.code == 1, (name, ran.err)
+        assert files[name].exists() == recorded, name
+    if recorded:
+        tr, pl = (json.loads(files[name].read_text())["message"] for name in BOTH)
+        assert pl["message"] == tr["message"] == "ValueError: boom in rank 0"
+        assert pl["errorCode"] == tr["errorCode"] == 1
+        assert pl["extraInfo"]["py_callstack"] == tr["extraInfo"]["py_callstack"]
+
+
+SIGNALLED_SCRIPT = textwrap.dedent(
+    """\
+    import os, signal, sys, time
+    d, r = os.environ["PROBE_OUT"], os.environ["RANK"]
+
+    def on_signal(signum, frame):  # e.g. a checkpoint before SLURM's time limit, or on preemption: it takes a while
+        time.sleep(float(os.environ.get("SAVE_SECONDS", "0")))
+        open(os.path.join(d, f"got{r}"), "w").write(signal.Signals(signum).name)
+        sys.exit(0)
+
+    for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, on_signal)
+    open(os.path.join(d, f"pid{r}"), "w").write(str(os.getpid()))
+    time.sleep(60)
+    """
+)
+
+
+def _signal_both(work: Path, args: list[str], sig: int, extra: dict[str, str] | None = None) -> dict[str, Ran]:
+    """Start the script under each launcher, send the launcher ``sig`` once every rank runs, wait for its exit."""
+    (work / "sig.py").write_text(SIGNALLED_SCRIPT)
+    got = {}
+    for name, cmd in BOTH.items():
+        out = work / "out" / name
+        out.mkdir()
+        env = _env(work, extra or {})
+        env["PROBE_OUT"] = str(out)
+        proc = subprocess.Popen([*cmd, *args, "sig.py"], cwd=work, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            end = time.monotonic() + 30
+            while len(list(out.glob("pid*"))) < 2:
+                assert time.monotonic() < end and proc.poll() is None, (name, "ranks did not start")
+                time.sleep(0.02)
+            time.sleep(0.3)  # inside their sleep, handlers installed
+            proc.send_signal(sig)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            for f in out.glob("pid*"):
+                try:
+                    os.kill(int(f.read_text()), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+        got[name] = Ran(proc.returncode, err, {}, out)
+    return got
+
+
+def _received(ran: Ran) -> list[str]:
+    return [(ran.out / f"got{r}").read_text() if (ran.out / f"got{r}").exists() else "" for r in (0, 1)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGUSR2])
+def test_signals_to_handle_forwards_the_signal(work: Path, sig: int) -> None:
+    """``--signals-to-handle SIGTERM,SIGINT,SIGUSR1`` (SLURM's ``--signal=USR1@90`` before the time limit): torchrun
+    forwards the SIGUSR1 to every rank, whose handler saves and exits; pipeloom ignored the flag and died of the
+    signal, the ranks killed with it (PDEATHSIG) before any handler ran.  The exit status differs by design
+    (torchrun 1, pipeloom 128 + the signal)."""
+    name = signal.Signals(sig).name
+    got = _signal_both(work, ["--nproc-per-node=2", f"--signals-to-handle=SIGTERM,SIGINT,{name}"], sig)
+    for launcher, ran in got.items():
+        assert _received(ran) == [name, name], (launcher, ran.err)
+    assert got["torchrun"].code == 1 and got["pipeloom"].code == 128 + sig, got["pipeloom"].err
+    assert f"pipeloom launch: stopped by {name}" in got["pipeloom"].err
+
+
+def test_torch_elastic_shutdown_timeout_gives_the_ranks_time(work: Path) -> None:
+    """``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` is torchrun's default for ``--shutdown-timeout``: a rank that takes 2.5 s
+    to save on SIGTERM gets them under both (pipeloom ignored it: SIGKILL came after --grace, 2 s)."""
+    got = _signal_both(work, ["--nproc-per-node=2"], signal.SIGTERM,
+                       {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "10", "SAVE_SECONDS": "2.5"})
+    for launcher, ran in got.items():
+        assert _received(ran) == ["SIGTERM", "SIGTERM"], (launcher, ran.err)

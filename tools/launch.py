@@ -58,9 +58,12 @@ What torchrun sets, so that a script runs the same under either launcher:
 ``ROLE_NAME`` (``--role``), ``MASTER_ADDR``, ``MASTER_PORT``,
 ``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_MAX_RESTARTS``,
 ``TORCHELASTIC_RUN_ID`` (``--rdzv-id``, default ``none``),
+``TORCHELASTIC_SIGNALS_TO_HANDLE`` (``--signals-to-handle``),
 ``TORCHELASTIC_ERROR_FILE`` (one per rank and attempt: torch's ``@record``
 writes the exception there, and the launcher reads it for the summary when the
-rank wrote no root-cause line), and ``OMP_NUM_THREADS=1`` when several ranks
+rank wrote no root-cause line; a launcher given a ``TORCHELASTIC_ERROR_FILE``
+of its own copies the root-cause rank's there when the job fails, as
+torchrun's ``@record`` does), and ``OMP_NUM_THREADS=1`` when several ranks
 share the node and it is not set already.  ``TORCHELASTIC_USE_AGENT_STORE`` is
 *not* set: there is no agent store, and the rank-0 process creates the TCP
 store as with plain ``env://``.  Then pipeloom's own, none of which a script
@@ -137,7 +140,9 @@ Exit status
   forwards the signal it got: a script's ``except KeyboardInterrupt`` and
   ``finally`` run, as on Ctrl-C under torchrun or plain python) and SIGTERM
   for the others, SIGKILL after ``--grace`` seconds (at once on a second
-  signal), and exits with 128 + the signal.
+  signal), and exits with 128 + the signal.  Other signals named by torchrun's
+  ``--signals-to-handle`` (SIGUSR1, SIGUSR2: SLURM's warning before a time
+  limit) are handled the same way and reach the ranks as they are.
 
 Restarts
 --------
@@ -199,6 +204,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -242,7 +248,8 @@ _GIVE_UP_AFTER_KILL = 5.0  # a process in uninterruptible sleep: stop waiting
 _PIPE_DRAIN = 0.5  # seconds to wait for a dead rank's pipes to close
 _DEFAULT_MULTINODE_PORT = 29500
 _PR_SET_PDEATHSIG = 1
-_EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # torchrun's --signals-to-handle
+_EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # always handled
+_DEFAULT_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's --signals-to-handle default
 
 
 # ---------------------------------------------------------------- configuration
@@ -316,6 +323,15 @@ class LaunchConfig:
     """Where each rank's ``TORCHELASTIC_ERROR_FILE`` goes (``error{R}.json``); None: no error files."""
     monitor_interval: float = 0.5
     """Seconds between checks of the other nodes' state through the rendezvous (``--monitor-interval``)."""
+    signals: tuple[int, ...] = _EXIT_SIGNALS
+    """Signals that stop the job (torchrun's ``--signals-to-handle``, plus SIGINT, SIGTERM, SIGHUP and SIGQUIT
+    always): SIGINT reaches the ranks as SIGINT, SIGTERM/SIGHUP/SIGQUIT as SIGTERM, any other (SIGUSR1, SIGUSR2: a
+    SLURM job's warning before its time limit) as itself, as torchrun forwards it; SIGKILL follows."""
+    signals_to_handle: str = _DEFAULT_SIGNALS_TO_HANDLE
+    """The ranks' ``TORCHELASTIC_SIGNALS_TO_HANDLE`` (torchrun's agent exports its ``--signals-to-handle``)."""
+    parent_error_file: str | None = None
+    """The launcher's own ``TORCHELASTIC_ERROR_FILE`` (a scheduler's, e.g. TorchX's): a failed job's root cause is
+    written there, as torchrun's ``@record`` copies the root-cause rank's error file into it."""
     cpu_bind: str = "none"
     """Which CPUs each rank runs on (``--cpu-bind``; ``pipeloom.affinity.POLICIES``): ``none`` (the OS decides),
     ``slice`` (each local rank its own equal share of whole cores), ``node`` or ``socket`` (a NUMA node or socket per
@@ -357,6 +373,7 @@ def rank_environment(config: LaunchConfig, local_rank: int, base: Mapping[str, s
         TORCHELASTIC_RESTART_COUNT=str(config.restart_count),
         TORCHELASTIC_MAX_RESTARTS=str(config.max_restarts),
         TORCHELASTIC_RUN_ID=config.run_id,
+        TORCHELASTIC_SIGNALS_TO_HANDLE=config.signals_to_handle,
         PIPELOOM_LAUNCHER="1",
     )
     if config.virtual_local_rank:  # as torchrun's agent does it
@@ -807,7 +824,7 @@ class _Job:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         installed = []
-        for sig in _EXIT_SIGNALS:
+        for sig in self.config.signals:
             try:
                 self._loop.add_signal_handler(sig, self.on_signal, sig)
                 installed.append(sig)
@@ -1076,8 +1093,10 @@ class _Job:
             if term_at is not None and now >= term_at and not term_sent:
                 # Ctrl-C reaches the ranks as SIGINT, as under torchrun (which forwards the signal it got) and
                 # plain python: a script's `except KeyboardInterrupt` / `finally` runs.  Otherwise SIGTERM.
-                interrupted = self.interrupt == signal.SIGINT
-                self._signal_all(signal.SIGINT if interrupted else signal.SIGTERM)
+                # SIGHUP and SIGQUIT as SIGTERM (a rank's SIGTERM handler runs, no rank dumps core); any other
+                # signal of --signals-to-handle (SIGUSR1 from SLURM before the time limit) as itself, as torchrun.
+                sig = self.interrupt if self.interrupt not in (None, *_EXIT_SIGNALS) else signal.SIGTERM
+                self._signal_all(signal.SIGINT if self.interrupt == signal.SIGINT else sig)
                 term_sent = True
             if kill_at is not None and now >= kill_at and killed_at is None:
                 self._signal_all(signal.SIGKILL)
@@ -1169,6 +1188,34 @@ class _Job:
             error, tb = _opt_str(message), None
         return RootCause(rank=r.rank, error=error, traceback=tb, fields={"error_file": str(path)})
 
+    def _write_parent_error_file(self, root: _Rank, path: str) -> None:
+        """torchrun's ``@record`` on its main: the root-cause rank's error file, copied into the launcher's own
+        ``TORCHELASTIC_ERROR_FILE`` with ``errorCode`` set to the rank's exit code (how TorchX and other
+        schedulers learn why a job failed).  Where the rank wrote none but reported a ``PIPELOOM_ROOT_CAUSE``,
+        that report in the same format (torchrun would write nothing)."""
+        source = self.config.error_file(root.local_rank)
+        data: Any = None
+        try:
+            data = json.loads(source.read_text()) if source is not None else None
+        except (OSError, ValueError):
+            data = None
+        code = root.returncode if root.returncode is not None else -signal.SIGKILL
+        if isinstance(data, dict):
+            if isinstance(data.get("message"), dict) and code:
+                data["message"]["errorCode"] = code  # as torch's override_error_code_in_rootcause_data
+        elif root.root_cause is not None and not root.root_cause.remote and root.root_cause.error:
+            cause = root.root_cause
+            data = {"message": {"message": cause.error, "extraInfo": {"py_callstack": cause.traceback or "",
+                                                                       "timestamp": str(int(time.time()))},
+                                "errorCode": code}}
+        else:
+            return  # nothing to copy: torchrun leaves the file alone too
+        try:
+            Path(path).unlink(missing_ok=True)
+            Path(path).write_text(json.dumps(data))
+        except OSError as exc:
+            self.err.say(f"warning: could not write TORCHELASTIC_ERROR_FILE {path}: {exc}")
+
     def _blamed_by(self, r: _Rank) -> _Rank | None:
         cause = r.root_cause
         if cause is None or not cause.remote or cause.failed_rank is None or cause.failed_rank == r.rank:
@@ -1243,6 +1290,8 @@ class _Job:
             infra = root.returncode is not None and root.returncode < 0 and not root.signalled
             reported = cause is not None and not cause.remote
             code = EXIT_INFRA if infra and not reported else EXIT_RANK_FAILED
+            if final and self.interrupt is None and cfg.parent_error_file:
+                self._write_parent_error_file(root, cfg.parent_error_file)
         if self.interrupt is not None:
             stopped = [r for r in self.ranks if r.signalled]
             what = f"; terminated {_plural(stopped)}" if stopped else ""
@@ -1345,7 +1394,6 @@ _IGNORED_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--duplicate-stdout-filters", "--duplicate_stdout_filters"), {}),
     (("--duplicate-stderr-filters", "--duplicate_stderr_filters"), {}),
     (("--logs-specs", "--logs_specs"), {}),
-    (("--signals-to-handle", "--signals_to_handle"), {}),
 ]
 _IGNORED_WHY = {
     "start_method": "ranks are always fresh processes (exec), as with 'spawn'",
@@ -1353,7 +1401,6 @@ _IGNORED_WHY = {
     "duplicate_stdout_filters": "use --log-dir (every rank's whole output)",
     "duplicate_stderr_filters": "use --log-dir (every rank's whole output)",
     "logs_specs": "log files are DIR/rank{R}.log under --log-dir",
-    "signals_to_handle": "SIGINT, SIGTERM, SIGHUP and SIGQUIT are handled; ranks get SIGINT (for SIGINT) or SIGTERM, then SIGKILL",
 }
 
 
@@ -1395,7 +1442,7 @@ def add_parser(subparsers: Any) -> None:
         "prefixed output, a bounded teardown after a failure and one root-cause summary.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
+        allow_abbrev=True,  # as torchrun's parser: `--redirect 3`, `--nproc_per 2` work there
     )
     add = p.add_argument
     add("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default=None, metavar="N",
@@ -1461,6 +1508,10 @@ def add_parser(subparsers: Any) -> None:
              "slow mode 25-35%% behind that slice removed (benchmarks/RESULTS.md)")
     add("--numa-binding", "--numa_binding", dest="numa_binding", choices=("node", "socket", "exclusive", "core-complex"),
         default=None, help="torchrun's: node and socket as --cpu-bind; exclusive and core-complex bind as --cpu-bind slice")
+    add("--signals-to-handle", "--signals_to_handle", dest="signals_to_handle", default=None, metavar="SIG,...",
+        help="torchrun's: signals that stop the job (default SIGTERM,SIGINT,SIGHUP,SIGQUIT, always handled); the "
+             "ranks get SIGINT for SIGINT, SIGTERM for SIGTERM/SIGHUP/SIGQUIT, any other (SIGUSR1, SIGUSR2) as it is, "
+             "then SIGKILL after --grace (--shutdown-timeout)")
     add("--role", default=None, help="ROLE_NAME of the ranks (default 'default')")
     add("--virtual-local-rank", "--virtual_local_rank", dest="virtual_local_rank", action="store_true", default=None,
         help="torchrun's: every rank sees LOCAL_RANK=0 and only its own GPU (CUDA_VISIBLE_DEVICES)")
@@ -1476,6 +1527,13 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=_cmd_launch)
 
 
+def _cpu_count() -> int:
+    """torch._utils.cpu_count, as torchrun counts: the CPUs this process may run on (taskset, cgroups), not all."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
 def _nproc(text: str) -> int:
     if text in ("auto", "gpu", "cpu"):
         if text != "cpu":
@@ -1488,7 +1546,7 @@ def _nproc(text: str) -> int:
                 pass
             if text == "gpu":
                 raise _UsageError("--nproc-per-node gpu: no CUDA device")
-        return os.cpu_count() or 1
+        return _cpu_count()
     try:
         value = int(text)
     except ValueError:
@@ -1544,6 +1602,7 @@ _TORCHRUN_ENV: dict[str, tuple[str, str, Any, Callable[[str], Any]]] = {
     "master_addr": ("MASTER_ADDR", "--master-addr", "127.0.0.1", str),
     "master_port": ("MASTER_PORT", "--master-port", None, _int_arg),
     "local_addr": ("LOCAL_ADDR", "--local-addr", None, str),
+    "signals_to_handle": ("SIGNALS_TO_HANDLE", "--signals-to-handle", _DEFAULT_SIGNALS_TO_HANDLE, str),
 }
 
 
@@ -1588,15 +1647,26 @@ def _config_from_args(args: argparse.Namespace, env: Mapping[str, str], warnings
         given = [flag for flag, value, default in (("--rdzv-backend", args.rdzv_backend, "static"),
                                                    ("--rdzv-endpoint", args.rdzv_endpoint, ""),
                                                    ("--rdzv-id", args.rdzv_id, "none")) if value != default]
+        # torchrun's c10d rendezvous on localhost:0 ignores --master-addr/--master-port and --node-rank too (with a
+        # warning for the last): ranks meet on a free local port
+        given += [flag for flag, value, default in (("--master-addr", args.master_addr, "127.0.0.1"),
+                                                    ("--master-port", args.master_port, None),
+                                                    ("--node-rank", args.node_rank, None)) if value != default]
         if given:
             warnings.append(f"note: --standalone overrides {', '.join(given)} (as torchrun's does): one node, a free local port")
         args.rdzv_backend, args.rdzv_endpoint = "static", ""
+        args.master_addr, args.master_port, args.node_rank = "127.0.0.1", None, None
         run_id = str(uuid.uuid4())
     nproc = _nproc(args.nproc_per_node)
     try:
         min_nodes, max_nodes = parse_nnodes(args.nnodes)
     except ValueError as exc:
         raise _UsageError(f"--nnodes: {exc}") from None
+    if args.standalone and min_nodes == 1 and max_nodes > 1:
+        # torchrun accepts it: its rendezvous on localhost:0 (a port no other node can know) waits last_call_timeout
+        # (30 s) for more nodes, then runs this one alone; here it runs at once
+        warnings.append(f"note: --standalone --nnodes {args.nnodes}: one node (no other node can join a standalone job)")
+        max_nodes = 1
     nnodes = max_nodes
     if run_id == "none" and args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None \
             and max_nodes == 1:
@@ -1634,11 +1704,10 @@ def _config_from_args(args: argparse.Namespace, env: Mapping[str, str], warnings
         if args.rdzv_conf:
             warnings.append("note: --rdzv-conf is ignored with the static rendezvous")
         node_rank = 0 if args.node_rank is None else args.node_rank
-        if args.standalone:
-            if nnodes != 1:
-                raise _UsageError("--standalone is a single-node job; drop --nnodes or --standalone")
-            if node_rank != 0:
-                raise _UsageError("--standalone takes no --node-rank")
+        if args.standalone and nnodes != 1:
+            # torchrun waits join_timeout (600 s) for nodes that cannot find its localhost:0 rendezvous, then fails
+            raise _UsageError(f"--standalone is a single-node job, but --nnodes {args.nnodes} needs {min_nodes} nodes; "
+                              "drop --standalone and meet through --rdzv-backend c10d --rdzv-endpoint HOST:PORT")
         if nnodes < 1:
             raise _UsageError(f"--nnodes must be at least 1, got {nnodes}")
         if not 0 <= node_rank < nnodes:
@@ -1662,6 +1731,21 @@ def _config_from_args(args: argparse.Namespace, env: Mapping[str, str], warnings
 
     if args.max_restarts < 0:
         raise _UsageError(f"--max-restarts must be at least 0, got {args.max_restarts}")
+    shutdown_timeout = args.shutdown_timeout
+    if shutdown_timeout is None and env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        # torchrun's default for --shutdown-timeout (its own default, 30 s, is not pipeloom's)
+        try:
+            shutdown_timeout = _nonneg_float(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+        except argparse.ArgumentTypeError as exc:
+            raise _UsageError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={env['TORCH_ELASTIC_SHUTDOWN_TIMEOUT']!r}: {exc}") from None
+    signals = list(_EXIT_SIGNALS)
+    for name in args.signals_to_handle.split(","):
+        sig = getattr(signal, name.strip(), None) if name.strip().startswith("SIG") else None
+        if not isinstance(sig, signal.Signals) or sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+            # torchrun logs that it could not register a handler and goes on
+            warnings.append(f"note: --signals-to-handle: {name.strip()!r} is not a signal that can be handled: ignored")
+        elif sig not in signals:
+            signals.append(sig)
     cpu_bind = args.cpu_bind
     if args.numa_binding is not None:
         mapped = {"node": "node", "socket": "socket"}.get(args.numa_binding, "slice")
@@ -1730,7 +1814,7 @@ def _config_from_args(args: argparse.Namespace, env: Mapping[str, str], warnings
         first_step_stall_timeout=args.first_step_stall_timeout,
         cuda_graphs=args.cuda_graphs,
         grace=args.grace,
-        shutdown_timeout=args.shutdown_timeout,
+        shutdown_timeout=shutdown_timeout,
         log_dir=log_dir,
         prefix=args.prefix,
         console_local_ranks=args.ranks_filter,
@@ -1743,6 +1827,9 @@ def _config_from_args(args: argparse.Namespace, env: Mapping[str, str], warnings
         quiet_streams=quiet,
         monitor_interval=args.monitor_interval,
         cpu_bind=cpu_bind,
+        signals=tuple(signals),
+        signals_to_handle=args.signals_to_handle,
+        parent_error_file=env.get("TORCHELASTIC_ERROR_FILE") or None,
     )
     return config, warnings
 
