@@ -51,7 +51,8 @@ behaviour; each failed before its fix:
   file, with ``errorCode``, as torchrun's ``@record`` writes it;
 * ``--signals-to-handle ...,SIGUSR1`` forwards SIGUSR1 to the ranks (it was
   ignored: the launcher died of the signal, the ranks with it);
-* ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` is the default ``--shutdown-timeout``.
+* ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` is the default ``--shutdown-timeout``;
+* ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` is the echoed lines' prefix.
 """
 
 from __future__ import annotations
@@ -483,6 +484,7 @@ class Ran:
     err: str
     ranks: dict[int, dict[str, Any]]
     out: Path
+    stdout: str = ""
 
 
 def _run_both(work: Path, args: list[str], extra: dict[str, str] | None = None, timeout: float = 60.0,
@@ -499,7 +501,7 @@ def _run_both(work: Path, args: list[str], extra: dict[str, str] | None = None, 
         proc = subprocess.run([*cmd, *args], cwd=work, env=env, capture_output=True, text=True, timeout=timeout,
                               preexec_fn=preexec)
         ranks = {int(f.stem[4:]): json.loads(f.read_text()) for f in out.glob("rank*.json")}
-        got[name] = Ran(proc.returncode, proc.stderr, ranks, out)
+        got[name] = Ran(proc.returncode, proc.stderr, ranks, out, proc.stdout)
     return got
 
 
@@ -575,6 +577,16 @@ def test_nproc_cpu_counts_the_cpus_the_launcher_may_use(work: Path) -> None:
     got = _run_both(work, ["--nproc-per-node", "cpu", "probe.py"], preexec=lambda: os.sched_setaffinity(0, {cpu}))
     for name, ran in got.items():
         assert ran.code == 0 and sorted(ran.ranks) == [0], (name, ran.err)
+
+
+def test_log_line_prefix_template_as_torchrun(work: Path) -> None:
+    """torchrun's ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` prefixes the echoed lines (here with ``--tee 3``, where
+    torchrun echoes them); pipeloom ignored it and wrote ``[rank{R}]: ``."""
+    got = _run_both(work, ["--nproc-per-node=2", "--tee", "3", "--log-dir", "{DIR}/logs-{L}", "--role", "w", "probe.py"],
+                    {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "<${role_name}|${rank}|${local_rank}> "})
+    for name, ran in got.items():
+        assert ran.code == 0 and sorted(ran.ranks) == [0, 1], (name, ran.err)
+        assert sorted(ran.stdout.splitlines()) == ["<w|0|0> probe of rank 0", "<w|1|1> probe of rank 1"], (name, ran.stdout)
 
 
 RECORD_SCRIPT = textwrap.dedent(

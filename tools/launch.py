@@ -43,7 +43,8 @@ rendezvous (:mod:`pipeloom.tools.rendezvous`) and to count GPUs for ``--nproc-pe
 Output
 ------
 Each line a rank writes is echoed with a ``[rank{R}]: `` prefix (torchrun's
-style; ``--no-prefix`` turns it off), stdout to stdout and stderr to stderr.
+style; ``--no-prefix`` turns it off; torchrun's
+``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` replaces it), stdout to stdout and stderr to stderr.
 Pipes are read as data arrives, so a chatty rank never blocks; a last line
 without a newline is flushed when the pipe closes.  ``--log-dir DIR``
 additionally writes each rank's raw stdout and stderr, unprefixed and
@@ -201,6 +202,7 @@ import secrets
 import shutil
 import signal
 import socket
+import string
 import sys
 import tempfile
 import threading
@@ -295,6 +297,9 @@ class LaunchConfig:
     log_dir: Path | None = None
     """If set, each rank's raw output also goes to ``log_dir/rank{R}.log``."""
     prefix: bool = True
+    prefix_template: str | None = None
+    """torchrun's ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` (``${role_name}``, ``${rank}``, ``${local_rank}``): the
+    prefix instead of ``[rank{R}]: ``."""
     """Prefix echoed lines with ``[rank{R}]: ``."""
     console_local_ranks: frozenset[int] | None = None
     """Local ranks whose output is echoed (None: all); log files always get everything."""
@@ -1047,7 +1052,9 @@ class _Job:
                 r.log = open(cfg.log_dir / name, "wb")
             shown = cfg.console_local_ranks is None or r.local_rank in cfg.console_local_ranks
             quiet = cfg.quiet_streams.get(r.local_rank, 0)  # --redirects: these go to the log file only
-            prefix = f"[rank{r.rank}]: ".encode() if cfg.prefix else b""
+            text = (f"[rank{r.rank}]: " if cfg.prefix_template is None else
+                    string.Template(cfg.prefix_template).safe_substitute(role_name=cfg.role, rank=r.rank, local_rank=r.local_rank))
+            prefix = text.encode() if cfg.prefix else b""
             r.streams = {
                 1: _RankStream(r, is_stderr=False, console=self.out if shown and not quiet & 1 else None, log=r.log,
                                prefix=prefix),
@@ -1817,6 +1824,7 @@ def _config_from_args(args: argparse.Namespace, env: Mapping[str, str], warnings
         shutdown_timeout=shutdown_timeout,
         log_dir=log_dir,
         prefix=args.prefix,
+        prefix_template=env.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None,
         console_local_ranks=args.ranks_filter,
         max_restarts=args.max_restarts,
         fresh_port_per_restart=rdzv is None and args.master_port is None and (args.standalone or nnodes == 1),
