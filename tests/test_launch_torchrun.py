@@ -52,7 +52,8 @@ behaviour; each failed before its fix:
 * ``--signals-to-handle ...,SIGUSR1`` forwards SIGUSR1 to the ranks (it was
   ignored: the launcher died of the signal, the ranks with it);
 * ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` is the default ``--shutdown-timeout``;
-* ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` is the echoed lines' prefix.
+* ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` is the echoed lines' prefix;
+* ``--master-addr [::1]`` (IPv6 in brackets) reaches the ranks as ``::1``.
 """
 
 from __future__ import annotations
@@ -587,6 +588,27 @@ def test_log_line_prefix_template_as_torchrun(work: Path) -> None:
     for name, ran in got.items():
         assert ran.code == 0 and sorted(ran.ranks) == [0, 1], (name, ran.err)
         assert sorted(ran.stdout.splitlines()) == ["<w|0|0> probe of rank 0", "<w|1|1> probe of rank 1"], (name, ran.stdout)
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback")
+def test_ipv6_master_addr_in_brackets(work: Path) -> None:
+    """``--master-addr [::1]``, the IPv6 form torchrun's help asks for: torchrun's ranks see ``MASTER_ADDR=::1`` and
+    meet; pipeloom handed them ``[::1]`` and rank 1 timed out connecting to the store."""
+    got = _run_both(work, ["--nproc-per-node=2", "--master-addr", "[::1]", "--master-port", "{PORT}", "probe.py"],
+                    {"PROBE_DIST": "1"})
+    for name, ran in got.items():
+        assert ran.code == 0 and sorted(ran.ranks) == [0, 1], (name, ran.err)
+        for rank, rec in ran.ranks.items():
+            assert rec["MASTER_ADDR"] == "::1" and rec["dist"] == [rank, 2, 2.0], (name, rec)
 
 
 RECORD_SCRIPT = textwrap.dedent(

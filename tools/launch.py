@@ -1708,6 +1708,8 @@ def _config_from_args(args: argparse.Namespace, env: Mapping[str, str], warnings
             if not host or not port_text.isdigit():
                 raise _UsageError(f"--rdzv-endpoint: expected HOST:PORT, got {args.rdzv_endpoint!r}")
             args.master_addr, args.master_port = host.strip("[]"), int(port_text)
+        elif args.master_addr.startswith("[") and args.master_addr.endswith("]"):
+            args.master_addr = args.master_addr[1:-1]  # torchrun's form for IPv6 ('[::1]'); the ranks see '::1'
         if args.rdzv_conf:
             warnings.append("note: --rdzv-conf is ignored with the static rendezvous")
         node_rank = 0 if args.node_rank is None else args.node_rank
