@@ -107,7 +107,21 @@ def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: s
             pipe._collective_timed_out = True
         from .checkpoint import _lost_peer
 
+        same_order = ("every rank must call last_loss(), clip_grad_norm_() and a PipelineGradScaler's unscale_()/step() "
+                      "in the same order (a rank that called another of them, or none, leaves its peers waiting here)")
+        # A peer that ended *cleanly* (it said 'bye': it closed its Pipeline, or its script ended, e.g. after its own
+        # collective timed out the same way) was not lost: it never joined this collective.  On NCCL its process is
+        # gone by the time this rank's bound runs out; on gloo its leaving breaks the collective at once.
         lost = _lost_peer(pipe, exc, what, wait=0.5)
+        if between is not None and (err := between()) is not None:  # (reads the control plane: a 'bye' too)
+            raise err from exc
+        closed = sorted(getattr(getattr(actor, "control", None), "peers_closed", None) or ())
+        if closed and (lost is None or lost.peer in closed):
+            who = f"rank {closed[0]}" if len(closed) == 1 else f"ranks {closed}"
+            raise PipelineError(
+                f"rank {rank}: {what} over all {dist.get_world_size()} ranks did not complete: {who} closed its "
+                f"Pipeline without joining it; {same_order}"
+            ) from exc
         if lost is not None:
             raise lost from exc
         if isinstance(exc, TimeoutError):
@@ -115,9 +129,7 @@ def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: s
             # clip_grad_norm_ or a PipelineGradScaler's unscale_/step in different orders or numbers)
             raise PipelineError(
                 f"rank {rank}: {what} over all {dist.get_world_size()} ranks did not complete in {limit:g} s and no peer "
-                "is known lost: every rank must call last_loss(), clip_grad_norm_() and a PipelineGradScaler's "
-                "unscale_()/step() in the same order (a rank that called another of them, or none, leaves its "
-                "peers waiting here)"
+                f"is known lost: {same_order}"
             ) from exc
         raise PeerLostError(f"{what} over all {dist.get_world_size()} ranks failed: {exc}", rank=rank, peer=-1) from exc
 

@@ -1,5 +1,5 @@
 """``PipelineGradScaler``: float16-style loss scaling through a pipeline, against ``torch.amp.GradScaler`` on the unsplit
-model (2 real gloo ranks, float32 with scales near 2^100, so that overflows are placed exactly where the test wants).
+model (2 real gloo ranks, or NCCL ranks on a GPU host; float32 with scales near 2^100, so that overflows are placed exactly where the test wants).
 
 In some steps stage 0 multiplies its input gradient by 2^40 (a custom Function), so only stage 0's gradients
 overflow float32: only rank 0 finds an inf.  The unsplit model with torch's scaler skips those steps and
@@ -78,7 +78,7 @@ SCRIPT = textwrap.dedent("""\
             run["loss_diff"] = max(run["loss_diff"], abs(loss - ref_loss.item()))
         for s, m in stages.items():
             for a, b in zip(m.parameters(), ref[s].parameters()):
-                run["diff"] = max(run["diff"], (a - b).abs().max().item())
+                run["diff"] = max(run["diff"], (a.detach().cpu() - b).abs().max().item())  # (stages on cuda on NCCL)
         pipe.close()
     # refused: a second scaler on one Pipeline, and check_finite (which fails on the overflows scaling skips)
     errors = []
