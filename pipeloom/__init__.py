@@ -17,6 +17,8 @@ __version__ = "0.1.0"
 
 _RUNTIME_NAMES = (
     "CheckpointError",
+    "CheckpointReadError",
+    "CheckpointTimeoutError",
     "CheckpointInfo",
     "MeasuredCandidate",
     "Microbatches",

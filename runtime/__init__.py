@@ -5,7 +5,7 @@ from __future__ import annotations
 from .actor import ActorStatistics, RankActor
 from .autotune import MeasuredCandidate, TuneCandidate, measure_candidates
 from .checkpoint import CheckpointInfo, PendingCheckpoint, latest_checkpoint, load_checkpoint, save_checkpoint, wait_checkpoints
-from .errors import CheckpointError, PeerLostError, PipelineConfigError, PipelineError, RemoteRankError, StageError
+from .errors import CheckpointError, CheckpointReadError, CheckpointTimeoutError, PeerLostError, PipelineConfigError, PipelineError, RemoteRankError, StageError
 from .checks import Replicate
 from .expert_parallel import StageContext
 from .grad_scaler import PipelineGradScaler
@@ -18,6 +18,8 @@ from .traced_split import split_by_tracing, stage_fn_from_pipe
 __all__ = [
     "ActorStatistics",
     "CheckpointError",
+    "CheckpointReadError",
+    "CheckpointTimeoutError",
     "CheckpointInfo",
     "PendingCheckpoint",
     "MeasuredCandidate",

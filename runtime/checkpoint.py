@@ -68,21 +68,41 @@ save on every rank and agrees on its outcome first (rank 0 finishes it last,
 and a failure on one rank is raised on all), and :func:`wait_checkpoints` (or
 ``PendingCheckpoint.wait()``) must be called before the process group is
 destroyed (before ``pipe.close()``).
+
+Ranks that hang.  Every call takes ``timeout`` (seconds, default 600): the
+longest a rank waits for its peers at one point of the call.  Each rank
+records its place in the call in the job's store (:class:`_Call`); the
+agreements on the checkpoint group are posted asynchronously and polled
+against the timeout, and the group's gloo timeout is the call's, so DCP's
+collectives are bounded by it too.  A rank that times out names the ranks
+behind it from the store, marks the call abandoned (a late rank raises at
+once), and retires the group (a new one next call).  Each raises
+:class:`~pipeloom.CheckpointTimeoutError`.
+
+Corrupt checkpoints.  A complete checkpoint whose files cannot be read is
+found before anything is loaded (file sizes against the metadata; DCP reads
+into new tensors, applied once every rank has read its part), and every rank
+raises :class:`~pipeloom.CheckpointReadError`; under a root, every rank falls
+back to the next older complete checkpoint instead, with a warning.
 """
 
 from __future__ import annotations
 
+import functools
 import io
+import itertools
 import json
 import os
 import random
 import re
-import functools
 import shutil
+import threading
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -90,9 +110,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import CheckpointError, PeerLostError, PipelineConfigError, PipelineError
+from .errors import (CheckpointError, CheckpointReadError, CheckpointTimeoutError, PeerLostError, PipelineConfigError,
+                     PipelineError)
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "CheckpointInfo",
     "PendingCheckpoint",
     "latest_checkpoint",
@@ -240,7 +262,7 @@ def _digest(t: torch.Tensor) -> str | None:
     return f"{t.dtype}{tuple(t.shape)}:" + hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-def _check_global_names(view: _View, group: Any, rank: int) -> None:
+def _check_global_names(view: _View, group: Any, rank: int, call: _Call) -> None:
     """No parameter name may be held by two different stages anywhere (DCP would keep one of them), and the
     copies of a buffer several stages keep must be equal.
 
@@ -251,8 +273,8 @@ def _check_global_names(view: _View, group: Any, rank: int) -> None:
     on from another.  Such a save is refused, naming the buffer and the stages that differ.
     """
     digests = {key: [(s, _digest(b)) for s, b in copies] for key, copies in view.buffer_copies.items()}
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (view.param_stage, digests), group=group)
+    call.at("comparing the ranks' parameter names")
+    everyone = _gather(group, (view.param_stage, digests), call, "comparing the ranks' parameter names")
     first: dict[str, tuple[int, int, str]] = {}
     for r, (_, theirs) in enumerate(everyone):
         for key, copies in theirs.items():
@@ -279,18 +301,19 @@ def _check_global_names(view: _View, group: Any, rank: int) -> None:
             seen.setdefault(key, (s, r))
 
 
-def _agree(group: Any, mine: Any) -> list[Any]:
+def _agree(group: Any, mine: Any, call: _Call, where: str) -> list[Any]:
     """Every rank's ``mine`` (all ranks call this together), so that all of them take the same decision.
 
     A check that fails on one rank only must stop every rank: the others
     would otherwise wait in DCP's next collective for a rank that has gone.
+    Bounded by the call's timeout (:class:`CheckpointTimeoutError` naming the ranks that did not arrive).
     """
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    return everyone
+    call.at(where)
+    return _gather(group, mine, call, where)
 
 
-def _settle(group: Any, rank: int, what: str, exc: BaseException | None, payload: Any = None) -> list[Any]:
+def _settle(group: Any, rank: int, what: str, exc: BaseException | None, payload: Any = None, *,
+            call: _Call, where: str) -> list[Any]:
     """After a part of a checkpoint call that each rank runs on its own: every rank's ``payload``, or, where any
     rank raised there, the error on every rank (all ranks call this together).
 
@@ -303,14 +326,15 @@ def _settle(group: Any, rank: int, what: str, exc: BaseException | None, payload
     """
     mine = None
     if exc is not None:
-        kind = "config" if isinstance(exc, PipelineConfigError) else "missing" if isinstance(exc, FileNotFoundError) else "other"
+        kind = ("config" if isinstance(exc, PipelineConfigError) else "missing" if isinstance(exc, FileNotFoundError)
+                else "unreadable" if isinstance(exc, _Unreadable) else "other")
         text = str(exc)
         if kind != "other" and not text.startswith(f"rank {rank}"):
             text = f"rank {rank}: {text}"
         elif kind == "other":
             text = f"{type(exc).__name__}: {text}"
         mine = (kind, text)
-    everyone = _agree(group, (mine, payload))
+    everyone = _agree(group, (mine, payload), call, where)
     bad = [(r, e) for r, (e, _) in enumerate(everyone) if e is not None]
     if not bad:
         return [p for _, p in everyone]
@@ -323,8 +347,10 @@ def _settle(group: Any, rank: int, what: str, exc: BaseException | None, payload
         err = FileNotFoundError(f"{text}{more}")
     else:
         this = " (this rank)" if first_rank == rank else ""
-        err = CheckpointError(f"rank {rank}: {what} failed on rank {first_rank}{this}{more}: {text}; every rank "
-                              "stopped the call", rank=rank, failed_ranks=[r for r, _ in bad])
+        unreadable = any(k == "unreadable" for _, (k, _) in bad)
+        err = (CheckpointReadError if unreadable else CheckpointError)(
+            f"rank {rank}: {what} failed on rank {first_rank}{this}{more}: {text}; every rank stopped the call",
+            rank=rank, failed_ranks=[r for r, _ in bad])
     raise err from exc
 
 
@@ -365,18 +391,26 @@ def _same_arguments(rank: int, what: str, everyone: list[dict[str, Any]]) -> Non
                                       "collective call, every rank must pass the same")
 
 
-def _dcp(fn: Any, group: Any, rank: int, what: str) -> Any:
+def _dcp(fn: Any, group: Any, rank: int, what: str, call: _Call, where: str) -> Any:
     """``fn()`` (a DCP save or load), with DCP's ``CheckpointException`` raised as :class:`CheckpointError`.
 
     DCP gathers a failure of any rank's write or read and raises it on every rank, but as a
     ``BaseException`` whose text is a list of tracebacks: a training loop's ``except Exception`` missed it.
+    DCP's collectives run on the checkpoint group, whose gloo timeout is the call's: one that timed out (a
+    rank stuck in its write) is raised as :class:`CheckpointTimeoutError` naming the ranks behind.
     """
     from torch.distributed.checkpoint.api import CheckpointException
 
+    call.at(where)
     try:
         return fn()
     except CheckpointException as exc:
         raise _from_dcp(exc, group, rank, what) from exc
+    except RuntimeError as exc:
+        err = call.failed_collective(exc, where)
+        if err is exc:
+            raise
+        raise err from exc
 
 
 def _from_dcp(exc: Any, group: Any, rank: int, what: str) -> CheckpointError:
@@ -386,8 +420,380 @@ def _from_dcp(exc: Any, group: Any, rank: int, what: str) -> CheckpointError:
     first = exc.failures[sorted(exc.failures)[0]][0] if exc.failures else exc
     more = f" (and {len(ranks) - 1} other rank(s): ranks {ranks[1:]})" if len(ranks) > 1 else ""
     where = f"rank {ranks[0]}" if ranks else "a rank"
-    return CheckpointError(f"rank {rank}: {what} failed on {where}{more}: {type(first).__name__}: {first}; every "
-                           "rank stopped the call", rank=rank, failed_ranks=ranks)
+    # (a rank that could not read its part of a checkpoint: the checkpoint is unreadable, not one that does not fit)
+    unreadable = any(isinstance(f[0], _Unreadable) for f in exc.failures.values())
+    return (CheckpointReadError if unreadable else CheckpointError)(
+        f"rank {rank}: {what} failed on {where}{more}: {type(first).__name__}: {first}; every rank stopped the call",
+        rank=rank, failed_ranks=ranks)
+
+
+# ---------------------------------------------------------------- bounded waits: the call's ledger
+
+
+#: a checkpoint call's default ``timeout`` (seconds): the longest a rank waits for its peers at one point of the call
+DEFAULT_TIMEOUT = 600.0
+
+_CALLS = itertools.count()
+#: set where a background save of this rank failed in a way that may leave the checkpoint group out of step (a
+#: collective timed out, a writer that never finished): the next call's agreement on the saves in flight retires
+#: the group on every rank
+_RETIRE_NEXT = [False]
+#: asynchronous saves' writer threads that did not finish within their timeout (see _stuck_writers_at_exit)
+_STUCK_THREADS: list[threading.Thread] = []
+
+
+def _ledger_store() -> Any:
+    """The job's store (the default group's), under a prefix of ours; None where there is none (then a timeout
+    cannot name the ranks that did not arrive, and the waits are bounded by the groups' timeouts alone)."""
+    try:
+        return dist.PrefixStore("pipeloom/ckpt-calls/", dist.distributed_c10d._get_default_store())
+    except Exception:  # noqa: BLE001 - no store: unnamed timeouts
+        return None
+
+
+def _timed_out_text(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
+
+
+class _Call:
+    """One checkpoint call on this rank: its ``timeout``, and its place in the job's store.
+
+    Each rank records in the store where it is in the call (``at``: a count of the points passed and what it
+    does there: ``n/at/RANK``, ``n`` counting this process's checkpoint calls, which every rank makes in the same
+    order).  A rank whose wait for its peers times out reads every rank's place and names the ranks behind it
+    (one that has not called the function at all, one still writing its files), marks the call abandoned
+    (``n/abandoned``: who gave up, where, on whom), and raises :class:`CheckpointTimeoutError`; a rank that
+    comes late finds the mark at its next point and raises at once, instead of waiting for peers that have gone.
+    After a timeout the checkpoint group is retired on every rank (a gloo group whose collective timed out
+    is out of step: gloo closes its connections) and the next call makes a new one.
+    """
+
+    def __init__(self, what: str, timeout: float | None, pipe: Any) -> None:
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
+            raise PipelineConfigError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        self.what, self.timeout, self.pipe = what, None if timeout is None else float(timeout), pipe
+        self.func = what.split("(", 1)[0]  # (save_checkpoint / load_checkpoint: how a lost peer's error names the call)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.n = next(_CALLS)
+        self.store = _ledger_store() if self.world > 1 else None
+        self.seq = 0
+        self.label = "called"
+        self.made_group = False
+        self.threads: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+
+    def _key(self, *parts: Any) -> str:
+        return "/".join(str(p) for p in (self.n, *parts))
+
+    def at(self, label: str) -> None:
+        """This rank reached ``label`` (recorded for the peers); raises at once if the call was abandoned."""
+        with self._lock:
+            self.seq += 1
+            seq, self.label = self.seq, label
+        if threading.current_thread() is not threading.main_thread():
+            self.threads.add(threading.current_thread())
+        if self.store is None:
+            return
+        try:
+            self.store.set(self._key("at", self.rank), f"{seq}|{label}")
+            gone = self.store.check([self._key("abandoned")])
+        except Exception:  # noqa: BLE001 - the ledger is best effort (its host may have exited)
+            return
+        if gone:
+            raise self.late()
+
+    def abandoned(self) -> list[Any] | None:
+        try:
+            if self.store is not None and self.store.check([self._key("abandoned")]):
+                return json.loads(self.store.get(self._key("abandoned")))
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+        return None
+
+    def positions(self) -> dict[int, tuple[int, str] | None]:
+        """Every rank's place in this call (None: it has not reached the call)."""
+        out: dict[int, tuple[int, str] | None] = {}
+        for r in range(self.world):
+            out[r] = None
+            try:
+                if self.store is not None and self.store.check([self._key("at", r)]):
+                    seq, label = self.store.get(self._key("at", r)).decode().split("|", 1)
+                    out[r] = (int(seq), label)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+        return out
+
+    def _seconds(self) -> str:
+        return f"{self.timeout:g} s" if self.timeout is not None else "the process group's timeout"
+
+    def timed_out(self, where: str) -> CheckpointTimeoutError:
+        """This rank waited ``timeout`` for its peers at ``where``: name the ranks behind, mark the call abandoned,
+        retire the group; the error to raise."""
+        places = self.positions() if self.store is not None else {}
+        behind = {r: p for r, p in places.items() if r != self.rank and (p is None or p[0] < self.seq)}
+        if behind:
+            parts = [f"rank {r} " + ("has not called it (still in other code, or stuck there)" if p is None
+                                     else f"is still at '{p[1]}'") for r, p in sorted(behind.items())]
+            who = "; ".join(parts)
+        elif self.store is None:
+            who = "which ranks did not arrive is not known (the job has no torch.distributed store)"
+        else:
+            who = ("every rank reached this point (" + ", ".join(f"rank {r}: '{p[1]}'" for r, p in sorted(places.items()) if p)
+                   + "): the checkpoint group is out of step")
+        self.mark_abandoned(where, sorted(behind))
+        _retire_group()
+        return CheckpointTimeoutError(
+            f"rank {self.rank}: {self.what} timed out: this rank waited {self._seconds()} for its peers "
+            f"({where}): {who}; every live rank stops the call (pass a larger timeout= if a rank is only slow)",
+            rank=self.rank, failed_ranks=sorted(behind), call=self.what, timeout=self.timeout)
+
+    def mark_abandoned(self, where: str, behind: list[int]) -> None:
+        try:
+            if self.store is not None:
+                self.store.compare_set(self._key("abandoned"), "",
+                                       json.dumps([self.rank, where, behind, self.made_group, self.what]))
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
+    def late(self) -> CheckpointTimeoutError:
+        """The call was abandoned by a peer that stopped waiting for this rank (or for another one)."""
+        who, where, behind, made, theirs = self.abandoned() or [None, "?", [], False, self.what]
+        if made and not self.made_group:
+            _burn_group_name()  # (the peers made a process group in this call: the names of the next ones must match)
+        _retire_group()
+        named = f"ranks {behind}" if behind else "the ranks it waited for"
+        return CheckpointTimeoutError(
+            f"rank {self.rank}: {self.what}: rank {who} stopped waiting for {named} after {self._seconds()} "
+            f"({theirs}, {where}); this rank reached that point too late: every live rank stops the call",
+            rank=self.rank, failed_ranks=list(behind), call=self.what, timeout=self.timeout)
+
+    def failed_collective(self, exc: BaseException, where: str) -> BaseException:
+        """A collective of this call that raised (gloo's ``RuntimeError``): the error to raise for it."""
+        if isinstance(exc, PipelineError):
+            return exc
+        if _timed_out_text(exc):
+            lost = _lost_peer(self.pipe, exc, self.func, wait=0.2)
+            return lost if lost is not None else self.timed_out(where)
+        # "Connection closed by peer": a peer that timed out (gloo closes its connections then) or one that died
+        deadline = time.monotonic() + 2.0
+        while True:
+            if self.abandoned() is not None:
+                return self.late()
+            lost = _lost_peer(self.pipe, exc, self.func, wait=0.0)
+            if lost is not None:
+                return lost
+            if time.monotonic() > deadline:
+                return exc
+            time.sleep(0.05)
+
+    def wait_work(self, work: Any, where: str) -> None:
+        """Wait for a collective posted on the checkpoint group, bounded by ``timeout`` (gloo's own bound, set on
+        the group; a work still pending past it is handed to the exit guard, as training.py's collectives are)."""
+        start = time.monotonic()
+        limit = None if self.timeout is None else self.timeout + 2.0
+        delay, check_at = 1e-5, start + 0.5
+        while not work.is_completed():
+            now = time.monotonic()
+            if (limit is not None and now - start > limit) or (now > check_at and self.abandoned() is not None):
+                from ..transport.tensor import guard_exit_works
+
+                guard_exit_works([work])  # (never to complete: it must not hold up the process's exit)
+                if self.pipe is not None:
+                    self.pipe._collective_timed_out = True  # (and close() must not destroy the group under it)
+                raise (self.late() if self.abandoned() is not None else self.timed_out(where))
+            if now > check_at:
+                check_at = now + 0.5
+            time.sleep(delay)
+            delay = min(2 * delay, 2e-3)
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            err = self.failed_collective(exc, where)
+            if err is exc:
+                raise
+            raise err from exc
+
+    def agree_small(self, mine: Any, where: str) -> list[list[Any]]:
+        """Every rank's non-None ``mine`` (JSON), as ``[rank, mine]``, through the store: for the saves in flight,
+        when the checkpoint group may be out of step (a background save's collective timed out)."""
+        store, key = self.store, self._key("small", self.seq)
+        try:
+            if mine is not None:
+                store.append(f"{key}/bad", json.dumps([self.rank, mine]) + "\n")
+            if store.add(f"{key}/n", 1) == self.world:
+                store.set(f"{key}/all", "1")
+            start, delay, probe = time.monotonic(), 1e-3, time.monotonic() + 0.25
+            while not store.check([f"{key}/all"]):
+                now = time.monotonic()
+                if self.timeout is not None and now - start > self.timeout:
+                    raise self.timed_out(where)
+                if now > probe:
+                    probe = now + 0.25
+                    if self.abandoned() is not None:
+                        raise self.late()
+                    lost = _lost_peer(self.pipe, RuntimeError("no answer"), self.func, wait=0.0)
+                    if lost is not None:
+                        raise lost
+                time.sleep(delay)
+                delay = min(2 * delay, 0.02)
+            if not store.check([f"{key}/bad"]):
+                return []
+            # (by rank: the order the ranks appended in is not the same every time)
+            return sorted((json.loads(line) for line in store.get(f"{key}/bad").decode().splitlines() if line.strip()),
+                          key=lambda rm: rm[0])
+        except PipelineError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the store is gone: its host (rank 0) has exited
+            lost = _lost_peer(self.pipe, exc, self.func, wait=1.0)
+            if lost is not None:
+                raise lost from exc
+            raise CheckpointError(f"rank {self.rank}: {self.what}: lost the job's torch.distributed store ({where}): "
+                                  f"{type(exc).__name__}: {exc}", rank=self.rank, failed_ranks=[]) from exc
+
+
+def _retire_group() -> None:
+    """Stop using the checkpoint group (a collective of it timed out: gloo closed its connections, and a late rank
+    would pair with what is left of it); the next call makes a new one.  Not destroyed here: a work of it may be
+    pending."""
+    _GROUP.pop("gloo", None)
+
+
+def _burn_group_name() -> None:
+    """Count one process group made, as the peers did in a call this rank came to late (torch names groups by a
+    count every rank must keep alike)."""
+    try:
+        dist.distributed_c10d._process_group_name([], use_hashed_name=False)
+    except Exception:  # noqa: BLE001 - another torch: nothing to keep alike
+        pass
+
+
+def _group_timeout() -> timedelta:
+    """The job's own timeout (the default group's), for ``timeout=None``."""
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        dev = torch.device("cpu") if torch.device("cpu") in pg._device_types else torch.device("cuda")
+        return pg._get_backend(dev).options._timeout
+    except Exception:  # noqa: BLE001 - torch's default for gloo
+        return dist.distributed_c10d._get_default_timeout(dist.Backend.GLOO)
+
+
+def _gather(group: Any, obj: Any, call: _Call, where: str) -> list[Any]:
+    """``all_gather_object`` over the checkpoint group, each of its collectives bounded by the call's timeout."""
+    import pickle
+
+    world = dist.get_world_size(group)
+    if world == 1:
+        return [obj]
+    data = pickle.dumps(obj)
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    call.wait_work(dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.long), group=group, async_op=True), where)
+    most = max(int(s) for s in sizes)
+    buf = torch.zeros(most, dtype=torch.uint8)
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    outs = [torch.empty(most, dtype=torch.uint8) for _ in range(world)]
+    call.wait_work(dist.all_gather(outs, buf, group=group, async_op=True), where)
+    return [pickle.loads(outs[r][: int(sizes[r])].numpy().tobytes()) for r in range(world)]
+
+
+def _stuck_writers_at_exit() -> None:
+    """At interpreter exit (threading's hook, before it joins the threads): an asynchronous save's writer that
+    did not finish within its timeout (a write that blocks) would hold the exit forever.  Given a few seconds, then
+    the process ends without waiting for it (exit code 1 after an uncaught error, else 0)."""
+    alive = [t for t in _STUCK_THREADS if t.is_alive()]
+    if not alive:
+        return
+    end = time.monotonic() + 3.0
+    for t in alive:
+        t.join(max(0.0, end - time.monotonic()))
+    if not any(t.is_alive() for t in alive):
+        return
+    import sys
+
+    failing = getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
+    try:
+        sys.stderr.write("pipeloom: an asynchronous checkpoint's writer that timed out is still running; exiting "
+                         "without waiting for it\n")
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    os._exit(1 if failing else 0)
+
+
+try:  # (after concurrent.futures' own hook, which joins the executors' threads: threading runs them last first)
+    import concurrent.futures.thread  # noqa: F401 (imported for its hook's place)
+
+    threading._register_atexit(_stuck_writers_at_exit)  # type: ignore[attr-defined]
+except Exception:  # noqa: BLE001 - another Python: no hook
+    pass
+
+
+def _writer(path: Path, call: _Call) -> Any:
+    """DCP's file writer, telling the call's ledger when this rank's files are written (so a peer that times out
+    waiting for them names this rank while it writes)."""
+    # (the plain writer, not FileSystemWriter, which is an AsyncStager too: dcp.async_save would stage the state
+    # with it instead of its DefaultStager)
+    from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+
+    class _Writer(_FileSystemWriter):
+        def prepare_local_plan(self, plan: Any) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                call.threads.add(threading.current_thread())
+            return super().prepare_local_plan(plan)
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            fut = super().write_data(plan, planner)
+            call.at("wrote its files, waiting for the other ranks'")
+            return fut
+
+    return _Writer(str(path))
+
+
+class _Unreadable(Exception):
+    """A checkpoint's file that cannot be read (raised on the rank that reads it; every rank then raises
+    :class:`CheckpointReadError`)."""
+
+
+def _reader(path: Path, call: _Call) -> Any:
+    """DCP's file reader: a failure to read this rank's part is a :class:`CheckpointReadError` (an unreadable
+    checkpoint, not a checkpoint that does not fit), and the ledger is told when the part is read."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class _Reader(FileSystemReader):
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            try:
+                fut = super().read_data(plan, planner)
+            except PipelineError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - gathered by DCP: every rank raises CheckpointReadError
+                raise _Unreadable(f"reading {path}: {type(exc).__name__}: {exc}") from exc
+            call.at("read its part, waiting for the other ranks")
+            return fut
+
+    return _Reader(str(path))
+
+
+def _check_files(ckpt: Path, metadata: Any) -> None:
+    """Every data file the metadata names is there and long enough (a truncated or deleted file is found before
+    anything is read)."""
+    need: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is None:
+            continue
+        need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, end in sorted(need.items()):
+        f = ckpt / rel
+        try:
+            size = f.stat().st_size
+        except FileNotFoundError:
+            raise _Unreadable(f"{f} is missing (the checkpoint's metadata names it)") from None
+        if size < end:
+            raise _Unreadable(f"{f} is {size} bytes, the checkpoint's metadata needs {end}: truncated")
 
 
 # ---------------------------------------------------------------- groups, state
@@ -396,19 +802,32 @@ def _from_dcp(exc: Any, group: Any, rank: int, what: str) -> CheckpointError:
 _GROUP: dict[str, Any] = {}
 
 
-def _ckpt_group() -> Any:
-    """A gloo group over every rank, created at the first checkpoint call (a collective call on every rank).
+def _ckpt_group(call: _Call) -> Any:
+    """A gloo group over every rank, created at the first checkpoint call (a collective call on every rank), and
+    again after one of its collectives timed out (:func:`_retire_group`).
 
     DCP's coordination (and an asynchronous save's background thread) runs
-    there, never on the group the pipeline's transfers use.
+    there, never on the group the pipeline's transfers use.  Its gloo timeout is the call's, so DCP's own
+    collectives are bounded by it too.
     """
     key = "gloo"
     # (made anew under a new default group: a Pipeline's close destroys the group it made, and the next
     # Pipeline's checkpoint calls ran DCP on a group destroyed with it: "is not initialized in the world group map")
     world = dist.group.WORLD
+    limit = timedelta(seconds=call.timeout) if call.timeout is not None else _group_timeout()
     if key not in _GROUP or _GROUP[key][0] is not world:
-        _GROUP[key] = (world, dist.new_group(backend="gloo"))
-    return _GROUP[key][1]
+        call.at("making the checkpoint group")
+        call.made_group = True
+        try:
+            _GROUP[key] = (world, dist.new_group(backend="gloo", timeout=limit))
+        except RuntimeError as exc:
+            err = call.failed_collective(exc, "making the checkpoint group (a collective over every rank)")
+            if err is exc:
+                raise
+            raise err from exc
+    group = _GROUP[key][1]
+    dist.distributed_c10d._set_pg_timeout(limit, group)
+    return group
 
 
 def _options() -> Any:
@@ -560,41 +979,87 @@ class PendingCheckpoint:
     (it re-raises a failure of the background writer).
     """
 
-    def __init__(self, path: Path, step: int, future: Future[Any] | None, group: Any = None) -> None:
+    def __init__(self, path: Path, step: int, future: Future[Any] | None, group: Any = None,
+                 call: _Call | None = None) -> None:
         self.path = path
         self.step = step
         self._future = future
         self._group = group
+        self._call = call
+        #: this rank's wait for it timed out once already (the next wait does not wait again)
+        self._stuck = False
 
     def done(self) -> bool:
         return self._future is None or self._future.done()
 
-    def wait(self, timeout: float | None = None) -> Path:
+    def wait(self, *, timeout: float | None = DEFAULT_TIMEOUT) -> Path:
         """This rank's part written (rank 0: the checkpoint in place); a failure of the background writer is
-        raised, a write that failed on any rank (DCP's ``CheckpointException``) as :class:`CheckpointError`."""
-        if self._future is not None:
-            from torch.distributed.checkpoint.api import CheckpointException
+        raised, a write that failed on any rank (DCP's ``CheckpointException``) as :class:`CheckpointError`.
 
-            try:
-                self._future.result(timeout)
-            except CheckpointException as exc:
-                raise _from_dcp(exc, self._group, dist.get_rank(), f"the asynchronous save of step {self.step}") from exc
+        ``timeout``: seconds to wait (None: no bound here; the background writer's collectives are bounded by
+        the save's own ``timeout``).  A writer still running after it (a write that blocks), or a background
+        collective that timed out waiting for a peer's part, raises :class:`CheckpointTimeoutError`; the next
+        checkpoint call then agrees on it with every rank and starts over on a new checkpoint group.
+        """
+        if self._future is None:
+            return self.path
+        import concurrent.futures
+
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        rank = dist.get_rank()
+        what = f"the asynchronous save of step {self.step}"
+        try:
+            self._future.result(0 if self._stuck else timeout)
+        except concurrent.futures.TimeoutError:
+            self._stuck = True
+            _RETIRE_NEXT[0] = True
+            call = self._call
+            threads = call.threads if call is not None else set()
+            _STUCK_THREADS.extend(t for t in threads if t not in _STUCK_THREADS)
+            within = "no bound" if timeout is None else f"{timeout:g} s"
+            # (this rank's writer may be done, waiting in a collective for a peer still writing: named then)
+            places = call.positions() if call is not None and call.store is not None else {}
+            behind = {r: q for r, q in places.items() if r != rank and (q is None or q[0] < call.seq)}
+            if behind:
+                who = "; ".join(f"rank {r} " + ("has not reached it" if q is None else f"is still at '{q[1]}'")
+                                for r, q in sorted(behind.items()))
+                text = (f"rank {rank}: {what} did not complete within {within}: this rank's files are written, and "
+                        f"its writer waits for its peers: {who}")
+            else:
+                place = f" (its writer is at '{call.label}')" if call is not None else ""
+                text = (f"rank {rank}: {what} did not complete on this rank within {within}{place}: a write that "
+                        "blocks (a file system that hangs?)")
+            failing = sorted(behind) or [rank]
+            if call is not None:
+                call.mark_abandoned(f"rank {rank}'s wait for the asynchronous save", failing)
+            raise CheckpointTimeoutError(f"{text}; the next checkpoint call agrees on it with every rank",
+                                         rank=rank, failed_ranks=failing, call=what, timeout=timeout) from None
+        except CheckpointException as exc:
+            raise _from_dcp(exc, self._group, rank, what) from exc
+        except RuntimeError as exc:
+            if isinstance(exc, PipelineError) or not _timed_out_text(exc) or self._call is None:
+                raise
+            _RETIRE_NEXT[0] = True
+            err = self._call.timed_out(f"the background writer's collective, {what}")
+            raise err from exc
         return self.path
 
 
 _PENDING: list[PendingCheckpoint] = []
 
 
-def wait_checkpoints() -> None:
+def wait_checkpoints(*, timeout: float | None = DEFAULT_TIMEOUT) -> None:
     """Wait for every asynchronous save of this process (call before destroying the process group).
 
     This rank's own part: on a rank other than 0 it returns once its files are written, maybe before rank 0
-    has put the checkpoint in place (the next ``save_checkpoint``/``load_checkpoint`` agree on it first)."""
+    has put the checkpoint in place (the next ``save_checkpoint``/``load_checkpoint`` agree on it first).
+    ``timeout``: seconds to wait for each (see :meth:`PendingCheckpoint.wait`)."""
     while _PENDING:
-        _PENDING.pop(0).wait()
+        _PENDING.pop(0).wait(timeout=timeout)
 
 
-def _settle_pending(group: Any, rank: int, what: str) -> None:
+def _settle_pending(call: _Call) -> None:
     """The asynchronous saves still in flight, waited for on every rank and agreed (all ranks call this together).
 
     ``wait_checkpoints`` alone is each rank's own: rank 0 finishes a save (marker, rename) after the others'
@@ -602,33 +1067,59 @@ def _settle_pending(group: Any, rank: int, what: str) -> None:
     checkpoint before it was in place (every rank then refused "rank 0 would load step-N but ranks [1] see
     step-M"); and a save that failed on rank 0 alone (its marker or rename) raised there only, while its peers
     went into the call's next collective and waited for it until the process group's timeout.
+
+    Each wait is bounded by the call's timeout (a writer that never finishes: a write that blocks).  The
+    agreement goes through the job's store, not the checkpoint group: a background save whose collective timed
+    out left that group out of step.  After any failure every rank retires the group (a new one next time).
     """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    rank = call.rank
+    call.at("waiting for the asynchronous saves in flight")
     failed: Exception | None = None
     steps: list[int] = []
+    timed = False
     while _PENDING:
-        pending = _PENDING.pop(0)
+        pending = _PENDING[0]
         try:
-            pending.wait()
+            pending.wait(timeout=call.timeout)
         except Exception as exc:  # noqa: BLE001 - agreed below: every rank raises it
             if failed is None:
                 failed, steps = exc, [pending.step]
+            timed = timed or isinstance(exc, CheckpointTimeoutError)
+            if not isinstance(exc.__cause__, CheckpointException):  # (DCP's own failures leave the group in step)
+                _RETIRE_NEXT[0] = True
+        _PENDING.pop(0)
     mine = None
     if failed is not None:
         ranks = list(getattr(failed, "failed_ranks", None) or [rank])
         cause = failed.__cause__ if isinstance(failed, CheckpointError) else None
         if cause is not None and getattr(cause, "failures", None):  # DCP's: the first failing rank's own error
             first = cause.failures[sorted(cause.failures)[0]][0]
-            mine = (ranks, f"{type(first).__name__}: {first}", steps)
+            text = f"{type(first).__name__}: {first}"
         else:
-            mine = (ranks, f"{type(failed).__name__}: {failed}", steps)
-    everyone = _agree(group, mine)
-    bad = [e for e in everyone if e is not None]
+            text = f"{type(failed).__name__}: {failed}"
+        mine = [ranks, text, steps, timed]
+    retire = _RETIRE_NEXT[0]
+    if call.store is not None:
+        bad = [m for _, m in call.agree_small(None if mine is None and not retire else [mine, retire], "agreeing on "
+                                              "the asynchronous saves in flight")]
+        retire = any(r for _, r in bad)
+        bad = [m for m, _ in bad if m is not None]
+    else:
+        group = _ckpt_group(call)
+        bad = [e for e in _agree(group, mine, call, "agreeing on the asynchronous saves in flight") if e is not None]
+    if retire or bad:
+        _retire_group()
+        _RETIRE_NEXT[0] = False
     if bad:
-        failing = sorted({r for ranks, _, _ in bad for r in ranks})
-        _, text, (step, *_) = bad[0]
-        raise CheckpointError(
-            f"rank {rank}: {what}: the asynchronous save of step {step} did not complete (it failed on rank(s) "
-            f"{failing}: {text}); every rank stopped the call", rank=rank, failed_ranks=failing) from failed
+        failing = sorted({r for ranks, _, _, _ in bad for r in ranks})
+        _, text, (step, *_), _ = bad[0]
+        kind = CheckpointTimeoutError if any(t for *_, t in bad) else CheckpointError
+        extra = {"call": f"the asynchronous save of step {step}", "timeout": call.timeout} if kind is CheckpointTimeoutError else {}
+        raise kind(
+            f"rank {rank}: {call.what}: the asynchronous save of step {step} did not complete (it failed on rank(s) "
+            f"{failing}: {text}); every rank stopped the call", rank=rank, failed_ranks=failing, **extra) from failed
 
 
 def warn_pending() -> None:
@@ -732,6 +1223,7 @@ def save_checkpoint(
     async_save: bool = False,
     keep_last: int | None = None,
     stage_prefix: bool = False,
+    timeout: float | None = DEFAULT_TIMEOUT,
 ) -> PendingCheckpoint:
     """Save the pipeline's model and optimizer state as ``root/step-{step:08d}``; call on every rank.
 
@@ -745,17 +1237,24 @@ def save_checkpoint(
             (``dcp.async_save``); the result says when it is complete.
         keep_last: after this checkpoint is complete, delete all but the newest ``keep_last``.
         stage_prefix: key by ``stage{S}.name`` (for stages that do not keep the model's names).
+        timeout: the longest this rank waits for its peers at any one point of the call, in seconds (a peer
+            that has not called it, or hangs in it: its write blocks); then every live rank raises
+            :class:`~pipeloom.CheckpointTimeoutError` naming the ranks that did not arrive.  It bounds DCP's
+            collectives too, so it must exceed the time the slowest rank takes to write its files (None: the
+            process group's own timeout, 30 minutes on gloo).
 
     Returns:
         a :class:`PendingCheckpoint` (already complete unless ``async_save``).
     """
     import torch.distributed.checkpoint as dcp
 
-    group = _ckpt_group()
     rank = dist.get_rank()
     r = Path(root).resolve()
     what = f"save_checkpoint(step {step})"
-    _settle_pending(group, rank, what)  # one save in flight at a time, in order
+    call = _Call(what, timeout, pipe)
+    call.at(f"called {what}")
+    _settle_pending(call)  # one save in flight at a time, in order
+    group = _ckpt_group(call)
     failed: Exception | None = None
     args: dict[str, Any] = {}
     try:
@@ -768,7 +1267,7 @@ def save_checkpoint(
                 "optimizers": _optimizer_count(optimizer, view)}
     except Exception as exc:  # noqa: BLE001 - agreed below: every rank raises it
         failed = exc
-    everyone = _settle(group, rank, what, failed, (str(r), args))
+    everyone = _settle(group, rank, what, failed, (str(r), args), call=call, where="comparing the ranks' arguments")
     roots = {directory for directory, _ in everyone}
     if len(roots) > 1:
         raise PipelineConfigError(
@@ -776,7 +1275,7 @@ def save_checkpoint(
             "pass the same directory, one they all see (a shared file system across nodes)"
         )
     _same_arguments(rank, what, [a for _, a in everyone])
-    _check_global_names(view, group, rank)
+    _check_global_names(view, group, rank, call)
     partial, final = _partial_dir(r, step), _final_dir(r, step)
     extra_bytes: bytes | None = None
     try:
@@ -807,7 +1306,7 @@ def save_checkpoint(
         failed = None
     except Exception as exc:  # noqa: BLE001 - agreed below: every rank raises it
         failed = exc
-    extra_bytes = _settle(group, rank, what, failed, extra_bytes)[0]
+    extra_bytes = _settle(group, rank, what, failed, extra_bytes, call=call, where="preparing the directory")[0]
     state: dict[str, Any] = {
         "model": msd,
         "pipeloom": {"step": step, "extra": extra_bytes},
@@ -819,18 +1318,20 @@ def save_checkpoint(
             # (rank 0's optimizer classes: a load into another class is refused by name, not by DCP's "Missing key")
             "optimizer_types": [type(o).__name__ for o in _optims(optimizer)]}
     if not async_save:
-        _dcp(lambda: dcp.save(state, checkpoint_id=str(partial), process_group=group), group, rank, what)
+        _dcp(lambda: dcp.save(state, checkpoint_id=str(partial), storage_writer=_writer(partial, call), process_group=group),
+             group, rank, what, call, "writing its files")
         failed = None
         if rank == 0:
             try:
                 _finalize(partial, final, step, meta, keep_last)
             except Exception as exc:  # noqa: BLE001 - agreed below (the others waited in a barrier for it)
                 failed = exc
-        _settle(group, rank, what, failed)
+        _settle(group, rank, what, failed, call=call, where="putting the checkpoint in place (rank 0)")
         return PendingCheckpoint(final, step, None)
     upload: Future[Any]
+    call.at("writing its files (in the background)")
     try:
-        res = dcp.async_save(state, checkpoint_id=str(partial), process_group=group)
+        res = dcp.async_save(state, checkpoint_id=str(partial), storage_writer=_writer(partial, call), process_group=group)
         upload = getattr(res, "upload_completion", res)  # AsyncSaveResponse (torch >= 2.9) or a Future
     except Exception as exc:  # noqa: BLE001 - this rank's copy to CPU memory failed: see _join_failed
         upload = Future()
@@ -849,7 +1350,17 @@ def save_checkpoint(
                 done.set_result(final)
 
         upload.add_done_callback(finish)
-    pending = PendingCheckpoint(final, step, done, group)
+
+    def timed_out(f: Future[Any]) -> None:
+        # (a background collective that timed out waiting for a peer's part: the call is abandoned, so that the
+        # peer, when its write returns, stops at once instead of waiting for the others in turn)
+        exc = f.exception()
+        if exc is not None and not isinstance(exc, PipelineError) and _timed_out_text(exc):
+            _RETIRE_NEXT[0] = True
+            call.mark_abandoned("the background writer's collective", [])
+
+    upload.add_done_callback(timed_out)
+    pending = PendingCheckpoint(final, step, done, group, call)
     _PENDING.append(pending)
     return pending
 
@@ -895,6 +1406,28 @@ class CheckpointInfo:
     extra: dict[str, Any]
     #: whether this rank's random-number generators were restored (same world size)
     rng_restored: bool
+    #: newer complete checkpoints under the root that could not be read and were passed over: (path, why)
+    skipped: tuple[tuple[Path, str], ...] = ()
+
+
+def _fresh(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``state`` with every tensor replaced by a new, uninitialised one of its shape and dtype, for DCP to read
+    into: the model and optimizer are left as they are until every rank has read its part (a read that fails
+    midway, on any rank, leaves nothing half-loaded).  Plain tensors in CPU memory, DTensors (FSDP shards, expert
+    rows) as DTensors of the same placement."""
+    if state is None:
+        return None
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        if isinstance(v, DTensor):
+            out[k] = torch.empty_like(v)
+        elif isinstance(v, torch.Tensor):
+            out[k] = torch.empty(v.shape, dtype=v.dtype, device="cpu")
+        else:
+            out[k] = v
+    return out
 
 
 @_names_a_lost_peer("load_checkpoint")
@@ -905,6 +1438,7 @@ def load_checkpoint(
     *,
     restore_rng: bool = True,
     stage_prefix: bool = False,
+    timeout: float | None = DEFAULT_TIMEOUT,
 ) -> CheckpointInfo | None:
     """Load a checkpoint into this rank's stages (and optimizer); call on every rank.
 
@@ -914,18 +1448,25 @@ def load_checkpoint(
     that saved: another number of ranks, stages per rank, schedule, or FSDP
     degree; every rank reads the pieces its tensors need.  Raises
     ``FileNotFoundError`` for a ``step-N`` directory that is not complete.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    group = _ckpt_group()
+    A complete checkpoint that cannot be read (a data file truncated or missing, its metadata or marker
+    garbled: on any rank) is refused on every rank before anything is loaded: under a root, every rank warns
+    and loads the next older complete one instead (all the same one; ``CheckpointInfo.skipped`` lists those
+    passed over), and raises :class:`~pipeloom.CheckpointReadError` if none can be read; an explicit
+    ``step-N`` directory raises it.  ``timeout``: as for :func:`save_checkpoint`.
+    """
     rank = dist.get_rank()
     p = Path(path).resolve()
     # Which checkpoint: every rank looks, rank 0's answer counts, and a rank that sees another
     # (a directory not shared, a different path) stops every rank rather than loading something else.
     what = f"load_checkpoint({str(p)!r})"
-    _settle_pending(group, rank, what)  # an asynchronous save in flight: in place before anyone looks
+    call = _Call(what, timeout, pipe)
+    call.at(f"called {what}")
+    _settle_pending(call)  # an asynchronous save in flight: in place before anyone looks
+    group = _ckpt_group(call)
     seen: str | None = None
+    candidates: list[str] = []
+    explicit = False
     failed: Exception | None = None
     args: dict[str, Any] = {}
     try:
@@ -934,18 +1475,20 @@ def load_checkpoint(
         if _PARTIAL.match(p.name):
             raise FileNotFoundError(f"{p} is a partial checkpoint: a save that did not complete (cut by a crash, or still being written)")
         elif _NAME.match(p.name) or (p / ".metadata").exists():
+            explicit = True
             if is_complete(p):
                 seen = str(p)
+                candidates = [seen]
             else:
                 raise FileNotFoundError(f"{p} is not a complete checkpoint (no {MARKER} marker or no DCP metadata)")
         else:
-            found = latest_checkpoint(p)
-            seen = None if found is None else str(found)
+            candidates = [str(c) for _, c in reversed(list_checkpoints(p))]
+            seen = candidates[0] if candidates else None
     except Exception as exc:  # noqa: BLE001 - agreed below: every rank raises it
         failed = exc
-    agreed = _settle(group, rank, what, failed, (seen, args))
-    _same_arguments(rank, what, [a for _, a in agreed])
-    everyone = [theirs for theirs, _ in agreed]
+    agreed = _settle(group, rank, what, failed, (seen, candidates, args), call=call, where="choosing the checkpoint")
+    _same_arguments(rank, what, [a for _, _, a in agreed])
+    everyone = [theirs for theirs, _, _ in agreed]
     chosen = everyone[0]
     differ = [r for r, theirs in enumerate(everyone) if theirs != chosen]
     if differ:
@@ -956,21 +1499,64 @@ def load_checkpoint(
         )
     if chosen is None:
         return None
-    ckpt = Path(chosen)
+    skipped: list[tuple[Path, str]] = []
+    bad_ranks: set[int] = set()
+    for ckpt in agreed[0][1]:  # rank 0's list, newest first: every rank tries the same ones in the same order
+        try:
+            info = _load_one(Path(ckpt), pipe, optimizer, group, call, restore_rng=restore_rng, stage_prefix=stage_prefix)
+        except CheckpointReadError as exc:
+            if explicit:
+                raise CheckpointReadError(
+                    f"{exc}; {ckpt} is complete by its marker but cannot be read, and an explicit checkpoint is "
+                    "never replaced by another: load another step-N, or pass the root to fall back to the latest "
+                    "readable one", rank=rank, failed_ranks=exc.failed_ranks) from exc
+            skipped.append((Path(ckpt), str(exc)))
+            bad_ranks.update(exc.failed_ranks)
+            older = [c for c in agreed[0][1] if c < ckpt]
+            then = f"loading the next older complete checkpoint, {older[0]}" if older else "no older complete checkpoint"
+            warnings.warn(f"rank {rank}: the checkpoint {ckpt} cannot be read ({exc}); {then}", RuntimeWarning,
+                          stacklevel=3)
+            continue
+        return CheckpointInfo(info.path, info.step, info.extra, info.rng_restored, tuple(skipped))
+    shown = "; ".join(f"{c.name}: {why}" for c, why in skipped)
+    raise CheckpointReadError(
+        f"rank {rank}: {what}: none of the {len(skipped)} complete checkpoint(s) under it can be read ({shown}); "
+        "nothing was loaded (delete or repair them, or load an explicit step-N)",
+        rank=rank, failed_ranks=sorted(bad_ranks))
+
+
+def _load_one(ckpt: Path, pipe: Any, optimizer: Any, group: Any, call: _Call, *, restore_rng: bool,
+              stage_prefix: bool) -> CheckpointInfo:
+    """Load the complete checkpoint ``ckpt`` (all ranks call this together): :class:`CheckpointReadError` on every
+    rank, with nothing loaded, where any rank cannot read it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    rank = dist.get_rank()
+    chosen = str(ckpt)
     what = f"load_checkpoint({chosen!r})"
-    failed = None
+    failed: Exception | None = None
     meshes: dict[str, Any] = {}
     stateless: list[tuple[str, torch.Tensor]] = []
     fresh_state: dict[str, Any] = {}
+    saved_keys: Any = {}
     try:
         view = _build_view(pipe.stages, stage_prefix=stage_prefix, rank=rank)
         optims = _optims(optimizer)
         reader = dcp.FileSystemReader(str(ckpt))
-        saved_keys = reader.read_metadata().state_dict_metadata
+        try:  # (what the checkpoint holds: a file that cannot be read makes it unreadable, not unfit)
+            metadata = reader.read_metadata()
+            saved_keys = metadata.state_dict_metadata
+            with open(ckpt / MARKER) as f:
+                marker = json.load(f)
+            if not isinstance(marker, dict):
+                raise ValueError(f"the {MARKER} marker holds {type(marker).__name__}, not a JSON object")
+        except Exception as exc:  # noqa: BLE001 - agreed below: every rank raises CheckpointReadError
+            raise _Unreadable(f"{ckpt}: its metadata or {MARKER} marker cannot be read: {type(exc).__name__}: {exc}") from exc
+        _check_files(ckpt, metadata)
         if optims and not any(k.startswith("optim.") for k in saved_keys):
             raise PipelineConfigError(f"{ckpt} holds no optimizer state (it was saved with optimizer=None)")
-        with open(ckpt / MARKER) as f:
-            saved_types = json.load(f).get("optimizer_types")  # (None: a checkpoint from before it was recorded)
+        saved_types = marker.get("optimizer_types")  # (None: a checkpoint from before it was recorded)
         mine = [type(o).__name__ for o in optims]
         if optims and saved_types is not None and mine != saved_types:
             raise PipelineConfigError(
@@ -1005,11 +1591,11 @@ def load_checkpoint(
                 f"rank {rank}: {ckpt} holds no {shown} ({len(missing)} of this rank's tensors); "
                 "was it saved from the same model (and the same stage_prefix)?"
             )
-        with open(ckpt / MARKER) as f:
-            same_world = json.load(f).get("world_size") == dist.get_world_size()
+        same_world = marker.get("world_size") == dist.get_world_size()
     except Exception as exc:  # noqa: BLE001 - agreed below: every rank raises it
         failed = exc
-    everyone = _settle(group, rank, what, failed, None if failed else sorted(msd))
+    everyone = _settle(group, rank, what, failed, None if failed else sorted(msd), call=call,
+                       where="reading the checkpoint's metadata")
     # Every tensor of the checkpoint's model must go somewhere, as load_state_dict(strict=True) wants: a
     # checkpoint of more stages (stage_prefix keys stage{S}.*) or of a larger model loaded its first part
     # into this pipeline without a word, which then trained another model.
@@ -1021,17 +1607,32 @@ def load_checkpoint(
             f"rank {rank}: {ckpt} holds {len(unloaded)} tensor(s) that no stage of this pipeline has: {shown}; "
             "it was saved from another model (with stage_prefix=True: another number of stages, keys stage{S}.*)"
         )
-    state: dict[str, Any] = {"model": msd, "pipeloom": {"step": 0, "extra": b""}}
+    # Read into new tensors: the model and optimizer are touched only once every rank has read its part.
+    state: dict[str, Any] = {"model": _fresh(msd), "pipeloom": {"step": 0, "extra": b""}}
     if osd is not None:
-        state["optim"] = osd
+        state["optim"] = _fresh(osd)
     rng_key = f"rng_rank{rank}"
     want_rng = restore_rng and same_world and rng_key in saved_keys
     if want_rng:
         state[rng_key] = b""
-    _dcp(lambda: dcp.load(state, checkpoint_id=str(ckpt), process_group=group), group, rank, what)
+    _dcp(lambda: dcp.load(state, checkpoint_id=chosen, storage_reader=_reader(ckpt, call), process_group=group),
+         group, rank, what, call, "reading its part")
+    failed = None
+    extra: Any = None
+    rng: Any = None
+    try:
+        try:
+            extra = _unpickled(state["pipeloom"]["extra"])
+            rng = _unpickled(state[rng_key]) if want_rng else None
+        except Exception as exc:  # noqa: BLE001 - agreed below: every rank raises CheckpointReadError
+            raise _Unreadable(f"{ckpt}: its step's extra or this rank's RNG state cannot be unpickled: "
+                              f"{type(exc).__name__}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - agreed below: every rank raises it
+        failed = exc
+    _settle(group, rank, what, failed, call=call, where="checking what every rank read")
     failed = None
     try:
-        # (expert shards: back to this rank's rows, which DCP filled in place)
+        # (expert shards: back to this rank's rows, which DCP filled)
         if osd is not None:
             set_state_dict(view.module, optims if len(optims) > 1 else optims[0],
                            model_state_dict=_local(state["model"], meshes, optim=False),
@@ -1046,8 +1647,8 @@ def load_checkpoint(
                 for b in others:
                     b.copy_(kept)
         if want_rng:
-            _restore_rng(_unpickled(state[rng_key]))
+            _restore_rng(rng)
     except Exception as exc:  # noqa: BLE001 - agreed below (the others waited in a barrier for it)
         failed = exc
-    _settle(group, rank, what, failed)
-    return CheckpointInfo(ckpt, int(state["pipeloom"]["step"]), _unpickled(state["pipeloom"]["extra"]), want_rng)
+    _settle(group, rank, what, failed, call=call, where="loading what was read into the model and optimizer")
+    return CheckpointInfo(ckpt, int(state["pipeloom"]["step"]), extra, want_rng)

@@ -16,6 +16,8 @@ __all__ = [
     "RemoteRankError",
     "PeerLostError",
     "CheckpointError",
+    "CheckpointTimeoutError",
+    "CheckpointReadError",
 ]
 
 
@@ -96,3 +98,19 @@ class CheckpointError(PipelineError):
     def __init__(self, message: str, *, rank: int, failed_ranks: list[int]) -> None:
         self.rank, self.failed_ranks = rank, list(failed_ranks)
         super().__init__(message)
+
+
+class CheckpointTimeoutError(CheckpointError):
+    """A checkpoint call whose ranks did not all arrive within its ``timeout``: a rank that did not call it, or that
+    hangs inside it (a write that blocks, an asynchronous save that never completes).  Every live rank raises it;
+    ``failed_ranks`` are the ranks that did not arrive (empty where that is not known), ``call`` names the call."""
+
+    def __init__(self, message: str, *, rank: int, failed_ranks: list[int], call: str, timeout: float | None) -> None:
+        self.call, self.timeout = call, timeout
+        super().__init__(message, rank=rank, failed_ranks=failed_ranks)
+
+
+class CheckpointReadError(CheckpointError):
+    """A complete checkpoint (by its marker) that cannot be read: a truncated or missing data file, a garbled
+    metadata file or marker.  ``load_checkpoint`` of a root falls back to the next older complete checkpoint; of
+    an explicit ``step-N`` directory it raises this on every rank."""

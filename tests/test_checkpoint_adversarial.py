@@ -120,7 +120,8 @@ REFUSE: list[tuple[str, str | None, dict[str, Any], str | None]] = [
     # (was DCP's "Missing key in checkpoint state_dict: optim.state.layers.0.gain.momentum_buffer")
     ("other-optimizer", None, dict(optim="sgd"), "holds the state of AdamW but this rank loads it into SGD: pass optimizer=None"),
     ("interleaved", None, dict(schedule="Interleaved1F1B", spr=2), None),
-    ("truncate-rank1", "truncate-rank1", {}, "failed on rank 1: EOFError"),
+    # (found before anything is read: every rank checks the data files' sizes against the metadata)
+    ("truncate-rank1", "truncate-rank1", {}, "__1_0.distcp is "),
     ("missing-rank1", "missing-rank1", {}, "__1_0.distcp"),
     ("marker-garbage", "marker-garbage", {}, "JSONDecodeError"),
     ("metadata-truncated", "metadata-truncated", {}, "UnpicklingError"),
