@@ -73,7 +73,8 @@ def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: s
     failed = getattr(pipe, "_failed", None)
     if failed is not None:
         step, exc0 = failed
-        raise PipelineError(f"rank {dist.get_rank()}: {what}: this Pipeline's step {step} failed "
+        # (the Pipeline's own rank: on NCCL a failed step aborted the default group, and dist.get_rank() raises)
+        raise PipelineError(f"rank {getattr(pipe, 'rank', '?')}: {what}: this Pipeline's step {step} failed "
                             f"({type(exc0).__name__}: {exc0}); its gradients and losses are partial") from exc0
     actor = getattr(pipe, "_actor", None)
     between = getattr(actor, "error_between_steps", None)
@@ -216,8 +217,9 @@ def reduce_step_loss(pipe: Any, losses: dict[int, torch.Tensor] | None, *, reduc
     """The mean of the last step's microbatch losses over every replica; on every rank or only on rank 0."""
     if reduce_to != "all" and (isinstance(reduce_to, bool) or not isinstance(reduce_to, int)):
         raise PipelineConfigError(f"reduce_to must be 'all' or a rank number, got {reduce_to!r}")
-    if reduce_to != "all" and not 0 <= int(reduce_to) < dist.get_world_size():
-        raise PipelineConfigError(f"reduce_to={reduce_to} is not a rank of this {dist.get_world_size()}-rank job")
+    world = getattr(pipe, "world_size", None) or dist.get_world_size()
+    if reduce_to != "all" and not 0 <= int(reduce_to) < world:
+        raise PipelineConfigError(f"reduce_to={reduce_to} is not a rank of this {world}-rank job")
     vals = list((losses or {}).values())
     t = torch.zeros(2, dtype=torch.float64, device=pipe.device)
     if vals:
