@@ -992,7 +992,7 @@ class PendingCheckpoint:
     def done(self) -> bool:
         return self._future is None or self._future.done()
 
-    def wait(self, *, timeout: float | None = DEFAULT_TIMEOUT) -> Path:
+    def wait(self, timeout: float | None = DEFAULT_TIMEOUT) -> Path:
         """This rank's part written (rank 0: the checkpoint in place); a failure of the background writer is
         raised, a write that failed on any rank (DCP's ``CheckpointException``) as :class:`CheckpointError`.
 
@@ -1177,8 +1177,8 @@ def _lost_peer(pipe: Any, exc: BaseException, what: str, wait: float = 2.0) -> P
     procs = getattr(pipe, "_procs", None)
     control = getattr(getattr(pipe, "_actor", None), "control", None)
     rank = dist.get_rank()
-    after = ("this checkpoint is not complete: a restart resumes from the last complete one" if what.startswith("save")
-             else "the load did not complete")
+    after = ("; this checkpoint is not complete: a restart resumes from the last complete one" if what.startswith("save")
+             else "; the load did not complete" if what.startswith("load") else "")  # (training-loop collectives: nothing)
     deadline = time.monotonic() + wait
     while True:
         dead = _dead_peers(procs, rank) if procs else []
@@ -1186,7 +1186,7 @@ def _lost_peer(pipe: Any, exc: BaseException, what: str, wait: float = 2.0) -> P
         if dead:
             more = f" (also ranks {dead[1:]})" if len(dead) > 1 else ""
             return PeerLostError(f"{what}: its process ended during the call{more} ({type(exc).__name__}: "
-                                 f"{str(exc).splitlines()[0][:300]}); {after}", rank=rank, peer=dead[0])
+                                 f"{str(exc).splitlines()[0][:300]}){after}", rank=rank, peer=dead[0])
         if time.monotonic() > deadline:
             return None
         time.sleep(0.05)

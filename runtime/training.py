@@ -38,6 +38,7 @@ same order, between steps.  A rank that died makes them fail within
 from __future__ import annotations
 
 import math
+import zlib
 import time
 from typing import Any
 
@@ -63,6 +64,10 @@ def _sharded(g: Any) -> bool:
     return any(isinstance(pl, Shard) for pl in g.placements)
 
 
+#: payload elements every training-loop collective carries (padded), so that two different ones are of one size
+_TAGGED_WIDTH = 2
+
+
 def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: str) -> None:
     """An all-reduce (or reduce to ``dst``) over every rank, bounded in time instead of hanging on a dead peer.
 
@@ -80,7 +85,20 @@ def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: s
     between = getattr(actor, "error_between_steps", None)
     if between is not None and (err := between()) is not None:
         raise err
-    work = dist.reduce(t, dst=dst, op=op, async_op=True) if dst is not None else dist.all_reduce(t, op=op, async_op=True)
+    control = getattr(actor, "control", None)
+    # Which collective this is travels with it: the payload padded to one width and two tag elements, so that ranks
+    # calling different ones (last_loss on one, clip_grad_norm_ on another) are told so instead of combining unlike
+    # values.  NCCL checks nothing: a loss's 2 elements all-reduced against a norm's 1 completed or hung by chance,
+    # and two of one width would complete with each rank's values mixed into the other's result, silently.
+    flat = t.reshape(-1)
+    width = max(_TAGGED_WIDTH, flat.numel())
+    tag = float(zlib.crc32(f"{what}/{op}".encode()) % 65521 + 1)
+    is_max = op == dist.ReduceOp.MAX
+    buf = torch.zeros(width + 2, dtype=torch.float64, device=t.device)
+    buf[: flat.numel()] = flat
+    buf[width] = tag
+    buf[width + 1] = -tag if is_max else tag * tag
+    work = dist.reduce(buf, dst=dst, op=op, async_op=True) if dst is not None else dist.all_reduce(buf, op=op, async_op=True)
     limit = float(getattr(actor, "stall_timeout", 30.0)) + float(getattr(actor, "heartbeat_timeout", 10.0))
     deadline = time.monotonic() + limit
     delay = 1e-5
@@ -94,6 +112,8 @@ def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: s
                 check_at = now + 0.05
                 if (err := between()) is not None:
                     raise err
+                if getattr(control, "peers_closed", None):  # (NCCL: a peer that left never fails the collective)
+                    raise ConnectionError("a peer closed its Pipeline")
             time.sleep(delay)
             delay = min(2 * delay, 1e-3)
         work.wait()
@@ -133,6 +153,18 @@ def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: s
                 f"is known lost: {same_order}"
             ) from exc
         raise PeerLostError(f"{what} over all {dist.get_world_size()} ranks failed: {exc}", rank=rank, peer=-1) from exc
+    if dst is not None and dist.get_rank() != dst:
+        return  # (the result, and its tags, are dst's)
+    world = dist.get_world_size()
+    got = buf[width:].tolist()
+    want = [tag, -tag] if is_max else [world * tag, world * tag * tag]
+    if got != want:
+        raise PipelineError(
+            f"rank {dist.get_rank()}: {what} over all {world} ranks met another collective on some rank: every rank must "
+            "call last_loss(), clip_grad_norm_() (with the same norm_type) and a PipelineGradScaler's unscale_()/step() "
+            "in the same order; the result is discarded"
+        )
+    t.copy_(buf[: flat.numel()].reshape(t.shape))
 
 
 @torch.no_grad()
