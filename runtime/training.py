@@ -126,6 +126,11 @@ def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: s
 
             guard_exit_works([work])
             pipe._collective_timed_out = True
+            # NCCL: the pending collective would hold the process at exit (finalizing waits for it), and every later
+            # collective of the group would queue behind it: abort the communicators now, as after a failed step
+            abort = getattr(pipe, "_abort_nccl", None)
+            if abort is not None:
+                abort()
         from .checkpoint import _lost_peer
 
         same_order = ("every rank must call last_loss(), clip_grad_norm_() and a PipelineGradScaler's unscale_()/step() "
