@@ -246,6 +246,16 @@ def check_stage_replicas(records: Sequence[Mapping[str, Any]]) -> list[str]:
     return out
 
 
+def agent_attempt_store(store: Any) -> Any:
+    """``store`` (a client of the job's store at MASTER_ADDR:MASTER_PORT) under the key prefix of this launch
+    attempt where torchrun's agent serves it (``TORCHELASTIC_USE_AGENT_STORE``): that store outlives an attempt,
+    and a restarted rank read the failed attempt's keys (torchrun's own env:// rendezvous uses this prefix).
+    Elsewhere each attempt's rank 0 serves a new store: ``store`` as it is."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return store
+    return dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 class SetupAgreement:
     """Checkpoints of one Pipeline's construction, shared by every rank through the job's store."""
 
@@ -262,8 +272,8 @@ class SetupAgreement:
         if world_size > 1 and addr and port:
             try:
                 # (connecting to a store that runs takes milliseconds: a long wait here means a wrong address)
-                self._store = dist.TCPStore(addr, int(port), is_master=False,
-                                            timeout=timedelta(seconds=max(min(timeout, 30.0), 1.0)))
+                self._store = agent_attempt_store(dist.TCPStore(addr, int(port), is_master=False,
+                                                                timeout=timedelta(seconds=max(min(timeout, 30.0), 1.0))))
             except Exception as exc:  # noqa: BLE001 - say where, not how
                 raise PipelineConfigError(
                     f"rank {rank}: cannot reach the job's torch.distributed store at {addr}:{port} to check that "

@@ -42,7 +42,7 @@ from ..schedules.dispatch import OVERLAP_MARGIN
 from ..transport.control import ControlPlane, choose_bind_host
 from ..transport.tensor import TensorPlane, abort_communicators, guard_exit, make_pair_groups
 from .actor import ActorStatistics, RankActor, StepInputs
-from .agreement import (SetupAgreement, check_heartbeats, check_stage_replicas, config_record, secret_field,
+from .agreement import (SetupAgreement, agent_attempt_store, check_heartbeats, check_stage_replicas, config_record, secret_field,
                         short_traceback, stage_tensors)
 from .checks import Replicate, check_batch, install_stage_checks
 from .data_parallel import DEFAULT_BUCKET_BYTES, Layout, StageCollectives
@@ -286,8 +286,7 @@ def _init_process_group(backend: str | None) -> bool:
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"  # (torchrun's agent serves it)
         store = dist.TCPStore(where[0], int(where[1]), world,
                               is_master=rank == 0 and not agent, timeout=timedelta(minutes=30), multi_tenant=True)
-        if agent:  # the prefix torchrun's env:// rendezvous uses for this attempt's workers
-            store = dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        store = agent_attempt_store(store)  # (torchrun's agent store: the prefix its env:// uses for this attempt)
         _STORES.clear()  # (a script that moved MASTER_PORT is done with the old store: rank 0 stops serving it)
         _STORES[where] = [store, 0]
     store, made = _STORES[where]

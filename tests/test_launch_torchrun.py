@@ -720,3 +720,38 @@ def test_torch_elastic_shutdown_timeout_gives_the_ranks_time(work: Path) -> None
                        {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "10", "SAVE_SECONDS": "2.5"})
     for launcher, ran in got.items():
         assert _received(ran) == ["SIGTERM", "SIGTERM"], (launcher, ran.err)
+
+
+BUILD_FAILS_FIRST = textwrap.dedent("""\
+    import json, os, sys, time, torch, pipeloom
+    from torch import nn
+    rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+
+    def stage(s):
+        if attempt == 0 and s == 1:
+            raise ValueError("stage 1 cannot be built in the first attempt")
+        if attempt == 1 and s == 1:
+            time.sleep(1.5)  # rank 0 reaches the agreement on the built stages first
+        return nn.Linear(4, 4)
+
+    pipe = pipeloom.Pipeline(stage, schedule="1F1B", num_microbatches=2, loss_fn=nn.functional.mse_loss)
+    pipe.step(torch.randn(4, 4), target=torch.randn(4, 4), return_outputs=False)
+    print("RESULT", json.dumps({"rank": rank, "attempt": attempt, "loss": pipe.last_loss()}), flush=True)
+    pipe.close()
+""")
+
+
+@pytest.mark.parametrize("launcher", sorted(BOTH))
+def test_a_restart_after_a_failed_construction_does_not_read_the_failed_attempts_records(work: Path, launcher: str) -> None:
+    """torchrun's agent serves the store, and it outlives an attempt.  The construction's agreement (each rank's
+    record of the Pipeline it builds, read by its peers through the store) used the store without torchrun's
+    per-attempt prefix: after a first attempt where rank 1 failed to build its stage, the restarted rank 0 read
+    that attempt's record ("stage 1 cannot be built") and failed again, and so did the job."""
+    (work / "job.py").write_text(BUILD_FAILS_FIRST)
+    port = str(_free_port())
+    proc = subprocess.run([*BOTH[launcher], "--nproc-per-node=2", "--max-restarts=1", "--master-port", port, "job.py"],
+                          cwd=work, env=_env(work, {}), capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT {" in line]
+    assert sorted(r["rank"] for r in results) == [0, 1] and all(r["attempt"] == 1 for r in results), proc.stdout
+    assert results[0]["loss"] == results[1]["loss"], results
