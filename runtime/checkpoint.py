@@ -81,7 +81,8 @@ once), and retires the group (a new one next call).  Each raises
 
 Corrupt checkpoints.  A complete checkpoint whose files cannot be read is
 found before anything is loaded (file sizes against the metadata; DCP reads
-into new tensors, applied once every rank has read its part), and every rank
+plain tensors into new ones, applied once every rank has read its part;
+DTensors in place, see ``_fresh``), and every rank
 raises :class:`~pipeloom.CheckpointReadError`; under a root, every rank falls
 back to the next older complete checkpoint instead, with a warning.
 """
@@ -1411,10 +1412,12 @@ class CheckpointInfo:
 
 
 def _fresh(state: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``state`` with every tensor replaced by a new, uninitialised one of its shape and dtype, for DCP to read
-    into: the model and optimizer are left as they are until every rank has read its part (a read that fails
-    midway, on any rank, leaves nothing half-loaded).  Plain tensors in CPU memory, DTensors (FSDP shards, expert
-    rows) as DTensors of the same placement."""
+    """``state`` with every plain tensor replaced by a new, uninitialised one of its shape and dtype in CPU memory,
+    for DCP to read into: those are left as they are until every rank has read its part (a read that fails midway,
+    on any rank, leaves them untouched).  DTensors (FSDP shards, expert rows) are read in place, as DCP does: a copy
+    of each would double the device memory the sharded state takes at the moment a large job resumes.  The files
+    are checked against the metadata before (sizes), so what can still fail midway is an I/O error, which every
+    rank raises (from a root, the fallback to an older checkpoint then overwrites every shard)."""
     if state is None:
         return None
     from torch.distributed.tensor import DTensor
@@ -1422,7 +1425,7 @@ def _fresh(state: dict[str, Any] | None) -> dict[str, Any] | None:
     out: dict[str, Any] = {}
     for k, v in state.items():
         if isinstance(v, DTensor):
-            out[k] = torch.empty_like(v)
+            out[k] = v
         elif isinstance(v, torch.Tensor):
             out[k] = torch.empty(v.shape, dtype=v.dtype, device="cpu")
         else:
@@ -1607,7 +1610,7 @@ def _load_one(ckpt: Path, pipe: Any, optimizer: Any, group: Any, call: _Call, *,
             f"rank {rank}: {ckpt} holds {len(unloaded)} tensor(s) that no stage of this pipeline has: {shown}; "
             "it was saved from another model (with stage_prefix=True: another number of stages, keys stage{S}.*)"
         )
-    # Read into new tensors: the model and optimizer are touched only once every rank has read its part.
+    # Read plain tensors into new ones (DTensors in place, see _fresh): applied once every rank has read its part.
     state: dict[str, Any] = {"model": _fresh(msd), "pipeloom": {"step": 0, "extra": b""}}
     if osd is not None:
         state["optim"] = _fresh(osd)
