@@ -1261,6 +1261,12 @@ class Pipeline:
                     return_outputs: bool = True) -> Any:
         if self._closed:
             raise RuntimeError("this Pipeline is closed")
+        broken = getattr(self, "_collective_broken", None)
+        if broken is not None:  # (runtime/training.py _collective: a training-loop collective left pending)
+            raise PipelineError(
+                f"rank {self.rank}: an earlier training-loop collective of this Pipeline did not complete ({broken}); "
+                "a step after it would run beside a collective still pending on this rank and never called on a "
+                "peer: close this Pipeline and restart the job from a checkpoint")
         if self._failed is not None:
             # A failed step is the Pipeline's last, on every rank: it left gradients accumulated for some
             # microbatches and not others, transfers and data-parallel collectives cut mid-step on some ranks

@@ -81,6 +81,13 @@ def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: s
         # (the Pipeline's own rank: on NCCL a failed step aborted the default group, and dist.get_rank() raises)
         raise PipelineError(f"rank {getattr(pipe, 'rank', '?')}: {what}: this Pipeline's step {step} failed "
                             f"({type(exc0).__name__}: {exc0}); its gradients and losses are partial") from exc0
+    broken = getattr(pipe, "_collective_broken", None)
+    if broken is not None:
+        raise PipelineError(
+            f"rank {getattr(pipe, 'rank', '?')}: {what}: an earlier training-loop collective of this Pipeline did not "
+            f"complete ({broken}); it is still pending, and a later one would pair with it on the peers that never "
+            "called it (the ranks' collectives out of step, the values of one call in another's result): close this "
+            "Pipeline and restart the job from a checkpoint")
     actor = getattr(pipe, "_actor", None)
     between = getattr(actor, "error_between_steps", None)
     if between is not None and (err := between()) is not None:
@@ -126,6 +133,7 @@ def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: s
 
             guard_exit_works([work])
             pipe._collective_timed_out = True
+            pipe._collective_broken = f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             # NCCL: the pending collective would hold the process at exit (finalizing waits for it), and every later
             # collective of the group would queue behind it: abort the communicators now, as after a failed step
             abort = getattr(pipe, "_abort_nccl", None)

@@ -170,3 +170,39 @@ def test_a_peer_that_closed_its_pipeline_is_named_as_having_left_not_lost(tmp_pa
     assert rec["message"].startswith("rank 0: the step loss's reduction over all 2 ranks did not complete: rank 1 "
                                      "closed its Pipeline without joining it; every rank must call last_loss()"), rec
     assert rec["seconds"] < 10, rec
+
+
+SKIPPED = textwrap.dedent("""\
+    import json, os, time, torch, pipeloom
+    from torch import nn
+    rank = int(os.environ["RANK"])
+    pipe = pipeloom.Pipeline(lambda s: nn.Linear(4, 4), schedule="1F1B", num_microbatches=2,
+                             loss_fn=nn.functional.mse_loss, stall_timeout=2.0, heartbeat_timeout=2.0)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    pipe.step(x, target=y)
+    out = {"rank": rank, "calls": []}
+    for call in (("last_loss", "step", "last_loss") if rank == 0 else ("step",)):
+        try:
+            pipe.last_loss() if call == "last_loss" else pipe.step(x, target=y)
+            out["calls"].append([call, "ok", ""])
+        except pipeloom.PipelineError as exc:
+            out["calls"].append([call, type(exc).__name__, str(exc)])
+    print(json.dumps(out), flush=True)
+    pipe.close()
+""")
+
+
+def test_a_collective_one_rank_never_called_leaves_the_pipeline_refusing_steps_and_collectives(tmp_path: Path) -> None:
+    """Rank 0 calls ``last_loss()``; rank 1 does not and runs its next step.  Rank 0's all-reduce stays pending
+    after its bound: a later collective would pair with it on rank 1 (one call's values in another's result,
+    unseen: both of one kind carry one tag), and a step beside it ran on.  Now rank 0 refuses both at once,
+    saying why, and both processes end."""
+    got = {d["rank"]: d for d in run_json_script(tmp_path, SKIPPED, 2, timeout=90)}
+    calls = got[0]["calls"]
+    assert [c[:2] for c in calls] == [["last_loss", "PipelineError"], ["step", "PipelineError"],
+                                      ["last_loss", "PipelineError"]], calls
+    assert "did not complete in 4 s" in calls[0][2], calls
+    for _, _, msg in calls[1:]:
+        assert "an earlier training-loop collective of this Pipeline did not complete (the step loss's reduction" in msg, msg
+        assert "restart the job from a checkpoint" in msg, msg
+    assert got[1]["calls"][0][1] != "ok", got[1]  # its step's peer never ran it
