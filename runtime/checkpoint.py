@@ -700,7 +700,9 @@ def _gather(group: Any, obj: Any, call: _Call, where: str) -> list[Any]:
 def _stuck_writers_at_exit() -> None:
     """At interpreter exit (threading's hook, before it joins the threads): an asynchronous save's writer that
     did not finish within its timeout (a write that blocks) would hold the exit forever.  Given a few seconds, then
-    the process ends without waiting for it (exit code 1 after an uncaught error, else 0)."""
+    the process ends without waiting for it, with exit code 1: its atexit handlers are skipped and the script's own
+    exit code cannot be read here (a ``sys.exit(3)`` ended as 0 before), and the checkpoint it wrote is not complete,
+    so a launcher must not take the job for a success."""
     alive = [t for t in _STUCK_THREADS if t.is_alive()]
     if not alive:
         return
@@ -711,10 +713,9 @@ def _stuck_writers_at_exit() -> None:
         return
     import sys
 
-    failing = getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
     try:
         sys.stderr.write("pipeloom: an asynchronous checkpoint's writer that timed out is still running; exiting "
-                         "without waiting for it\n")
+                         "without waiting for it, with exit code 1 (that checkpoint is not complete)\n")
     except Exception:  # noqa: BLE001 - exiting anyway
         pass
     for f in (sys.stdout, sys.stderr):
@@ -722,7 +723,7 @@ def _stuck_writers_at_exit() -> None:
             f.flush()
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
-    os._exit(1 if failing else 0)
+    os._exit(1)
 
 
 try:  # (after concurrent.futures' own hook, which joins the executors' threads: threading runs them last first)

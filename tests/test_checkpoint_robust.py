@@ -121,15 +121,17 @@ pipe.close()
 """
 
 
-def _run(tmp_path: Path, script: str, how: str, *, limit: float = 40) -> tuple[list[dict[str, Any]], float]:
-    """The job on 2 ranks: each rank's record, and the seconds until both processes had exited (both exit 0)."""
+def _run(tmp_path: Path, script: str, how: str, *, limit: float = 40,
+         codes_wanted: tuple[int, int] = (0, 0)) -> tuple[list[dict[str, Any]], float]:
+    """The job on 2 ranks: each rank's record, and the seconds until both processes had exited (with
+    ``codes_wanted``)."""
     job = tmp_path / "job.py"
     job.write_text(script)
     t0 = time.monotonic()
     codes, outs, errs = asyncio.run(spawn_ranks(2, [str(job), str(tmp_path / "ckpt"), str(T), str(STUCK), how],
                                                 timeout=limit))
     took = time.monotonic() - t0
-    assert codes == [0, 0], [e[-3000:] for e in errs]
+    assert codes == list(codes_wanted), (codes, [e[-3000:] for e in errs])
     return [json.loads(o.strip().splitlines()[-1]) for o in outs], took
 
 
@@ -179,8 +181,9 @@ def test_an_async_save_that_never_completes_on_one_rank(tmp_path: Path, how: str
     """Rank 1's asynchronous save of step 1 never finishes writing.  The next save (or ``wait_checkpoints``) raises
     ``CheckpointTimeoutError`` on both ranks within about ``timeout`` naming rank 1 (rank 0's background
     collective timed out waiting for rank 1's part; rank 1's wait for its own writer timed out); the save after
-    that works on a new checkpoint group; and rank 1 exits although its writer thread still blocks."""
-    (r0, r1), took = _run(tmp_path, ASYNC_NEVER, how)
+    that works on a new checkpoint group; and rank 1 exits although its writer thread still blocks, with exit code 1
+    (that checkpoint is not complete; it exited 0 before, and a script's own ``sys.exit(n)`` ended as 0 too)."""
+    (r0, r1), took = _run(tmp_path, ASYNC_NEVER, how, codes_wanted=(0, 1))
     for r, rec in enumerate((r0, r1)):
         stuck = rec["stuck"]
         assert not stuck["ok"] and stuck["type"] == "CheckpointTimeoutError", (r, rec)
