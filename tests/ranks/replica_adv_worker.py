@@ -206,8 +206,10 @@ def run_ckpt(cfg: dict[str, Any], ckroot: str) -> dict[str, Any]:
                 owner, name = ck, "_state_dicts"
             elif fault == "finalize":  # rank 0's marker: the disk is full
                 owner, name = ck, "_finalize"
-            elif fault == "write":
-                owner, name = dcp.FileSystemWriter, "write_data"
+            elif fault == "write":  # (the class that writes: FileSystemWriter and the runtime's own writer derive from it)
+                from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+
+                owner, name = _FileSystemWriter, "write_data"
             elif fault == "read_metadata":
                 owner, name = dcp.FileSystemReader, "read_metadata"
             else:
