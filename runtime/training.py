@@ -127,45 +127,24 @@ def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: s
     except PipelineError:
         raise
     except Exception as exc:  # gloo raises RuntimeError on a closed connection
-        rank = dist.get_rank()
-        if not work.is_completed():  # (never to complete: it must not hold up the process's exit)
+        pending = not work.is_completed()
+        if pending:  # (never to complete: it must not hold up the process's exit)
             from ..transport.tensor import guard_exit_works
 
             guard_exit_works([work])
             pipe._collective_timed_out = True
             pipe._collective_broken = f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-            # NCCL: the pending collective would hold the process at exit (finalizing waits for it), and every later
-            # collective of the group would queue behind it: abort the communicators now, as after a failed step
-            abort = getattr(pipe, "_abort_nccl", None)
-            if abort is not None:
-                abort()
-        from .checkpoint import _lost_peer
-
-        same_order = ("every rank must call last_loss(), clip_grad_norm_() and a PipelineGradScaler's unscale_()/step() "
-                      "in the same order (a rank that called another of them, or none, leaves its peers waiting here)")
-        # A peer that ended *cleanly* (it said 'bye': it closed its Pipeline, or its script ended, e.g. after its own
-        # collective timed out the same way) was not lost: it never joined this collective.  On NCCL its process is
-        # gone by the time this rank's bound runs out; on gloo its leaving breaks the collective at once.
-        lost = _lost_peer(pipe, exc, what, wait=0.5)
-        if between is not None and (err := between()) is not None:  # (reads the control plane: a 'bye' too)
-            raise err from exc
-        closed = sorted(getattr(getattr(actor, "control", None), "peers_closed", None) or ())
-        if closed and (lost is None or lost.peer in closed):
-            who = f"rank {closed[0]}" if len(closed) == 1 else f"ranks {closed}"
-            raise PipelineError(
-                f"rank {rank}: {what} over all {dist.get_world_size()} ranks did not complete: {who} closed its "
-                f"Pipeline without joining it; {same_order}"
-            ) from exc
-        if lost is not None:
-            raise lost from exc
-        if isinstance(exc, TimeoutError):
-            # every peer alive: one of them is in another collective, or in none (the ranks called last_loss,
-            # clip_grad_norm_ or a PipelineGradScaler's unscale_/step in different orders or numbers)
-            raise PipelineError(
-                f"rank {rank}: {what} over all {dist.get_world_size()} ranks did not complete in {limit:g} s and no peer "
-                f"is known lost: {same_order}"
-            ) from exc
-        raise PeerLostError(f"{what} over all {dist.get_world_size()} ranks failed: {exc}", rank=rank, peer=-1) from exc
+        try:
+            err = _why_not_completed(pipe, exc, what, limit, between, actor)
+        finally:
+            if pending:
+                # NCCL: the pending collective would hold the process at exit (finalizing waits for it), and every
+                # later collective of the group would queue behind it: abort the communicators, as after a failed
+                # step (after the error is worked out: aborting the default group forgets it, and dist.get_rank())
+                abort = getattr(pipe, "_abort_nccl", None)
+                if abort is not None:
+                    abort()
+        raise err from exc
     if dst is not None and dist.get_rank() != dst:
         return  # (the result, and its tags, are dst's)
     world = dist.get_world_size()
@@ -178,6 +157,34 @@ def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: s
             "in the same order; the result is discarded"
         )
     t.copy_(buf[: flat.numel()].reshape(t.shape))
+
+
+def _why_not_completed(pipe: Any, exc: BaseException, what: str, limit: float, between: Any, actor: Any) -> BaseException:
+    """The error a training-loop collective that failed or ran out of time raises (see :func:`_collective`)."""
+    from .checkpoint import _lost_peer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    same_order = ("every rank must call last_loss(), clip_grad_norm_() and a PipelineGradScaler's unscale_()/step() "
+                  "in the same order (a rank that called another of them, or none, leaves its peers waiting here)")
+    # A peer that ended *cleanly* (it said 'bye': it closed its Pipeline, or its script ended, e.g. after its own
+    # collective timed out the same way) was not lost: it never joined this collective.  On NCCL its process is
+    # gone by the time this rank's bound runs out; on gloo its leaving breaks the collective at once.
+    lost = _lost_peer(pipe, exc, what, wait=0.5)
+    if between is not None and (err := between()) is not None:  # (reads the control plane: a 'bye' too)
+        return err
+    closed = sorted(getattr(getattr(actor, "control", None), "peers_closed", None) or ())
+    if closed and (lost is None or lost.peer in closed):
+        who = f"rank {closed[0]}" if len(closed) == 1 else f"ranks {closed}"
+        return PipelineError(f"rank {rank}: {what} over all {world} ranks did not complete: {who} closed its "
+                             f"Pipeline without joining it; {same_order}")
+    if lost is not None:
+        return lost
+    if isinstance(exc, TimeoutError):
+        # every peer alive: one of them is in another collective, or in none (the ranks called last_loss,
+        # clip_grad_norm_ or a PipelineGradScaler's unscale_/step in different orders or numbers)
+        return PipelineError(f"rank {rank}: {what} over all {world} ranks did not complete in {limit:g} s and no peer "
+                             f"is known lost: {same_order}")
+    return PeerLostError(f"{what} over all {world} ranks failed: {exc}", rank=rank, peer=-1)
 
 
 @torch.no_grad()
