@@ -285,12 +285,15 @@ class SetupAgreement:
 
     # ---------------------------------------------------------------- checkpoints
     def agree(self, checkpoint: str, record: Mapping[str, Any] | None,
-              check: Callable[[list[dict[str, Any]]], list[str]] | None = None) -> list[dict[str, Any]]:
+              check: Callable[[list[dict[str, Any]]], list[str]] | None = None, *,
+              refuse: Callable[[list[dict[str, Any]]], list[str]] | None = None) -> list[dict[str, Any]]:
         """Post this rank's record, read every rank's, raise if any failed or differs; return them (by rank).
 
         Fields whose name starts with ``_`` ride along without being compared (a rank's pid).
         ``check(records)``: more problems (one sentence each) found in every rank's records, reported
         as the differences are (every rank decides from the same records, so every rank raises them).
+        ``refuse(records)``: the same for problems of what the ranks built together rather than differences
+        between them (a weight tied across ranks), reported without the "built different Pipelines" preamble.
         """
         records = self._exchange(checkpoint, {"ok": dict(record or {})})
         failed = [(r, rec) for r, rec in enumerate(records) if "error" in rec]
@@ -310,6 +313,10 @@ class SetupAgreement:
                 f"rank {self.rank}: the ranks built different Pipelines (every rank must pass the same settings): "
                 + "; ".join(diffs)
             )
+        problems = refuse([rec["ok"] for rec in records]) if refuse is not None else []
+        if problems:
+            self._done(checkpoint, linger=True)
+            raise PipelineConfigError(f"rank {self.rank}: " + "; ".join(problems))
         self._done(checkpoint, linger=False)
         return [rec["ok"] for rec in records]
 

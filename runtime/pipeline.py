@@ -50,6 +50,7 @@ from .errors import PeerLostError, PipelineConfigError, PipelineError, RemoteRan
 from .fingerprint import ModelFingerprint
 from .options import RuntimeOptions, resolve_options
 from .stage import StageExecutor
+from .ties import refuse_ties_across_ranks, ties_across_ranks
 from .trace import FileSink, StreamSink, TraceRecorder, make_header
 
 __all__ = ["Pipeline", "Microbatches", "Replicate", "split_microbatches"]
@@ -568,8 +569,10 @@ class Pipeline:
                 raise
             # ranks that hold the same stage (replicas) must build the same tensors: construction
             # broadcasts replica 0's into the others (agreement.check_stage_replicas says why)
-            agreement.agree(checkpoint, {"_stages": stage_tensors(modules)} if self._with_dp else None,
-                            check_stage_replicas)
+            # (and which of the model's tied weights each stage holds: one tied across ranks is refused, runtime/ties.py)
+            record = {"_stages": stage_tensors(modules)} if self._with_dp else {}
+            agreement.agree(checkpoint, {**record, "_ties": self._tie_uses}, check_stage_replicas,
+                            refuse=lambda recs: ties_across_ranks(recs, self.schedule.stage_to_rank))
         except BaseException as exc:
             text = str(exc)
             if text.startswith(prefix := f"rank {self.rank}: "):
@@ -833,9 +836,7 @@ class Pipeline:
             if not isinstance(module, nn.Module):
                 raise PipelineConfigError(f"rank {self.rank}: stage_fn({s}) returned {type(module).__name__}, not an nn.Module")
             modules[s] = module.to(self.device)
-        from .ties import refuse_ties_across_ranks
-
-        refuse_ties_across_ranks(modules, self.rank)
+        self._tie_uses = refuse_ties_across_ranks(modules, self.rank)
         if self._fsdp and len(modules) > 1:
             # FSDP shards each stage on its own: a parameter two local stages share (a weight tied between the
             # first and last stage of a V schedule) would be sharded twice, its gradients silently wrong
