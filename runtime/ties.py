@@ -64,7 +64,9 @@ alive model's parameters, and are checked by name by their split.  Stages made
 by tracing are structural containers (rule 1 passes them over) around tensors
 torch's tracer lifted, copies for the most part; a weight tied across traced
 stages is split into one copy per stage by the tracer itself, which neither
-rule sees (nor refuses ``split_by_tracing`` today).
+rule sees: ``split_by_tracing`` refuses such a split itself, from the model's
+own tied names (``runtime/traced_split.py``); a pipe traced by the user and
+given to ``stage_fn_from_pipe`` is not checked.
 
 What it cannot see: modules no longer alive in this process (a ``stage_fn``
 that builds each stage from a fresh model and drops the rest), a tie between

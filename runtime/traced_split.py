@@ -322,4 +322,39 @@ def split_by_tracing(
             for k in ("forward", "_orig_forward"):
                 mod.__dict__.pop(k, None)
             mod.__dict__.update(attrs)
+    _refuse_ties_the_tracer_copied(model, pipe)
     return stage_fn_from_pipe(pipe)
+
+
+def _stage_param_names(pipe: Any) -> list[set[str]]:
+    return [{n for n, p in pipe.get_stage_module(i).named_parameters(remove_duplicate=False) if p.requires_grad}
+            for i in range(pipe.num_stages)]
+
+
+def _refuse_ties_the_tracer_copied(model: nn.Module, pipe: Any) -> None:
+    """A trainable weight tied in ``model`` (one tensor under several names: an embedding reused by the head, one
+    block at two depths) whose uses the tracer put in different stages: each of those stages holds *its own copy*
+    (torch's ``pipeline()`` copies a parameter used by several stages; it keeps one tensor only within a stage),
+    and nothing adds the copies' gradients, on one rank or several: each copy would be trained with its own
+    stage's part of the gradient, another model than ``model``, silently.  Refused, naming the tie and the
+    stages."""
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if p.requires_grad:
+            names.setdefault(id(p), []).append(n)
+    ties = [ns for ns in names.values() if len(ns) > 1]
+    if not ties:
+        return
+    per_stage = _stage_param_names(pipe)
+    for ns in ties:
+        where = {i: sorted(set(ns) & have) for i, have in enumerate(per_stage) if set(ns) & have}
+        if len(where) > 1:
+            shown = "; ".join(f"stage {i}: {', '.join(v)}" for i, v in sorted(where.items()))
+            raise PipelineConfigError(
+                f"{type(model).__name__}'s weight tied as {', '.join(ns)} is used by {len(where)} stages of the traced "
+                f"split ({shown}): torch's tracer gives each stage its own copy, and the copies would be trained "
+                "apart, each with its own stage's part of the gradient (another model, silently). Keep the tie's "
+                "uses in one stage (move the split point), untie it (clone the weight), or split with split_by_fqn "
+                "and a V schedule (ZBVZeroBubble, DualPipeV) that puts the first and last stage on one rank, where "
+                "the weight is shared for real"
+            )

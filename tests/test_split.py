@@ -512,3 +512,44 @@ async def test_pipeline_over_split_stages_matches_full_model(tmp_path: Path) -> 
         assert got.keys() == {n for n, _ in skip.named_parameters()}, case["id"]
         for name, p in skip.named_parameters():
             torch.testing.assert_close(got[name], p.grad, **TOL, msg=lambda m, k=name: f"{case['id']} {k}: {m}")
+
+
+class _TiedEnds(nn.Module):
+    """An embedding-like input layer whose weight the head reuses, and a middle layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.emb, self.mid = nn.Linear(4, 4), nn.Linear(4, 4, bias=False), nn.Linear(4, 4)
+        self.head = nn.Linear(4, 4, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mid(self.emb(self.pre(x))))
+
+
+def test_split_by_tracing_refuses_a_tie_whose_uses_land_in_two_stages() -> None:
+    """torch's tracer copies a parameter used by several stages (stage 0 got ``emb.weight``, stage 1 its own
+    ``head.weight``, other tensors): the stages trained two copies of one weight apart, silently (a 2-rank job's
+    gradients were off by 0.16 and 0.11).  Refused at the split, naming the tie and the stages; a tie whose uses
+    stay in one stage (the tracer keeps one tensor there) and a frozen tie are split as before."""
+    from torch.distributed.pipelining import SplitPoint
+
+    model = _TiedEnds()
+    x = torch.randn(2, 4)
+    with pytest.raises(PipelineConfigError, match=r"_TiedEnds's weight tied as emb.weight, head.weight is used by 2 stages "
+                                                   r"of the traced split \(stage 0: emb.weight.*; stage 1: head.weight\)"):
+        split_by_tracing(model, example_args=(x,), split_spec={"mid": SplitPoint.BEGINNING})
+    # the tie's uses in one stage: one tensor there, and its gradient is the whole model's
+    stage_fn = split_by_tracing(model, example_args=(x,), split_spec={"emb": SplitPoint.BEGINNING})
+    s0, s1 = stage_fn(0), stage_fn(1)
+    params = dict(s1.named_parameters(remove_duplicate=False))
+    assert params["emb.weight"] is params["head.weight"]
+    s1(s0(x)).sum().backward()
+    want = _TiedEnds()
+    want.load_state_dict(model.state_dict())
+    want(x).sum().backward()
+    torch.testing.assert_close(params["emb.weight"].grad, want.emb.weight.grad)
+    # frozen: the copies get no gradient and cannot drift apart
+    frozen = _TiedEnds()
+    frozen.emb.weight.requires_grad_(False)
+    split_by_tracing(frozen, example_args=(x,), split_spec={"mid": SplitPoint.BEGINNING})
