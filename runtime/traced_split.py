@@ -233,6 +233,7 @@ def stage_fn_from_pipe(pipe: Any) -> Callable[[int], nn.Module]:
             f"stage_fn_from_pipe needs a torch.distributed.pipelining Pipe (with num_stages and "
             f"get_stage_module), got {type(pipe).__name__}"
         )
+    _refuse_parameters_the_tracer_copied(pipe)
     analysed = _analyse(pipe, num_stages)
     routes, skips = analysed if analysed is not None else (None, [])
 
@@ -329,6 +330,26 @@ def split_by_tracing(
 def _stage_param_names(pipe: Any) -> list[set[str]]:
     return [{n for n, p in pipe.get_stage_module(i).named_parameters(remove_duplicate=False) if p.requires_grad}
             for i in range(pipe.num_stages)]
+
+
+def _refuse_parameters_the_tracer_copied(pipe: Any) -> None:
+    """A trainable parameter the traced graph uses in several stages (``x * self.scale`` before and after a
+    split point) is copied by torch's tracer into each of them under its own name: the copies would be trained
+    apart, each with its own stage's part of the gradient (another model, silently).  Refused, naming it."""
+    where: dict[str, list[int]] = {}
+    for i, names in enumerate(_stage_param_names(pipe)):
+        for n in names:
+            where.setdefault(n, []).append(i)
+    copied = {n: st for n, st in where.items() if len(st) > 1}
+    if copied:
+        shown = "; ".join(f"{n} (stages {', '.join(map(str, st))})" for n, st in sorted(copied.items())[:6])
+        more = f" and {len(copied) - 6} more" if len(copied) > 6 else ""
+        raise PipelineConfigError(
+            f"the traced split holds {len(copied)} trainable parameter(s) in more than one stage: {shown}{more}. "
+            "torch's tracer gives each stage that uses a parameter its own copy, and the copies would be trained "
+            "apart, each with its own stage's part of the gradient (another model, silently). Keep each "
+            "parameter's uses within one stage (move the split point), or split with split_by_fqn"
+        )
 
 
 def _refuse_ties_the_tracer_copied(model: nn.Module, pipe: Any) -> None:

@@ -553,3 +553,30 @@ def test_split_by_tracing_refuses_a_tie_whose_uses_land_in_two_stages() -> None:
     frozen = _TiedEnds()
     frozen.emb.weight.requires_grad_(False)
     split_by_tracing(frozen, example_args=(x,), split_spec={"mid": SplitPoint.BEGINNING})
+
+
+class _ScaledTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * self.scale) * self.scale
+
+
+def test_a_parameter_the_traced_split_uses_in_two_stages_is_refused() -> None:
+    """``self.scale`` used before and after the split point: torch's tracer copies it into both stages under its
+    own name, and the copies were trained apart, silently.  Refused by ``split_by_tracing`` and by
+    ``stage_fn_from_pipe`` over a pipe the user traced."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    x = torch.randn(2, 4)
+    want = r"the traced split holds 1 trainable parameter\(s\) in more than one stage: scale \(stages 0, 1\)"
+    with pytest.raises(PipelineConfigError, match=want):
+        split_by_tracing(_ScaledTwice(), example_args=(x,), split_spec={"b": SplitPoint.BEGINNING})
+    with pytest.raises(PipelineConfigError, match=want):
+        stage_fn_from_pipe(pipeline(_ScaledTwice(), mb_args=(x,), split_spec={"b": SplitPoint.BEGINNING}))
+    frozen = _ScaledTwice()
+    frozen.scale.requires_grad_(False)  # (no gradient: the copies stay equal)
+    split_by_tracing(frozen, example_args=(x,), split_spec={"b": SplitPoint.BEGINNING})
