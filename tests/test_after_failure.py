@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "ranks"))
-from harness import run_json_script, spawn_ranks  # noqa: E402
+from harness import linear_job, run_json_script, spawn_ranks  # noqa: E402
 
 SCRIPT = textwrap.dedent("""\
     import json, os, sys, time, torch, pipeloom
@@ -95,13 +95,8 @@ def test_a_collective_after_a_step_that_failed_on_one_rank_names_it_at_once(tmp_
     assert got[1]["seconds"] < 5.0, got[1]
 
 
-MISMATCH = textwrap.dedent("""\
-    import json, os, sys, time, torch, pipeloom
-    from torch import nn
-    rank = int(os.environ["RANK"])
-    pipe = pipeloom.Pipeline(lambda s: nn.Linear(4, 4), schedule="1F1B", num_microbatches=2,
-                             loss_fn=nn.functional.mse_loss, stall_timeout=2.0, heartbeat_timeout=2.0)
-    pipe.step(torch.randn(4, 4), target=torch.randn(4, 4))
+MISMATCH = linear_job("""\
+    pipe.step(x, target=y)
     out = {"rank": rank}
     t0 = time.monotonic()
     try:
@@ -114,7 +109,8 @@ MISMATCH = textwrap.dedent("""\
         out["call"], out["message"] = type(exc).__name__, str(exc)
     out["seconds"] = time.monotonic() - t0
     print(json.dumps(out), flush=True)
-""")
+""", microbatches=2, rows=4, pipe_args="stall_timeout=2.0, heartbeat_timeout=2.0", imports=", json, sys, time")
+
 
 
 @pytest.mark.parametrize("norm_type", ["2", "inf"])
@@ -133,13 +129,8 @@ def test_ranks_calling_different_collectives_are_told_so_and_the_job_exits(tmp_p
         assert rec["seconds"] < 2, rec
 
 
-CLOSED = textwrap.dedent("""\
-    import json, os, sys, time, torch, pipeloom
-    from torch import nn
-    rank = int(os.environ["RANK"])
-    pipe = pipeloom.Pipeline(lambda s: nn.Linear(4, 4), schedule="1F1B", num_microbatches=2,
-                             loss_fn=nn.functional.mse_loss, stall_timeout=20.0, heartbeat_timeout=10.0)
-    pipe.step(torch.randn(4, 4), target=torch.randn(4, 4))
+CLOSED = linear_job("""\
+    pipe.step(x, target=y)
     out = {"rank": rank}
     if rank == 1:
         pipe.close()  # leaves without the collective its peer calls next
@@ -154,7 +145,8 @@ CLOSED = textwrap.dedent("""\
             out["call"], out["message"] = type(exc).__name__, str(exc)
         out["seconds"] = time.monotonic() - t0
     print(json.dumps(out), flush=True)
-""")
+""", microbatches=2, rows=4, pipe_args="stall_timeout=20.0, heartbeat_timeout=10.0", imports=", json, sys, time")
+
 
 
 @pytest.mark.parametrize("after", ["exits", "alive"])
@@ -172,13 +164,7 @@ def test_a_peer_that_closed_its_pipeline_is_named_as_having_left_not_lost(tmp_pa
     assert rec["seconds"] < 10, rec
 
 
-SKIPPED = textwrap.dedent("""\
-    import json, os, time, torch, pipeloom
-    from torch import nn
-    rank = int(os.environ["RANK"])
-    pipe = pipeloom.Pipeline(lambda s: nn.Linear(4, 4), schedule="1F1B", num_microbatches=2,
-                             loss_fn=nn.functional.mse_loss, stall_timeout=2.0, heartbeat_timeout=2.0)
-    x, y = torch.randn(4, 4), torch.randn(4, 4)
+SKIPPED = linear_job("""\
     pipe.step(x, target=y)
     out = {"rank": rank, "calls": []}
     for call in (("last_loss", "step", "last_loss") if rank == 0 else ("step",)):
@@ -189,7 +175,8 @@ SKIPPED = textwrap.dedent("""\
             out["calls"].append([call, type(exc).__name__, str(exc)])
     print(json.dumps(out), flush=True)
     pipe.close()
-""")
+""", microbatches=2, rows=4, pipe_args="stall_timeout=2.0, heartbeat_timeout=2.0", imports=", json")
+
 
 
 def test_a_collective_one_rank_never_called_leaves_the_pipeline_refusing_steps_and_collectives(tmp_path: Path) -> None:
