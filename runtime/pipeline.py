@@ -1072,7 +1072,7 @@ class Pipeline:
 
         ``reduce_to="all"``: every rank gets it; a rank number: only that rank
         does (the others get None).  A collective over the job: one small
-        all-reduce (or reduce), no user code needed.
+        all-reduce (every rank checks that its peers called the same), no user code needed.
         """
         from .training import reduce_step_loss
 

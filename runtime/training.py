@@ -27,7 +27,7 @@ broadcast the coefficient (two collectives instead of one, and a rank
 that holds nothing would still have to take part).
 
 The step's loss: each last-stage rank adds its microbatch losses and counts
-them; one all-reduce (or reduce to rank 0) of ``[sum, count]`` gives the
+them; one all-reduce of ``[sum, count]`` (kept by one rank for ``reduce_to=``) gives the
 mean over every microbatch of every replica.
 
 Both are collectives over all ranks of the job: every rank calls them, in the
@@ -68,8 +68,12 @@ def _sharded(g: Any) -> bool:
 _TAGGED_WIDTH = 2
 
 
-def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: str) -> None:
-    """An all-reduce (or reduce to ``dst``) over every rank, bounded in time instead of hanging on a dead peer.
+def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: str, key: str = "") -> None:
+    """An all-reduce over every rank (the result for ``dst`` alone, or for every rank where ``dst`` is None),
+    bounded in time instead of hanging on a dead peer.
+
+    ``key``: more of what the call is (``clip_grad_norm_``'s norm type and max_norm), carried in its tag with
+    ``what`` and ``op``: ranks that call it with different keys are told so, as for different collectives.
 
     Refused at once after a failed step of this Pipeline (its gradients and losses are partial, and a peer may
     not call it); while it waits, a failure a peer reported (its step failed after this rank's had ended) is
@@ -99,13 +103,15 @@ def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: s
     # and two of one width would complete with each rank's values mixed into the other's result, silently.
     flat = t.reshape(-1)
     width = max(_TAGGED_WIDTH, flat.numel())
-    tag = float(zlib.crc32(f"{what}/{op}".encode()) % 65521 + 1)
+    # (an all-reduce even for one rank's result: with a reduce, the ranks other than dst never read the tags, and a
+    # reduce met by another collective's all-reduce neither completed nor failed, on gloo: both waited out the bound)
+    tag = float(zlib.crc32(f"{what}/{op}/{key}".encode()) % 65521 + 1)
     is_max = op == dist.ReduceOp.MAX
     buf = torch.zeros(width + 2, dtype=torch.float64, device=t.device)
     buf[: flat.numel()] = flat
     buf[width] = tag
     buf[width + 1] = -tag if is_max else tag * tag
-    work = dist.reduce(buf, dst=dst, op=op, async_op=True) if dst is not None else dist.all_reduce(buf, op=op, async_op=True)
+    work = dist.all_reduce(buf, op=op, async_op=True)
     limit = float(getattr(actor, "stall_timeout", 30.0)) + float(getattr(actor, "heartbeat_timeout", 10.0))
     deadline = time.monotonic() + limit
     delay = 1e-5
@@ -145,18 +151,17 @@ def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: s
                 if abort is not None:
                     abort()
         raise err from exc
-    if dst is not None and dist.get_rank() != dst:
-        return  # (the result, and its tags, are dst's)
     world = dist.get_world_size()
     got = buf[width:].tolist()
     want = [tag, -tag] if is_max else [world * tag, world * tag * tag]
     if got != want:
         raise PipelineError(
             f"rank {dist.get_rank()}: {what} over all {world} ranks met another collective on some rank: every rank must "
-            "call last_loss(), clip_grad_norm_() (with the same norm_type) and a PipelineGradScaler's unscale_()/step() "
-            "in the same order; the result is discarded"
+            "call last_loss(), clip_grad_norm_() (with the same max_norm and norm_type) and a PipelineGradScaler's "
+            "unscale_()/step() in the same order; the result is discarded"
         )
-    t.copy_(buf[: flat.numel()].reshape(t.shape))
+    if dst is None or dist.get_rank() == dst:
+        t.copy_(buf[: flat.numel()].reshape(t.shape))
 
 
 def _why_not_completed(pipe: Any, exc: BaseException, what: str, limit: float, between: Any, actor: Any) -> BaseException:
@@ -241,6 +246,9 @@ def clip_grad_norm_(
         else:
             norms = torch.stack([torch.linalg.vector_norm(g.detach(), p).to(torch.float64) for g in counted])
             local_total = norms.pow(p).sum()
+    # (ranks clipping by different norms or to different maxima would scale their stages by different factors, the
+    # very thing a global clip exists to prevent: the tag carries both, so that such ranks are told)
+    key = f"norm_type={p!r} max_norm={float(max_norm)!r}"
     if p == math.inf:
         # A NaN must reach every rank, as torch's max gives NaN on the unsplit model.  gloo's MAX
         # keeps a NaN only where it is the left operand (rank 0's): from any other rank it is
@@ -248,10 +256,10 @@ def clip_grad_norm_(
         # of the rest, in the same all-reduce.
         nan = torch.isnan(local_total)
         both = torch.stack([torch.where(nan, torch.zeros_like(local_total), local_total), nan.to(torch.float64)])
-        _collective(pipe, both, dist.ReduceOp.MAX, dst=None, what="the gradient norm's all-reduce")
+        _collective(pipe, both, dist.ReduceOp.MAX, dst=None, what="the gradient norm's all-reduce", key=key)
         total = torch.where(both[1] > 0, torch.full_like(both[0], math.nan), both[0])
     else:
-        _collective(pipe, local_total, dist.ReduceOp.SUM, dst=None, what="the gradient norm's all-reduce")
+        _collective(pipe, local_total, dist.ReduceOp.SUM, dst=None, what="the gradient norm's all-reduce", key=key)
         total = local_total.pow(1.0 / p)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(

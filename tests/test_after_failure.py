@@ -129,6 +129,49 @@ def test_ranks_calling_different_collectives_are_told_so_and_the_job_exits(tmp_p
         assert rec["seconds"] < 2, rec
 
 
+UNLIKE = linear_job("""\
+    pipe.step(x, target=y)
+    out = {"rank": rank}
+    call = sys.argv[1].split("/")[rank]
+    t0 = time.monotonic()
+    try:
+        if call.startswith("loss"):  # loss<n>: reduce_to=n
+            out["value"] = pipe.last_loss(reduce_to=int(call[4:]))
+        else:  # clip:<max_norm>:<norm_type>
+            _, max_norm, norm_type = call.split(":")
+            out["value"] = float(pipe.clip_grad_norm_(float(max_norm), norm_type=float(norm_type)))
+        out["call"] = "ok"
+    except pipeloom.PipelineError as exc:
+        out["call"], out["message"] = type(exc).__name__, str(exc)
+    out["seconds"] = time.monotonic() - t0
+    print(json.dumps(out), flush=True)
+""", microbatches=2, rows=4, pipe_args="stall_timeout=2.0, heartbeat_timeout=2.0", imports=", json, sys, time")
+
+
+@pytest.mark.parametrize("calls", ["loss0/clip:1:2", "clip:1:2/loss0", "clip:1:2/clip:1:1", "clip:1:2/clip:5:2",
+                                   "loss1/loss1"])
+def test_collectives_with_reduce_to_or_unlike_clipping_are_told_apart_at_once(tmp_path: Path, calls: str) -> None:
+    """``last_loss(reduce_to=0)`` on one rank and ``clip_grad_norm_`` on the other: the reduce met an all-reduce,
+    neither completed nor failed, and both waited out the bound (40 s by default), the second to give up told that
+    the first had "closed its Pipeline without joining it"; the ranks other than ``reduce_to`` never read the
+    tags, so they were never told.  ``clip_grad_norm_`` with another norm type or max_norm on each rank completed
+    silently: each rank's stages scaled by another factor (the global clip's whole point).  Now every rank is told
+    at once; ``reduce_to=1`` still gives the loss on rank 1 alone."""
+    got = {d["rank"]: d for d in run_json_script(tmp_path, UNLIKE, 2, calls, timeout=60)}
+    if calls == "loss1/loss1":
+        assert got[0]["call"] == got[1]["call"] == "ok", got
+        assert got[0]["value"] is None and got[1]["value"] > 0, got
+        return
+    for rank, call in enumerate(calls.split("/")):
+        rec = got[rank]
+        what = "the step loss's reduction" if call.startswith("loss") else "the gradient norm's all-reduce"
+        assert rec["call"] == "PipelineError", rec
+        assert rec["message"].startswith(f"rank {rank}: {what} over all 2 ranks met another collective on some rank: "
+                                         "every rank must call last_loss(), clip_grad_norm_() (with the same max_norm "
+                                         "and norm_type)"), rec
+        assert rec["seconds"] < 2, rec
+
+
 CLOSED = linear_job("""\
     pipe.step(x, target=y)
     out = {"rank": rank}
