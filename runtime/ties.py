@@ -95,6 +95,10 @@ __all__ = ["refuse_ties_across_ranks", "ties_across_ranks"]
 _MAX_GROUPS, _MAX_NAMES = 256, 8
 
 
+#: modules that only collect parameters (rule 1 does not take one for a layer using them)
+_COLLECTIONS = (nn.ParameterList, nn.ParameterDict)
+
+
 def _structural(cls: type) -> bool:
     """Modules that only hold another's parameters by construction (``torch.export``'s unflattened containers,
     FX graph modules, torch's pipelining split): not a layer that could be the other end of a tie."""
@@ -129,7 +133,10 @@ def refuse_ties_across_ranks(modules: Mapping[int, nn.Module], rank: int) -> dic
         cls = type(obj)  # (not isinstance: a dead weakref proxy among the objects raises on __class__)
         if not issubclass(cls, nn.Module) or id(obj) in local_mods or _structural(cls):
             continue
-        for pname, p in obj.named_parameters(recurse=False):
+        # (a ParameterList/ParameterDict outside the stages is a collection of parameters, not a layer that uses them:
+        # one holding the model's parameters, for an optimizer's groups, was taken for the other end of a tie; one
+        # that is part of the model, used by its forward, is one more name the root reaches the weight by: rule 2)
+        for pname, p in (() if issubclass(cls, _COLLECTIONS) else obj.named_parameters(recurse=False)):
             if id(p) in local_params and local_params[id(p)][2] != cls.__name__:
                 s, name, kind = local_params[id(p)]
                 raise PipelineConfigError(

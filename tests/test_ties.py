@@ -256,3 +256,31 @@ def test_the_local_record_in_one_process() -> None:
     both = refuse_ties_across_ranks({0: nn.Sequential(model.blocks[0]), 3: nn.Sequential(model.blocks[3])}, 0)
     assert all(g["complete"] and set(g["stages"]) == {"0", "3"} for g in both.values()), both
     assert refuse_ties_across_ranks({1: model.blocks[1]}, 0) == {}
+
+
+def test_a_parameter_collection_outside_the_stages_is_not_a_tie() -> None:
+    """An ``nn.ParameterList`` (or ``ParameterDict``) kept alive beside the model holding its parameters (parameter
+    groups for an optimizer, a list of the weights to decay) was taken by the rule by kind for a layer of another
+    kind holding a stage's weight: every rank refused a model with no tie ("parameter '0.weight' (Linear) of stage 0
+    is also the parameter '0' of a ParameterList").  A ParameterList that is part of the model, tying one of its
+    weights, is still one tie group of the model (rule 2)."""
+    from torch import nn
+
+    from pipeloom.runtime.ties import refuse_ties_across_ranks
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3))
+    decay = nn.ParameterList([p for p in model.parameters() if p.ndim > 1])  # noqa: F841 (alive: what is checked)
+    by_name = nn.ParameterDict({n.replace(".", "_"): p for n, p in model.named_parameters()})  # noqa: F841
+    assert refuse_ties_across_ranks({0: model[0]}, 0) == {}
+    assert refuse_ties_across_ranks({1: model[2]}, 1) == {}
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(3, 3)
+            self.extra = nn.ParameterList([self.inp.weight])  # used by forward elsewhere: a tie in the model
+
+    net = Net()
+    rec = refuse_ties_across_ranks({0: net.inp}, 0)
+    assert rec == {"Net:inp.weight": {"names": ["inp.weight", "extra.0"], "count": 2, "stages": {"0": ["weight"]},
+                                      "complete": False}}, rec
