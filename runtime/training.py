@@ -64,6 +64,9 @@ def _sharded(g: Any) -> bool:
     return any(isinstance(pl, Shard) for pl in g.placements)
 
 
+#: seconds a collective waits on for its completion once a peer said 'bye' (the peer may have joined it, then closed)
+_CLOSED_GRACE = 0.25
+
 #: payload elements every training-loop collective carries (padded), so that two different ones are of one size
 _TAGGED_WIDTH = 2
 
@@ -126,7 +129,14 @@ def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: s
                 if (err := between()) is not None:
                     raise err
                 if getattr(control, "peers_closed", None):  # (NCCL: a peer that left never fails the collective)
-                    raise ConnectionError("a peer closed its Pipeline")
+                    # (a peer that joined it and then closed, as at the end of a job: its 'bye' can be read before
+                    # this rank's collective is seen complete; that one completes at once, a peer's that never came,
+                    # never)
+                    grace = time.monotonic() + _CLOSED_GRACE
+                    while not work.is_completed() and time.monotonic() < grace:
+                        time.sleep(1e-3)
+                    if not work.is_completed():
+                        raise ConnectionError("a peer closed its Pipeline")
             time.sleep(delay)
             delay = min(2 * delay, 1e-3)
         work.wait()

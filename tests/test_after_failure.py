@@ -236,3 +236,56 @@ def test_a_collective_one_rank_never_called_leaves_the_pipeline_refusing_steps_a
         assert "an earlier training-loop collective of this Pipeline did not complete (the step loss's reduction" in msg, msg
         assert "restart the job from a checkpoint" in msg, msg
     assert got[1]["calls"][0][1] != "ok", got[1]  # its step's peer never ran it
+
+
+def test_a_collective_seen_complete_after_its_peer_said_bye_is_not_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that joined the collective, then closed its Pipeline (the end of a job: ``last_loss()`` then
+    ``close()``): its 'bye' can be read before this rank sees the collective complete (a busy host, the Work's
+    completion polled a moment late).  That was an error, "rank 1 closed its Pipeline without joining it", for a
+    collective that completed (a job ending in failure).  Now the collective gets a moment to complete first; one
+    the peer never joined still fails.  (A stand-in Work and Pipeline, one process.)"""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from pipeloom.runtime import training
+
+    class Work:
+        def __init__(self, after: float) -> None:
+            self.done_at = time.monotonic() + after
+
+        def is_completed(self) -> bool:
+            return time.monotonic() >= self.done_at
+
+        def wait(self) -> bool:
+            return True
+
+    class Control:
+        peers_closed = {1}
+
+    class Actor:
+        control, stall_timeout, heartbeat_timeout = Control(), 2.0, 2.0
+
+        def error_between_steps(self) -> None:
+            return None
+
+    class Pipe:
+        rank, _actor, _failed, _abort_nccl = 0, Actor(), None, None
+
+    monkeypatch.setattr(dist, "get_rank", lambda *a, **k: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 1)
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: Work(0.1))
+    t = torch.tensor([3.0, 2.0], dtype=torch.float64)
+    training._collective(Pipe(), t, dist.ReduceOp.SUM, dst=None, what="the step loss's reduction")
+    assert t.tolist() == [3.0, 2.0]
+    # never completes: the peer never joined
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: Work(1e9))
+    monkeypatch.setattr("pipeloom.transport.tensor.guard_exit_works", lambda works: None)
+    monkeypatch.setattr("pipeloom.runtime.checkpoint._lost_peer", lambda *a, **k: None)
+    pipe = Pipe()
+    t0 = time.monotonic()
+    with pytest.raises(training.PipelineError, match="rank 1 closed its Pipeline without joining it"):
+        training._collective(pipe, t, dist.ReduceOp.SUM, dst=None, what="the step loss's reduction")
+    assert time.monotonic() - t0 < 1.5
+    assert pipe._collective_broken
