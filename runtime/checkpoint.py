@@ -183,6 +183,13 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """Every ``step-N`` directory under ``root``, complete or not, as (step, path), oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted((int(m.group(1)), q) for q in root.iterdir() if (m := _NAME.match(q.name)) and q.is_dir())
+
+
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     """The complete checkpoint of the highest step under ``root``, or None."""
     found = list_checkpoints(root)
@@ -310,7 +317,15 @@ def _agree(group: Any, mine: Any, call: _Call, where: str) -> list[Any]:
     Bounded by the call's timeout (:class:`CheckpointTimeoutError` naming the ranks that did not arrive).
     """
     call.at(where)
-    return _gather(group, mine, call, where)
+    everyone = _gather(group, (call.func, mine), call, where)
+    # (ranks in different checkpoint calls at the same point, a save on one and a load on another: their payloads
+    # differ in shape, and each rank failed with a bare "ValueError: too many values to unpack")
+    calls = [func for func, _ in everyone]
+    if len(set(calls)) > 1:
+        shown = ", ".join(f"rank {r}: {func}" for r, func in enumerate(calls))
+        raise PipelineConfigError(f"rank {call.rank}: {call.what}: the ranks are in different checkpoint calls ({shown}): "
+                                  "every rank must make the same checkpoint calls in the same order")
+    return [theirs for _, theirs in everyone]
 
 
 def _settle(group: Any, rank: int, what: str, exc: BaseException | None, payload: Any = None, *,
@@ -441,6 +456,11 @@ _CALLS = itertools.count()
 _RETIRE_NEXT = [False]
 #: asynchronous saves' writer threads that did not finish within their timeout (see _stuck_writers_at_exit)
 _STUCK_THREADS: list[threading.Thread] = []
+#: the ledger's keys this rank wrote (its place in each call; rank 0: the store agreements' keys), as
+#: (call number, store, key): deleted once every rank is past that call (:meth:`_Call._forget_older`).  Kept, they
+#: grew the job's store by world size + 2 keys at every checkpoint call, without bound (a long job saving every 100
+#: steps on 1024 ranks: a million keys in rank 0's store after a thousand saves)
+_LEDGER_KEYS: list[tuple[int, Any, str]] = []
 
 
 def _ledger_store() -> Any:
@@ -450,6 +470,22 @@ def _ledger_store() -> Any:
         return dist.PrefixStore("pipeloom/ckpt-calls/", dist.distributed_c10d._get_default_store())
     except Exception:  # noqa: BLE001 - no store: unnamed timeouts
         return None
+
+
+#: the largest ``timeout`` (seconds, about 31 years): a longer one overflowed torch's timedelta/gloo conversion with
+#: a bare ``OverflowError`` in the middle of the call
+_MAX_TIMEOUT = 1e9
+
+
+def _check_timeout(timeout: Any, hint: str = "") -> None:
+    """``timeout`` is None or a finite positive number of seconds (``float('inf')``, ``1e15``, 0, negative and NaN
+    are refused with a clear error, on every rank alike, before anything is done)."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= _MAX_TIMEOUT:
+        raise PipelineConfigError(
+            f"timeout must be a positive, finite number of seconds (at most {_MAX_TIMEOUT:g}) or None (the process "
+            f"group's own timeout), got {timeout!r}{hint}")
 
 
 def _timed_out_text(exc: BaseException) -> bool:
@@ -471,8 +507,7 @@ class _Call:
     """
 
     def __init__(self, what: str, timeout: float | None, pipe: Any) -> None:
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
-            raise PipelineConfigError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        _check_timeout(timeout)
         self.what, self.timeout, self.pipe = what, None if timeout is None else float(timeout), pipe
         self.func = what.split("(", 1)[0]  # (save_checkpoint / load_checkpoint: how a lost peer's error names the call)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -498,6 +533,8 @@ class _Call:
             return
         try:
             self.store.set(self._key("at", self.rank), f"{seq}|{label}")
+            if seq == 1:
+                _LEDGER_KEYS.append((self.n, self.store, self._key("at", self.rank)))
             gone = self.store.check([self._key("abandoned")])
         except Exception:  # noqa: BLE001 - the ledger is best effort (its host may have exited)
             return
@@ -615,11 +652,26 @@ class _Call:
                 raise
             raise err from exc
 
+    def _forget_older(self) -> None:
+        """Every rank has reached this call's store agreement, so every rank is done with the earlier calls (their
+        agreements read, their asynchronous saves waited for): delete the ledger keys this rank wrote for them.
+        An ``abandoned`` mark is kept (rare, and a late rank reads it whenever it comes)."""
+        keep = [entry for entry in _LEDGER_KEYS if entry[0] >= self.n]
+        old = [entry for entry in _LEDGER_KEYS if entry[0] < self.n]
+        _LEDGER_KEYS[:] = keep
+        for _, store, key in old:
+            try:
+                store.delete_key(key)
+            except Exception:  # noqa: BLE001 - best effort (an old store that is gone)
+                pass
+
     def agree_small(self, mine: Any, where: str) -> list[list[Any]]:
         """Every rank's non-None ``mine`` (JSON), as ``[rank, mine]``, through the store: for the saves in flight,
         when the checkpoint group may be out of step (a background save's collective timed out)."""
         store, key = self.store, self._key("small", self.seq)
         try:
+            if self.rank == 0:
+                _LEDGER_KEYS.extend((self.n, store, f"{key}/{k}") for k in ("bad", "n", "all"))
             if mine is not None:
                 store.append(f"{key}/bad", json.dumps([self.rank, mine]) + "\n")
             if store.add(f"{key}/n", 1) == self.world:
@@ -638,6 +690,7 @@ class _Call:
                         raise lost
                 time.sleep(delay)
                 delay = min(2 * delay, 0.02)
+            self._forget_older()
             if not store.check([f"{key}/bad"]):
                 return []
             # (by rank: the order the ranks appended in is not the same every time)
@@ -990,6 +1043,8 @@ class PendingCheckpoint:
         self._call = call
         #: this rank's wait for it timed out once already (the next wait does not wait again)
         self._stuck = False
+        #: the timeout of the wait that gave up on it (what a later wait's message reports)
+        self._gave_up: float | None = None
 
     def done(self) -> bool:
         return self._future is None or self._future.done()
@@ -1001,8 +1056,12 @@ class PendingCheckpoint:
         ``timeout``: seconds to wait (None: no bound here; the background writer's collectives are bounded by
         the save's own ``timeout``).  A writer still running after it (a write that blocks), or a background
         collective that timed out waiting for a peer's part, raises :class:`CheckpointTimeoutError`; the next
-        checkpoint call then agrees on it with every rank and starts over on a new checkpoint group.
+        checkpoint call then agrees on it with every rank and starts over on a new checkpoint group.  A wait that
+        gives up abandons the save on every rank (it never completes), so it must be a bound, not a poll: 0 is
+        refused (``done()`` polls).
         """
+        _check_timeout(timeout, " (PendingCheckpoint.wait: a wait that gives up abandons the save on every rank; "
+                                "poll with done())")
         if self._future is None:
             return self.path
         import concurrent.futures
@@ -1014,12 +1073,19 @@ class PendingCheckpoint:
         try:
             self._future.result(0 if self._stuck else timeout)
         except concurrent.futures.TimeoutError:
-            self._stuck = True
+            # (a later wait does not wait again: it reports the wait that gave up, not its own timeout, which
+            # said "did not complete within 600 s" after none)
+            again = self._stuck
+            if not again:
+                self._stuck, self._gave_up = True, timeout
+            timeout = self._gave_up
             _RETIRE_NEXT[0] = True
             call = self._call
             threads = call.threads if call is not None else set()
             _STUCK_THREADS.extend(t for t in threads if t not in _STUCK_THREADS)
             within = "no bound" if timeout is None else f"{timeout:g} s"
+            if again:
+                within += " (this rank's earlier wait, which gave up on it: it is abandoned, and not waited for again)"
             # (this rank's writer may be done, waiting in a collective for a peer still writing: named then)
             places = call.positions() if call is not None and call.store is not None else {}
             behind = {r: q for r, q in places.items() if r != rank and (q is None or q[0] < call.seq)}
@@ -1031,7 +1097,7 @@ class PendingCheckpoint:
             else:
                 place = f" (its writer is at '{call.label}')" if call is not None else ""
                 text = (f"rank {rank}: {what} did not complete on this rank within {within}{place}: a write that "
-                        "blocks (a file system that hangs?)")
+                        "blocks (a file system that hangs?), or one that takes longer than that (pass a larger timeout)")
             failing = sorted(behind) or [rank]
             if call is not None:
                 call.mark_abandoned(f"rank {rank}'s wait for the asynchronous save", failing)
@@ -1057,6 +1123,7 @@ def wait_checkpoints(*, timeout: float | None = DEFAULT_TIMEOUT) -> None:
     This rank's own part: on a rank other than 0 it returns once its files are written, maybe before rank 0
     has put the checkpoint in place (the next ``save_checkpoint``/``load_checkpoint`` agree on it first).
     ``timeout``: seconds to wait for each (see :meth:`PendingCheckpoint.wait`)."""
+    _check_timeout(timeout, " (wait_checkpoints: a wait that gives up abandons the save on every rank)")
     while _PENDING:
         _PENDING.pop(0).wait(timeout=timeout)
 
@@ -1457,7 +1524,8 @@ def load_checkpoint(
     garbled: on any rank) is refused on every rank before anything is loaded: under a root, every rank warns
     and loads the next older complete one instead (all the same one; ``CheckpointInfo.skipped`` lists those
     passed over), and raises :class:`~pipeloom.CheckpointReadError` if none can be read; an explicit
-    ``step-N`` directory raises it.  ``timeout``: as for :func:`save_checkpoint`.
+    ``step-N`` directory raises it.  A ``step-N`` directory under the root that lacks its marker or metadata (only
+    ever made complete: damaged since) is passed over the same way, never taken for a fresh start.  ``timeout``: as for :func:`save_checkpoint`.
     """
     rank = dist.get_rank()
     p = Path(path).resolve()
@@ -1486,7 +1554,10 @@ def load_checkpoint(
             else:
                 raise FileNotFoundError(f"{p} is not a complete checkpoint (no {MARKER} marker or no DCP metadata)")
         else:
-            candidates = [str(c) for _, c in reversed(list_checkpoints(p))]
+            # (a step-N directory is only ever made complete, by one rename: one that lacks its marker or metadata was
+            # damaged since; tried, and passed over with a warning like any unreadable one, so that a root whose only
+            # checkpoints are damaged raises CheckpointReadError instead of returning None, a fresh start)
+            candidates = [str(c) for _, c in reversed(_step_dirs(p))]
             seen = candidates[0] if candidates else None
     except Exception as exc:  # noqa: BLE001 - agreed below: every rank raises it
         failed = exc
@@ -1505,7 +1576,7 @@ def load_checkpoint(
         return None
     skipped: list[tuple[Path, str]] = []
     bad_ranks: set[int] = set()
-    for ckpt in agreed[0][1]:  # rank 0's list, newest first: every rank tries the same ones in the same order
+    for i, ckpt in enumerate(agreed[0][1]):  # rank 0's list, newest first: every rank tries them in the same order
         try:
             info = _load_one(Path(ckpt), pipe, optimizer, group, call, restore_rng=restore_rng, stage_prefix=stage_prefix)
         except CheckpointReadError as exc:
@@ -1516,7 +1587,7 @@ def load_checkpoint(
                     "readable one", rank=rank, failed_ranks=exc.failed_ranks) from exc
             skipped.append((Path(ckpt), str(exc)))
             bad_ranks.update(exc.failed_ranks)
-            older = [c for c in agreed[0][1] if c < ckpt]
+            older = agreed[0][1][i + 1:]  # (by step: step-100000000 sorts before step-99999999 as text)
             then = f"loading the next older complete checkpoint, {older[0]}" if older else "no older complete checkpoint"
             warnings.warn(f"rank {rank}: the checkpoint {ckpt} cannot be read ({exc}); {then}", RuntimeWarning,
                           stacklevel=3)
@@ -1524,7 +1595,7 @@ def load_checkpoint(
         return CheckpointInfo(info.path, info.step, info.extra, info.rng_restored, tuple(skipped))
     shown = "; ".join(f"{c.name}: {why}" for c, why in skipped)
     raise CheckpointReadError(
-        f"rank {rank}: {what}: none of the {len(skipped)} complete checkpoint(s) under it can be read ({shown}); "
+        f"rank {rank}: {what}: none of the {len(skipped)} checkpoint(s) under it can be read ({shown}); "
         "nothing was loaded (delete or repair them, or load an explicit step-N)",
         rank=rank, failed_ranks=sorted(bad_ranks))
 
@@ -1547,6 +1618,10 @@ def _load_one(ckpt: Path, pipe: Any, optimizer: Any, group: Any, call: _Call, *,
     try:
         view = _build_view(pipe.stages, stage_prefix=stage_prefix, rank=rank)
         optims = _optims(optimizer)
+        if not is_complete(ckpt):
+            lacks = " and ".join(n for n in (MARKER, ".metadata") if not (ckpt / n).is_file())
+            raise _Unreadable(f"{ckpt} lacks its {lacks} (a step-N directory is only made complete: it was damaged, or "
+                              "is being copied)")
         reader = dcp.FileSystemReader(str(ckpt))
         try:  # (what the checkpoint holds: a file that cannot be read makes it unreadable, not unfit)
             metadata = reader.read_metadata()
