@@ -421,7 +421,7 @@ def _dcp(fn: Any, group: Any, rank: int, what: str, call: _Call, where: str) -> 
     try:
         return fn()
     except CheckpointException as exc:
-        raise _from_dcp(exc, group, rank, what) from exc
+        raise _from_dcp(exc, group, rank, what, own_interrupt=True) from exc
     except RuntimeError as exc:
         err = call.failed_collective(exc, where)
         if err is exc:
@@ -429,9 +429,19 @@ def _dcp(fn: Any, group: Any, rank: int, what: str, call: _Call, where: str) -> 
         raise err from exc
 
 
-def _from_dcp(exc: Any, group: Any, rank: int, what: str) -> CheckpointError:
+def _from_dcp(exc: Any, group: Any, rank: int, what: str, *, own_interrupt: bool = False) -> BaseException:
     """DCP's ``CheckpointException`` (its ``failures``: group rank -> the error) as a :class:`CheckpointError`
     naming the global ranks that failed and the first one's error."""
+    # (a KeyboardInterrupt or SystemExit of this rank's own, inside DCP's write or read, which DCP catches as a
+    # failure of the call: raised as it is here, where it became a CheckpointError, an Exception, and a loop that
+    # goes on after a failed save ignored the Ctrl-C; the other ranks raise CheckpointError naming it)
+    # (only for DCP run by the caller's thread, _dcp: an asynchronous save's writer thread gets no signals)
+    try:
+        own = exc.failures.get(dist.get_rank(group))
+    except Exception:  # noqa: BLE001 - no group rank: nothing of ours to re-raise
+        own = None
+    if own_interrupt and own is not None and isinstance(own[0], BaseException) and not isinstance(own[0], Exception):
+        return own[0]  # type: ignore[return-value]
     ranks = sorted(dist.get_global_rank(group, r) for r in exc.failures)
     first = exc.failures[sorted(exc.failures)[0]][0] if exc.failures else exc
     more = f" (and {len(ranks) - 1} other rank(s): ranks {ranks[1:]})" if len(ranks) > 1 else ""

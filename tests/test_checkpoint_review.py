@@ -191,3 +191,28 @@ def test_the_call_ledger_does_not_grow_the_store(tmp_path: Path) -> None:
     for r, rec in enumerate(_run(tmp_path, GROWTH)):
         counts = rec["counts"]
         assert counts[-1] <= counts[9], (r, counts)
+
+
+INTERRUPTED = """\
+from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+if rank == 0:  # Ctrl-C reaches rank 0 while it writes its files
+    real = _FileSystemWriter.write_data
+    def interrupted(self, plan, planner):
+        _FileSystemWriter.write_data = real
+        raise KeyboardInterrupt()
+    _FileSystemWriter.write_data = interrupted
+out["save"] = attempt(lambda: save(1))
+out["after"] = attempt(lambda: save(2))
+out["listed"] = [s for s, _ in ck.list_checkpoints(root)]
+"""
+
+
+def test_a_ctrl_c_during_a_save_stays_a_keyboard_interrupt(tmp_path: Path) -> None:
+    """A ``KeyboardInterrupt`` on rank 0 inside DCP's write (which DCP catches as a failure of the call) is raised as
+    ``KeyboardInterrupt`` on rank 0 (it became a ``CheckpointError``, an ``Exception``: a loop that goes on after a
+    failed save ignored the Ctrl-C); rank 1 raises ``CheckpointError`` naming it; the next save works."""
+    r0, r1 = _run(tmp_path, INTERRUPTED)
+    assert r0["save"]["type"] == "KeyboardInterrupt", r0
+    assert r1["save"]["type"] == "CheckpointError" and "failed on rank 0: KeyboardInterrupt" in r1["save"]["message"], r1
+    for rec in (r0, r1):
+        assert rec["after"]["ok"] and rec["listed"] == [2], rec
