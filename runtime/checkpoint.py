@@ -1604,9 +1604,15 @@ def load_checkpoint(
             continue
         return CheckpointInfo(info.path, info.step, info.extra, info.rng_restored, tuple(skipped))
     shown = "; ".join(f"{c.name}: {why}" for c, why in skipped)
+    from torch.distributed.tensor import DTensor
+
+    # (DTensors are read in place, see _fresh: a read that failed midway may have filled some of them)
+    sharded = any(isinstance(p, DTensor) for p in getattr(pipe, "parameters", lambda: ())())
+    loaded = ("nothing was loaded into the plain tensors, but FSDP shards and expert rows are read in place and may "
+              "be partly overwritten: do not train on this Pipeline's state" if sharded else "nothing was loaded")
     raise CheckpointReadError(
         f"rank {rank}: {what}: none of the {len(skipped)} checkpoint(s) under it can be read ({shown}); "
-        "nothing was loaded (delete or repair them, or load an explicit step-N)",
+        f"{loaded} (delete or repair them, or load an explicit step-N)",
         rank=rank, failed_ranks=sorted(bad_ranks))
 
 
