@@ -781,12 +781,9 @@ def _stuck_writers_at_exit() -> None:
                          "without waiting for it, with exit code 1 (that checkpoint is not complete)\n")
     except Exception:  # noqa: BLE001 - exiting anyway
         pass
-    for f in (sys.stdout, sys.stderr):
-        try:
-            f.flush()
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass
-    os._exit(1)
+    from ..transport.tensor import exit_now
+
+    exit_now(1)
 
 
 try:  # (after concurrent.futures' own hook, which joins the executors' threads: threading runs them last first)

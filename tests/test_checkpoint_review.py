@@ -20,22 +20,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent / "ranks"))
-from harness import run_json_script  # noqa: E402
+from harness import CKPT_JOB, run_json_script  # noqa: E402
 
-HEAD = """\
-import json, os, sys, time, warnings, torch, pipeloom
-import torch.distributed as dist
-from torch import nn
-from pipeloom.runtime import checkpoint as ck
-rank = int(os.environ["RANK"])
+HEAD = CKPT_JOB + """\
 root = sys.argv[1]
-torch.manual_seed(0)
-pipe = pipeloom.Pipeline(lambda s: nn.Linear(4, 4), schedule="1F1B", num_microbatches=2, loss_fn=nn.functional.mse_loss)
-opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
-def train():
-    pipe.step(torch.randn(4, 4), target=torch.randn(4, 4))
-    opt.step()
-    opt.zero_grad()
 def save(step, **kw):
     kw.setdefault("timeout", 5)
     return pipeloom.save_checkpoint(root, pipe, opt, step=step, stage_prefix=True, **kw)

@@ -25,26 +25,14 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "ranks"))
-from harness import spawn_ranks  # noqa: E402
+from harness import CKPT_JOB, spawn_ranks  # noqa: E402
 
 #: the calls' timeout in these jobs, and how long a stuck rank stays stuck
 T = 2.0
 STUCK = 5.0
 
-HEAD = """\
-import json, os, sys, time, warnings, torch, pipeloom
-import torch.distributed as dist
-from torch import nn
-from pipeloom.runtime import checkpoint as ck
-rank = int(os.environ["RANK"])
+HEAD = CKPT_JOB + """\
 root, T, STUCK, how = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
-torch.manual_seed(0)
-pipe = pipeloom.Pipeline(lambda s: nn.Linear(4, 4), schedule="1F1B", num_microbatches=2, loss_fn=nn.functional.mse_loss)
-opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
-def train():
-    pipe.step(torch.randn(4, 4), target=torch.randn(4, 4))
-    opt.step()
-    opt.zero_grad()
 def params():
     return [p.detach().flatten().tolist() for p in pipe.parameters()]
 def save(step, **kw):
@@ -64,6 +52,15 @@ out = {}
 
 # ---------------------------------------------------------------- a rank that hangs
 
+# each stuck-rank job ends alike: the save after the stuck one works (on a new checkpoint group), and what is listed
+AFTER = """\
+train()
+out["after"] = attempt(lambda: save(3))
+out["listed"] = [s for s, _ in ck.list_checkpoints(root)]
+print(json.dumps(out), flush=True)
+pipe.close()
+"""
+
 NEVER_CALLS = HEAD + """\
 train()
 if how == "later":
@@ -71,12 +68,7 @@ if how == "later":
 if rank == 1:
     time.sleep(STUCK)  # stuck in its own code: the peer's save_checkpoint(step 2) waits for it
 out["stuck"] = attempt(lambda: save(2))
-train()
-out["after"] = attempt(lambda: save(3))
-out["listed"] = [s for s, _ in ck.list_checkpoints(root)]
-print(json.dumps(out), flush=True)
-pipe.close()
-"""
+""" + AFTER
 
 STUCK_WRITE = HEAD + """\
 from torch.distributed.checkpoint.filesystem import _FileSystemWriter
@@ -90,12 +82,7 @@ if rank == 1:  # its file system blocks in the next write
         return real(self, plan, planner)
     _FileSystemWriter.write_data = slow
 out["stuck"] = attempt(lambda: save(2))
-train()
-out["after"] = attempt(lambda: save(3))
-out["listed"] = [s for s, _ in ck.list_checkpoints(root)]
-print(json.dumps(out), flush=True)
-pipe.close()
-"""
+""" + AFTER
 
 ASYNC_NEVER = HEAD + """\
 from torch.distributed.checkpoint.filesystem import _FileSystemWriter
@@ -113,12 +100,7 @@ if how == "wait":
     out["stuck"] = attempt(lambda: pipeloom.wait_checkpoints(timeout=T))
 else:
     out["stuck"] = attempt(lambda: save(2))
-train()
-out["after"] = attempt(lambda: save(3))
-out["listed"] = [s for s, _ in ck.list_checkpoints(root)]
-print(json.dumps(out), flush=True)
-pipe.close()
-"""
+""" + AFTER
 
 
 def _run(tmp_path: Path, script: str, how: str, *, limit: float = 40,

@@ -362,7 +362,6 @@ def _completed(work: Any) -> bool:
 def _exit_guard() -> None:
     # Registered at import, so it runs after every Pipeline's own exit handler (atexit runs
     # handlers last-registered first) -- a Pipeline closed at exit adds its threads just before.
-    import os
     import sys
 
     if not _EXIT_GUARD and not _EXIT_WORKS:
@@ -373,12 +372,21 @@ def _exit_guard() -> None:
     failing = getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
     if failing and (any(not _completed(w) for w in _EXIT_WORKS) or any(t.is_alive() for t in _EXIT_GUARD)):
         log.warning("pipeloom: receives from a failed peer are still pending in gloo; exiting without finalizing")
-        for f in (sys.stdout, sys.stderr):
-            try:
-                f.flush()
-            except Exception:  # noqa: BLE001 - exiting anyway
-                pass
-        os._exit(1)
+        exit_now(1)
+
+
+def exit_now(code: int) -> None:
+    """End the process at once with ``code`` (``os._exit``: no finalization, no atexit handlers), its standard
+    streams flushed first so that what it printed is not lost."""
+    import os
+    import sys
+
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    os._exit(code)
 
 
 atexit.register(_exit_guard)

@@ -71,6 +71,24 @@ def launch_script(directory: Path, script: str, *args: str, nproc: int = 2, laun
     return subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=timeout)
 
 
+#: The head of a 2-rank checkpoint job script: ``nn.Linear(4, 4)`` stages under 1F1B, SGD with momentum, seed 0,
+#: ``rank``, ``ck`` (``pipeloom.runtime.checkpoint``) and ``train()`` (one step and one optimizer step).
+CKPT_JOB = """\
+import json, os, sys, time, warnings, torch, pipeloom
+import torch.distributed as dist
+from torch import nn
+from pipeloom.runtime import checkpoint as ck
+rank = int(os.environ["RANK"])
+torch.manual_seed(0)
+pipe = pipeloom.Pipeline(lambda s: nn.Linear(4, 4), schedule="1F1B", num_microbatches=2, loss_fn=nn.functional.mse_loss)
+opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+def train():
+    pipe.step(torch.randn(4, 4), target=torch.randn(4, 4))
+    opt.step()
+    opt.zero_grad()
+"""
+
+
 def linear_job(body: str, *, microbatches: int, rows: int, pipe_args: str, imports: str = "") -> str:
     """A 2-rank job script: ``nn.Linear(4, 4)`` stages, 1F1B, MSE loss, seed 0, ``rank``, and
     ``x``, ``y`` of ``rows`` rows, then ``body`` (dedented; ``pipe_args``: more Pipeline keywords)."""
