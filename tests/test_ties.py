@@ -149,7 +149,7 @@ SCRIPT2 = textwrap.dedent("""\
         for s in [s for s in range(stages) if pipe.stage_to_rank[s] == rank]:
             for p in parts[s].parameters():
                 n = names[id(p)]
-                g, w = p.grad, want[n].grad
+                g, w = (None if p.grad is None else p.grad.cpu()), want[n].grad  # (NCCL: the stage is on its GPU)
                 diffs[n] = "none" if g is None and w is None else "missing" if g is None or w is None else float((g - w).abs().max())
     print(json.dumps({"built": True, "diffs": diffs}), flush=True)
 """)
