@@ -146,11 +146,41 @@ DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 # ---------------------------------------------------------------- setup helpers
 
 
+#: [the last NCCL default process group a Pipeline was built on in this process, how many different ones there were]
+#: (see :func:`make_mesh`; a strong reference, so that a later group cannot be taken for it by its ``id``)
+_NCCL_WORLDS: list[Any] = [None, 0]
+
+
+def note_default_group() -> None:
+    """At each Pipeline's construction: count the NCCL default groups this process has built Pipelines on."""
+    world = dist.group.WORLD
+    if world is None or world is _NCCL_WORLDS[0] or dist.get_backend() != "nccl":
+        return
+    _NCCL_WORLDS[0] = world
+    _NCCL_WORLDS[1] += 1
+
+
 def make_mesh(pp: int, dp: int, device_type: str) -> Any:
-    """The ``(pp, dp)`` DeviceMesh, dims named ``("pp", "dp")``: rank = pp_index * dp + dp_index."""
+    """The ``(pp, dp)`` DeviceMesh, dims named ``("pp", "dp")``: rank = pp_index * dp + dp_index.
+
+    On a default NCCL group that is not the first this process made (a Pipeline built after an earlier one's
+    ``close`` destroyed the group it had made), ``init_device_mesh`` would split its groups from the default
+    group's communicator, and torch (2.11; pytorch/pytorch#192109) dereferences an empty rank list there: every rank
+    ended with SIGSEGV (4 x H200).  There the mesh's groups are made as new communicators instead (the default
+    group's bound device hidden for the call, so that torch does not take the split path; they connect at first
+    use, as groups of a default group without a device do).
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (pp, dp), mesh_dim_names=("pp", "dp"))
+    world = dist.group.WORLD
+    bound = getattr(world, "bound_device_id", None) if _NCCL_WORLDS[1] > 1 and world is _NCCL_WORLDS[0] else None
+    if bound is None:
+        return init_device_mesh(device_type, (pp, dp), mesh_dim_names=("pp", "dp"))
+    world.bound_device_id = None
+    try:
+        return init_device_mesh(device_type, (pp, dp), mesh_dim_names=("pp", "dp"))
+    finally:
+        world.bound_device_id = bound
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from .actor import ActorStatistics, RankActor, StepInputs
 from .agreement import (SetupAgreement, agent_attempt_store, check_heartbeats, check_stage_replicas, config_record, secret_field,
                         short_traceback, stage_tensors)
 from .checks import Replicate, check_batch, install_stage_checks
-from .data_parallel import DEFAULT_BUCKET_BYTES, Layout, StageCollectives
+from .data_parallel import DEFAULT_BUCKET_BYTES, Layout, StageCollectives, note_default_group
 from .errors import PeerLostError, PipelineConfigError, PipelineError, RemoteRankError
 from .fingerprint import ModelFingerprint
 from .options import RuntimeOptions, resolve_options
@@ -516,6 +516,7 @@ class Pipeline:
         self.options = opts
         # shared by every Pipeline alive on the group a Pipeline made: the last to close destroys it
         self._owns_group = _join_owned_group(self, _init_process_group(opts.backend))
+        note_default_group()  # (make_mesh: a default NCCL group made again after a first one was destroyed)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.num_microbatches = num_microbatches
@@ -598,6 +599,11 @@ class Pipeline:
         # gloo with static shapes (auto or True): the same protocol, the loop waiting for its payloads itself
         nccl_protocol = backend == "nccl" or opts.emulate_nccl_transport or opts.static_shapes is not False
         self._header_group = dist.new_group(backend="gloo") if nccl_protocol else None
+        if backend == "nccl":  # (the training loop's collectives must not connect NCCL's channels: see there)
+            from .training import connect_training_collectives
+
+            with self._construction("connecting the default group's all-reduce"):
+                connect_training_collectives(self.device)
         lay = self.layout
         if self._ep_groups is not None and not opts.deterministic:
             # the ep peers of a stage must issue their all-to-alls in the same order (expert_parallel.py)

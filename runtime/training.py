@@ -71,6 +71,21 @@ _CLOSED_GRACE = 0.25
 _TAGGED_WIDTH = 2
 
 
+def connect_training_collectives(device: torch.device) -> None:
+    """NCCL: all-reduce one buffer of the shape :func:`_collective` uses, on the default group, with every rank.
+
+    NCCL (2.22 on, ``NCCL_RUNTIME_CONNECT``) connects a communicator's channels for an algorithm at its first
+    collective, inside the host call, which blocks until every peer has made it.  The default group runs no
+    collective before the first training-loop one (construction agrees through the store, transfers run on pair
+    groups), so a ``last_loss()`` that one peer never called (it closed its Pipeline, or ran its next step) blocked
+    this rank inside ``dist.all_reduce`` itself, out of reach of the bound :func:`_collective` polls with, and the
+    peer at its exit (both seen on 2 x H200, torch 2.11).  Called by the Pipeline's constructor, where every rank is.
+    """
+    buf = torch.zeros(_TAGGED_WIDTH + 2, dtype=torch.float64, device=device)
+    dist.all_reduce(buf)
+    buf.tolist()  # (completed: the host waits for it here, not in the first step)
+
+
 def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: str, key: str = "") -> None:
     """An all-reduce over every rank (the result for ``dst`` alone, or for every rank where ``dst`` is None),
     bounded in time instead of hanging on a dead peer.
