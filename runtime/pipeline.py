@@ -51,6 +51,7 @@ from .fingerprint import ModelFingerprint
 from .options import RuntimeOptions, resolve_options
 from .stage import StageExecutor
 from .ties import refuse_ties_across_ranks, ties_across_ranks
+from .training import pending_collective
 from .trace import FileSink, StreamSink, TraceRecorder, make_header
 
 __all__ = ["Pipeline", "Microbatches", "Replicate", "split_microbatches"]
@@ -517,6 +518,8 @@ class Pipeline:
         # shared by every Pipeline alive on the group a Pipeline made: the last to close destroys it
         self._owns_group = _join_owned_group(self, _init_process_group(opts.backend))
         note_default_group()  # (make_mesh: a default NCCL group made again after a first one was destroyed)
+        #: the default group this Pipeline was built on (training.pending_collective: a collective left pending on it)
+        self._world_group = dist.group.WORLD
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.num_microbatches = num_microbatches
@@ -1115,7 +1118,7 @@ class Pipeline:
             self._loop.close()
         # (not after a training collective timed out: destroying a group with its Work pending waits for it forever)
         if (self._owns_group and _leave_owned_group(self) and dist.is_initialized() and not self._aborted
-                and not getattr(self, "_collective_timed_out", False)):
+                and not getattr(self, "_collective_timed_out", False) and pending_collective(self) is None):
             dist.destroy_process_group()
 
     def _abort_nccl(self) -> None:
@@ -1268,12 +1271,12 @@ class Pipeline:
                     return_outputs: bool = True) -> Any:
         if self._closed:
             raise RuntimeError("this Pipeline is closed")
-        broken = getattr(self, "_collective_broken", None)
+        broken = pending_collective(self)
         if broken is not None:  # (runtime/training.py _collective: a training-loop collective left pending)
             raise PipelineError(
-                f"rank {self.rank}: an earlier training-loop collective of this Pipeline did not complete ({broken}); "
-                "a step after it would run beside a collective still pending on this rank and never called on a "
-                "peer: close this Pipeline and restart the job from a checkpoint")
+                f"rank {self.rank}: an earlier training-loop collective {broken}; a step after it would run beside a "
+                "collective still pending on this rank and never called on a peer: close this Pipeline and restart "
+                "the job from a checkpoint")
         if self._failed is not None:
             # A failed step is the Pipeline's last, on every rank: it left gradients accumulated for some
             # microbatches and not others, transfers and data-parallel collectives cut mid-step on some ranks

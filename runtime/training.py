@@ -71,6 +71,26 @@ _CLOSED_GRACE = 0.25
 _TAGGED_WIDTH = 2
 
 
+#: (default group, id of the Pipeline, what) of each training-loop collective left pending past its bound: every
+#: Pipeline built on that group refuses later steps and collectives, not only the one that called it (an evaluation
+#: Pipeline beside a training one shares the group: its next collective, or its step's layout agreement on gloo,
+#: would pair with the pending one on the peers that never called it)
+_PENDING: list[tuple[Any, int, str]] = []
+
+
+def pending_collective(pipe: Any) -> str | None:
+    """Why ``pipe`` may run no more steps or training-loop collectives (one left pending on its default group, by
+    it or by another Pipeline on that group), worded to follow "an earlier training-loop collective"; or None."""
+    own = getattr(pipe, "_collective_broken", None)
+    if own is not None:
+        return f"of this Pipeline did not complete ({own})"
+    group = getattr(pipe, "_world_group", None)
+    for g, who, why in _PENDING:
+        if group is not None and g is group and who != id(pipe):
+            return f"of another Pipeline on this process group did not complete ({why})"
+    return None
+
+
 def connect_training_collectives(device: torch.device) -> None:
     """NCCL: all-reduce one buffer of the shape :func:`_collective` uses, on the default group, with every rank.
 
@@ -103,13 +123,13 @@ def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: s
         # (the Pipeline's own rank: on NCCL a failed step aborted the default group, and dist.get_rank() raises)
         raise PipelineError(f"rank {getattr(pipe, 'rank', '?')}: {what}: this Pipeline's step {step} failed "
                             f"({type(exc0).__name__}: {exc0}); its gradients and losses are partial") from exc0
-    broken = getattr(pipe, "_collective_broken", None)
+    broken = pending_collective(pipe)
     if broken is not None:
         raise PipelineError(
-            f"rank {getattr(pipe, 'rank', '?')}: {what}: an earlier training-loop collective of this Pipeline did not "
-            f"complete ({broken}); it is still pending, and a later one would pair with it on the peers that never "
-            "called it (the ranks' collectives out of step, the values of one call in another's result): close this "
-            "Pipeline and restart the job from a checkpoint")
+            f"rank {getattr(pipe, 'rank', '?')}: {what}: an earlier training-loop collective {broken}; it is still "
+            "pending, and a later one would pair with it on the peers that never called it (the ranks' collectives out "
+            "of step, the values of one call in another's result): close this Pipeline and restart the job from a "
+            "checkpoint")
     actor = getattr(pipe, "_actor", None)
     between = getattr(actor, "error_between_steps", None)
     if between is not None and (err := between()) is not None:
@@ -165,6 +185,7 @@ def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: s
             guard_exit_works([work])
             pipe._collective_timed_out = True
             pipe._collective_broken = f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            _PENDING.append((getattr(pipe, "_world_group", None) or dist.group.WORLD, id(pipe), pipe._collective_broken))
         try:
             err = _why_not_completed(pipe, exc, what, limit, between, actor)
         finally:

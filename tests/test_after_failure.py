@@ -238,6 +238,40 @@ def test_a_collective_one_rank_never_called_leaves_the_pipeline_refusing_steps_a
     assert got[1]["calls"][0][1] != "ok", got[1]  # its step's peer never ran it
 
 
+TWO_PIPELINES = linear_job("""\
+    other = pipeloom.Pipeline(lambda s: nn.Linear(4, 4), schedule="1F1B", num_microbatches=2,
+                              loss_fn=nn.functional.mse_loss, stall_timeout=2.0, heartbeat_timeout=2.0)
+    pipe.step(x, target=y)
+    other.step(x, target=y)
+    out = {"rank": rank, "calls": []}
+    for call in (("last_loss", "other.step", "other.last_loss") if rank == 0 else ("other.step",)):
+        t0 = time.monotonic()
+        try:
+            pipe.last_loss() if call == "last_loss" else other.step(x, target=y) if call == "other.step" else other.last_loss()
+            out["calls"].append([call, "ok", "", time.monotonic() - t0])
+        except pipeloom.PipelineError as exc:
+            out["calls"].append([call, type(exc).__name__, str(exc), time.monotonic() - t0])
+    print(json.dumps(out), flush=True)
+    other.close()
+    pipe.close()
+""", microbatches=2, rows=4, pipe_args="stall_timeout=2.0, heartbeat_timeout=2.0", imports=", json, time")
+
+
+def test_a_collective_left_pending_by_one_pipeline_stops_the_others_on_its_group(tmp_path: Path) -> None:
+    """Two Pipelines on one default group (a training and an evaluation one): rank 0's ``last_loss()`` of the first
+    is left pending (rank 1 never calls it).  The second Pipeline's step and collectives ran on beside it (on gloo
+    its step's layout agreement paired with the pending all-reduce; a collective of one kind would pair with it
+    silently).  Now the second refuses them at once too, naming the first's pending collective."""
+    got = {d["rank"]: d for d in run_json_script(tmp_path, TWO_PIPELINES, 2, timeout=90)}
+    calls = got[0]["calls"]
+    assert [c[:2] for c in calls] == [["last_loss", "PipelineError"], ["other.step", "PipelineError"],
+                                      ["other.last_loss", "PipelineError"]], calls
+    for _, _, msg, seconds in calls[1:]:
+        assert ("an earlier training-loop collective of another Pipeline on this process group did not complete "
+                "(the step loss's reduction") in msg, msg
+        assert seconds < 1.0, calls
+
+
 def test_a_collective_seen_complete_after_its_peer_said_bye_is_not_failed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A peer that joined the collective, then closed its Pipeline (the end of a job: ``last_loss()`` then
     ``close()``): its 'bye' can be read before this rank sees the collective complete (a busy host, the Work's
