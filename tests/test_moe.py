@@ -367,6 +367,8 @@ def test_user_error_on_one_ep_rank_stops_every_rank(tmp_path: Path) -> None:
         assert "rank 1" in recs[r]["message"], recs[r]
 
 
+@pytest.mark.skipif(os.environ.get("PIPELOOM_TEST_BACKEND") == "nccl" and torch.cuda.device_count() < 8,
+                    reason="8 NCCL ranks need 8 GPUs (one per rank); on 4 it ran to its bound")
 def test_clipping_and_checkpoints_with_data_and_expert_parallelism(tmp_path: Path) -> None:
     # 8 ranks: pp 2 x dp 2 x ep 2 (columns d * ep + e).  Gradients and the clipped gradients equal
     # the unsplit model's over the 4 columns' data (each expert counted once, not once per dp
