@@ -11,6 +11,11 @@
 #   verify     NCCL correctness of a commit in one call on 4 GPUs (session P: ~6 min on 4 x H200): tests2 on GPUs 0,1 beside
 #              tests/test_cuda_graphs.py on GPU 2 and then the graphs-* rows of the 2-rank pool on GPUs 2,3; then tests4
 #              (VERIFY_TIMEOUT bounds tests2, default 470 s; logs $OUT/nccl-tests-tests{2,4}.log, $OUT/graphs-{unit,nccl2}.log)
+#   recheck    session W's NCCL rows (4 GPUs: run them first next time): tests/test_after_failure.py (its two rows that hung
+#              inside dist.all_reduce, fixed in 0029ddb, unverified), the lifecycle rows of test_scaler_lifecycle_adversarial.py
+#              (SIGSEGV in torch's split_group, fixed in 0029ddb, unverified), test_ties.py, test_checkpoint_robust.py; the 2-GPU
+#              files on GPUs 0,1 and 2,3 at once; rank stacks (benchmarks/gpu_stacks) concatenated into $OUT/stacks.txt
+#              (one file: a result holds few files); RECHECK_TIMEOUT bounds each file (default 200 s)
 #   bench2     benchmarks/gpu_pipeline.py on GPUs VIS2 (0,1) for every schedule (+ varlen, + variants)
 #   bench4     benchmarks/gpu_pipeline.py on 4 GPUs for every schedule
 #   gpt2       benchmarks/gpu_pipeline.py --model gpt on GPUs VIS2 (0,1): sizes l and s (GPT_SIZES), schedules GPT_SCHEDULES
@@ -133,6 +138,21 @@ for part in "$@"; do
     echo "-- cuda graphs unit"; tail -2 "$OUT/graphs-unit.log"; echo "-- graphs rows (2 ranks)"; tail -2 "$OUT/graphs-nccl2.log"
     echo "-- tests2"; tail -3 "$OUT/verify-tests2.out"
     SKIP_INSTALL=1 TEST_TIMEOUT=${VERIFY4_TIMEOUT:-400} bash "$REPO/benchmarks/gpu_run.sh" tests4 2>&1 | tail -3
+    ;;
+  recheck)
+    mkdir -p /tmp/stacks; rm -f /tmp/stacks/*
+    rc() {  # rc VIS TAG FILE [pytest args]
+      local vis=$1 tag=$2; shift 2
+      (cd /tmp && PIPELOOM_TEST_FORK=0 PYTHONPATH="$REPO/benchmarks/gpu_stacks:$PYTHONPATH" PL_DUMP_DIR=/tmp/stacks PL_TAG=$tag \
+         PL_DUMP_AFTER=${PL_DUMP_AFTER:-80} CUDA_VISIBLE_DEVICES=$vis timeout "${RECHECK_TIMEOUT:-200}" python3 -m pytest -v -p no:cacheprovider \
+         --rootdir "$REPO" -c "$REPO/pyproject.toml" --tb=short -rf "$@" > "$OUT/recheck-$tag.log" 2>&1; echo "rc=$?" >> "$OUT/recheck-$tag.log")
+    }
+    ( rc 0,1 after "$REPO/tests/test_after_failure.py"; rc 0,1 ties "$REPO/tests/test_ties.py" ) &
+    ( rc 2,3 ckpt "$REPO/tests/test_checkpoint_robust.py" ) &
+    wait
+    rc 0,1,2,3 lifecycle "$REPO/tests/test_scaler_lifecycle_adversarial.py" -k "lifecycle_ or launcher"
+    for f in "$OUT"/recheck-*.log; do echo "== $f"; grep -E "PASSED|FAILED|ERROR|passed|failed|rc=" "$f" | sed 's/.*:://' | cut -c1-160; done
+    for f in /tmp/stacks/*; do [ -s "$f" ] && { echo "=== $f"; cat "$f"; }; done > "$OUT/stacks.txt" 2>/dev/null
     ;;
   bench2)
     for s in ${SCHEDULES:-$ALL}; do echo "== 2 GPUs $s"; CUDA_VISIBLE_DEVICES=$VIS2 bench 2 "" --schedule "$s"; done
