@@ -150,7 +150,7 @@ for part in "$@"; do
     ( rc 0,1 after "$REPO/tests/test_after_failure.py"; rc 0,1 ties "$REPO/tests/test_ties.py" ) &
     ( rc 2,3 ckpt "$REPO/tests/test_checkpoint_robust.py" ) &
     wait
-    rc 0,1,2,3 lifecycle "$REPO/tests/test_scaler_lifecycle_adversarial.py" -k "lifecycle_ or launcher"
+    rc 0,1,2,3 lifecycle "$REPO/tests/test_scaler_lifecycle_adversarial.py" -k "test_lifecycle or test_launcher"
     for f in "$OUT"/recheck-*.log; do echo "== $f"; grep -E "PASSED|FAILED|ERROR|passed|failed|rc=" "$f" | sed 's/.*:://' | cut -c1-160; done
     for f in /tmp/stacks/*; do [ -s "$f" ] && { echo "=== $f"; cat "$f"; }; done > "$OUT/stacks.txt" 2>/dev/null
     ;;
