@@ -111,6 +111,17 @@ class RuntimeOptions:
     instead of per forward); the statistics then come from replica 0's rows alone.  Environment:
     ``PIPELOOM_DP_BUFFERS``."""
 
+    tied_weights: str = "sync"
+    """A weight tied across stages on different pipeline ranks (an input embedding reused by the output head, as in
+    GPT-2, Llama-3.2-1B and Qwen's small models; one block object at several depths, as in ALBERT), found at
+    construction (``runtime/ties.py``).  ``"sync"`` (default): trained as one weight, as Megatron and DeepSpeed do:
+    every holding rank's copy starts from the lowest holding rank's (broadcast at construction), and after every
+    training step the step's gradient of each copy is summed over the holding ranks (one all-reduce per set of
+    ranks), so every copy holds the unsplit model's gradient; ``Pipeline.clip_grad_norm_`` counts it once.  Not with
+    ``fsdp=True`` or expert parallelism (refused).  ``"refuse"``: such a tie is refused at construction (the
+    behaviour before the sync existed).  A tie on one rank (a V schedule's first and last stage) is one local
+    Parameter either way."""
+
     trace: str | None = None
     """Path of the trace file to record (one file per rank without a collector); None: no
     trace unless ``trace_endpoint`` is set.  Environment: ``PIPELOOM_TRACE`` (``--trace``)."""
@@ -478,6 +489,8 @@ class RuntimeOptions:
             problems.append(f"dp_buffers must be 'refuse' or 'replica0' (got {self.dp_buffers!r})")
         if not isinstance(self.host_overlap_trial, bool):
             problems.append(f"host_overlap_trial must be True or False (got {self.host_overlap_trial!r})")
+        if self.tied_weights not in ("sync", "refuse"):
+            problems.append(f"tied_weights must be 'sync' or 'refuse' (got {self.tied_weights!r})")
         if self.fsdp_reduce not in ("auto", "fsdp"):
             problems.append(f"fsdp_reduce must be 'auto' or 'fsdp' (got {self.fsdp_reduce!r})")
         if problems:

@@ -50,7 +50,7 @@ from .errors import PeerLostError, PipelineConfigError, PipelineError, RemoteRan
 from .fingerprint import ModelFingerprint
 from .options import RuntimeOptions, resolve_options
 from .stage import StageExecutor
-from .ties import refuse_ties_across_ranks, ties_across_ranks
+from .ties import TiedCopies, refuse_ties_across_ranks, tie_sync_groups, ties_across_ranks
 from .training import pending_collective
 from .trace import FileSink, StreamSink, TraceRecorder, make_header
 
@@ -561,6 +561,7 @@ class Pipeline:
             record["pair_groups"] = bool(backend == "nccl" or opts.emulate_nccl_transport or opts.static_shapes is not False
                                          or opts.pair_groups)
             record["_heartbeat"] = [opts.heartbeat_interval, opts.heartbeat_timeout]
+            record["tied_weights"] = opts.tied_weights  # (which collectives construction and each step run)
             records = agreement.agree(checkpoint, record, check_heartbeats)
             self._procs: list[tuple[str, int]] = [tuple(r["_process"]) for r in records]  # type: ignore[misc]
             agreement.procs = self._procs
@@ -574,9 +575,14 @@ class Pipeline:
             # ranks that hold the same stage (replicas) must build the same tensors: construction
             # broadcasts replica 0's into the others (agreement.check_stage_replicas says why)
             # (and which of the model's tied weights each stage holds: one tied across ranks is refused, runtime/ties.py)
+            # (RuntimeOptions.tied_weights="sync": one tied across ranks is kept equal instead, runtime/ties.py)
             record = {"_stages": stage_tensors(modules)} if self._with_dp else {}
-            agreement.agree(checkpoint, {**record, "_ties": self._tie_uses}, check_stage_replicas,
-                            refuse=lambda recs: ties_across_ranks(recs, self.schedule.stage_to_rank))
+            sync_ties = opts.tied_weights == "sync"
+            stage_records = agreement.agree(
+                checkpoint, {**record, "_ties": self._tie_uses}, check_stage_replicas,
+                refuse=lambda recs: ties_across_ranks(recs, self.schedule.stage_to_rank, sync=sync_ties, fsdp=self._fsdp,
+                                                      expert_parallel=self._ep_grid is not None))
+            tie_plan = tie_sync_groups(stage_records, self.schedule.stage_to_rank) if sync_ties else []
         except BaseException as exc:
             text = str(exc)
             if text.startswith(prefix := f"rank {self.rank}: "):
@@ -635,6 +641,15 @@ class Pipeline:
             install_stage_checks(self._executors[s], rank=self.rank, stage_to_rank=self.stage_to_rank,
                                  check_finite=opts.check_finite,
                                  replicas=lay.dp if lay is not None and opts.dp_buffers == "refuse" else 1)
+        #: RuntimeOptions.tied_weights="sync": this rank's copies of the weights tied across pipeline ranks (every rank
+        #: makes their groups, in one order), made equal to the lowest holding rank's now, synchronised after each step
+        self._ties: TiedCopies | None = None
+        if tie_plan:
+            with self._construction("making the tied weights' groups and broadcasting their copies"):
+                self._ties = TiedCopies(modules, self._tie_uses, tie_plan, rank=self.rank, pp_rank=self.pp_rank,
+                                        grid=lay.grid if lay is not None else [[r] for r in range(self.world_size)],
+                                        dp_group=lay.dp_group if lay is not None and lay.dp > 1 else None)
+                self._ties.broadcast()
         #: RuntimeOptions.dp_buffers="replica0": each stage's buffers are broadcast from its first replica after
         #: every training step (stages that have buffers only)
         self._sync_buffers = bool(lay is not None and lay.dp > 1 and self._ep_groups is None and opts.dp_buffers == "replica0"
@@ -845,7 +860,7 @@ class Pipeline:
             if not isinstance(module, nn.Module):
                 raise PipelineConfigError(f"rank {self.rank}: stage_fn({s}) returned {type(module).__name__}, not an nn.Module")
             modules[s] = module.to(self.device)
-        self._tie_uses = refuse_ties_across_ranks(modules, self.rank)
+        self._tie_uses = refuse_ties_across_ranks(modules, self.rank, sync=self.options.tied_weights == "sync")
         if self._fsdp and len(modules) > 1:
             # FSDP shards each stage on its own: a parameter two local stages share (a weight tied between the
             # first and last stage of a V schedule) would be sharded twice, its gradients silently wrong
@@ -1311,13 +1326,25 @@ class Pipeline:
             graphs = [ex.graphs for ex in self._executors.values() if ex.graphs is not None]
             for g in graphs:
                 g.start_step()
+            # (RuntimeOptions.tied_weights="sync": each tied copy's gradient taken aside, for the step's own to be
+            # summed over the holding ranks once its backward work is complete: runtime/ties.py TiedCopies)
+            ties = self._ties if train else None
+            held = ties.take() if ties else None
             try:
                 results, mb_losses = await self._actor.run_step(inputs, train=train, keep_outputs=return_outputs)
+            except BaseException:
+                if held is not None:
+                    ties.restore(held)
+                raise
             finally:
                 if self._collectives is not None:
                     self._collectives.end_step()
                 if self._trace_sink is not None and self._actor.trace is not None:
                     self._trace_sink.emit(self._actor.trace.drain())
+            if held is not None:
+                ties.sync(held, synced=self._collectives is None or self._collectives.sync,
+                          check=self._actor.error_between_steps,
+                          limit=self._control.stall_budget + self.options.heartbeat_timeout)
             if graphs:
                 self._after_graphed_step(graphs, train)
             if train and self._sync_buffers:

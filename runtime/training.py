@@ -15,7 +15,10 @@ every parameter of the model, each counted once:
   adds its shard's ``|.|^p``; the shards sum to the whole;
 * a replicated parameter (DDP, or one FSDP does not manage): identical on
   every replica after REDUCE_GRAD, so only the replica with ``dp_rank == 0``
-  counts it.
+  counts it;
+* a weight tied across pipeline ranks (``RuntimeOptions.tied_weights="sync"``):
+  identical on every holding rank after the step, so only the lowest holding
+  rank counts it (of its replicas, the one with ``dp_rank == 0``).
 
 One all-reduce (SUM, or MAX for the inf-norm) of a single float64 over every
 rank gives every rank the same total, hence the same clip coefficient, which
@@ -266,9 +269,16 @@ def clip_grad_norm_(
     scaled: list[torch.Tensor] = []
     if ep > 1:
         from pipeloom.moe import is_expert_parameter
+    # a weight tied across pipeline ranks (RuntimeOptions.tied_weights="sync") holds the same gradient on each holding
+    # rank: counted by the lowest of them alone (runtime/ties.py TiedCopies), scaled on every one
+    ties = getattr(pipe, "_ties", None)
+    tied_elsewhere = ties.not_counted if ties else set()
     for param in pipe.parameters():
         g = param.grad
         if g is None:
+            continue
+        if id(param) in tied_elsewhere:
+            scaled.append(g)
             continue
         if ep > 1 and is_expert_parameter(param):
             scaled.append(g)

@@ -1,6 +1,9 @@
-"""Weights tied across stages on different ranks in a hand-written split (2 real gloo ranks): refused at
-construction on every rank (see runtime/ties.py); each rank trained its own copy with its part of the gradient
-before, silently.  The same model untied, or with the tied stages on one rank (a V schedule), builds."""
+"""Weights tied across stages on different ranks in a hand-written split (2 real gloo ranks).  With
+``RuntimeOptions.tied_weights="sync"`` (the default) they are trained as one weight: every rank's gradients equal
+the unsplit model's (tests/test_tied_sync.py tests the sync itself); with ``"refuse"`` they are refused at
+construction on every rank (see runtime/ties.py), as before the sync existed: each rank trained its own copy with
+its part of the gradient before, silently.  The same model untied, or with the tied stages on one rank (a V
+schedule), builds either way."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ SCRIPT = textwrap.dedent("""\
     import json, os, sys, torch, pipeloom
     from torch import nn
     rank = int(os.environ["RANK"])
-    case = sys.argv[1]
+    case, mode = sys.argv[1], sys.argv[2]
 
     class TinyLM(nn.Module):
         def __init__(self, tie):
@@ -37,22 +40,39 @@ SCRIPT = textwrap.dedent("""\
         parts = [nn.Sequential(model.emb, model.body[:2]), nn.Sequential(model.body[2:], model.head)]
         schedule = "1F1B"
     loss = lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+    x, y = torch.randint(0, 16, (4, 5)), torch.randint(0, 16, (4, 5))
     try:
-        pipe = pipeloom.Pipeline(lambda s: parts[s], schedule=schedule, num_microbatches=2, loss_fn=loss)
-        pipe.step(torch.randint(0, 16, (4, 5)), target=torch.randint(0, 16, (4, 5)), return_outputs=False)
-        rec = {"built": True}
+        pipe = pipeloom.Pipeline(lambda s: parts[s], schedule=schedule, num_microbatches=2, loss_fn=loss,
+                                 options=pipeloom.RuntimeOptions(tied_weights=mode))
+        pipe.step(x, target=y, return_outputs=False)
         pipe.close()
     except pipeloom.PipelineConfigError as exc:
-        rec = {"built": False, "message": str(exc)}
-    print(json.dumps(rec), flush=True)
+        print(json.dumps({"built": False, "message": str(exc)}), flush=True)
+        sys.exit(0)
+    ref = TinyLM(tie=case != "untied")  # the unsplit model, its loss the mean over the microbatches
+    ref.load_state_dict(model.state_dict())
+    ref.body = nn.Sequential(*ref.body)
+    f = lambda xb: ref.head(ref.body(ref.emb(xb)))
+    sum(loss(f(xb), yb) for xb, yb in zip(x.chunk(2), y.chunk(2))).div(2).backward()
+    want, names = dict(ref.named_parameters(remove_duplicate=False)), {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), n)
+    diffs = {names[id(p)]: float((p.grad - want[names[id(p)]].grad).abs().max())
+             for s in range(len(parts)) if pipe.stage_to_rank[s] == rank for p in parts[s].parameters()}
+    print(json.dumps({"built": True, "diffs": diffs}), flush=True)
 """)
 
 
-@pytest.mark.parametrize("case", ["tied", "untied", "v"])
-def test_weights_tied_across_ranks_are_refused(tmp_path: Path, case: str) -> None:
-    recs = run_json_script(tmp_path, SCRIPT, 2, case, timeout=90)
-    if case != "tied":
+@pytest.mark.parametrize("case,mode", [("tied", "sync"), ("untied", "sync"), ("v", "sync"), ("tied", "refuse"),
+                                       ("untied", "refuse"), ("v", "refuse")])
+def test_weights_tied_across_ranks_train_as_one_or_are_refused(tmp_path: Path, case: str, mode: str) -> None:
+    recs = run_json_script(tmp_path, SCRIPT, 2, case, mode, timeout=90)
+    if case != "tied" or mode == "sync":
         assert all(r["built"] for r in recs), recs
+        for r in recs:  # each rank's gradients (the tied weight's on both ranks) are the unsplit model's
+            assert r["diffs"] and all(d < 1e-6 for d in r["diffs"].values()), recs
+        if case == "tied":
+            assert "emb.weight" in recs[0]["diffs"] and "emb.weight" in recs[1]["diffs"], recs
         return
     assert not any(r["built"] for r in recs), recs
     # each rank names its own end of the tie
@@ -68,7 +88,7 @@ SCRIPT2 = textwrap.dedent("""\
     import json, os, sys, torch, pipeloom
     from torch import nn
     rank = int(os.environ["RANK"])
-    case, schedule = sys.argv[1], sys.argv[2]
+    case, schedule, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     D = 6
     keep = []
 
@@ -132,7 +152,8 @@ SCRIPT2 = textwrap.dedent("""\
     x, y = torch.randn(4, 3, D), torch.randn(4, 3, D)
     loss = lambda out, t: ((out - t) ** 2).mean()
     try:
-        pipe = pipeloom.Pipeline(stage_fn, schedule=schedule, num_microbatches=4, loss_fn=loss)
+        pipe = pipeloom.Pipeline(stage_fn, schedule=schedule, num_microbatches=4, loss_fn=loss,
+                                 options=pipeloom.RuntimeOptions(tied_weights=mode))
     except pipeloom.PipelineConfigError as exc:
         print(json.dumps({"built": False, "message": str(exc)}), flush=True)
         sys.exit(0)
@@ -166,9 +187,23 @@ REFUSED = {  # case -> (schedule, the names, the stages each rank reports)
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
+def test_ties_of_one_kind_or_through_one_module_across_ranks_train_as_one(tmp_path: Path, case: str) -> None:
+    """tied_weights="sync" (the default): every rank's gradients, each rank's copy of the tied weight's included,
+    are the unsplit model's."""
+    recs = run_json_script(tmp_path, SCRIPT2, 2, case, REFUSED[case][0], "sync", timeout=90)
+    assert all(r["built"] for r in recs), recs
+    tied = {"linear": "inp.weight", "module": "inp.weight"}.get(case, "blocks.0.lin.weight")
+    for r in recs:
+        assert tied in r["diffs"], recs  # (both ranks hold a copy)
+        bad = {n: d for n, d in r["diffs"].items() if d == "missing" or (d != "none" and d > 1e-6)}
+        assert not bad, r["diffs"]
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
 def test_ties_of_one_kind_or_through_one_module_across_ranks_are_refused(tmp_path: Path, case: str) -> None:
+    """tied_weights="refuse": refused on every rank, naming the tie, the stages and their ranks."""
     schedule, names, uses = REFUSED[case]
-    recs = run_json_script(tmp_path, SCRIPT2, 2, case, schedule, timeout=90)
+    recs = run_json_script(tmp_path, SCRIPT2, 2, case, schedule, "refuse", timeout=90)
     assert not any(r["built"] for r in recs), recs
     for rank, rec in enumerate(recs):
         msg = rec["message"]
@@ -193,7 +228,7 @@ ALLOWED = {
 
 @pytest.mark.parametrize("case", list(ALLOWED))
 def test_ties_on_one_rank_or_not_across_ranks_build_and_train_the_unsplit_model(tmp_path: Path, case: str) -> None:
-    recs = run_json_script(tmp_path, SCRIPT2, 2, case, ALLOWED[case], timeout=90)
+    recs = run_json_script(tmp_path, SCRIPT2, 2, case, ALLOWED[case], "sync", timeout=90)
     assert all(r["built"] for r in recs), recs
     diffs = {n: d for r in recs for n, d in r["diffs"].items()}
     if case != "own_model":
