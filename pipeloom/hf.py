@@ -56,9 +56,14 @@ attention kind by its position in the layer list (Gemma 3, GPT-OSS, Qwen2
 with sliding windows) gets the other stages' layers kept in place as
 pass-throughs (``stage_fn.aligned``), where the check confirms that split.  Modules the plan lists go to their side
 even without parameters (a weightless final norm, an embedding dropout).
-Tied input and output embeddings
-cannot span stages (each stage would train its own copy): build the model
-with ``tie_word_embeddings=False`` or give the head its own weight.
+Tied input and output embeddings (``tie_word_embeddings=True``: Llama-3.2-1B,
+Qwen's small models) on the first and the last stage are trained as one
+weight: the two stages share one parameter object per process, held by a
+:class:`TiedEmbeddings` that the stage function keeps alive, and the
+``Pipeline`` finds that tie across ranks (``runtime/ties.py``), starts every
+copy from the lowest holding rank's and sums the copies' gradients after each
+training step (``RuntimeOptions.tied_weights="sync"``, the default; with
+``"refuse"`` the Pipeline refuses it, naming the tie).
 """
 
 from __future__ import annotations
@@ -75,7 +80,7 @@ from torch import nn
 from .runtime.errors import PipelineConfigError
 from .runtime.split import reduce_output, split_by_fqn
 
-__all__ = ["causal_lm_loss", "stage_fn_for_causal_lm", "stage_names_for_causal_lm", "verify_causal_lm_split"]
+__all__ = ["TiedEmbeddings", "causal_lm_loss", "stage_fn_for_causal_lm", "stage_names_for_causal_lm", "verify_causal_lm_split"]
 
 IGNORE_INDEX = -100
 
@@ -257,19 +262,57 @@ def _plain_attrs(module: nn.Module) -> dict[str, Any]:
             if not k.startswith("_") and k != "training" and (v is None or isinstance(v, (bool, int, float, str)))}
 
 
+class TiedEmbeddings(nn.Module):
+    """One parameter under every name the model ties it by (``model.embed_tokens.weight``, ``lm_head.weight``): what
+    the stages of a model with tied input and output embeddings share in this process.  Kept alive by the stage
+    function, it is the model the ``Pipeline`` finds the tie in (``runtime/ties.py``, rule 2: its key,
+    ``TiedEmbeddings:<first name>``, is the same on every rank), and keeps the copies of the ranks holding the
+    first and the last stage equal (``RuntimeOptions.tied_weights``)."""
+
+    def __init__(self, names: Sequence[str], weight: nn.Parameter) -> None:
+        super().__init__()
+        for name in names:
+            *path, leaf = name.split(".")
+            node: nn.Module = self
+            for part in path:
+                if part not in node._modules:
+                    node.add_module(part, nn.Module())
+                node = node._modules[part]  # type: ignore[assignment]
+            node.register_parameter(leaf, weight)
+
+
 class _CausalLMStageFn:
     """``stage_fn`` of :func:`stage_fn_for_causal_lm`: a ``split_by_fqn`` stage with the input hook (and, ``aligned``,
     the layers other stages own as :class:`_AbsentLayer` entries at their indices: ``(layer list name, each layer's
-    plain attributes, whether layers return tuples)``)."""
+    plain attributes, whether layers return tuples)``; ``tied``: the names the model ties its input and output
+    embeddings' weight by, which the stages built here share as one parameter, :attr:`tied`)."""
 
-    def __init__(self, split: Any, aligned: tuple[str, list[dict[str, Any]], bool] | None = None) -> None:
+    def __init__(self, split: Any, aligned: tuple[str, list[dict[str, Any]], bool] | None = None,
+                 tied: Sequence[str] = ()) -> None:
         self._split = split
         self.num_stages: int = split.num_stages
         self.stage_fqns: tuple[tuple[str, ...], ...] = split.stage_fqns
         self.aligned = aligned
+        self._tied_names = tuple(tied)
+        #: the tied embeddings' one parameter in this process (made from the first stage built that holds an end)
+        self.tied: TiedEmbeddings | None = None
+
+    def _share_tied(self, stage: nn.Module) -> None:
+        """The stage's ends of the tied embeddings made this process's one parameter (the stage is a deep copy)."""
+        held = [n for n, _ in stage.named_parameters(remove_duplicate=False) if n in self._tied_names]
+        if not held:
+            return
+        if self.tied is None:
+            self.tied = TiedEmbeddings(self._tied_names, stage.get_parameter(held[0]))
+        weight = self.tied.get_parameter(self._tied_names[0])
+        for name in held:
+            owner, _, leaf = name.rpartition(".")
+            stage.get_submodule(owner).register_parameter(leaf, weight)
 
     def __call__(self, index: int) -> nn.Module:
         stage = self._split(index)
+        if self._tied_names:
+            self._share_tied(stage)
         if self.aligned is not None:
             name, attrs, tuple_output = self.aligned
             layers = stage.get_submodule(name)
@@ -317,7 +360,7 @@ def stage_fn_for_causal_lm(
     Raises:
         PipelineConfigError: a model without a head over a base model, no
             single ModuleList of layers, more stages than the layers can
-            fill, bad ``layer_splits``, tied embeddings across stages, a MoE
+            fill, bad ``layer_splits``, a MoE
             model with ``output_router_logits=True`` (its router loss spans the
             stages; the returned loss would leave it out), or
             (``verify``) a model whose stages would not compute the whole
@@ -326,14 +369,14 @@ def stage_fn_for_causal_lm(
     """
     names = stage_names_for_causal_lm(model, num_stages=num_stages, layer_splits=layer_splits)
     inp, out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    head, tied_weight, tied = None, None, []
     if len(names) > 1 and callable(inp) and callable(out):
         emb, head = inp(), out()
         if emb is not None and head is not None and getattr(emb, "weight", None) is getattr(head, "weight", 0):
-            raise PipelineConfigError(
-                f"{type(model).__name__} ties its input and output embeddings (tie_word_embeddings=True), "
-                "and they would sit on the first and the last stage, each training its own copy; build it with "
-                "tie_word_embeddings=False, or untie: model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())"
-            )
+            # tied input and output embeddings on the first and the last stage: shared by the stages built in one
+            # process (_CausalLMStageFn.tied), kept equal across ranks by the Pipeline (RuntimeOptions.tied_weights)
+            tied_weight = head.weight
+            tied = [n for n, p in model.named_parameters(remove_duplicate=False) if p is tied_weight]
     cfg = getattr(model, "config", None)
     if getattr(cfg, "output_router_logits", False) and getattr(cfg, "router_aux_loss_coef", 1.0):
         # A MoE model (Mixtral, Qwen2-MoE...) trained by its own loss adds router_aux_loss_coef x a load-balancing
@@ -363,8 +406,17 @@ def stage_fn_for_causal_lm(
             if tuple_output is None:
                 raise refused from None
             aligned = (layer_list, [_plain_attrs(m) for m in model.get_submodule(layer_list)], tuple_output)
-    split = split_by_fqn(model, names, device=device, placeholder="identity", output_field="logits")
-    return _CausalLMStageFn(split, aligned), causal_lm_loss
+    if tied_weight is None:
+        split = split_by_fqn(model, names, device=device, placeholder="identity", output_field="logits")
+    else:
+        # split_by_fqn refuses a parameter two stages hold (it cannot share it: each stage is a deep copy); its
+        # checks see the head untied, its stages are deep copies of the tied model, each keeping one end
+        head.weight = nn.Parameter(torch.empty_like(tied_weight, device="meta"), requires_grad=tied_weight.requires_grad)
+        try:
+            split = split_by_fqn(model, names, device=device, placeholder="identity", output_field="logits")
+        finally:
+            head.weight = tied_weight
+    return _CausalLMStageFn(split, aligned, tied), causal_lm_loss
 
 
 #: the probe's sizes (attributes of the model's config set where it has them, as ints)

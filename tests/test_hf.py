@@ -132,15 +132,24 @@ def test_bad_splits_are_refused(kwargs: dict, match: str) -> None:
         stage_fn_for_causal_lm(build_hf_model("llama"), **kwargs)
 
 
-def test_tied_embeddings_across_stages_are_refused_with_the_fix() -> None:
+def test_tied_embeddings_across_stages_are_one_parameter_per_process() -> None:
+    """Tied input and output embeddings on the first and the last stage: the stages built in one process share one
+    parameter (held by the stage function's TiedEmbeddings, where the Pipeline finds the tie across ranks and keeps
+    the copies equal: tests/test_tied_sync.py), equal to the model's; the model itself is left as it was."""
     import transformers
 
     cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     model = transformers.LlamaForCausalLM(cfg)
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    with pytest.raises(PipelineConfigError, match="tie_word_embeddings=False"):
-        stage_fn_for_causal_lm(model, num_stages=2)
+    weight = model.lm_head.weight
+    assert weight is model.model.embed_tokens.weight
+    stage_fn, _ = stage_fn_for_causal_lm(model, num_stages=2)
+    assert model.lm_head.weight is weight and model.model.embed_tokens.weight is weight  # (untouched)
+    first, last = stage_fn(0), stage_fn(1)
+    shared = first.model.embed_tokens.weight
+    assert shared is last.lm_head.weight and shared is not weight and torch.equal(shared, weight)
+    assert dict(stage_fn.tied.named_parameters(remove_duplicate=False)) == {"model.embed_tokens.weight": shared,
+                                                                             "lm_head.weight": shared}
     stage_fn_for_causal_lm(model, num_stages=1)  # one stage holds both: fine
 
 
