@@ -1,4 +1,14 @@
-"""Weights tied across ranks in a hand-written split: refused at construction.
+"""Weights tied across ranks in a hand-written split: found at construction, then kept in sync (or refused).
+
+``RuntimeOptions.tied_weights="sync"`` (the default): a tie group rule 2 below finds spanning pipeline ranks is
+not refused but trained as one weight, as Megatron and DeepSpeed (``TiedLayerSpec``) do: :func:`tie_sync_groups`
+lists them (in key order, from every rank's records, alike on every rank) and :class:`TiedCopies` makes a process
+group per set of holding pipeline ranks and replica column, broadcasts each copy from the lowest holding rank at
+construction, and after every training step sums the step's gradient of each copy over its group (the gradient held
+before the step taken aside and added back).  Rule 1's findings are then refused only where no other pipeline
+rank's stage holds the group (the other end is on no stage: nothing to keep equal); one no group covers (no alive
+model holds both ends) is refused as before.  With ``fsdp=True`` or expert parallelism a tie spanning ranks is
+refused.  ``"refuse"``: everything below, as written (the behaviour before the sync existed).
 
 The problem.  A model whose output head reuses the input embedding's weight
 (``head.weight = emb.weight``, as GPT-2 and many Hugging Face models do) and a
