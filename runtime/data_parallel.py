@@ -83,6 +83,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -146,17 +147,22 @@ DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 # ---------------------------------------------------------------- setup helpers
 
 
-#: [the last NCCL default process group a Pipeline was built on in this process, how many different ones there were]
-#: (see :func:`make_mesh`; a strong reference, so that a later group cannot be taken for it by its ``id``)
+#: [the last NCCL default process group a Pipeline was built on in this process (weakly: holding a destroyed group
+#: made the collector free it later, blocking there), how many different ones there were] (see :func:`make_mesh`)
 _NCCL_WORLDS: list[Any] = [None, 0]
+
+
+def _last_world() -> Any:
+    ref = _NCCL_WORLDS[0]
+    return ref() if ref is not None else None
 
 
 def note_default_group() -> None:
     """At each Pipeline's construction: count the NCCL default groups this process has built Pipelines on."""
     world = dist.group.WORLD
-    if world is None or world is _NCCL_WORLDS[0] or dist.get_backend() != "nccl":
+    if world is None or world is _last_world() or dist.get_backend() != "nccl":
         return
-    _NCCL_WORLDS[0] = world
+    _NCCL_WORLDS[0] = weakref.ref(world)
     _NCCL_WORLDS[1] += 1
 
 
@@ -173,7 +179,7 @@ def make_mesh(pp: int, dp: int, device_type: str) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.group.WORLD
-    bound = getattr(world, "bound_device_id", None) if _NCCL_WORLDS[1] > 1 and world is _NCCL_WORLDS[0] else None
+    bound = getattr(world, "bound_device_id", None) if _NCCL_WORLDS[1] > 1 and world is _last_world() else None
     if bound is None:
         return init_device_mesh(device_type, (pp, dp), mesh_dim_names=("pp", "dp"))
     world.bound_device_id = None

@@ -29,6 +29,7 @@ import sys
 import time
 import traceback
 import zlib
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -518,8 +519,10 @@ class Pipeline:
         # shared by every Pipeline alive on the group a Pipeline made: the last to close destroys it
         self._owns_group = _join_owned_group(self, _init_process_group(opts.backend))
         note_default_group()  # (make_mesh: a default NCCL group made again after a first one was destroyed)
-        #: the default group this Pipeline was built on (training.pending_collective: a collective left pending on it)
-        self._world_group = dist.group.WORLD
+        #: the default group this Pipeline was built on (training.pending_collective: a collective left pending on it),
+        #: weakly: a strong reference kept a destroyed gloo group alive until the collector freed it with the Pipeline,
+        #: and that free blocked inside the collector (the setup-checks pool hung in construction)
+        self._world_group = weakref.ref(dist.group.WORLD) if dist.group.WORLD is not None else None
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.num_microbatches = num_microbatches

@@ -74,7 +74,7 @@ _CLOSED_GRACE = 0.25
 _TAGGED_WIDTH = 2
 
 
-#: (default group, id of the Pipeline, what) of each training-loop collective left pending past its bound: every
+#: (default group, weakly, id of the Pipeline, what) of each training-loop collective left pending past its bound: every
 #: Pipeline built on that group refuses later steps and collectives, not only the one that called it (an evaluation
 #: Pipeline beside a training one shares the group: its next collective, or its step's layout agreement on gloo,
 #: would pair with the pending one on the peers that never called it)
@@ -87,9 +87,10 @@ def pending_collective(pipe: Any) -> str | None:
     own = getattr(pipe, "_collective_broken", None)
     if own is not None:
         return f"of this Pipeline did not complete ({own})"
-    group = getattr(pipe, "_world_group", None)
+    ref = getattr(pipe, "_world_group", None)
+    group = ref() if ref is not None else None
     for g, who, why in _PENDING:
-        if group is not None and g is group and who != id(pipe):
+        if group is not None and g is not None and g() is group and who != id(pipe):
             return f"of another Pipeline on this process group did not complete ({why})"
     return None
 
@@ -188,7 +189,7 @@ def _collective(pipe: Any, t: torch.Tensor, op: Any, *, dst: int | None, what: s
             guard_exit_works([work])
             pipe._collective_timed_out = True
             pipe._collective_broken = f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-            _PENDING.append((getattr(pipe, "_world_group", None) or dist.group.WORLD, id(pipe), pipe._collective_broken))
+            _PENDING.append((getattr(pipe, "_world_group", None), id(pipe), pipe._collective_broken))
         try:
             err = _why_not_completed(pipe, exc, what, limit, between, actor)
         finally:
