@@ -46,9 +46,12 @@ split the same way around their one ``nn.ModuleList`` of layers.
 Limits: the forward must map hidden states to hidden states through every
 module it does not own and do nothing else to them (true of Llama, Qwen2,
 Mistral, OLMo, Phi, Gemma and most decoders with a ``base_model_pp_plan``;
-not of GPT-2, which adds a position embedding to the token embedding, nor of
-Cohere, Gemma 2 or Granite, whose forwards scale or cap the logits or the
-embeddings on every stage).  :func:`verify_causal_lm_split` (run by
+not of Cohere, Gemma 2 or Granite, whose forwards scale or cap the logits or
+the embeddings on every stage).  An embedding before the layers other than
+the token embedding (GPT-2's, GPT-Neo's and StarCoder's position embedding)
+is taken as added to it: on the later stages it adds nothing (a pass-through
+would add the position ids); a dropout module the base model holds outside
+the layers goes to its side (GPT-2's after the embeddings: stage 0).  :func:`verify_causal_lm_split` (run by
 :func:`stage_fn_for_causal_lm` unless ``verify=False``) finds such a model on
 a small copy of its class and config and refuses it, so a split never
 computes another model silently.  A forward that picks each layer's
@@ -144,7 +147,9 @@ def _layout(model: nn.Module) -> tuple[list[str], str, int, list[str]]:
     # runs once at the end, not on every stage; unlisted ones without parameters, rotary tables, are on every stage)
     before, after = [], []
     for n, m in children:
-        if n == layers or (not _has_params(m) and n not in planned):
+        # (an unlisted dropout, GPT-2's after its embeddings, goes to its side too: on every stage it dropped the
+        # hidden states once per stage in training, which no check in eval mode sees)
+        if n == layers or (not _has_params(m) and n not in planned and not isinstance(m, nn.modules.dropout._DropoutNd)):
             continue
         if n in planned:
             side = planned.index(n) < planned.index(layers)
@@ -281,6 +286,32 @@ class TiedEmbeddings(nn.Module):
             node.register_parameter(leaf, weight)
 
 
+class _NoEmbedding(nn.Module):
+    """On the stages after the first, an embedding that the first stage adds to the token embedding (GPT-2's
+    position embedding, ``wpe``): the model's forward adds it again to the hidden states it is given, and a
+    pass-through would add its input (the position ids); this adds nothing (a zero that broadcasts, of no dtype
+    that would promote the hidden states')."""
+
+    def __init__(self, replaces: str) -> None:
+        super().__init__()
+        self.replaces = replaces
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        ref = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+        return torch.zeros((), device=None if ref is None else ref.device)
+
+    def extra_repr(self) -> str:
+        return f"replaces {self.replaces!r}, added by stage 0"
+
+
+def _added_embeddings(model: nn.Module, before: Sequence[str]) -> tuple[str, ...]:
+    """The embeddings before the layers other than the token embedding (GPT-2's ``transformer.wpe``): assumed
+    added to it (:class:`_NoEmbedding` on later stages); :func:`verify_causal_lm_split` finds a model where not."""
+    inp = getattr(model, "get_input_embeddings", None)
+    tokens = inp() if callable(inp) else None
+    return tuple(n for n in before if isinstance(m := model.get_submodule(n), nn.Embedding) and m is not tokens)
+
+
 class _CausalLMStageFn:
     """``stage_fn`` of :func:`stage_fn_for_causal_lm`: a ``split_by_fqn`` stage with the input hook (and, ``aligned``,
     the layers other stages own as :class:`_AbsentLayer` entries at their indices: ``(layer list name, each layer's
@@ -288,8 +319,10 @@ class _CausalLMStageFn:
     embeddings' weight by, which the stages built here share as one parameter, :attr:`tied`)."""
 
     def __init__(self, split: Any, aligned: tuple[str, list[dict[str, Any]], bool] | None = None,
-                 tied: Sequence[str] = ()) -> None:
+                 tied: Sequence[str] = (), added: Sequence[str] = ()) -> None:
         self._split = split
+        #: embeddings the first stage adds to the token embedding (:class:`_NoEmbedding` on the later stages)
+        self.added = tuple(added)
         self.num_stages: int = split.num_stages
         self.stage_fqns: tuple[tuple[str, ...], ...] = split.stage_fqns
         self.aligned = aligned
@@ -313,6 +346,10 @@ class _CausalLMStageFn:
         stage = self._split(index)
         if self._tied_names:
             self._share_tied(stage)
+        if index > 0:
+            for name in self.added:
+                owner, _, leaf = name.rpartition(".")
+                stage.get_submodule(owner)._modules[leaf] = _NoEmbedding(name)
         if self.aligned is not None:
             name, attrs, tuple_output = self.aligned
             layers = stage.get_submodule(name)
@@ -365,7 +402,7 @@ def stage_fn_for_causal_lm(
             stages; the returned loss would leave it out), or
             (``verify``) a model whose stages would not compute the whole
             model (a scale or soft cap on logits or embeddings in its
-            forward, GPT-2's position embedding, dropout outside the layers).
+            forward, an extra embedding not added to the tokens', dropout outside the layers).
     """
     names = stage_names_for_causal_lm(model, num_stages=num_stages, layer_splits=layer_splits)
     inp, out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
@@ -416,7 +453,7 @@ def stage_fn_for_causal_lm(
             split = split_by_fqn(model, names, device=device, placeholder="identity", output_field="logits")
         finally:
             head.weight = tied_weight
-    return _CausalLMStageFn(split, aligned, tied), causal_lm_loss
+    return _CausalLMStageFn(split, aligned, tied, _added_embeddings(model, _layout(model)[0])), causal_lm_loss
 
 
 #: the probe's sizes (attributes of the model's config set where it has them, as ints)
@@ -474,6 +511,9 @@ class _CountDropout(torch.overrides.TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
+        #: the draws (``("dropout", p)``) in order, with the decoder layers entered between them (``("layer", i)``,
+        #: noted by :func:`_note_layers`' hooks): a dropout moved to another place (before another layer) shows here
+        self.events: list[tuple[str, float]] = []
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -482,7 +522,14 @@ class _CountDropout(torch.overrides.TorchFunctionMode):
             training = kwargs.get("training", args[2] if len(args) > 2 else True)
             if training and float(p) > 0:
                 self.calls += 1
+                self.events.append(("dropout", float(p)))
         return func(*args, **kwargs)
+
+
+def _note_layers(layers: nn.Module, into: _CountDropout) -> list[Any]:
+    """Hooks noting each real decoder layer of ``layers`` (by its index in the whole model) as it is entered."""
+    return [m.register_forward_pre_hook(lambda mod, args, i=int(k): into.events.append(("layer", i)))
+            for k, m in layers._modules.items() if m is not None and not isinstance(m, _AbsentLayer)]
 
 
 def verify_causal_lm_split(model: nn.Module, layers_per_stage: Sequence[int]) -> None:
@@ -492,8 +539,9 @@ def verify_causal_lm_split(model: nn.Module, layers_per_stage: Sequence[int]) ->
     forward maps the hidden states through every module it does not own and does nothing else to them.  Some
     models do more, and the split would then differ silently: a scale or soft cap the causal-LM ``forward`` applies
     to the logits (Cohere's ``logit_scale``, Gemma 2's ``final_logit_softcapping``, Granite's ``logits_scaling``) or
-    the base model to the embeddings (Granite's ``embedding_multiplier``) would run on every stage's output; a
-    position embedding added to the token embedding (GPT-2) would be added again; a forward that picks each layer's
+    the base model to the embeddings (Granite's ``embedding_multiplier``) would run on every stage's output; an
+    extra embedding used otherwise than added to the token embedding (:class:`_NoEmbedding` on the later stages) would
+    differ; a forward that picks each layer's
     attention kind by its position in the layer list (``config.layer_types[i]`` over ``enumerate(self.layers)``:
     Qwen2 with sliding windows, Gemma 3, GPT-OSS) would count from 0 on every stage.  So a small model of the same
     class and config (:func:`_probe_model`: the same depth and layer kinds, widths and attention windows shrunk)
@@ -516,7 +564,7 @@ def _refuse(name: str, what: str) -> PipelineConfigError:
     return PipelineConfigError(
         f"{name} cannot be split by stage_fn_for_causal_lm: {what} (checked on a small {name} of the same config). "
         "Its forward does more than pass hidden states through the modules a stage does not own (a scale or soft cap "
-        "on the logits or the embeddings, a position embedding added to the tokens', each layer's attention kind "
+        "on the logits or the embeddings, an extra embedding not added to the tokens', each layer's attention kind "
         "taken from its position in the layer list, ...), so the stages would compute another model. Use "
         "pipeloom.split_by_tracing, or a stage_fn of your own (pipeloom.split_by_fqn with placeholder=None)")
 
@@ -575,7 +623,8 @@ def _verify(model: nn.Module, layers_per_stage: Sequence[int], aligned: bool = F
         return None
     tup = bool(tuple_output and tuple_output[0])
     split = _CausalLMStageFn(split_by_fqn(probe, names, placeholder="identity", output_field="logits"),
-                             (layer_list, [_plain_attrs(m) for m in probe.get_submodule(layer_list)], tup) if aligned else None)
+                             (layer_list, [_plain_attrs(m) for m in probe.get_submodule(layer_list)], tup) if aligned else None,
+                             added=_added_embeddings(probe, _layout(probe)[0]))
 
     def close(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, str]:
         if got.shape != want.shape:
@@ -605,17 +654,34 @@ def _verify(model: nn.Module, layers_per_stage: Sequence[int], aligned: bool = F
     if not ok:
         raise _refuse(name, f"the last stage's logits differ from the whole model's ({how})")
 
-    # training mode: the chained stages draw no more dropouts than the whole model
-    with torch.no_grad(), _CountDropout() as whole_drops:
-        probe.train()(ids, attention_mask=mask, use_cache=False)
+    # training mode: the chained stages draw the whole model's dropouts, no more, at the same places (between the
+    # same decoder layers: a dropout module outside the layers kept on every stage draws again on each; one put on
+    # the stage of its side by registration order may be called elsewhere in the forward)
+    with _CountDropout() as whole_drops:
+        hooks = _note_layers(probe.get_submodule(layer_list), whole_drops)
+        try:
+            with torch.no_grad():
+                probe.train()(ids, attention_mask=mask, use_cache=False)
+        finally:
+            for hk in hooks:
+                hk.remove()
     h = ids
-    with torch.no_grad(), _CountDropout() as split_drops:
+    with _CountDropout() as split_drops:
         for s in range(len(counts)):
             stage = split(s).train()
-            h = stage(h, attention_mask=mask)
-            del stage
+            hooks = _note_layers(stage.get_submodule(layer_list), split_drops)
+            with torch.no_grad():
+                h = stage(h, attention_mask=mask)
+            del stage, hooks
     if split_drops.calls > whole_drops.calls:
         raise _refuse(name, f"in training the stages draw {split_drops.calls} dropouts where the whole model draws "
                             f"{whole_drops.calls} (a dropout outside the decoder layers runs on every stage; set its "
                             "probability to 0 in the config, or split another way)")
+    if split_drops.events != whole_drops.events:
+        where = next(i for i, (a, b) in enumerate(zip(split_drops.events + [None], whole_drops.events + [None])) if a != b)
+        before = [e for e in whole_drops.events[:where] if e[0] == "layer"]
+        at = f"after decoder layer {before[-1][1]}" if before else "before the first decoder layer"
+        raise _refuse(name, f"in training the stages draw the whole model's dropouts at other places (the first "
+                            f"difference {at}: a dropout outside the decoder layers placed on another stage than where "
+                            "the forward calls it; set its probability to 0 in the config, or split another way)")
     return tup

@@ -240,12 +240,17 @@ SCRIPT_HF = textwrap.dedent("""\
     import copy, json, os, sys, torch, transformers, pipeloom
     from pipeloom.hf import stage_fn_for_causal_lm
     rank = int(os.environ["RANK"])
-    mode = sys.argv[1]
-    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-                                   num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    mode, family = sys.argv[1], sys.argv[2]
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).double()
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+    if family == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                       num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+        model = transformers.LlamaForCausalLM(cfg).double()
+    else:  # GPT-2: a position embedding added to the token embedding, and an embedding dropout (0 here: exact)
+        cfg = transformers.GPT2Config(vocab_size=40, n_embd=16, n_layer=4, n_head=4, n_positions=16, bos_token_id=1,
+                                      eos_token_id=2, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(cfg).double()
+    assert model.lm_head.weight is model.get_input_embeddings().weight
     ref = copy.deepcopy(model)
     stage_fn, loss_fn = stage_fn_for_causal_lm(model, num_stages=2)
     try:
@@ -275,12 +280,14 @@ SCRIPT_HF = textwrap.dedent("""\
 """)
 
 
-@pytest.mark.parametrize("mode", ["sync", "refuse"])
-def test_hf_causal_lm_with_tied_embeddings_trains_through_two_ranks(tmp_path: Path, mode: str) -> None:
+@pytest.mark.parametrize("mode, family", [("sync", "llama"), ("refuse", "llama"), ("sync", "gpt2")])
+def test_hf_causal_lm_with_tied_embeddings_trains_through_two_ranks(tmp_path: Path, mode: str, family: str) -> None:
     """pipeloom.hf: a tiny Llama with tie_word_embeddings=True, its embedding on stage 0 and its head on stage 1,
-    trains as the unsplit model (AdamW, 2 steps); with tied_weights="refuse" the Pipeline refuses it."""
+    trains as the unsplit model (AdamW, 2 steps); with tied_weights="refuse" the Pipeline refuses it.  GPT-2
+    (tied too) was refused by pipeloom.hf before: its forward adds a position embedding to the token embedding,
+    which a pass-through on stage 1 added again (the position ids); now stage 1 adds nothing there."""
     pytest.importorskip("transformers")
-    recs = run_json_script(tmp_path, SCRIPT_HF, 2, mode, timeout=120)
+    recs = run_json_script(tmp_path, SCRIPT_HF, 2, mode, family, timeout=120)
     if mode == "refuse":
         for rank, r in enumerate(recs):
             assert not r["built"], r
@@ -288,6 +295,7 @@ def test_hf_causal_lm_with_tied_embeddings_trains_through_two_ranks(tmp_path: Pa
             assert "'model.embed_tokens.weight', 'lm_head.weight'" in r["message"], r
         return
     assert all(r["built"] for r in recs), recs
-    assert "model.embed_tokens.weight" in recs[0]["names"] and "lm_head.weight" in recs[1]["names"], recs
+    emb = "model.embed_tokens.weight" if family == "llama" else "transformer.wte.weight"
+    assert emb in recs[0]["names"] and "lm_head.weight" in recs[1]["names"], recs
     for r in recs:
         assert r["diff"] < 1e-9, recs
