@@ -585,7 +585,8 @@ class Pipeline:
                 checkpoint, {**record, "_ties": self._tie_uses}, check_stage_replicas,
                 refuse=lambda recs: ties_across_ranks(recs, self.schedule.stage_to_rank, sync=sync_ties, fsdp=self._fsdp,
                                                       expert_parallel=self._ep_grid is not None))
-            tie_plan = tie_sync_groups(stage_records, self.schedule.stage_to_rank) if sync_ties else []
+            tie_plan = tie_sync_groups(stage_records, self.schedule.stage_to_rank,
+                                       frozen=not self._fsdp and self._ep_grid is None) if sync_ties else []
         except BaseException as exc:
             text = str(exc)
             if text.startswith(prefix := f"rank {self.rank}: "):

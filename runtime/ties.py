@@ -128,6 +128,9 @@ def refuse_ties_across_ranks(modules: Mapping[int, nn.Module], rank: int, *, syn
     local_params: dict[int, tuple[int, str, str]] = {}
     #: per trainable parameter of a local stage: how many times the local stages hold it, and by which stage(s)
     held: dict[int, dict[int, list[str]]] = {}
+    #: (sync) the frozen parameters of the local stages, in ``held`` too: a frozen tie's copies are made equal at
+    #: construction, and one unfrozen later is refused at the step (TiedCopies.take), not trained apart
+    frozen: set[int] = set()
     for s, root in modules.items():
         for _, m in root.named_modules(remove_duplicate=False):
             local_mods.add(id(m))
@@ -138,8 +141,10 @@ def refuse_ties_across_ranks(modules: Mapping[int, nn.Module], rank: int, *, syn
                 if p.requires_grad:  # (a frozen weight gets no gradient: its copies cannot drift apart)
                     local_params.setdefault(id(p), (s, f"{mname}.{pname}" if mname else pname, type(m).__name__))
         for pname, p in root.named_parameters(remove_duplicate=False):
-            if p.requires_grad:
+            if p.requires_grad or sync:
                 held.setdefault(id(p), {}).setdefault(s, []).append(pname)
+                if not p.requires_grad:
+                    frozen.add(id(p))
     if not held:
         return {}
     candidates: list[nn.Module] = []
@@ -171,7 +176,7 @@ def refuse_ties_across_ranks(modules: Mapping[int, nn.Module], rank: int, *, syn
         if kids:  # (a root without children holds a weight tied inside one layer: on one stage whatever the split)
             candidates.append(obj)
             children.update(id(c) for c in kids.values() if c is not None)
-    out = _tie_groups([m for m in candidates if id(m) not in children], held, found)
+    out = _tie_groups([m for m in candidates if id(m) not in children], held, found, frozen)
     if found:  # (sync) a layer of another kind holding a stage's weight outside every tie group rule 2 saw
         f = next(iter(found.values()))[0][1]
         raise PipelineConfigError(
@@ -186,7 +191,8 @@ def refuse_ties_across_ranks(modules: Mapping[int, nn.Module], rank: int, *, syn
 
 
 def _tie_groups(roots: Sequence[nn.Module], held: Mapping[int, Mapping[int, list[str]]],
-                found: dict[int, list[tuple[nn.Module, dict[str, Any]]]] | None = None) -> dict[str, Any]:
+                found: dict[int, list[tuple[nn.Module, dict[str, Any]]]] | None = None,
+                frozen: set[int] = frozenset()) -> dict[str, Any]:
     """The tie groups of the alive root models that the local stages use: per group (keyed by the root's class and
     the first name the root reaches it by, the same on every rank that built the same model), the names the root
     reaches the one tensor by, which local stage holds it under which names, and whether the local stages hold it
@@ -207,6 +213,8 @@ def _tie_groups(roots: Sequence[nn.Module], held: Mapping[int, Mapping[int, list
                 "stages": {str(s): local[:_MAX_NAMES] for s, local in sorted(stages.items())},
                 "complete": sum(len(local) for local in stages.values()) >= len(ns),
             }
+            if pid in frozen:  # (sync: a frozen tie, made equal at construction, not summed per step)
+                group["frozen"] = True
             if found and pid in found:  # rule 1's findings of layers of this root: decided with every rank's records
                 if inside is None:
                     inside = {id(m) for m in root.modules()}
@@ -230,6 +238,7 @@ def _merged(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
             ent = groups.setdefault(key, {"names": g["names"], "count": g["count"], "users": {}, "complete": True,
                                           "others": []})
             ent["complete"] = ent["complete"] and g["complete"]
+            ent["trainable"] = ent.get("trainable", False) or not g.get("frozen", False)
             if g.get("other"):
                 ent["others"].append(g["other"])
             for s, local in g["stages"].items():
@@ -273,7 +282,7 @@ def ties_across_ranks(records: Sequence[Mapping[str, Any]], stage_to_rank: Seque
     the other end is on no stage, and nothing can keep the copies equal."""
     groups = _merged(records)
     if sync:
-        spanning = [_describe(k, g) for k, g in sorted(groups.items()) if _spans(g, stage_to_rank)]
+        spanning = [_describe(k, g) for k, g in sorted(groups.items()) if _spans(g, stage_to_rank) and g["trainable"]]
         if spanning and (fsdp or expert_parallel):
             what = "fsdp=True" if fsdp else "expert parallelism"
             return [f"weights tied across stages on different ranks are kept equal by summing their gradients over "
@@ -301,11 +310,14 @@ def ties_across_ranks(records: Sequence[Mapping[str, Any]], stage_to_rank: Seque
             "the tied modules in one stage, or on one rank (a V schedule's first and last stage share a weight for real)"]
 
 
-def tie_sync_groups(records: Sequence[Mapping[str, Any]], stage_to_rank: Sequence[int]) -> list[tuple[str, tuple[int, ...]]]:
+def tie_sync_groups(records: Sequence[Mapping[str, Any]], stage_to_rank: Sequence[int], *,
+                    frozen: bool = True) -> list[tuple[str, tuple[int, ...], bool]]:
     """The tie groups that span pipeline ranks (``RuntimeOptions.tied_weights="sync"``), sorted by key (every rank
-    makes their process groups in this order): ``(key, the pipeline ranks holding a copy, ascending)``."""
-    return [(k, tuple(sorted(_pipeline_ranks(g, stage_to_rank))))
-            for k, g in sorted(_merged(records).items()) if _spans(g, stage_to_rank)]
+    makes their process groups in this order): ``(key, the pipeline ranks holding a copy, ascending, trainable)``.
+    ``trainable``: some rank's copy required a gradient at construction (the same answer on every rank); a frozen
+    group's copies are made equal at construction and not summed per step (``frozen=False``: left out)."""
+    return [(k, tuple(sorted(_pipeline_ranks(g, stage_to_rank))), g["trainable"])
+            for k, g in sorted(_merged(records).items()) if _spans(g, stage_to_rank) and (frozen or g["trainable"])]
 
 
 class TiedCopies:
@@ -332,14 +344,19 @@ class TiedCopies:
         self.sets: list[tuple[Any, list[int], list[nn.Parameter | None]]] = []
         #: ids of the copies this rank does not count in a global gradient norm (a lower rank of its group does)
         self.not_counted: set[int] = set()
+        #: the copies of groups frozen (on every rank) at construction: made equal then, not summed per step; one
+        #: found trainable at a training step is refused there (:meth:`take`); id -> (Parameter, key)
+        self.frozen: dict[int, tuple[nn.Parameter, str]] = {}
         self._dp_group = dp_group
         self._dp = len(grid[0]) if grid else 1
         #: a training step ran inside ``no_sync``: the gradients held before the next synchronised one are not yet
         #: averaged over the replicas (the data-parallel reduction of that step sees only its own contribution)
         self.unreduced = False
         by_ranks: dict[tuple[int, ...], list[str]] = {}
-        for key, pp in plan:
+        trainable: dict[str, bool] = {}
+        for key, pp, *rest in plan:
             by_ranks.setdefault(pp, []).append(key)
+            trainable[key] = bool(rest[0]) if rest else True
         for pp, keys in by_ranks.items():
             for j in range(self._dp):
                 ranks = [int(grid[i][j]) for i in pp]
@@ -356,6 +373,8 @@ class TiedCopies:
                             "replicas but not here: the replicas of a stage must be built from the same model")
                     s, local = next(iter(use["stages"].items()))
                     p = modules[int(s)].get_parameter(local[0])
+                    if not trainable[key]:
+                        self.frozen[id(p)] = (p, key)
                     params.append(None if id(p) in seen else p)
                     seen.add(id(p))
                     if rank != min(ranks):  # (and of the lowest, only column 0's: training.py counts replicated ones so)
@@ -366,11 +385,12 @@ class TiedCopies:
         return bool(self.sets)
 
     def _copies(self) -> list[nn.Parameter]:
+        """The copies summed per step (not those frozen at construction)."""
         seen: set[int] = set()
         out = []
         for _, _, params in self.sets:
             for p in params:
-                if p is not None and id(p) not in seen:
+                if p is not None and id(p) not in seen and id(p) not in self.frozen:
                     seen.add(id(p))
                     out.append(p)
         return out
@@ -388,6 +408,13 @@ class TiedCopies:
 
     def take(self) -> list[Any]:
         """Before a training step: each copy's gradient, taken aside (the step accumulates into None)."""
+        for p, key in self.frozen.values():
+            if p.requires_grad:
+                raise PipelineConfigError(
+                    f"rank {self.rank}: the weight tied across pipeline ranks {key!r} was frozen (requires_grad=False) "
+                    "when this Pipeline was built and is trainable now: its copies on the holding ranks would be "
+                    "trained apart, each with its own rank's part of the gradient; unfreeze it before building the "
+                    "Pipeline (build a new Pipeline after unfreezing)")
         copies = self._copies()
         prev = [p.grad for p in copies]
         for p in copies:
@@ -406,7 +433,7 @@ class TiedCopies:
                     g.add_(p.grad)
                 p.grad = g
 
-    def sync(self, prev: list[Any], *, synced: bool, check: Any = None, limit: float = 40.0) -> None:
+    def sync(self, prev: list[Any], *, synced: bool, check: Any = None, limit: float = 40.0) -> None:  # noqa: C901
         """After a training step (every B and W action done, data-parallel reductions completed): sum each copy's
         contribution of the step over its group and add back the gradient it held before (``prev``, from
         :meth:`take`).  ``synced``: the step reduced gradients over the replicas (not inside ``no_sync``).  ``check()``:
@@ -419,7 +446,8 @@ class TiedCopies:
         with torch.no_grad():
             summed: dict[int, torch.Tensor | None] = {}
             for group, ranks, params in self.sets:
-                live = [p for p in params if p is not None]  # (a Parameter two keys name: one slot, the first key's)
+                # (a Parameter two keys name: one slot, the first key's; a frozen group's: none)
+                live = [p for p in params if p is not None and id(p) not in self.frozen]
                 by_dtype: dict[Any, list[nn.Parameter]] = {}
                 for p in live:
                     by_dtype.setdefault(p.dtype, []).append(p)
