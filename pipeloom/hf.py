@@ -329,6 +329,10 @@ class _CausalLMStageFn:
         self._tied_names = tuple(tied)
         #: the tied embeddings' one parameter in this process (made from the first stage built that holds an end)
         self.tied: TiedEmbeddings | None = None
+        #: the stage indices built since :attr:`tied` was last reset: an index asked for again starts another set of
+        #: stages (another Pipeline built from this stage_fn), which gets a parameter of its own, from its own copy
+        #: (sharing the first set's carried that Pipeline's trained embedding into the new one's untrained model)
+        self._built: set[int] = set()
 
     def _share_tied(self, stage: nn.Module) -> None:
         """The stage's ends of the tied embeddings made this process's one parameter (the stage is a deep copy)."""
@@ -344,6 +348,9 @@ class _CausalLMStageFn:
 
     def __call__(self, index: int) -> nn.Module:
         stage = self._split(index)
+        if index in self._built:
+            self.tied, self._built = None, set()
+        self._built.add(index)
         if self._tied_names:
             self._share_tied(stage)
         if index > 0:

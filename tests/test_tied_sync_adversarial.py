@@ -138,3 +138,178 @@ def _check(recs, cases):
 def test_adversarial_two_ranks(tmp_path: Path) -> None:
     recs = run_json_script(tmp_path, SCRIPT, 2, json.dumps(CASES_2), timeout=240)
     _check(recs, CASES_2)
+
+
+SCRIPT_MISC = COMMON + EXTRA.split("cases = json.loads")[0] + textwrap.dedent("""\
+    import transformers
+    from pipeloom.hf import stage_fn_for_causal_lm
+    res = {}
+
+    def scaler_case():  # ALBERT's block tied across the ranks, an inf in one microbatch of the second step
+        model, parts, ref = build(Albert, 2)
+        pipe = pipeloom.Pipeline(lambda s: parts[s], schedule="1F1B", num_microbatches=4, loss_fn=loss_fn)
+        scaler, ref_scaler = pipeloom.PipelineGradScaler(pipe, init_scale=256.0, growth_interval=1), torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=1)
+        opt, ref_opt = torch.optim.SGD(pipe.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        diffs, scales = [], []
+        for it in range(3):
+            x, y = xy(Albert, g)
+            if it == 1:
+                x[0, 0, 0] = float("inf")
+            pipe.step(x, target=y, return_outputs=False)
+            ref_scaler.scale(sum(loss_fn(ref(xb), yb) for xb, yb in zip(x.chunk(4), y.chunk(4))).div(4)).backward()
+            scaler.step(opt); scaler.update(); opt.zero_grad()
+            ref_scaler.step(ref_opt); ref_scaler.update(); ref_opt.zero_grad()
+            diffs.append(compare(model, parts, ref, pipe)[0])
+            scales.append([scaler.get_scale(), ref_scaler.get_scale()])
+        pipe.close()
+        return {"diffs": diffs, "scales": scales, "digest": digest(model.tied())}
+
+    def two_alive():  # two Pipelines alive at once, each with its tie, stepped in turn
+        a, b = build(LM, 2), build(Both, 2)
+        pa = pipeloom.Pipeline(lambda s: a[1][s], schedule="1F1B", num_microbatches=4, loss_fn=loss_fn)
+        pb = pipeloom.Pipeline(lambda s: b[1][s], schedule="1F1B", num_microbatches=4, loss_fn=loss_fn)
+        g = torch.Generator().manual_seed(1)
+        diffs = []
+        for it in range(2):
+            for (model, parts, ref), pipe in ((a, pa), (b, pb)):
+                x, y = xy(LM, g)
+                pipe.step(x, target=y, return_outputs=False)
+                ref_backward(ref, x, y, 4)
+                diffs.append(compare(model, parts, ref, pipe)[0])
+        pa.close(); pb.close()
+        return {"diffs": diffs}
+
+    def gpt2(schedule, splits, twice):
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(vocab_size=40, n_embd=16, n_layer=4, n_head=4, n_positions=16, bos_token_id=1,
+                                      eos_token_id=2, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(cfg).double()
+        ref = copy.deepcopy(model)
+        kw = {"layer_splits": splits} if splits else {"num_stages": 4 if schedule == "Interleaved1F1B" else 2}
+        stage_fn, lfn = stage_fn_for_causal_lm(model, **kw)
+        diffs = []
+        g = torch.Generator().manual_seed(1)
+        want = dict(ref.named_parameters(remove_duplicate=False))
+        for build_no in range(2 if twice else 1):
+            pipe = pipeloom.Pipeline(stage_fn, schedule=schedule, num_microbatches=4, loss_fn=lfn)
+            opt, ref_opt = torch.optim.AdamW(pipe.parameters(), lr=0.01), torch.optim.AdamW(ref.parameters(), lr=0.01)
+            if build_no:  # a second Pipeline from the same stage_fn: the model as it was built (ref restarted too)
+                ref = copy.deepcopy(model); want = dict(ref.named_parameters(remove_duplicate=False))
+                ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+                for stage in pipe.stages.values():
+                    for n, p in stage.named_parameters():
+                        diffs.append(float((p.detach() - want[n].detach()).abs().max()))
+            for it in range(2):
+                ids = torch.randint(3, 40, (8, 7), generator=g)
+                pipe.step(ids, target=ids, return_outputs=False)
+                sum(lfn(ref(input_ids=part), part) for part in ids.chunk(4)).div(4).backward()
+                for stage in pipe.stages.values():
+                    for n, p in stage.named_parameters():
+                        diffs.append(float((p.grad - want[n].grad).abs().max()))
+                opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
+                for stage in pipe.stages.values():
+                    for n, p in stage.named_parameters():
+                        diffs.append(float((p.detach() - want[n].detach()).abs().max()))
+            pipe.close()
+        return {"diffs": diffs}
+
+    def failed():  # stage 1 raises in microbatch 2 of the second step: refused after, exits
+        model, parts, ref = build(LM, 2)
+        calls = {"n": 0}
+        class Boom(nn.Module):
+            def forward(self, h):
+                calls["n"] += 1
+                if calls["n"] == 7:
+                    raise RuntimeError("boom")
+                return h
+        stages = [parts[0], nn.Sequential(Boom(), parts[1])]
+        pipe = pipeloom.Pipeline(lambda s: stages[s], schedule="1F1B", num_microbatches=4, loss_fn=loss_fn,
+                                 options=pipeloom.RuntimeOptions(heartbeat_timeout=5.0, stall_timeout=10.0))
+        g = torch.Generator().manual_seed(1)
+        out = {}
+        try:
+            for it in range(2):
+                x, y = xy(LM, g)
+                pipe.step(x, target=y, return_outputs=False)
+                ref_backward(ref, x, y, 4)
+                if it == 0:
+                    out["first"] = compare(model, parts, ref, pipe)[0]
+        except Exception as exc:
+            out["error"] = type(exc).__name__
+        try:
+            pipe.step(*xy(LM, g), return_outputs=False)
+        except Exception as exc:
+            out["after"] = str(exc)[:200]
+        pipe.close()
+        return out
+
+    def failed_late():  # stage 0's backward of the last microbatch raises: rank 1 is already in the tie's all-reduce
+        model, parts, ref = build(LM, 2)
+        calls = {"n": 0}
+        class Raise(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, h):
+                return h.view_as(h)
+            @staticmethod
+            def backward(ctx, g):
+                calls["n"] += 1
+                if calls["n"] == 8:
+                    raise RuntimeError("late boom")
+                return g
+        class Late(nn.Module):
+            def forward(self, h):
+                return Raise.apply(h)
+        stages = [nn.Sequential(parts[0][0], Late(), *parts[0][1:]), parts[1]]
+        pipe = pipeloom.Pipeline(lambda s: stages[s], schedule="1F1B", num_microbatches=4, loss_fn=loss_fn,
+                                 options=pipeloom.RuntimeOptions(heartbeat_timeout=5.0, stall_timeout=10.0))
+        g = torch.Generator().manual_seed(1)
+        out = {}
+        import time
+        t0 = time.monotonic()
+        try:
+            for it in range(2):
+                x, y = xy(LM, g)
+                pipe.step(x, target=y, return_outputs=False)
+                if it == 0:  # the gradient held before the failed step, and what that step accumulates here
+                    prev, last = model.tied().grad.clone(), {}
+                    model.tied().register_post_accumulate_grad_hook(lambda p: last.__setitem__("g", p.grad.clone()))
+        except Exception as exc:
+            out["error"] = type(exc).__name__ + ": " + str(exc)[:200]
+        out["seconds"] = time.monotonic() - t0
+        # the gradient after the failed step: the one held before it, with what the step added locally
+        out["restored"] = bool(torch.allclose(model.tied().grad, prev + last["g"], atol=1e-7))
+        try:
+            pipe.step(*xy(LM, g), return_outputs=False)
+        except Exception as exc:
+            out["after"] = str(exc)[:200]
+        pipe.close()
+        return out
+
+    for name, fn in [("scaler", scaler_case), ("two_alive", two_alive),
+                     ("gpt2_interleaved", lambda: gpt2("Interleaved1F1B", None, False)),
+                     ("gpt2_splits_twice", lambda: gpt2("1F1B", [3, 1], True)), ("failed", failed), ("failed_late", failed_late)]:
+        try:
+            res[name] = fn()
+        except Exception as exc:
+            import traceback
+            res[name] = {"error": traceback.format_exc()[-1500:]}
+    print(json.dumps(res), flush=True)
+""")
+
+
+def test_adversarial_misc_two_ranks(tmp_path: Path) -> None:
+    """PipelineGradScaler with an inf in one microbatch (both copies skipped, torch's scale sequence); two Pipelines
+    alive at once, each with its tie; a tied GPT-2 through pipeloom.hf under Interleaved1F1B (4 stages on 2 ranks)
+    and with layer_splits, then a second Pipeline built from the same stage_fn (it shared the first one's trained
+    embedding: 0.13 off); a stage raising in a forward, and in the last backward: refused after, gradients restored."""
+    recs = run_json_script(tmp_path, SCRIPT_MISC, 2, timeout=240)
+    for rank, r in enumerate(recs):
+        for name in ("scaler", "two_alive", "gpt2_interleaved", "gpt2_splits_twice"):
+            assert "error" not in r[name], (rank, name, r[name])
+            assert max(r[name]["diffs"]) < 1e-6, (rank, name, r[name]["diffs"])
+        assert all(a == b for a, b in r["scaler"]["scales"]) and r["scaler"]["scales"][1][0] < r["scaler"]["scales"][0][0], r["scaler"]
+        for name in ("failed", "failed_late"):
+            assert "error" in r[name] and "failed (" in r[name]["after"], (rank, r[name])
+        assert r["failed"]["first"] < 1e-6 and r["failed_late"]["restored"], r
+    assert recs[0]["scaler"]["digest"] == recs[1]["scaler"]["digest"]
