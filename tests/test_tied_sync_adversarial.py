@@ -39,11 +39,30 @@ EXTRA = textwrap.dedent("""\
             super().__init__()
             self.emb.weight.requires_grad_(False)
 
-    MODELS = {"lm": LM, "albert": Albert, "albert3": Albert3, "both": Both, "frozen": Frozen}
+    SKIP = set()  # depths whose block this step passes over (on every rank and in the unsplit model)
+
+    class Gate(nn.Module):
+        def __init__(self, depth, block):
+            super().__init__()
+            self.depth, self.block = depth, block
+
+        def forward(self, h):
+            return h if self.depth in SKIP else self.block(h)
+
+    class Gated(Albert):  # ALBERT's block at depths 0 and 2, either depth passed over in some steps
+        def __init__(self):
+            super().__init__()
+            inner = [b for b in self.blocks]
+            self.blocks = nn.ModuleList(Gate(i, inner[0] if i == 2 else inner[i]) for i in range(4))
+
+        def tied(self):
+            return self.blocks[0].block[0].weight
+
+    MODELS = {"gated": Gated, "lm": LM, "albert": Albert, "albert3": Albert3, "both": Both, "frozen": Frozen}
 
     def xy(cls, g, rows=8):
         x, y = torch.randint(0, V, (rows, 3), generator=g), torch.randint(0, V, (rows, 3), generator=g)
-        if cls in (Albert, Albert3):
+        if cls in (Albert, Albert3, Gated):
             x = torch.randn(rows, 3, D, generator=g)
         return x, y
 
@@ -76,6 +95,7 @@ EXTRA = textwrap.dedent("""\
         for it in range(3):
             for k in range(case.get("accumulate", 1)):
                 x, y = xy(cls, g)
+                SKIP.clear(); SKIP.update(case.get("skip", [[]] * 9)[it * case.get("accumulate", 1) + k])
                 if case.get("eval"):
                     ex, ey = xy(cls, g)
                     pipe.eval(ex, target=ey, return_outputs=True)
@@ -110,7 +130,14 @@ CASES_2 = [
     {"model": "lm", "schedule": "1F1B", "options": {"host_overlap_backward": True}},
     {"model": "lm", "schedule": "DualPipeV", "stages": 4},
     {"model": "albert3", "schedule": "InterleavedZeroBubble", "stages": 4, "zeros": True},
-    {"model": "frozen", "schedule": "1F1B"},  # frozen: rank 1's copy, built different, made rank 0's
+    {"model": "albert", "schedule": "DualPipeV", "stages": 4, "options": {"dispatch": "critical"}},
+    {"model": "both", "schedule": "ZBVZeroBubble", "stages": 4, "options": {"host_overlap_backward": True, "dispatch": "guarded"}},
+    {"model": "albert3", "schedule": "InterleavedZeroBubble", "stages": 4, "options": {"dispatch": "ready", "static_shapes": True}},
+    {"model": "both", "schedule": "InterleavedZeroBubble", "stages": 4, "options": {"deterministic": True, "host_overlap_backward": True}},
+    {"model": "frozen", "schedule": "1F1B"},
+    # one holder's copy gets no gradient in a step (its depth passed over), then the other's, then both's
+    {"model": "gated", "schedule": "1F1B", "accumulate": 2, "skip": [[2], [0], [0, 2], [2], [0, 2], [0, 2]]},
+    {"model": "gated", "schedule": "1F1B", "zeros": True, "skip": [[2], [0, 2], [0]]},  # frozen: rank 1's copy, built different, made rank 0's
     {"model": "frozen", "schedule": "1F1B", "unfreeze": True, "refused": "was frozen (requires_grad=False) when this Pipeline was built"},
 ]
 
@@ -313,3 +340,75 @@ def test_adversarial_misc_two_ranks(tmp_path: Path) -> None:
             assert "error" in r[name] and "failed (" in r[name]["after"], (rank, r[name])
         assert r["failed"]["first"] < 1e-6 and r["failed_late"]["restored"], r
     assert recs[0]["scaler"]["digest"] == recs[1]["scaler"]["digest"]
+
+
+SCRIPT_4 = COMMON + EXTRA.split("cases = json.loads")[0] + textwrap.dedent("""\
+    def dp_case(case):  # pp 2 x dp 2: several steps per optimizer step, no_sync, eval, zeros
+        cls = MODELS[case["model"]]
+        model, parts, ref = build(cls, 2)
+        pipe = pipeloom.Pipeline(lambda s: parts[s], schedule=case["schedule"], num_microbatches=2, loss_fn=loss_fn,
+                                 data_parallel=2, options=pipeloom.RuntimeOptions(**case.get("options", {})))
+        opt, ref_opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(1)
+        out = {"diffs": [], "digests": [], "norms": []}
+        try:
+            for it in range(3):
+                for k, mode in enumerate(case["plan"][it]):  # "n": no_sync step, "s": synchronised step, "e": eval
+                    x, y = xy(cls, g)
+                    if mode == "e":
+                        pipe.eval(x, target=y, return_outputs=True)
+                        continue
+                    if mode == "n":
+                        with pipe.no_sync():
+                            pipe.step(x, target=y, return_outputs=False)
+                    else:
+                        pipe.step(x, target=y, return_outputs=False)
+                    ref_backward(ref, x, y, 4)
+                out["norms"].append([float(pipe.clip_grad_norm_(1e9)), float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))])
+                w, d = compare(model, parts, ref, pipe); out["diffs"].append(w); out["digests"].append(d)
+                opt.step(); opt.zero_grad(set_to_none=not case.get("zeros")); ref_opt.step(); ref_opt.zero_grad(set_to_none=not case.get("zeros"))
+                w, d = compare(model, parts, ref, pipe); out["diffs"].append(w); out["digests"].append(d)
+        finally:
+            pipe.close()
+        return out
+
+    res = {}
+    cases = json.loads(sys.argv[1])
+    for i, c in enumerate(cases):
+        try:
+            res[i] = run(c) if "plan" not in c else dp_case(c)
+        except Exception as exc:
+            import traceback
+            res[i] = {"error": traceback.format_exc()[-1500:]}
+    print(json.dumps(res), flush=True)
+""")
+
+CASES_4 = [
+    {"model": "albert3", "schedule": "1F1B", "stages": 4},  # one block at depths on stages of 3 ranks
+    {"model": "both", "schedule": "1F1B", "stages": 4, "zeros": True},  # two tie groups, on ranks {0, 3} and {0, 2}
+    {"model": "albert3", "schedule": "GPipe", "stages": 4, "accumulate": 2, "eval": True},
+    {"model": "lm", "schedule": "1F1B", "plan": [["n", "s"], ["s", "e", "s"], ["n", "n", "s"]]},
+    {"model": "both", "schedule": "1F1B", "plan": [["s", "n", "s"], ["e", "s"], ["n", "s"]], "zeros": True},
+    {"model": "gated", "schedule": "GPipe", "plan": [["n", "s"], ["s", "s"], ["n", "s"]]},
+]
+
+
+def test_adversarial_four_ranks(tmp_path: Path) -> None:
+    """pp 4: ALBERT's block on stages of 3 ranks, two tie groups at once; pp 2 x dp 2: no_sync and synchronised steps
+    mixed before each optimizer step, evaluation between them, zero_grad(set_to_none=False); all four ranks against
+    the unsplit model, the holders' copies bit-equal."""
+    recs = run_json_script(tmp_path, SCRIPT_4, 4, json.dumps(CASES_4), timeout=240)
+    open("/tmp/adv/four.json", "w").write(json.dumps(recs))
+    bad = []
+    for i, case in enumerate(CASES_4):
+        rs = [r[str(i)] for r in recs]
+        for rank, r in enumerate(rs):
+            if "error" in r or max(r["diffs"]) > 1e-6:
+                bad.append((case, rank, r.get("error") or r["diffs"]))
+            for got, want in r.get("norms", []):
+                if abs(got - want) > 1e-6 * max(1.0, want):
+                    bad.append((case, rank, r["norms"]))
+        held = [r["digests"] for r in rs if "digests" in r and all(d is not None for d in r["digests"]) and r["digests"][0][0] is not None]
+        if any(d != held[0] for d in held):
+            bad.append((case, "digests differ"))
+    assert not bad, bad
