@@ -101,8 +101,10 @@ from .errors import PipelineConfigError, PipelineError
 
 __all__ = ["TiedCopies", "refuse_ties_across_ranks", "ties_across_ranks", "tie_sync_groups"]
 
-#: tie groups one rank posts at most, and names listed per group (the record rides in the construction agreement)
-_MAX_GROUPS, _MAX_NAMES = 256, 8
+#: tie groups one rank posts at most, and names listed per group (the record rides in the construction agreement);
+#: a rank whose stages use more groups is refused (those past the limit were left out: neither synchronised nor
+#: refused, their copies trained apart; 256 was reached by one shared block of 130 layers)
+_MAX_GROUPS, _MAX_NAMES = 4096, 8
 
 
 #: modules that only collect parameters (rule 1 does not take one for a layer using them)
@@ -176,7 +178,7 @@ def refuse_ties_across_ranks(modules: Mapping[int, nn.Module], rank: int, *, syn
         if kids:  # (a root without children holds a weight tied inside one layer: on one stage whatever the split)
             candidates.append(obj)
             children.update(id(c) for c in kids.values() if c is not None)
-    out = _tie_groups([m for m in candidates if id(m) not in children], held, found, frozen)
+    out = _tie_groups([m for m in candidates if id(m) not in children], held, found, frozen, rank)
     if found:  # (sync) a layer of another kind holding a stage's weight outside every tie group rule 2 saw
         f = next(iter(found.values()))[0][1]
         raise PipelineConfigError(
@@ -192,12 +194,13 @@ def refuse_ties_across_ranks(modules: Mapping[int, nn.Module], rank: int, *, syn
 
 def _tie_groups(roots: Sequence[nn.Module], held: Mapping[int, Mapping[int, list[str]]],
                 found: dict[int, list[tuple[nn.Module, dict[str, Any]]]] | None = None,
-                frozen: set[int] = frozenset()) -> dict[str, Any]:
+                frozen: set[int] = frozenset(), rank: int | None = None) -> dict[str, Any]:
     """The tie groups of the alive root models that the local stages use: per group (keyed by the root's class and
     the first name the root reaches it by, the same on every rank that built the same model), the names the root
     reaches the one tensor by, which local stage holds it under which names, and whether the local stages hold it
     as many times as the root does (``complete``: every end of the tie is on this rank)."""
     out: dict[str, Any] = {}
+    where = "" if rank is None else f"rank {rank}: "
     for root in roots:
         names: dict[int, list[str]] = {}
         for name, p in root.named_parameters(remove_duplicate=False):
@@ -205,8 +208,14 @@ def _tie_groups(roots: Sequence[nn.Module], held: Mapping[int, Mapping[int, list
                 names.setdefault(id(p), []).append(name)
         inside: set[int] | None = None
         for pid, ns in names.items():
-            if len(ns) < 2 or len(out) >= _MAX_GROUPS:
+            if len(ns) < 2:
                 continue
+            if len(out) >= _MAX_GROUPS:
+                raise PipelineConfigError(
+                    f"{where}the stages use more than {_MAX_GROUPS} tied parameters (tie groups: the first "
+                    f"{type(root).__name__}:{ns[0]!r} past the limit), more than the Pipeline records to find the "
+                    "ties across ranks: the ones left out would be trained as separate copies; tie whole tensors "
+                    "instead of many small ones (fewer, larger parameters), or untie them")
             stages = held[pid]
             group = out[f"{type(root).__name__}:{ns[0]}"] = {
                 "names": ns[:_MAX_NAMES], "count": len(ns),

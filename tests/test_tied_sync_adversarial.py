@@ -241,6 +241,64 @@ SCRIPT_MISC = COMMON + EXTRA.split("cases = json.loads")[0] + textwrap.dedent(""
             pipe.close()
         return {"diffs": diffs}
 
+    def gpt2_checkpoint():  # saved under 1F1B (2 stages), loaded under Interleaved1F1B (4 stages) into another seed's model
+        cfg = transformers.GPT2Config(vocab_size=40, n_embd=16, n_layer=4, n_head=4, n_positions=16, bos_token_id=1,
+                                      eos_token_id=2, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(cfg).double()
+        ref = copy.deepcopy(model)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+        want = dict(ref.named_parameters(remove_duplicate=False))
+        g = torch.Generator().manual_seed(1)
+        diffs, tied = [], []
+        for layout, seed in (("1F1B", 0), ("Interleaved1F1B", 5 + rank)):
+            torch.manual_seed(seed)
+            m = transformers.GPT2LMHeadModel(cfg).double()
+            stage_fn, lfn = stage_fn_for_causal_lm(m, num_stages=2 if layout == "1F1B" else 4)
+            pipe = pipeloom.Pipeline(stage_fn, schedule=layout, num_microbatches=4, loss_fn=lfn)
+            opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
+            if layout != "1F1B":
+                pipeloom.load_checkpoint(sys.argv[1], pipe, opt)
+            for it in range(2):
+                ids = torch.randint(3, 40, (8, 7), generator=g)
+                pipe.step(ids, target=ids, return_outputs=False)
+                sum(lfn(ref(input_ids=part), part) for part in ids.chunk(4)).div(4).backward()
+                opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
+                for stage in pipe.stages.values():
+                    for n, p in stage.named_parameters():
+                        diffs.append(float((p.detach() - want[n].detach()).abs().max()))
+                        if n in ("transformer.wte.weight", "lm_head.weight"):
+                            tied.append(digest(p))
+            if layout == "1F1B":
+                pipeloom.save_checkpoint(sys.argv[1], pipe, opt, step=2)
+            pipe.close()
+        return {"diffs": diffs, "tied": tied}
+
+    def many_groups():  # one block of 130 layers (260 parameters: a tie group each) at a depth on either rank
+        class Many(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = nn.ModuleList([nn.Sequential(*(nn.Linear(D, D) for _ in range(130)))] * 2)
+                self.out = nn.Linear(D, V)
+            def forward(self, x):
+                return self.out(self.blocks[1](self.blocks[0](x)))
+            def parts(self, n):
+                return [self.blocks[0], nn.Sequential(self.blocks[1], self.out)]
+            def tied(self):
+                return self.blocks[0][-1].weight
+        model, parts, ref = build(Many, 2)
+        try:
+            pipe = pipeloom.Pipeline(lambda s: parts[s], schedule="1F1B", num_microbatches=4, loss_fn=loss_fn)
+        except pipeloom.PipelineConfigError as exc:
+            return {"refused": str(exc)}
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(8, 3, D, generator=g) * 0.1, torch.randint(0, V, (8, 3), generator=g)
+        pipe.step(x, target=y, return_outputs=False)
+        ref_backward(ref, x, y, 4)
+        out = {"diffs": [compare(model, parts, ref, pipe)[0]]}
+        pipe.close()
+        return out
+
     def failed():  # stage 1 raises in microbatch 2 of the second step: refused after, exits
         model, parts, ref = build(LM, 2)
         calls = {"n": 0}
@@ -313,9 +371,10 @@ SCRIPT_MISC = COMMON + EXTRA.split("cases = json.loads")[0] + textwrap.dedent(""
         pipe.close()
         return out
 
-    for name, fn in [("scaler", scaler_case), ("two_alive", two_alive),
+    for name, fn in [("many_groups", many_groups), ("scaler", scaler_case), ("two_alive", two_alive),
                      ("gpt2_interleaved", lambda: gpt2("Interleaved1F1B", None, False)),
-                     ("gpt2_splits_twice", lambda: gpt2("1F1B", [3, 1], True)), ("failed", failed), ("failed_late", failed_late)]:
+                     ("gpt2_splits_twice", lambda: gpt2("1F1B", [3, 1], True)), ("failed", failed), ("failed_late", failed_late),
+                     ("gpt2_checkpoint", gpt2_checkpoint)]:
         try:
             res[name] = fn()
         except Exception as exc:
@@ -330,15 +389,19 @@ def test_adversarial_misc_two_ranks(tmp_path: Path) -> None:
     alive at once, each with its tie; a tied GPT-2 through pipeloom.hf under Interleaved1F1B (4 stages on 2 ranks)
     and with layer_splits, then a second Pipeline built from the same stage_fn (it shared the first one's trained
     embedding: 0.13 off); a stage raising in a forward, and in the last backward: refused after, gradients restored."""
-    recs = run_json_script(tmp_path, SCRIPT_MISC, 2, timeout=240)
+    recs = run_json_script(tmp_path, SCRIPT_MISC, 2, str(tmp_path / "ck"), timeout=240)
+    open("/tmp/adv/misc.json", "w").write(json.dumps(recs))
     for rank, r in enumerate(recs):
-        for name in ("scaler", "two_alive", "gpt2_interleaved", "gpt2_splits_twice"):
+        for name in ("scaler", "two_alive", "gpt2_interleaved", "gpt2_splits_twice", "gpt2_checkpoint"):
             assert "error" not in r[name], (rank, name, r[name])
             assert max(r[name]["diffs"]) < 1e-6, (rank, name, r[name]["diffs"])
         assert all(a == b for a, b in r["scaler"]["scales"]) and r["scaler"]["scales"][1][0] < r["scaler"]["scales"][0][0], r["scaler"]
         for name in ("failed", "failed_late"):
             assert "error" in r[name] and "failed (" in r[name]["after"], (rank, r[name])
         assert r["failed"]["first"] < 1e-6 and r["failed_late"]["restored"], r
+        # 260 tie groups (one shared block of 130 layers): those past 256 were neither synchronised nor refused
+        assert "error" not in r["many_groups"] and max(r["many_groups"]["diffs"]) < 1e-6, (rank, r["many_groups"])
+    assert recs[0]["gpt2_checkpoint"]["tied"] == recs[1]["gpt2_checkpoint"]["tied"]
     assert recs[0]["scaler"]["digest"] == recs[1]["scaler"]["digest"]
 
 
@@ -412,3 +475,18 @@ def test_adversarial_four_ranks(tmp_path: Path) -> None:
         if any(d != held[0] for d in held):
             bad.append((case, "digests differ"))
     assert not bad, bad
+
+
+def test_more_tie_groups_than_recorded_are_refused(monkeypatch) -> None:
+    """Tie groups past the record's limit were left out silently (neither synchronised nor refused): refused now."""
+    import pytest
+    from torch import nn
+
+    from pipeloom.runtime import ties
+
+    monkeypatch.setattr(ties, "_MAX_GROUPS", 2)
+    block = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))  # 4 parameters, each tied (the block at two depths)
+    model = nn.Sequential(block, nn.Tanh(), block)
+    with pytest.raises(ties.PipelineConfigError, match=r"rank 3: the stages use more than 2 tied parameters"):
+        ties.refuse_ties_across_ranks({0: model[0]}, 3, sync=True)
+    del model
