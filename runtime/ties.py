@@ -201,6 +201,10 @@ def _tie_groups(roots: Sequence[nn.Module], held: Mapping[int, Mapping[int, list
     as many times as the root does (``complete``: every end of the tie is on this rank)."""
     out: dict[str, Any] = {}
     where = "" if rank is None else f"rank {rank}: "
+    #: the parameter each key names here: two roots of one class tying other parameters under one first name (two
+    #: models built apart) give one key to two ties, which the ranks (finding the roots in their own order) cannot
+    #: pair: the key is marked ``ambiguous`` (and refused where it spans ranks), its ``complete`` both ties'
+    owner: dict[str, int] = {}
     for root in roots:
         names: dict[int, list[str]] = {}
         for name, p in root.named_parameters(remove_duplicate=False):
@@ -217,19 +221,25 @@ def _tie_groups(roots: Sequence[nn.Module], held: Mapping[int, Mapping[int, list
                     "ties across ranks: the ones left out would be trained as separate copies; tie whole tensors "
                     "instead of many small ones (fewer, larger parameters), or untie them")
             stages = held[pid]
-            group = out[f"{type(root).__name__}:{ns[0]}"] = {
-                "names": ns[:_MAX_NAMES], "count": len(ns),
-                "stages": {str(s): local[:_MAX_NAMES] for s, local in sorted(stages.items())},
-                "complete": sum(len(local) for local in stages.values()) >= len(ns),
-            }
-            if pid in frozen:  # (sync: a frozen tie, made equal at construction, not summed per step)
-                group["frozen"] = True
+            key = f"{type(root).__name__}:{ns[0]}"
+            complete = sum(len(local) for local in stages.values()) >= len(ns)
+            if owner.setdefault(key, pid) != pid:
+                group = out[key]
+                group["ambiguous"], group["complete"] = True, group["complete"] and complete
+            else:
+                group = out[key] = {
+                    "names": ns[:_MAX_NAMES], "count": len(ns),
+                    "stages": {str(s): local[:_MAX_NAMES] for s, local in sorted(stages.items())},
+                    "complete": complete,
+                }
+                if pid in frozen:  # (sync: a frozen tie, made equal at construction, not summed per step)
+                    group["frozen"] = True
             if found and pid in found:  # rule 1's findings of layers of this root: decided with every rank's records
                 if inside is None:
                     inside = {id(m) for m in root.modules()}
                 mine = [f for m, f in found[pid] if id(m) in inside]
                 if mine:
-                    group["other"] = mine[0]
+                    group.setdefault("other", mine[0])
                     rest = [(m, f) for m, f in found[pid] if id(m) not in inside]
                     if rest:
                         found[pid] = rest
@@ -247,6 +257,7 @@ def _merged(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
             ent = groups.setdefault(key, {"names": g["names"], "count": g["count"], "users": {}, "complete": True,
                                           "others": []})
             ent["complete"] = ent["complete"] and g["complete"]
+            ent["ambiguous"] = ent.get("ambiguous", False) or g.get("ambiguous", False)
             ent["trainable"] = ent.get("trainable", False) or not g.get("frozen", False)
             if g.get("other"):
                 ent["others"].append(g["other"])
@@ -290,6 +301,14 @@ def ties_across_ranks(records: Sequence[Mapping[str, Any]], stage_to_rank: Seque
     the groups rule 1 found a layer of another kind for (on some rank) that no other pipeline rank's stage holds:
     the other end is on no stage, and nothing can keep the copies equal."""
     groups = _merged(records)
+    ambiguous = [k for k, g in sorted(groups.items()) if g["ambiguous"] and _spans(g, stage_to_rank)]
+    if ambiguous:
+        root, _, name = ambiguous[0].partition(":")
+        return [f"two models of class {root} alive in this process (no module holding both) tie other parameters "
+                f"under the same name {name!r}, and the stages of more than one pipeline rank use them: the Pipeline "
+                "cannot tell their ties apart across ranks, to keep each one's copies equal (one would be trained as "
+                "separate copies); build the models under one parent module (an nn.ModuleDict) kept alive while the "
+                "Pipeline is built, or untie them" + (f" ({len(ambiguous) - 1} more such names)" if len(ambiguous) > 1 else "")]
     if sync:
         spanning = [_describe(k, g) for k, g in sorted(groups.items()) if _spans(g, stage_to_rank) and g["trainable"]]
         if spanning and (fsdp or expert_parallel):
