@@ -1346,9 +1346,13 @@ class Pipeline:
                 if self._trace_sink is not None and self._actor.trace is not None:
                     self._trace_sink.emit(self._actor.trace.drain())
             if held is not None:
-                ties.sync(held, synced=self._collectives is None or self._collectives.sync,
-                          check=self._actor.error_between_steps,
-                          limit=self._control.stall_budget + self.options.heartbeat_timeout)
+                try:
+                    ties.sync(held, synced=self._collectives is None or self._collectives.sync,
+                              check=self._actor.error_between_steps,
+                              limit=self._control.stall_budget + self.options.heartbeat_timeout)
+                except BaseException:  # (a peer failed after its step's work: nothing summed, the gradients put back)
+                    ties.restore(held)
+                    raise
             if graphs:
                 self._after_graphed_step(graphs, train)
             if train and self._sync_buffers:

@@ -101,6 +101,9 @@ EXTRA = textwrap.dedent("""\
                     pipe.eval(ex, target=ey, return_outputs=True)
                 pipe.step(x, target=y, return_outputs=case.get("outputs", False))
                 ref_backward(ref, x, y, 4)
+            if case.get("clip"):
+                got, want = float(pipe.clip_grad_norm_(0.05)), float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05))
+                out["diffs"].append(abs(got - want) / want)
             worst, dig = compare(model, parts, ref, pipe)
             out["diffs"].append(worst); out["digests"].append(dig if holds(model, pipe) else None)
             opt.step(); opt.zero_grad(set_to_none=none)
@@ -123,8 +126,8 @@ SCRIPT = COMMON + EXTRA
 CASES_2 = [
     {"model": "lm", "schedule": "1F1B", "zeros": True},
     {"model": "lm", "schedule": "1F1B", "eval": True, "outputs": True, "accumulate": 2},
-    {"model": "albert3", "schedule": "Interleaved1F1B", "stages": 4},
-    {"model": "both", "schedule": "Interleaved1F1B", "stages": 4},
+    {"model": "albert3", "schedule": "Interleaved1F1B", "stages": 4, "clip": True},
+    {"model": "both", "schedule": "Interleaved1F1B", "stages": 4, "clip": True},
     {"model": "both", "schedule": "1F1B"},
     {"model": "lm", "schedule": "1F1B", "options": {"deterministic": True, "static_shapes": True}},
     {"model": "lm", "schedule": "1F1B", "options": {"host_overlap_backward": True}},
@@ -167,7 +170,7 @@ def test_adversarial_two_ranks(tmp_path: Path) -> None:
     _check(recs, CASES_2)
 
 
-SCRIPT_MISC = COMMON + EXTRA.split("cases = json.loads")[0] + textwrap.dedent("""\
+SCRIPT_MISC = "import faulthandler; faulthandler.dump_traceback_later(150, exit=True)\n" + COMMON + EXTRA.split("cases = json.loads")[0] + textwrap.dedent("""\
     import transformers
     from pipeloom.hf import stage_fn_for_causal_lm
     res = {}
@@ -364,7 +367,8 @@ SCRIPT_MISC = COMMON + EXTRA.split("cases = json.loads")[0] + textwrap.dedent(""
         pipe.close()
         return out
 
-    def failed_late():  # stage 0's backward of the last microbatch raises: rank 1 is already in the tie's all-reduce
+    def failed_late(after=False):  # stage 0's last backward raises (after: rank 0 fails once its step's work is
+        # done, as a failed merge of the outputs would): rank 1 is already in the tie's all-reduce, or waits there
         model, parts, ref = build(LM, 2)
         calls = {"n": 0}
         class Raise(torch.autograd.Function):
@@ -374,7 +378,7 @@ SCRIPT_MISC = COMMON + EXTRA.split("cases = json.loads")[0] + textwrap.dedent(""
             @staticmethod
             def backward(ctx, g):
                 calls["n"] += 1
-                if calls["n"] == 8:
+                if calls["n"] == 8 and not after:
                     raise RuntimeError("late boom")
                 return g
         class Late(nn.Module):
@@ -392,6 +396,12 @@ SCRIPT_MISC = COMMON + EXTRA.split("cases = json.loads")[0] + textwrap.dedent(""
                 x, y = xy(LM, g)
                 pipe.step(x, target=y, return_outputs=False)
                 if it == 0:  # the gradient held before the failed step, and what that step accumulates here
+                    if after and rank == 0:
+                        run_step = pipe._actor.run_step
+                        async def failing(*a, **k):
+                            await run_step(*a, **k)
+                            raise RuntimeError("failed after the step's work")
+                        pipe._actor.run_step = failing
                     prev, last = model.tied().grad.clone(), {}
                     model.tied().register_post_accumulate_grad_hook(lambda p: last.__setitem__("g", p.grad.clone()))
         except Exception as exc:
@@ -408,8 +418,11 @@ SCRIPT_MISC = COMMON + EXTRA.split("cases = json.loads")[0] + textwrap.dedent(""
 
     for name, fn in [("two_roots", two_roots), ("two_roots_parent", lambda: two_roots(True)), ("many_groups", many_groups), ("scaler", scaler_case), ("two_alive", two_alive),
                      ("gpt2_interleaved", lambda: gpt2("Interleaved1F1B", None, False)),
-                     ("gpt2_splits_twice", lambda: gpt2("1F1B", [3, 1], True)), ("failed", failed), ("failed_late", failed_late),
-                     ("gpt2_checkpoint", gpt2_checkpoint)]:
+                     ("gpt2_splits_twice", lambda: gpt2("1F1B", [3, 1], True)),
+                     ("gpt2_checkpoint", gpt2_checkpoint),
+                     # (the failed Pipelines last: a Pipeline built after them in this process hung at times, rank 1
+                     # blocked in a module's __init__, under the collector: see the report of this file's commit)
+                     ("failed", failed), ("failed_late", failed_late), ("failed_after", lambda: failed_late(True))]:
         try:
             res[name] = fn()
         except Exception as exc:
@@ -431,7 +444,8 @@ def test_adversarial_misc_two_ranks(tmp_path: Path) -> None:
             assert "error" not in r[name], (rank, name, r[name])
             assert max(r[name]["diffs"]) < 1e-6, (rank, name, r[name]["diffs"])
         assert all(a == b for a, b in r["scaler"]["scales"]) and r["scaler"]["scales"][1][0] < r["scaler"]["scales"][0][0], r["scaler"]
-        for name in ("failed", "failed_late"):
+        assert r["failed_after"]["restored"], (rank, r["failed_after"])
+        for name in ("failed", "failed_late", "failed_after"):
             assert "error" in r[name] and "failed (" in r[name]["after"], (rank, r[name])
         assert r["failed"]["first"] < 1e-6 and r["failed_late"]["restored"], r
         # two tied models of one class built apart: one tie was lost (not synchronised, not refused: 1.7 off)
@@ -486,8 +500,8 @@ SCRIPT_4 = COMMON + EXTRA.split("cases = json.loads")[0] + textwrap.dedent("""\
 """)
 
 CASES_4 = [
-    {"model": "albert3", "schedule": "1F1B", "stages": 4},  # one block at depths on stages of 3 ranks
-    {"model": "both", "schedule": "1F1B", "stages": 4, "zeros": True},  # two tie groups, on ranks {0, 3} and {0, 2}
+    {"model": "albert3", "schedule": "1F1B", "stages": 4, "clip": True},  # one block at depths on stages of 3 ranks
+    {"model": "both", "schedule": "1F1B", "stages": 4, "zeros": True, "clip": True},  # two tie groups, on ranks {0, 3} and {0, 2}
     {"model": "albert3", "schedule": "GPipe", "stages": 4, "accumulate": 2, "eval": True},
     {"model": "lm", "schedule": "1F1B", "plan": [["n", "s"], ["s", "e", "s"], ["n", "n", "s"]]},
     {"model": "both", "schedule": "1F1B", "plan": [["s", "n", "s"], ["e", "s"], ["n", "s"]], "zeros": True},
