@@ -438,7 +438,6 @@ def test_adversarial_misc_two_ranks(tmp_path: Path) -> None:
     and with layer_splits, then a second Pipeline built from the same stage_fn (it shared the first one's trained
     embedding: 0.13 off); a stage raising in a forward, and in the last backward: refused after, gradients restored."""
     recs = run_json_script(tmp_path, SCRIPT_MISC, 2, str(tmp_path / "ck"), timeout=240)
-    open("/tmp/adv/misc.json", "w").write(json.dumps(recs))
     for rank, r in enumerate(recs):
         for name in ("scaler", "two_alive", "gpt2_interleaved", "gpt2_splits_twice", "gpt2_checkpoint"):
             assert "error" not in r[name], (rank, name, r[name])
@@ -514,7 +513,6 @@ def test_adversarial_four_ranks(tmp_path: Path) -> None:
     mixed before each optimizer step, evaluation between them, zero_grad(set_to_none=False); all four ranks against
     the unsplit model, the holders' copies bit-equal."""
     recs = run_json_script(tmp_path, SCRIPT_4, 4, json.dumps(CASES_4), timeout=240)
-    open("/tmp/adv/four.json", "w").write(json.dumps(recs))
     bad = []
     for i, case in enumerate(CASES_4):
         rs = [r[str(i)] for r in recs]
