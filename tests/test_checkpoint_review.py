@@ -73,14 +73,8 @@ def test_a_zero_wait_or_an_infinite_timeout_is_refused_and_the_save_completes(tm
 
 
 LATER_WAIT = """\
-from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 if rank == 1:  # the asynchronous save's write takes 2.5 s on rank 1
-    real = _FileSystemWriter.write_data
-    def slow(self, plan, planner):
-        _FileSystemWriter.write_data = real
-        time.sleep(2.5)
-        return real(self, plan, planner)
-    _FileSystemWriter.write_data = slow
+    slow_next_write(2.5)
 p = save(1, async_save=True, timeout=3)
 out["first"] = attempt(lambda: p.wait(0.5))
 t = time.monotonic()

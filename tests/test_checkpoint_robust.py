@@ -71,29 +71,17 @@ out["stuck"] = attempt(lambda: save(2))
 """ + AFTER
 
 STUCK_WRITE = HEAD + """\
-from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 train()
 save(1)
 if rank == 1:  # its file system blocks in the next write
-    real = _FileSystemWriter.write_data
-    def slow(self, plan, planner):
-        _FileSystemWriter.write_data = real
-        time.sleep(STUCK)
-        return real(self, plan, planner)
-    _FileSystemWriter.write_data = slow
+    slow_next_write(STUCK)
 out["stuck"] = attempt(lambda: save(2))
 """ + AFTER
 
 ASYNC_NEVER = HEAD + """\
-from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 train()
 if rank == 1:  # the asynchronous save's write never returns (within the test: 60 s)
-    real = _FileSystemWriter.write_data
-    def hang(self, plan, planner):
-        _FileSystemWriter.write_data = real
-        time.sleep(60)
-        return real(self, plan, planner)
-    _FileSystemWriter.write_data = hang
+    slow_next_write(60)
 save(1, async_save=True)
 train()
 if how == "wait":

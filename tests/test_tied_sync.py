@@ -236,7 +236,26 @@ def test_tied_weights_with_data_parallelism_and_fsdp_refused(tmp_path: Path) -> 
     assert all(r["digests"] == recs[0]["digests"] for r in recs), [r["digests"] for r in recs]
 
 
-SCRIPT_HF = textwrap.dedent("""\
+#: A rank job's function (tiny causal LMs of token ids 3..39): ``steps`` training steps of ``pipe`` beside the
+#: unsplit ``ref`` (the same batches, cut into ``microbatches``, the loss their mean), both optimizers stepped; every
+#: local parameter's gradient and then value, against the reference's by name, appended to ``diffs``.
+TRAIN_BESIDE_REF = textwrap.dedent("""\
+    def train_beside_ref(pipe, ref, loss_fn, opt, ref_opt, g, diffs, *, steps, rows, microbatches):
+        want = dict(ref.named_parameters(remove_duplicate=False))
+        for it in range(steps):
+            ids = torch.randint(3, 40, (rows, 7), generator=g)
+            pipe.step(ids, target=ids, return_outputs=False)
+            sum(loss_fn(ref(input_ids=part), part) for part in ids.chunk(microbatches)).div(microbatches).backward()
+            for stage in pipe.stages.values():
+                for n, p in stage.named_parameters():
+                    diffs.append(float((p.grad - want[n].grad).abs().max()))
+            opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
+            for stage in pipe.stages.values():
+                for n, p in stage.named_parameters():
+                    diffs.append(float((p.detach() - want[n].detach()).abs().max()))
+""")
+
+SCRIPT_HF = TRAIN_BESIDE_REF + textwrap.dedent("""\
     import copy, json, os, sys, torch, transformers, pipeloom
     from pipeloom.hf import stage_fn_for_causal_lm
     rank = int(os.environ["RANK"])
@@ -260,20 +279,8 @@ SCRIPT_HF = textwrap.dedent("""\
         print(json.dumps({"built": False, "message": str(exc)}), flush=True)
         sys.exit(0)
     opt, ref_opt = torch.optim.AdamW(pipe.parameters(), lr=0.01), torch.optim.AdamW(ref.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(1)
     diffs = []
-    want = dict(ref.named_parameters(remove_duplicate=False))
-    for it in range(2):
-        ids = torch.randint(3, 40, (4, 7), generator=g)
-        pipe.step(ids, target=ids, return_outputs=False)
-        sum(loss_fn(ref(input_ids=part), part) for part in ids.chunk(2)).div(2).backward()
-        for stage in pipe.stages.values():
-            for n, p in stage.named_parameters():
-                diffs.append(float((p.grad - want[n].grad).abs().max()))
-        opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
-        for stage in pipe.stages.values():
-            for n, p in stage.named_parameters():
-                diffs.append(float((p.detach() - want[n].detach()).abs().max()))
+    train_beside_ref(pipe, ref, loss_fn, opt, ref_opt, torch.Generator().manual_seed(1), diffs, steps=2, rows=4, microbatches=2)
     names = sorted(n for stage in pipe.stages.values() for n, _ in stage.named_parameters())
     pipe.close()
     print(json.dumps({"built": True, "diff": max(diffs), "names": names}), flush=True)

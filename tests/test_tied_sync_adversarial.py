@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent / "ranks"))
 from harness import run_json_script  # noqa: E402
-from test_tied_sync import COMMON  # noqa: E402
+from test_tied_sync import COMMON, TRAIN_BESIDE_REF  # noqa: E402
 
 EXTRA = textwrap.dedent("""\
     class Albert3(nn.Module):  # one block object at depths 0, 1 and 2
@@ -170,7 +170,7 @@ def test_adversarial_two_ranks(tmp_path: Path) -> None:
     _check(recs, CASES_2)
 
 
-SCRIPT_MISC = "import faulthandler; faulthandler.dump_traceback_later(150, exit=True)\n" + COMMON + EXTRA.split("cases = json.loads")[0] + textwrap.dedent("""\
+SCRIPT_MISC = "import faulthandler; faulthandler.dump_traceback_later(150, exit=True)\n" + COMMON + TRAIN_BESIDE_REF + EXTRA.split("cases = json.loads")[0] + textwrap.dedent("""\
     import transformers
     from pipeloom.hf import stage_fn_for_causal_lm
     res = {}
@@ -220,7 +220,6 @@ SCRIPT_MISC = "import faulthandler; faulthandler.dump_traceback_later(150, exit=
         stage_fn, lfn = stage_fn_for_causal_lm(model, **kw)
         diffs = []
         g = torch.Generator().manual_seed(1)
-        want = dict(ref.named_parameters(remove_duplicate=False))
         for build_no in range(2 if twice else 1):
             pipe = pipeloom.Pipeline(stage_fn, schedule=schedule, num_microbatches=4, loss_fn=lfn)
             opt, ref_opt = torch.optim.AdamW(pipe.parameters(), lr=0.01), torch.optim.AdamW(ref.parameters(), lr=0.01)
@@ -230,17 +229,7 @@ SCRIPT_MISC = "import faulthandler; faulthandler.dump_traceback_later(150, exit=
                 for stage in pipe.stages.values():
                     for n, p in stage.named_parameters():
                         diffs.append(float((p.detach() - want[n].detach()).abs().max()))
-            for it in range(2):
-                ids = torch.randint(3, 40, (8, 7), generator=g)
-                pipe.step(ids, target=ids, return_outputs=False)
-                sum(lfn(ref(input_ids=part), part) for part in ids.chunk(4)).div(4).backward()
-                for stage in pipe.stages.values():
-                    for n, p in stage.named_parameters():
-                        diffs.append(float((p.grad - want[n].grad).abs().max()))
-                opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
-                for stage in pipe.stages.values():
-                    for n, p in stage.named_parameters():
-                        diffs.append(float((p.detach() - want[n].detach()).abs().max()))
+            train_beside_ref(pipe, ref, lfn, opt, ref_opt, g, diffs, steps=2, rows=8, microbatches=4)
             pipe.close()
         return {"diffs": diffs}
 
@@ -309,24 +298,18 @@ SCRIPT_MISC = "import faulthandler; faulthandler.dump_traceback_later(150, exit=
         with torch.no_grad():
             b.emb.weight.mul_(3.0)
         ra, rb = copy.deepcopy((a, b))
-        class S0(nn.Module):
+        class Both(nn.Module):  # one end of each model's tie, their outputs summed
             def __init__(self, a, b):
                 super().__init__()
-                self.a, self.b = a.emb, b.emb
+                self.a, self.b = a, b
             def forward(self, x):
                 return self.a(x) + self.b(x)
-        class S1(nn.Module):
-            def __init__(self, a, b):
-                super().__init__()
-                self.a, self.b = a.head, b.head
-            def forward(self, h):
-                return self.a(h) + self.b(h)
-        parts = [S0(a, b), S1(a, b)]
+        parts = [Both(a.emb, b.emb), Both(a.head, b.head)]
         try:
             pipe = pipeloom.Pipeline(lambda s: parts[s], schedule="1F1B", num_microbatches=4, loss_fn=loss_fn)
         except pipeloom.PipelineConfigError as exc:
             return {"refused": str(exc)}
-        ref = nn.Sequential(S0(ra, rb), S1(ra, rb))
+        ref = nn.Sequential(Both(ra.emb, rb.emb), Both(ra.head, rb.head))
         g = torch.Generator().manual_seed(1)
         x, y = xy(LM, g)
         pipe.step(x, target=y, return_outputs=False)
@@ -360,6 +343,9 @@ SCRIPT_MISC = "import faulthandler; faulthandler.dump_traceback_later(150, exit=
                     out["first"] = compare(model, parts, ref, pipe)[0]
         except Exception as exc:
             out["error"] = type(exc).__name__
+        return step_after_failure(pipe, g, out)
+
+    def step_after_failure(pipe, g, out):  # the next step after a failed one (refused: why, in out["after"]), closed
         try:
             pipe.step(*xy(LM, g), return_outputs=False)
         except Exception as exc:
@@ -409,12 +395,7 @@ SCRIPT_MISC = "import faulthandler; faulthandler.dump_traceback_later(150, exit=
         out["seconds"] = time.monotonic() - t0
         # the gradient after the failed step: the one held before it, with what the step added locally
         out["restored"] = bool(torch.allclose(model.tied().grad, prev + last["g"], atol=1e-7))
-        try:
-            pipe.step(*xy(LM, g), return_outputs=False)
-        except Exception as exc:
-            out["after"] = str(exc)[:200]
-        pipe.close()
-        return out
+        return step_after_failure(pipe, g, out)
 
     for name, fn in [("two_roots", two_roots), ("two_roots_parent", lambda: two_roots(True)), ("many_groups", many_groups), ("scaler", scaler_case), ("two_alive", two_alive),
                      ("gpt2_interleaved", lambda: gpt2("Interleaved1F1B", None, False)),

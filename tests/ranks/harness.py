@@ -72,7 +72,8 @@ def launch_script(directory: Path, script: str, *args: str, nproc: int = 2, laun
 
 
 #: The head of a 2-rank checkpoint job script: ``nn.Linear(4, 4)`` stages under 1F1B, SGD with momentum, seed 0,
-#: ``rank``, ``ck`` (``pipeloom.runtime.checkpoint``) and ``train()`` (one step and one optimizer step).
+#: ``rank``, ``ck`` (``pipeloom.runtime.checkpoint``), ``train()`` (one step and one optimizer step) and
+#: ``slow_next_write(seconds)``.
 CKPT_JOB = """\
 import json, os, sys, time, warnings, torch, pipeloom
 import torch.distributed as dist
@@ -86,6 +87,14 @@ def train():
     pipe.step(torch.randn(4, 4), target=torch.randn(4, 4))
     opt.step()
     opt.zero_grad()
+def slow_next_write(seconds):  # this rank's next checkpoint write blocks for `seconds` first (DCP's file writer)
+    from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+    real = _FileSystemWriter.write_data
+    def slow(self, plan, planner):
+        _FileSystemWriter.write_data = real
+        time.sleep(seconds)
+        return real(self, plan, planner)
+    _FileSystemWriter.write_data = slow
 """
 
 
