@@ -736,7 +736,10 @@ BUILD_FAILS_FIRST = textwrap.dedent("""\
 
     pipe = pipeloom.Pipeline(stage, schedule="1F1B", num_microbatches=2, loss_fn=nn.functional.mse_loss)
     pipe.step(torch.randn(4, 4), target=torch.randn(4, 4), return_outputs=False)
-    print("RESULT", json.dumps({"rank": rank, "attempt": attempt, "loss": pipe.last_loss()}), flush=True)
+    # (one write: the ranks share torchrun's stdout, and print's separate writes of "RESULT" and the record
+    # interleaved between the two ranks: "RESULTRESULT  {...}{...}")
+    sys.stdout.write("RESULT " + json.dumps({"rank": rank, "attempt": attempt, "loss": pipe.last_loss()}) + "\\n")
+    sys.stdout.flush()
     pipe.close()
 """)
 
